@@ -1,0 +1,25 @@
+"""kvnumba: a batched-sequence KV cache for LLM serving, with Numba CUDA kernels.
+
+Many sequences share one cache, each owning a column of every layer's storage.
+`BatchedSequenceCache` offers the BatchControl face (DESIGN.md §7); every slot's
+lifecycle is validated through the machines declared in `statemachines`.
+"""
+from . import device  # first: chooses GPU or simulator before numba.cuda is imported
+from .batched import BatchedSequenceCache
+from .config import CacheConfig, LayerSpec, flat, ring
+from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
+                     FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
+                     RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
+                     UnknownSequenceError)
+from .plan import Segment, StepPlan
+from .slots import SlotState, StepState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
+    "CloneRefusedError", "ConfigError", "FreeSequenceError", "KVCacheError", "LayerSpec",
+    "OwnerRunError", "PositionError", "RingFloorError", "Segment", "SessionError",
+    "ShapeError", "SlotState", "SlotStateError", "StepPlan", "StepProtocolError",
+    "StepState", "UnknownSequenceError", "device", "flat", "ring",
+]

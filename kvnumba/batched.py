@@ -1,0 +1,438 @@
+"""`BatchedSequenceCache`: many sequences, one column each, behind the BatchControl face.
+
+Host planning (declare/prepare/commit, validated a whole batch at a time through
+the compiled slot machine) is kept apart from device work (the write, copy and
+attention kernels, all launched on the cache's stream).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from statemachines import CLONE_SOURCE_STATES
+
+from .config import CacheConfig
+from .device import as_device, check_array, cuda, on_device
+from .errors import (CacheFullError, CapacityError, ConfigError, FreeSequenceError,
+                     OwnerRunError, PositionError, RingFloorError, ShapeError, SlotStateError,
+                     StepProtocolError, UnknownSequenceError)
+from .kernels.attention import AttentionWorkspace, attend as attend_kernel
+from .kernels.write import write_kv
+from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
+                   held_positions, ring_floor)
+from .pool import Pool
+from .slots import SlotState, SlotTable, StepMachine, StepState, check_ids
+from .staging import Staging
+
+_IO_DTYPES = (np.float16, np.float32)
+_CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
+
+
+class BatchedSequenceCache:
+    """A KV cache whose sequences each own column `seq` of every layer.
+
+    Storage per layer: K and V `[rows, max_seqs + 1, n_kv_heads, head_dim]`; column
+    `max_seqs` is scratch for padding tokens. With `scratch_column=False` there is
+    no scratch column and padding tokens are not written at all.
+
+    `stream`: the CUDA stream every launch and copy goes on (Numba's default if None).
+    """
+
+    def __init__(self, config: CacheConfig, stream=None, *, scratch_column: bool = True):
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        self.config = config
+        self.stream = stream if stream is not None else cuda.default_stream()
+        n = config.max_seqs
+        self._n = n
+        self._pad_col = n if scratch_column else -1
+        self._slots = SlotTable(n)
+        self._step = StepMachine()
+        self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
+        self._staging = Staging(config.max_step, min(n, config.max_step), self.stream)
+        self._workspace = AttentionWorkspace()
+        self._plan: StepPlan | None = None
+        # read-only ramps reused by every decode step (no per-step allocation)
+        self._arange = np.arange(config.max_step, dtype=np.int64)
+        self._ones = np.ones(config.max_step, dtype=np.int64)
+        self._arange.setflags(write=False)
+        self._ones.setflags(write=False)
+        self._runs = None  # (run_seqs, run_lens) of the open step
+        rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
+        self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def max_seqs(self) -> int:
+        """Sequence columns handed out (ids `0 .. max_seqs - 1`)."""
+        return self._n
+
+    @property
+    def step_state(self) -> StepState:
+        return self._step.state
+
+    @property
+    def plan(self) -> StepPlan | None:
+        """The open step's plan, or None between steps."""
+        return self._plan
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage over all layers."""
+        return self._pool.nbytes
+
+    def layer_data(self, layer: int):
+        """`(k, v)` device arrays of `layer`, `[rows, n_cols, n_kv_heads, head_dim]`."""
+        self._check_layer(layer)
+        return self._pool.k[layer], self._pool.v[layer]
+
+    def pos(self, seq: int) -> int:
+        """Positions the sequence holds (the next token takes this position)."""
+        return int(self._slots.pos[self._id(seq, "pos")])
+
+    def high_water(self, seq: int) -> int:
+        """Most positions ever written into the sequence's storage since it was claimed."""
+        return int(self._slots.high_water[self._id(seq, "high_water")])
+
+    def state(self, seq: int) -> SlotState:
+        return SlotState(int(self._slots.state[self._id(seq, "state")]))
+
+    def floor(self, seq: int) -> int:
+        """Lowest position the sequence can rewind or be cloned to (0 without ring layers)."""
+        return self._floor(self._id(seq, "floor"))
+
+    def _floor(self, seq: int) -> int:
+        if not self._floor_rows:
+            return 0
+        return ring_floor(int(self._slots.high_water[seq]), self._floor_rows,
+                          self.config.max_write)
+
+    # ------------------------------------------------------------------ sequence verbs
+    def seq_new(self) -> int:
+        """Claim the lowest free column: state CLAIMED, pos 0, high-water 0."""
+        self._step.require_idle("seq_new")
+        seq = self._lowest_free("seq_new")
+        self._slots.apply("seq_new", seq, self._slots.check_one("seq_new", seq))
+        self._slots.pos[seq] = self._slots.high_water[seq] = 0
+        return seq
+
+    def seq_rm(self, seq: int) -> None:
+        """Free the sequence: state FREE, pos 0, high-water 0 (bytes are not zeroed)."""
+        self._step.require_idle("seq_rm")
+        seq = self._id(seq, "seq_rm")
+        self._slots.apply("seq_rm", seq, self._slots.check_one("seq_rm", seq))
+        self._slots.pos[seq] = self._slots.high_water[seq] = 0
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int:
+        """Copy `src`'s first `upto` positions (default all) into the lowest free column.
+
+        The clone is COMMITTED with `pos = upto` and `src`'s high-water. Refused:
+        `src` not COMMITTED/REWOUND, `upto` outside `[max(1, floor), pos]`, no free column.
+        """
+        self._step.require_idle("seq_clone")
+        src = self._id(src, "seq_clone")
+        state = SlotState(int(self._slots.state[src]))
+        if state not in _CLONE_SOURCES:
+            cls = FreeSequenceError if state == SlotState.FREE else SlotStateError
+            raise cls(f"seq_clone: source sequence {src} is {state.name}; a clone source must "
+                      f"be {' or '.join(s.name for s in _CLONE_SOURCES)}")
+        pos = int(self._slots.pos[src])
+        keep = pos if upto is None else self._int(upto, "seq_clone upto")
+        if not 1 <= keep <= pos:
+            raise PositionError(f"seq_clone: upto={keep} outside [1, {pos}] for sequence {src}")
+        self._check_floor(src, keep, "seq_clone")
+        dst = self._lowest_free("seq_clone")
+        nxt = self._slots.check_one("clone_into", dst)
+        high_water = int(self._slots.high_water[src])
+        self._pool.copy_sequence(src, dst, keep, high_water)
+        self._slots.apply("clone_into", dst, nxt)
+        self._slots.pos[dst] = keep
+        self._slots.high_water[dst] = high_water
+        return dst
+
+    def rewind(self, seq: int, position: int) -> None:
+        """Move the sequence back to `position` (`floor <= position <= pos`); no bytes move."""
+        self._step.require_idle("rewind")
+        seq = self._id(seq, "rewind")
+        nxt = self._slots.check_one("rewind", seq)
+        position = self._int(position, "rewind position")
+        pos = int(self._slots.pos[seq])
+        if position > pos or position < 0:
+            raise PositionError(f"rewind: position {position} outside [{self._floor(seq)}, {pos}] "
+                                f"for sequence {seq}")
+        self._check_floor(seq, position, "rewind")
+        self._slots.apply("rewind", seq, nxt)
+        self._slots.pos[seq] = position
+
+    # ------------------------------------------------------------------ step protocol
+    def declare_step(self, seq_ids, *, blocks=()) -> StepPlan:
+        """Open a step: one sequence id per token, in token order.
+
+        Each sequence's tokens must form one contiguous run (one attention segment).
+        `blocks`: sequences whose run is a bidirectional draft block. Refusals, in
+        order: open step, unknown or free id, a sequence in more than one run, a run
+        longer than `max_write`, `pos + run > capacity`, more than `max_step` tokens.
+        """
+        nxt_step = self._step.check("declare", "declare_step")
+        ids = seq_ids if isinstance(seq_ids, np.ndarray) else np.asarray(seq_ids)
+        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
+            raise ShapeError(f"declare_step: seq_ids must be a non-empty 1-D sequence of ints, "
+                             f"got shape {ids.shape} dtype {ids.dtype}")
+        check_ids(ids, self._n, "declare_step")
+        n_tokens = ids.size
+        ids = ids.astype(np.int64, copy=False)
+        boundary = ids[1:] != ids[:-1]
+        if np.count_nonzero(boundary) == n_tokens - 1:  # every token its own run: decode
+            run_seqs, run_starts, run_lens = ids, self._arange[:n_tokens], self._ones[:n_tokens]
+        else:
+            run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
+            run_seqs = ids[run_starts]
+            run_lens = np.diff(np.append(run_starts, n_tokens))
+        nxt = self._slots.check("declare", run_seqs)
+        self._check_runs(run_seqs, run_starts, run_lens)
+        flags = self._block_flags(blocks, run_seqs)
+        if n_tokens > self.config.max_step:
+            raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
+                                f"{self.config.max_step}")
+        pos_start = self._slots.pos[run_seqs]
+        seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
+        seq_info[:, Q_START] = run_starts
+        seq_info[:, Q_LEN] = run_lens
+        seq_info[:, COL] = run_seqs
+        seq_info[:, POS_START] = pos_start
+        seq_info[:, FLAGS] = flags
+        seq_info.setflags(write=False)
+        logits = run_starts + run_lens - 1
+        logits.setflags(write=False)
+        ends = pos_start + run_lens
+        self._slots.apply("declare", run_seqs, nxt)
+        self._step.apply("declare", nxt_step)
+        self._runs = (run_seqs, run_lens, ends)
+        self._plan = StepPlan(n_tokens, seq_info, logits, int(run_lens.max()), int(ends.max()))
+        return self._plan
+
+    def prepare_step(self, width: int | None = None) -> StepPlan:
+        """Stage the declared step at `width` tokens (default: no padding).
+
+        Grows flat layers if the step needs rows they lack (transactional), builds
+        `seq_cols` / `positions` (padding -> scratch column, position 0) and uploads
+        them with the segment table in one host-to-device copy, without a host sync.
+        """
+        nxt_step = self._step.check("prepare", "prepare_step")
+        plan = self._plan
+        width = plan.n_tokens if width is None else self._int(width, "prepare_step width")
+        if not plan.n_tokens <= width <= self.config.max_step:
+            raise CapacityError(f"prepare_step: width {width} outside [n_tokens "
+                                f"{plan.n_tokens}, max_step {self.config.max_step}]")
+        if plan.max_kv_len > self._pool.flat_rows:
+            self._pool.ensure_row(plan.max_kv_len - 1, int(self._slots.high_water.max()))
+        run_seqs, run_lens, _ = self._runs
+        info = plan.seq_info
+        seq_cols = np.full(width, self._pad_col, dtype=np.int32)
+        positions = np.zeros(width, dtype=np.int32)
+        n = plan.n_tokens
+        if run_seqs.size == n:
+            seq_cols[:n] = run_seqs
+            positions[:n] = info[:, POS_START]
+        else:
+            seq_cols[:n] = np.repeat(run_seqs, run_lens)
+            positions[:n] = np.arange(n) + np.repeat(info[:, POS_START] - info[:, Q_START],
+                                                     run_lens)
+        seq_cols.setflags(write=False)
+        positions.setflags(write=False)
+        self._staging.upload(info, seq_cols, positions)
+        plan.width, plan.seq_cols, plan.positions = width, seq_cols, positions
+        self._step.apply("prepare", nxt_step)
+        return plan
+
+    def commit_step(self) -> None:
+        """Advance every sequence of the step by its run: `pos += q_len`, COMMITTED."""
+        nxt_step = self._step.check("commit", "commit_step")
+        run_seqs, run_lens, ends = self._runs
+        self._slots.apply("commit", run_seqs, self._slots.check("commit", run_seqs))
+        self._slots.pos[run_seqs] = ends
+        hw = self._slots.high_water
+        hw[run_seqs] = np.maximum(hw[run_seqs], ends)
+        self._close(nxt_step, "commit")
+
+    def abort_step(self) -> None:
+        """Return every sequence of the step to its earlier state; nothing advances.
+
+        After `prepare_step` the kernels may have written, so each sequence's
+        high-water rises to the end of its run.
+        """
+        nxt_step = self._step.check("abort", "abort_step")
+        run_seqs, _, ends = self._runs
+        self._slots.apply("abort", run_seqs, self._slots.check("abort", run_seqs))
+        if self._step.index == StepState.PREPARED:
+            hw = self._slots.high_water
+            hw[run_seqs] = np.maximum(hw[run_seqs], ends)
+        self._close(nxt_step, "abort")
+
+    def _close(self, nxt_step, event):
+        self._step.apply(event, nxt_step)
+        self._plan = None
+        self._runs = None
+
+    # ------------------------------------------------------------------ data path
+    def write(self, layer: int, k, v) -> None:
+        """Write the prepared step's K and V `[width, n_kv_heads, head_dim]` into `layer`."""
+        plan = self._require_prepared("write")
+        self._check_layer(layer)
+        shape = (plan.width, self.config.n_kv_heads, self.config.head_dim)
+        check_array("k", k, shape, _IO_DTYPES)
+        check_array("v", v, shape, _IO_DTYPES)
+        write_kv(self._pool.k[layer], self._pool.v[layer], as_device(k, self.stream),
+                 as_device(v, self.stream), self._staging.seq_cols, self._staging.positions,
+                 int(self._pool.ring_rows[layer]), self.stream)
+
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
+        """Attention of the prepared step's queries over their own sequences' histories.
+
+        q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`.
+        Returns `out` (q's dtype unless given): a device array for device input, a
+        NumPy array for NumPy input. Padding rows are zero.
+        """
+        plan = self._require_prepared("attend")
+        self._check_layer(layer)
+        n_q_heads = self._check_q(q, plan.width)
+        q_shape = (plan.width, n_q_heads, self.config.head_dim)
+        if out is not None:
+            check_array("out", out, q_shape, _IO_DTYPES)
+        scale = 1.0 / math.sqrt(self.config.head_dim) if scale is None else float(scale)
+        if softcap is not None and not softcap > 0:
+            raise ConfigError(f"attend: softcap={softcap} must be > 0 (or None)")
+        host_out = out is not None and not on_device(out)
+        if out is None or host_out:
+            dev_out = cuda.device_array(q_shape, dtype=np.dtype(_dtype_of(out if host_out else q)),
+                                        stream=self.stream)
+        else:
+            dev_out = as_device(out, self.stream)
+        window = self.config.layers[layer].window or 0
+        attend_kernel(as_device(q, self.stream), self._pool.k[layer], self._pool.v[layer],
+                      self._staging.seq_info, dev_out, n_segments=plan.n_segments,
+                      n_tokens=plan.n_tokens, max_q_len=plan.max_q_len,
+                      max_kv_len=plan.max_kv_len, ring_rows=int(self._pool.ring_rows[layer]),
+                      window=window, scale=scale, softcap=float(softcap or 0.0),
+                      workspace=self._workspace, stream=self.stream)
+        if host_out:
+            out[...] = dev_out.copy_to_host(stream=self.stream)
+            return out
+        if out is None and not on_device(q):
+            return dev_out.copy_to_host(stream=self.stream)
+        return out if out is not None else dev_out
+
+    def update_and_attend(self, layer: int, q, k, v, **kw):
+        """`write(layer, k, v)` then `attend(layer, q, **kw)`."""
+        self.write(layer, k, v)
+        return self.attend(layer, q, **kw)
+
+    def sequence_kv(self, seq: int, layer: int):
+        """`(positions, k, v)`: host copies of what `layer` still holds for `seq`, in order.
+
+        Flat layers: positions `[0, pos)`; ring layers: `[max(0, hw - R), pos)`.
+        """
+        seq = self._id(seq, "sequence_kv")
+        self._check_layer(layer)
+        ring = int(self._pool.ring_rows[layer])
+        start, stop = held_positions(int(self._slots.pos[seq]),
+                                     int(self._slots.high_water[seq]), ring)
+        positions = np.arange(start, stop, dtype=np.int64)
+        rows = positions % ring if ring else positions
+        n_rows = int(rows.max()) + 1 if rows.size else 0
+        k_store, v_store = self._pool.k[layer], self._pool.v[layer]
+        k = k_store[:n_rows].copy_to_host(stream=self.stream)[rows, seq] if n_rows else \
+            np.zeros((0,) + k_store.shape[2:], k_store.dtype)
+        v = v_store[:n_rows].copy_to_host(stream=self.stream)[rows, seq] if n_rows else \
+            np.zeros((0,) + v_store.shape[2:], v_store.dtype)
+        return positions, k, v
+
+    # ------------------------------------------------------------------ checks
+    def _id(self, seq, verb: str) -> int:
+        seq = self._int(seq, f"{verb} sequence id")
+        if not 0 <= seq < self._n:
+            raise UnknownSequenceError(f"{verb}: sequence {seq} is not a column id in "
+                                       f"[0, {self._n})")
+        return seq
+
+    @staticmethod
+    def _int(value, what: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ShapeError(f"{what}: expected an int, got {value!r}")
+        return int(value)
+
+    def _check_layer(self, layer) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
+                not 0 <= layer < self.config.n_layers:
+            raise ShapeError(f"layer {layer!r} outside [0, {self.config.n_layers})")
+
+    def _check_q(self, q, width: int) -> int:
+        shape = tuple(getattr(q, "shape", ()))
+        if len(shape) != 3:
+            raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got {shape}")
+        n_q_heads = shape[1]
+        if n_q_heads < 1 or n_q_heads % self.config.n_kv_heads:
+            raise ShapeError(f"q: n_q_heads {n_q_heads} is not a multiple of n_kv_heads "
+                             f"{self.config.n_kv_heads}")
+        check_array("q", q, (width, n_q_heads, self.config.head_dim), _IO_DTYPES)
+        return n_q_heads
+
+    def _require_prepared(self, verb: str) -> StepPlan:
+        if self._step.index != StepState.PREPARED:
+            raise StepProtocolError(f"{verb}: the step is {self._step.state.name}; data moves "
+                                    f"only inside a prepared step")
+        return self._plan
+
+    def _lowest_free(self, verb: str) -> int:
+        free = np.flatnonzero(self._slots.state == SlotState.FREE)
+        if free.size == 0:
+            raise CacheFullError(f"{verb}: all {self._n} sequence columns are in use")
+        return int(free[0])
+
+    def _check_floor(self, seq: int, target: int, verb: str) -> None:
+        floor = self._floor(seq)
+        if target < floor:
+            raise RingFloorError(f"{verb}: target position {target} is below the floor {floor} "
+                                 f"of sequence {seq} (ring layer {self._floor_layer}: "
+                                 f"{self._floor_rows} rows, high-water "
+                                 f"{int(self._slots.high_water[seq])}, max_write "
+                                 f"{self.config.max_write})")
+
+    def _check_runs(self, run_seqs, run_starts, run_lens) -> None:
+        counts = np.bincount(run_seqs, minlength=self._n)
+        if counts.max() > 1:
+            seq = int(np.flatnonzero(counts > 1)[0])
+            runs = [(int(s), int(s + n)) for s, n, q in zip(run_starts, run_lens, run_seqs)
+                    if q == seq]
+            raise OwnerRunError(f"declare_step: sequence {seq} has {len(runs)} runs "
+                                f"{runs} (token ranges); its tokens must form one contiguous run")
+        m = self.config.max_write
+        if run_lens.max() > m:
+            i = int(np.argmax(run_lens))
+            raise CapacityError(f"declare_step: sequence {int(run_seqs[i])} writes "
+                                f"{int(run_lens[i])} tokens, more than max_write {m}")
+        ends = self._slots.pos[run_seqs] + run_lens
+        if ends.max() > self.config.capacity:
+            i = int(np.argmax(ends))
+            raise CapacityError(f"declare_step: sequence {int(run_seqs[i])} at pos "
+                                f"{int(self._slots.pos[run_seqs[i]])} + {int(run_lens[i])} tokens "
+                                f"exceeds capacity {self.config.capacity}")
+
+    def _block_flags(self, blocks, run_seqs) -> np.ndarray | int:
+        if blocks is None or (not isinstance(blocks, np.ndarray) and len(blocks) == 0):
+            return 0
+        block_ids = np.unique(np.asarray(blocks, dtype=np.int64).ravel())
+        check_ids(block_ids, self._n, "declare_step blocks")
+        flags = np.isin(run_seqs, block_ids)
+        if flags.sum() != block_ids.size:
+            missing = sorted(set(block_ids.tolist()) - set(run_seqs.tolist()))
+            raise OwnerRunError(f"declare_step: blocks name sequences {missing} that have no "
+                                f"run in this step")
+        return flags.astype(np.int32) * FLAG_BLOCK
+
+
+def _dtype_of(array):
+    dtype = array.dtype
+    return dtype if isinstance(dtype, np.dtype) else np.dtype(str(dtype).rsplit(".", 1)[-1])
+

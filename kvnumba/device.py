@@ -1,0 +1,120 @@
+"""Where the kernels run (DESIGN §11): a CUDA GPU, or Numba's CUDA simulator.
+
+Import this module before anything imports `numba.cuda`: Numba reads
+`NUMBA_ENABLE_CUDASIM` when it is first configured. `KVNUMBA_DEVICE=gpu|simulator`
+forces a choice; otherwise a GPU is used when the CUDA driver reports one, else
+the simulator, with a one-line notice on stderr.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+from .errors import KVCacheError, ShapeError
+
+
+class DeviceError(KVCacheError):
+    """The requested device cannot be used (e.g. `KVNUMBA_DEVICE=gpu` without a GPU)."""
+
+
+def _driver_gpu_count() -> int:
+    """GPUs the CUDA driver reports, without importing numba.cuda (0 if no driver)."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+            return 0
+        return count.value
+    return 0
+
+
+def _choose() -> str:
+    forced = os.environ.get("KVNUMBA_DEVICE", "").strip().lower()
+    if forced not in ("", "gpu", "simulator"):
+        raise DeviceError(f"KVNUMBA_DEVICE={forced!r}: must be 'gpu' or 'simulator'")
+    if forced == "simulator" or (not forced and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"):
+        return "simulator"
+    if _driver_gpu_count() > 0:
+        return "gpu"
+    if forced == "gpu":
+        raise DeviceError("KVNUMBA_DEVICE=gpu, but the CUDA driver reports no GPU")
+    print("kvnumba: no CUDA GPU found; running kernels on Numba's CUDA simulator "
+          "(correctness only, small sizes)", file=sys.stderr)
+    return "simulator"
+
+
+KIND = _choose()
+SIMULATOR = KIND == "simulator"
+
+if "numba.cuda" in sys.modules:
+    _already = bool(getattr(sys.modules["numba.cuda"], "simulator_is_available", None)) \
+        or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    if _already != SIMULATOR:
+        raise DeviceError(f"numba.cuda was imported before kvnumba in the other mode; "
+                          f"import kvnumba first or set NUMBA_ENABLE_CUDASIM "
+                          f"{'=1' if SIMULATOR else 'unset'}")
+else:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if SIMULATOR else "0"
+    if "numba" in sys.modules:  # numba read its config already: make it read again
+        import numba.core.config
+        numba.core.config.reload_config()
+
+from numba import cuda  # noqa: E402  (must follow the choice above)
+
+
+def on_device(array) -> bool:
+    """True for arrays already on the device (Numba, CuPy, PyTorch CUDA, the simulator's)."""
+    return hasattr(array, "__cuda_array_interface__") or hasattr(array, "copy_to_host")
+
+
+def as_device(array, stream=0):
+    """A device view of `array`: zero-copy for device arrays, one upload for host arrays."""
+    if hasattr(array, "copy_to_host"):  # a Numba device array (or the simulator's)
+        return array
+    if hasattr(array, "__cuda_array_interface__"):  # CuPy, PyTorch CUDA tensors, ...
+        return cuda.as_cuda_array(array)
+    return cuda.to_device(np.ascontiguousarray(array), stream=stream)
+
+
+def check_array(name: str, array, shape: tuple, dtypes) -> None:
+    """Refuse (`ShapeError`) an array of the wrong shape, rank or dtype, before any launch."""
+    got_shape = tuple(getattr(array, "shape", ()))
+    dtype = getattr(array, "dtype", None)
+    if dtype is not None and not isinstance(dtype, np.dtype):
+        dtype = _foreign_dtype(dtype)
+    if len(got_shape) != len(shape):
+        raise ShapeError(f"{name}: expected rank {len(shape)} {shape}, got rank "
+                         f"{len(got_shape)} {got_shape}")
+    if got_shape != tuple(shape):
+        raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {got_shape}")
+    if dtype is None or np.dtype(dtype) not in [np.dtype(d) for d in dtypes]:
+        raise ShapeError(f"{name}: dtype {dtype} not in {[np.dtype(d).name for d in dtypes]}")
+
+
+def _foreign_dtype(dtype):
+    """NumPy dtype of a foreign array's dtype (e.g. torch.float16 -> float16)."""
+    text = str(dtype).rsplit(".", 1)[-1]
+    try:
+        return np.dtype(text)
+    except TypeError:
+        return None
+
+
+def host_buffer(n: int, dtype) -> np.ndarray:
+    """A host buffer for uploads: page-locked on a GPU (async copies), plain in the simulator."""
+    return np.zeros(n, dtype=dtype) if SIMULATOR else cuda.pinned_array(n, dtype=dtype)
+
+
+def upload_prefix(device_array, host: np.ndarray, n: int, stream) -> None:
+    """Copy `host[:n]` into the start of `device_array`: one host-to-device copy, no sync."""
+    if SIMULATOR:
+        device_array.copy_to_device(host, stream=stream)
+        return
+    from numba.cuda.cudadrv import driver
+    driver.host_to_device(device_array, host, n * host.itemsize, stream=stream)

@@ -1,0 +1,64 @@
+"""Typed errors of kvnumba (DESIGN §9).
+
+Every refusal raises one of these and leaves the cache exactly as it was:
+slot states, positions, high-waters, the open step and the bytes of every live row.
+"""
+
+
+class KVCacheError(Exception):
+    """Base class of every error kvnumba raises on purpose."""
+
+
+class ConfigError(KVCacheError, ValueError):
+    """An invalid `CacheConfig` or `LayerSpec`: names the field and the rule."""
+
+
+class UnknownSequenceError(KVCacheError, KeyError):
+    """A sequence id outside `[0, max_seqs)`, or a free one where a live one is needed."""
+
+    def __str__(self):  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SlotStateError(KVCacheError):
+    """An event its slot's lifecycle does not allow from the slot's current state."""
+
+
+class CacheFullError(KVCacheError):
+    """No free sequence column is left."""
+
+
+class CapacityError(KVCacheError):
+    """A step would exceed `capacity`, `max_write` or `max_step`."""
+
+
+class PositionError(KVCacheError):
+    """A position outside `[floor, pos]` of its sequence."""
+
+
+class RingFloorError(PositionError):
+    """A rewind or clone target below the floor a ring layer still supports."""
+
+
+class StepProtocolError(KVCacheError):
+    """A step verb out of order (declare while a step is open, write before prepare, ...)."""
+
+
+class OwnerRunError(KVCacheError):
+    """A sequence whose tokens do not form exactly one contiguous run in a step."""
+
+
+class ShapeError(KVCacheError, ValueError):
+    """An array of the wrong shape, rank or dtype, refused before any launch."""
+
+
+class CloneRefusedError(KVCacheError):
+    """`seq_clone` on a cache that cannot hold a second sequence."""
+
+
+class SessionError(KVCacheError):
+    """A `SessionTable` refusal: unknown session, limits, gaps, overlaps."""
+
+
+class FreeSequenceError(UnknownSequenceError, SlotStateError):
+    """A free column named where a live sequence is needed: both unknown and in the wrong state."""

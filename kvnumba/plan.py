@@ -1,0 +1,129 @@
+"""Position, row and floor arithmetic, and the step plan (DESIGN §4, §5, §7).
+
+Pure functions over integers and NumPy arrays: nothing here touches a device,
+a slot state or a cache object.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# --- the segment table the attention kernel reads: seq_info[segment, field] (int32) ---
+Q_START = 0      # first token of the segment on the step's token axis
+Q_LEN = 1        # tokens in the segment
+COL = 2          # the sequence's storage column
+POS_START = 3    # position of the segment's first token (= pos(seq) at declare)
+FLAGS = 4        # bit field, see FLAG_BLOCK
+SEQ_INFO_FIELDS = 5
+FLAG_BLOCK = 1   # the segment is a draft block: bidirectional within itself
+
+
+def ring_rows(window: int, max_write: int, capacity: int) -> int:
+    """Rows of a ring layer: `R = min(capacity, W + M - 1)`.
+
+    A step writes all its tokens before attending, and its earliest query still
+    reads back to `p - W + 1`, so `W + M - 1` positions must be live at once.
+    """
+    return min(capacity, window + max_write - 1)
+
+
+def layer_rows(windows, max_write: int, capacity: int) -> np.ndarray:
+    """`R` per layer, 0 for a flat layer (row of `p` is `p`). `windows[i]` is None or W."""
+    return np.array([0 if w is None else ring_rows(w, max_write, capacity) for w in windows],
+                    dtype=np.int64)
+
+
+def ring_floor(high_water, rows: int, max_write: int):
+    """Lowest position a sequence can resume at on one ring layer of `rows` rows.
+
+    The layer holds `[hw - R, hw)`. Resuming at `L` needs `[L - W + 1, L)`, so
+    the floor is `hw - M` once `hw > R`, else 0. Works on scalars and arrays.
+    """
+    hw = np.asarray(high_water, dtype=np.int64)
+    floor = np.where(hw > rows, hw - max_write, 0)
+    return int(floor) if floor.ndim == 0 else floor
+
+
+def floor_layer(high_water, ring_rows_per_layer: np.ndarray, max_write: int):
+    """`(floor, layer)`: the binding floor over every layer and the layer that sets it.
+
+    Flat layers (rows 0) have floor 0. Returns layer -1 when no ring layer binds.
+    """
+    best, best_layer = 0, -1
+    for layer, rows in enumerate(ring_rows_per_layer):
+        if rows == 0:
+            continue
+        f = ring_floor(high_water, int(rows), max_write)
+        if f > best:
+            best, best_layer = f, layer
+    return best, best_layer
+
+
+def grown_rows(rows: int, needed_row: int, capacity: int) -> int:
+    """Flat-layer growth: `min(capacity, max(needed_row + 1, 2 * rows))`, or `rows` if enough."""
+    if needed_row < rows:
+        return rows
+    return min(capacity, max(needed_row + 1, 2 * rows))
+
+
+def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
+    """`[start, stop)` of the positions a layer still holds for a sequence.
+
+    Flat (rows 0): `[0, pos)`. Ring: `[max(0, hw - R), pos)`.
+    """
+    if rows == 0:
+        return 0, pos
+    return max(0, high_water - rows), pos
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's run in a step: tokens `[q_start, q_start + q_len)` at positions from `pos_start`."""
+
+    seq: int
+    q_start: int
+    q_len: int
+    pos_start: int
+    block: bool
+
+
+class StepPlan:
+    """A declared (and, once prepared, staged) step. Host NumPy arrays, read-only.
+
+    n_tokens:       tokens the step declared (no padding).
+    width:          the padded width once prepared, else None.
+    segments:       tuple of `Segment`, in token order.
+    seq_cols:       [width] int32, the storage column of each token; padding -> scratch.
+    positions:      [width] int32, the position of each token; padding -> 0.
+    seq_info:       [n_segments, SEQ_INFO_FIELDS] int32 segment table (see module constants).
+    logit_indices:  [n_segments] int64, each segment's last token.
+    """
+
+    __slots__ = ("n_tokens", "width", "seq_cols", "positions", "seq_info",
+                 "logit_indices", "max_q_len", "max_kv_len")
+
+    def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len,
+                 width=None, seq_cols=None, positions=None):
+        self.n_tokens = n_tokens
+        self.width = width
+        self.seq_info = seq_info
+        self.logit_indices = logit_indices
+        self.max_q_len = max_q_len
+        self.max_kv_len = max_kv_len
+        self.seq_cols = seq_cols
+        self.positions = positions
+
+    @property
+    def segments(self) -> tuple:
+        """`Segment` records of the segment table (built on access, off the hot path)."""
+        return tuple(Segment(int(r[COL]), int(r[Q_START]), int(r[Q_LEN]), int(r[POS_START]),
+                             bool(r[FLAGS] & FLAG_BLOCK)) for r in self.seq_info)
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.seq_info)
+
+    def __repr__(self):
+        return (f"StepPlan(n_tokens={self.n_tokens}, width={self.width}, "
+                f"n_segments={self.n_segments})")

@@ -1,0 +1,20 @@
+"""Test setup: the simulator by default, fast thread switching, hypothesis profiles.
+
+`HYPOTHESIS_PROFILE=thorough` runs the long stateful searches (10,000+ steps).
+"""
+import os
+import sys
+
+os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
+# the simulator runs CUDA threads as Python threads: each barrier costs ~16 ms per
+# block at the default switch interval, ~1.3 ms at 1e-4
+sys.setswitchinterval(1e-4)
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=500, deadline=None,
+                          stateful_step_count=60,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
