@@ -1,0 +1,327 @@
+"""Hypothesis stateful test: every BatchControl verb, legal and illegal, against a model.
+
+The model below is written from DESIGN.md, not from kvnumba: slot states, pos,
+high-water and floors as plain Python, the StepPlan tables rebuilt token by
+token, full per-position K/V histories per sequence and layer, and attention
+from those histories (tests/oracle.py). Every refusal must raise the predicted
+error class and leave states, positions, high-waters, the step and every byte
+of storage as they were.
+"""
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import kvnumba as kv
+from oracle import dense_attention, floor, ring_rows
+
+WINDOWS = [None, 3]          # one flat layer, one ring layer
+MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 24
+HEADS, Q_HEADS, DIM = 1, 2, 4
+LIVE = ("claimed", "committed", "rewound")
+
+
+class Refused(Exception):
+    """The model's prediction that a call must fail, with the error class expected."""
+
+    def __init__(self, cls):
+        super().__init__(cls.__name__)
+        self.cls = cls
+
+
+class Model:
+    """DESIGN §5-§7 by hand. `hist[seq][layer]` maps position -> (k, v) last written there."""
+
+    def __init__(self):
+        self.state = ["free"] * MAX_SEQS
+        self.pos = [0] * MAX_SEQS
+        self.hw = [0] * MAX_SEQS
+        self.hist = [[{} for _ in WINDOWS] for _ in range(MAX_SEQS)]
+
+    def floor(self, s):
+        return floor(self.hw[s], WINDOWS, MAX_WRITE, CAPACITY)
+
+    def seq_new(self):
+        free = [s for s in range(MAX_SEQS) if self.state[s] == "free"]
+        if not free:
+            raise Refused(kv.CacheFullError)
+        s = free[0]
+        self.state[s], self.pos[s], self.hw[s] = "claimed", 0, 0
+        self.hist[s] = [{} for _ in WINDOWS]
+        return s
+
+    def _live(self, s, allowed):
+        if not 0 <= s < MAX_SEQS:
+            raise Refused(kv.UnknownSequenceError)
+        if self.state[s] not in allowed:
+            raise Refused(kv.SlotStateError)
+
+    def seq_rm(self, s):
+        self._live(s, LIVE)
+        self.state[s], self.pos[s], self.hw[s] = "free", 0, 0
+
+    def rewind(self, s, position):
+        self._live(s, ("committed", "rewound"))
+        if position > self.pos[s] or position < 0:
+            raise Refused(kv.PositionError)
+        if position < self.floor(s):
+            raise Refused(kv.RingFloorError)
+        self.state[s], self.pos[s] = "rewound", position
+
+    def seq_clone(self, s, upto):
+        self._live(s, ("committed", "rewound"))
+        keep = self.pos[s] if upto is None else upto
+        if not 1 <= keep <= self.pos[s]:
+            raise Refused(kv.PositionError)
+        if keep < self.floor(s):
+            raise Refused(kv.RingFloorError)
+        free = [d for d in range(MAX_SEQS) if self.state[d] == "free"]
+        if not free:
+            raise Refused(kv.CacheFullError)
+        d = free[0]
+        self.state[d], self.pos[d], self.hw[d] = "committed", keep, self.hw[s]
+        self.hist[d] = [{p: kv_ for p, kv_ in h.items() if p < keep} for h in self.hist[s]]
+        return d
+
+    def declare(self, ids, blocks):
+        """Segments [(seq, q_start, q_len, pos_start, block)] or Refused, rules in contract order."""
+        if any(not 0 <= s < MAX_SEQS for s in ids):
+            raise Refused(kv.UnknownSequenceError)
+        if any(self.state[s] == "free" for s in ids):
+            raise Refused(kv.SlotStateError)
+        runs = []
+        for i, s in enumerate(ids):
+            if runs and runs[-1][0] == s:
+                runs[-1][2] += 1
+            else:
+                runs.append([s, i, 1])
+        if len({r[0] for r in runs}) != len(runs):
+            raise Refused(kv.OwnerRunError)
+        if any(n > MAX_WRITE for _, _, n in runs):
+            raise Refused(kv.CapacityError)
+        if any(self.pos[s] + n > CAPACITY for s, _, n in runs):
+            raise Refused(kv.CapacityError)
+        if len(ids) > MAX_STEP:
+            raise Refused(kv.CapacityError)
+        if any(b not in {r[0] for r in runs} for b in blocks):
+            raise Refused(kv.OwnerRunError)
+        return [(s, q0, n, self.pos[s], s in blocks) for s, q0, n in runs]
+
+
+def snapshot(cache):
+    """Everything a refusal must leave untouched."""
+    slots = [(cache.state(s), cache.pos(s), cache.high_water(s)) for s in range(MAX_SEQS)]
+    data = [tuple(a.copy_to_host() for a in cache.layer_data(i)) for i in range(len(WINDOWS))]
+    return slots, cache.step_state, data
+
+
+def assert_unchanged(before, after):
+    assert before[0] == after[0] and before[1] == after[1]
+    for (k0, v0), (k1, v1) in zip(before[2], after[2]):
+        assert k0.shape == k1.shape
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    @initialize(n_live=st.integers(0, MAX_SEQS))
+    def setup(self, n_live):
+        self.config = kv.CacheConfig(
+            layers=[kv.flat() if w is None else kv.ring(window=w) for w in WINDOWS],
+            n_kv_heads=HEADS, head_dim=DIM, capacity=CAPACITY, max_seqs=MAX_SEQS,
+            max_write=MAX_WRITE, max_step=MAX_STEP, dtype="float32", initial_rows=4)
+        self.cache = kv.BatchedSequenceCache(self.config)
+        self.model = Model()
+        self.rng = np.random.default_rng(0)
+        for _ in range(n_live):
+            self.seq_new()
+
+    def call(self, predict, act):
+        """Run `predict` on the model; the cache's `act` must agree (result or error class)."""
+        try:
+            expected = predict()
+        except Refused as refusal:
+            before = snapshot(self.cache)
+            try:
+                act()
+            except refusal.cls:
+                assert_unchanged(before, snapshot(self.cache))
+                return None
+            raise AssertionError(f"expected {refusal.cls.__name__}")
+        got = act()
+        assert got == expected
+        return got
+
+    # ---------------------------------------------------------------- sequence verbs
+    @rule()
+    def seq_new(self):
+        self.call(self.model.seq_new, self.cache.seq_new)
+
+    @rule(seq=st.integers(-1, MAX_SEQS))
+    def seq_rm(self, seq):
+        self.call(lambda: self.model.seq_rm(seq), lambda: self.cache.seq_rm(seq))
+
+    @rule(seq=st.integers(-1, MAX_SEQS), back=st.integers(-1, 8))
+    def rewind(self, seq, back):
+        target = (self.model.pos[seq] if 0 <= seq < MAX_SEQS else 0) - back
+        self.call(lambda: self.model.rewind(seq, target), lambda: self.cache.rewind(seq, target))
+
+    @rule(seq=st.integers(0, MAX_SEQS - 1), back=st.none() | st.integers(-1, 8))
+    def seq_clone(self, seq, back):
+        upto = None if back is None else self.model.pos[seq] - back
+        self.call(lambda: self.model.seq_clone(seq, upto),
+                  lambda: self.cache.seq_clone(seq, upto))
+
+    @rule(verb=st.sampled_from(["prepare_step", "commit_step", "abort_step"]))
+    def step_verb_while_idle(self, verb):
+        def refused():
+            raise Refused(kv.StepProtocolError)
+        self.call(refused, getattr(self.cache, verb))
+
+    # ---------------------------------------------------------------- one step
+    @rule(data=st.data(),
+          pad=st.integers(0, 3),
+          meddle=st.sampled_from([None, None, None, "seq_new", "rewind", "declare"]),
+          ending=st.sampled_from(["commit", "commit", "commit", "abort_declared",
+                                  "abort_prepared", "abort_written"]))
+    def step(self, data, pad, meddle, ending):
+        live = [s for s in range(MAX_SEQS) if self.model.state[s] != "free"]
+        legal = bool(live) and data.draw(st.integers(0, 9), label="legal ids") > 0
+        ids_from = st.sampled_from(live) if legal else st.integers(-1, MAX_SEQS)
+        runs = data.draw(st.lists(st.tuples(ids_from, st.integers(1, 4)), min_size=1,
+                                  max_size=4, unique_by=(lambda r: r[0]) if legal else None),
+                         label="runs")
+        block_pick = data.draw(st.lists(st.integers(0, MAX_SEQS - 1), max_size=2),
+                               label="blocks") if data.draw(st.booleans()) else []
+        ids = [s for s, n in runs for _ in range(n)]
+        blocks = sorted(set(block_pick))
+        try:
+            segments = self.model.declare(ids, blocks)
+        except Refused as refusal:
+            before = snapshot(self.cache)
+            try:
+                self.cache.declare_step(np.array(ids), blocks=blocks)
+            except refusal.cls:
+                assert_unchanged(before, snapshot(self.cache))
+                return
+            raise AssertionError(f"declare_step({ids}, blocks={blocks}): expected "
+                                 f"{refusal.cls.__name__}")
+        plan = self.cache.declare_step(ids, blocks=blocks)
+        self.check_declared(plan, segments, len(ids))
+        if meddle:  # sequence verbs and a second declare are refused while a step is open
+            before = snapshot(self.cache)
+            act = {"seq_new": self.cache.seq_new, "rewind": lambda: self.cache.rewind(ids[0], 0),
+                   "declare": lambda: self.cache.declare_step([ids[0]])}[meddle]
+            try:
+                act()
+                raise AssertionError(f"{meddle} inside an open step was not refused")
+            except kv.StepProtocolError:
+                assert_unchanged(before, snapshot(self.cache))
+        if ending == "abort_declared":
+            self.cache.abort_step()
+            return
+        width = len(ids) + pad
+        if width > MAX_STEP:
+            before = snapshot(self.cache)
+            try:
+                self.cache.prepare_step(width)
+                raise AssertionError("width above max_step was not refused")
+            except kv.CapacityError:
+                assert_unchanged(before, snapshot(self.cache))
+            width = MAX_STEP
+        plan = self.cache.prepare_step(width)
+        self.check_prepared(plan, segments, width)
+        if ending == "abort_prepared":
+            self.cache.abort_step()
+            self.raise_high_water(segments)
+            return
+        self.write_and_attend(plan, segments, width)
+        if ending == "abort_written":
+            self.cache.abort_step()
+            self.raise_high_water(segments)
+            return
+        self.cache.commit_step()
+        for s, _, n, p0, _ in segments:
+            self.model.pos[s] = p0 + n
+            self.model.hw[s] = max(self.model.hw[s], p0 + n)
+            self.model.state[s] = "committed"
+
+    def raise_high_water(self, segments):
+        for s, _, n, p0, _ in segments:
+            self.model.hw[s] = max(self.model.hw[s], p0 + n)
+
+    def check_declared(self, plan, segments, n_tokens):
+        assert plan.n_tokens == n_tokens and plan.width is None
+        assert self.cache.step_state == kv.StepState.DECLARED
+        expect = [[q0, n, s, p0, int(b)] for s, q0, n, p0, b in segments]
+        np.testing.assert_array_equal(plan.seq_info[:, :5], expect)
+        np.testing.assert_array_equal(plan.logit_indices, [q0 + n - 1 for _, q0, n, _, _ in
+                                                           segments])
+        assert [(g.seq, g.q_start, g.q_len, g.pos_start, g.block) for g in plan.segments] == \
+            [tuple(x) for x in segments]
+        for s, *_ in segments:
+            assert self.cache.state(s) == kv.SlotState.PREFILLING
+
+    def check_prepared(self, plan, segments, width):
+        cols, positions = [], []
+        for s, _, n, p0, _ in segments:
+            cols += [s] * n
+            positions += list(range(p0, p0 + n))
+        pad = width - len(cols)
+        np.testing.assert_array_equal(plan.seq_cols, cols + [MAX_SEQS] * pad)
+        np.testing.assert_array_equal(plan.positions, positions + [0] * pad)
+        assert plan.width == width and self.cache.step_state == kv.StepState.PREPARED
+        assert not plan.seq_cols.flags.writeable
+
+    def write_and_attend(self, plan, segments, width):
+        scale = 1 / np.sqrt(DIM)
+        for layer, window in enumerate(WINDOWS):
+            k = self.rng.standard_normal((width, HEADS, DIM)).astype(np.float32)
+            v = self.rng.standard_normal((width, HEADS, DIM)).astype(np.float32)
+            q = self.rng.standard_normal((width, Q_HEADS, DIM)).astype(np.float32)
+            out = np.full((width, Q_HEADS, DIM), np.nan, np.float32)
+            for s, q0, n, p0, _ in segments:
+                for i in range(n):
+                    self.model.hist[s][layer][p0 + i] = (k[q0 + i], v[q0 + i])
+            self.cache.update_and_attend(layer, q, k, v, out=out)
+            for s, q0, n, p0, block in segments:
+                hist = self.model.hist[s][layer]
+                end = p0 + n
+                lo = 0 if window is None else max(0, p0 - window + 1)
+                keys = np.zeros((end, HEADS, DIM))
+                values = np.zeros((end, HEADS, DIM))
+                for j in range(lo, end):
+                    keys[j], values[j] = hist[j]
+                want = dense_attention(q[q0:q0 + n], keys, values, p0, window, block, scale)
+                np.testing.assert_allclose(out[q0:q0 + n], want, rtol=1e-4, atol=1e-5)
+            assert not np.any(out[plan.n_tokens:]), "padding rows must be zero"
+
+    # ---------------------------------------------------------------- invariants
+    @invariant()
+    def slots_match_the_model(self):
+        assert self.cache.step_state == kv.StepState.IDLE
+        for s in range(MAX_SEQS):
+            assert self.cache.state(s).name.lower() == self.model.state[s], s
+            assert self.cache.pos(s) == self.model.pos[s], s
+            assert self.cache.high_water(s) == self.model.hw[s], s
+            assert self.cache.floor(s) == self.model.floor(s), s
+
+    @invariant()
+    def storage_matches_the_histories(self):
+        for s in range(MAX_SEQS):
+            for layer, window in enumerate(WINDOWS):
+                positions, k, v = self.cache.sequence_kv(s, layer)
+                pos, hw = self.model.pos[s], self.model.hw[s]
+                start = 0 if window is None else max(0, hw - ring_rows(window, MAX_WRITE,
+                                                                      CAPACITY))
+                np.testing.assert_array_equal(positions, np.arange(start, pos))
+                hist = self.model.hist[s][layer]
+                for i, p in enumerate(positions):
+                    np.testing.assert_array_equal(k[i], hist[p][0])
+                    np.testing.assert_array_equal(v[i], hist[p][1])
+
+
+TestCacheMachine = CacheMachine.TestCase
+# more programs than the suite-wide CI profile: this machine is where most bugs would show
+TestCacheMachine.settings = settings(settings.default,
+                                     max_examples=max(60, settings.default.max_examples))

@@ -1,0 +1,51 @@
+"""Every invalid configuration field is refused with ConfigError naming the field."""
+import pytest
+
+import kvnumba as kv
+
+
+def make(**overrides):
+    base = dict(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=2, head_dim=8, capacity=64,
+                max_seqs=4, max_write=4, max_step=8, dtype="float32", initial_rows=16)
+    base.update(overrides)
+    return kv.CacheConfig(**base)
+
+
+def test_valid_config_keeps_its_fields():
+    c = make()
+    assert c.n_layers == 2 and c.layers[1].window == 4 and not c.layers[0].is_ring
+    assert c.np_dtype.itemsize == 4
+    assert kv.CacheConfig().initial_rows == 256
+
+
+@pytest.mark.parametrize("field,value", [
+    ("capacity", 0), ("capacity", -3), ("capacity", 2.5),
+    ("max_seqs", 0), ("n_kv_heads", 0), ("head_dim", 0), ("head_dim", 257),
+    ("max_write", 0), ("max_write", 65), ("max_step", 3), ("initial_rows", 0),
+    ("dtype", "int8"), ("dtype", "float64"), ("layers", []), ("layers", ["flat"]),
+    ("max_seqs", True),
+])
+def test_invalid_field_is_refused_by_name(field, value):
+    with pytest.raises(kv.ConfigError) as err:
+        make(**{field: value})
+    assert field.split("_")[0] in str(err.value)
+
+
+def test_max_write_above_capacity_names_the_rule():
+    with pytest.raises(kv.ConfigError, match=r"max_write <= capacity \(8\)"):
+        make(capacity=8, max_write=9, max_step=9)
+
+
+def test_max_step_below_max_write_names_the_rule():
+    with pytest.raises(kv.ConfigError, match=r"max_step >= max_write \(4\)"):
+        make(max_step=3)
+
+
+@pytest.mark.parametrize("window", [0, -1, 2.0, None])
+def test_ring_window_refused_at_once(window):
+    with pytest.raises(kv.ConfigError, match="window"):
+        kv.ring(window=window)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(kv.ConfigError, ValueError) and issubclass(kv.ConfigError, kv.KVCacheError)

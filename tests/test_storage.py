@@ -1,0 +1,219 @@
+"""Storage and the write/copy kernels: columns, scratch, ring wrap, growth, dtypes, edges."""
+import numpy as np
+import pytest
+
+import kvnumba as kv
+from kvnumba import pool as pool_module
+
+H, D = 2, 4
+
+
+def make(layers=None, *, max_seqs=3, max_write=4, max_step=8, capacity=32, initial_rows=4,
+         dtype="float32"):
+    cfg = kv.CacheConfig(layers=layers or [kv.flat(), kv.ring(window=3)], n_kv_heads=H,
+                         head_dim=D, capacity=capacity, max_seqs=max_seqs, max_write=max_write,
+                         max_step=max_step, dtype=dtype, initial_rows=initial_rows)
+    return kv.BatchedSequenceCache(cfg)
+
+
+def step(cache, ids, rng, width=None, dtype=np.float32):
+    """One full step writing random K/V to every layer; returns {layer: (k, v)}."""
+    cache.declare_step(ids)
+    plan = cache.prepare_step(width)
+    written = {}
+    for layer in range(cache.config.n_layers):
+        k = rng.standard_normal((plan.width, H, D)).astype(dtype)
+        v = rng.standard_normal((plan.width, H, D)).astype(dtype)
+        cache.write(layer, k, v)
+        written[layer] = (k, v)
+    cache.commit_step()
+    return written
+
+
+def storage(cache):
+    """Host copies of every layer's K and V, as raw bits (uninitialised rows may hold NaN)."""
+    return [tuple(bits(a.copy_to_host()) for a in cache.layer_data(i))
+            for i in range(cache.config.n_layers)]
+
+
+def bits(a):
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def test_layout_has_a_scratch_column_and_ring_rows():
+    c = make()
+    k, v = c.layer_data(0)
+    assert k.shape == (4, 4, H, D) and v.shape == k.shape  # initial rows, max_seqs + 1 cols
+    assert c.layer_data(1)[0].shape == (3 + 4 - 1, 4, H, D)
+    assert c.nbytes == (4 + 6) * 4 * H * D * 4 * 2
+
+
+def test_padding_lands_only_in_the_scratch_column():
+    rng = np.random.default_rng(1)
+    c = make()
+    a, b = c.seq_new(), c.seq_new()
+    step(c, [a, a, b], rng)
+    before = storage(c)
+    written = step(c, [a, b], rng, width=8)
+    after = storage(c)
+    for layer, ((k0, v0), (k1, v1)) in enumerate(zip(before, after)):
+        rows = k0.shape[0] if layer == 0 else 6
+        for arr0, arr1, new in ((k0, k1, written[layer][0]), (v0, v1, written[layer][1])):
+            changed = np.argwhere(np.any(arr0[:rows] != arr1[:rows], axis=(2, 3)))
+            # a writes position 2, b position 1: rows 2 and 1 on both layers (R = 6)
+            got = {(int(r), int(col)) for r, col in changed if col != 3}
+            assert got == {(2, a), (1, b)}, (layer, got)
+            # the scratch column took the six padding tokens, all at row 0 (position 0);
+            # which one lands last is a race, so any of them may be there
+            assert any(np.array_equal(arr1[0, 3], bits(new[i])) for i in range(2, 8))
+
+
+def test_ring_wraps_at_the_last_row():
+    rng = np.random.default_rng(2)
+    c = make(layers=[kv.ring(window=2)], max_write=2, max_step=2)  # R = 3
+    s = c.seq_new()
+    history = []
+    for _ in range(5):  # positions 0..9: every row written several times, wrap at R - 1
+        k, v = step(c, [s, s], rng)[0]
+        history += [k[0], k[1]]
+    positions, k_held, _ = c.sequence_kv(s, 0)
+    np.testing.assert_array_equal(positions, [7, 8, 9])
+    np.testing.assert_array_equal(k_held, np.stack(history[7:10]))
+    store = c.layer_data(0)[0].copy_to_host()
+    for p in (7, 8, 9):
+        np.testing.assert_array_equal(store[p % 3, s], history[p])
+
+
+def test_growth_over_several_doublings_keeps_every_row():
+    rng = np.random.default_rng(3)
+    c = make(layers=[kv.flat()], max_seqs=2, initial_rows=2, capacity=40, max_write=4)
+    a, b = c.seq_new(), c.seq_new()
+    hist = {a: [], b: []}
+    rows_seen = []
+    while c.pos(a) < 37:
+        n = min(4, 37 - c.pos(a))
+        k, _ = step(c, [a] * n + [b], rng)[0]
+        hist[a] += list(k[:n])
+        hist[b].append(k[n])
+        rows_seen.append(c.layer_data(0)[0].shape[0])
+    assert sorted(set(rows_seen)) == [4, 8, 16, 32, 40]  # doublings, capped at capacity
+    for s in (a, b):
+        positions, k, _ = c.sequence_kv(s, 0)
+        np.testing.assert_array_equal(k, np.stack(hist[s]))
+
+
+def test_growth_is_exactly_the_contract_formula():
+    c = make(layers=[kv.flat()], max_seqs=1, initial_rows=3, capacity=100, max_write=8,
+             max_step=8)
+    s = c.seq_new()
+    c.declare_step([s] * 8)
+    c.prepare_step()   # needs row 7: max(7 + 1, 2 * 3) = 8
+    assert c.layer_data(0)[0].shape[0] == 8
+    c.commit_step()
+
+
+def test_failed_growth_keeps_the_old_storage_and_the_step_declared(monkeypatch):
+    rng = np.random.default_rng(4)
+    c = make(layers=[kv.flat(), kv.ring(window=3)], max_seqs=1, initial_rows=4)
+    s = c.seq_new()
+    step(c, [s] * 4, rng)
+    before = storage(c)
+    arrays = [c.layer_data(i) for i in range(2)]
+
+    def failing(self, rows):
+        raise MemoryError("simulated out of device memory")
+
+    monkeypatch.setattr(pool_module.Pool, "_allocate", failing)
+    c.declare_step([s, s])
+    with pytest.raises(kv.CapacityError, match="old storage is kept"):
+        c.prepare_step()
+    assert c.step_state == kv.StepState.DECLARED
+    assert all(c.layer_data(i)[0] is arrays[i][0] for i in range(2))
+    for (k0, v0), (k1, v1) in zip(before, storage(c)):
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    monkeypatch.undo()
+    c.prepare_step()  # the same step prepares once memory is back
+    assert c.layer_data(0)[0].shape[0] == 8
+    c.abort_step()
+
+
+def test_float16_storage_round_trips():
+    rng = np.random.default_rng(5)
+    c = make(layers=[kv.flat()], max_seqs=1, dtype="float16")
+    s = c.seq_new()
+    k16, v16 = step(c, [s] * 3, rng, dtype=np.float16)[0]
+    _, k, v = c.sequence_kv(s, 0)
+    assert k.dtype == np.float16
+    np.testing.assert_array_equal(k, k16)  # float16 in: exact
+    np.testing.assert_array_equal(v, v16)
+    k32, v32 = step(c, [s] * 3, rng, dtype=np.float32)[0]
+    _, k, v = c.sequence_kv(s, 0)
+    np.testing.assert_array_equal(k[3:], k32.astype(np.float16))  # float32 in: rounded
+    np.testing.assert_allclose(k[3:].astype(np.float32), k32, rtol=1e-3, atol=1e-3)
+
+
+def test_edges_last_row_last_column_full_width():
+    rng = np.random.default_rng(6)
+    c = make(layers=[kv.flat(), kv.ring(window=2)], max_seqs=3, max_write=4, max_step=12,
+             capacity=8, initial_rows=8)  # flat rows == capacity, ring R = 5
+    seqs = [c.seq_new() for _ in range(3)]
+    step(c, [x for x in seqs for _ in range(4)], rng)  # width == max_step, last column 2
+    written = step(c, [x for x in seqs for _ in range(4)], rng)  # positions 4..7: last row 7
+    for s_i, s in enumerate(seqs):
+        positions, k, _ = c.sequence_kv(s, 0)
+        np.testing.assert_array_equal(positions, np.arange(8))
+        np.testing.assert_array_equal(k[4:], written[0][0][4 * s_i:4 * s_i + 4])
+        positions, k, _ = c.sequence_kv(s, 1)
+        np.testing.assert_array_equal(positions, [3, 4, 5, 6, 7])
+        np.testing.assert_array_equal(k[1:], written[1][0][4 * s_i:4 * s_i + 4])
+    with pytest.raises(kv.CapacityError, match=r"pos 8 \+ 1 tokens exceeds capacity 8"):
+        c.declare_step([seqs[0]])
+    assert c.step_state == kv.StepState.IDLE and c.state(seqs[0]) == kv.SlotState.COMMITTED
+
+
+def test_clone_copies_bytes_and_neither_side_sees_the_others_writes():
+    rng = np.random.default_rng(7)
+    c = make()
+    a = c.seq_new()
+    step(c, [a] * 4, rng)
+    step(c, [a] * 3, rng)
+    _, ka, _ = c.sequence_kv(a, 0)
+    b = c.seq_clone(a, upto=5)
+    _, kb, _ = c.sequence_kv(b, 0)
+    np.testing.assert_array_equal(kb, ka[:5])
+    pa, ka_ring, _ = c.sequence_kv(a, 1)   # R = 6, hw 7: a holds [1, 7)
+    pb, kb_ring, _ = c.sequence_kv(b, 1)   # the clone keeps hw 7 and pos 5: [1, 5)
+    np.testing.assert_array_equal(pa, np.arange(1, 7))
+    np.testing.assert_array_equal(pb, np.arange(1, 5))
+    np.testing.assert_array_equal(kb_ring, ka_ring[:4])
+    wb = step(c, [b, b], rng)
+    wa = step(c, [a], rng)
+    _, ka2, _ = c.sequence_kv(a, 0)
+    _, kb2, _ = c.sequence_kv(b, 0)
+    np.testing.assert_array_equal(ka2[:7], ka)
+    np.testing.assert_array_equal(ka2[7], wa[0][0][0])
+    np.testing.assert_array_equal(kb2[:5], ka[:5])
+    np.testing.assert_array_equal(kb2[5:], wb[0][0])
+
+
+@pytest.mark.parametrize("bad", ["rank", "shape", "dtype", "layer", "idle"])
+def test_write_refusals_launch_nothing(bad):
+    rng = np.random.default_rng(8)
+    c = make()
+    s = c.seq_new()
+    step(c, [s, s], rng)
+    if bad != "idle":
+        c.declare_step([s])
+        c.prepare_step(2)
+    before = storage(c)
+    k = rng.standard_normal((2, H, D)).astype(np.float32)
+    args = {"rank": (0, k[0], k[0]), "shape": (0, k[:1], k[:1]),
+            "dtype": (0, k.astype(np.float64), k), "layer": (2, k, k), "idle": (0, k, k)}[bad]
+    err = kv.StepProtocolError if bad == "idle" else kv.ShapeError
+    with pytest.raises(err):
+        c.write(*args)
+    for (k0, v0), (k1, v1) in zip(before, storage(c)):
+        np.testing.assert_array_equal(k0, k1)
+        np.testing.assert_array_equal(v0, v1)
+    assert c.pos(s) == 2
