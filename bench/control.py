@@ -1,0 +1,354 @@
+"""Control-plane benchmark: host time of declare_step + prepare_step + commit_step.
+
+Two step kinds, for B in {1, 8, 64, 256} sequences:
+
+* decode: one token per sequence;
+* mixed:  a few sequences prefill a chunk of 16-64 tokens, the rest decode.
+
+Each is timed for `BatchedSequenceCache` and for a naive driver of the same
+steps: one `transitions` model per slot (`statemachines.MachineModel`) plus one
+for the step protocol, one trigger per slot per event, and per-slot Python
+bookkeeping that builds the same `seq_info` / `seq_cols` / `positions` tables
+(checked equal to kvnumba's before timing) and uploads them the same way.
+
+On Numba's CUDA simulator the host-to-device upload is a simulated copy, so it is
+replaced by a no-op for both drivers while timing; on a GPU it is included.
+
+    python -m bench.control [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from contextlib import contextmanager
+
+import numpy as np
+
+import kvnumba as kv
+import kvnumba.device as kv_device
+import kvnumba.staging as kv_staging
+from kvnumba.plan import SEQ_INFO_FIELDS
+from statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
+
+BATCHES = (1, 8, 64, 256)
+KINDS = ("decode", "mixed")
+CHUNKS = (16, 32, 48, 64)        # prefill chunk lengths of a mixed step, cycled
+HEAD_DIM = 8                     # the control plane does not depend on it
+CAPACITY = 4096                  # positions per sequence; rewound (untimed) before overflow
+MAX_WRITE = 64
+MAX_STEP = 1024
+TARGET_DECODE_US = 60.0          # per decode step at B = 256
+TARGET_RATIO = 30.0              # kvnumba vs naive at B = 256
+
+
+# ---------------------------------------------------------------------------- steps
+def step_ids(batch: int, kind: str) -> np.ndarray:
+    """The token axis of one step: sequence id per token (int64, each sequence one run)."""
+    ids = np.arange(batch, dtype=np.int64)
+    if kind == "decode":
+        return ids
+    n_prefill = max(1, batch // 32)
+    lens = np.ones(batch, dtype=np.int64)
+    lens[:n_prefill] = [CHUNKS[i % len(CHUNKS)] for i in range(n_prefill)]
+    assert lens.max() <= MAX_WRITE and lens.sum() <= MAX_STEP
+    return np.repeat(ids, lens)
+
+
+def _config(batch: int) -> kv.CacheConfig:
+    return kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=HEAD_DIM,
+                          capacity=CAPACITY, max_seqs=batch, max_write=MAX_WRITE,
+                          max_step=MAX_STEP, dtype="float16", initial_rows=CAPACITY)
+
+
+class KvDriver:
+    """kvnumba's path: the public BatchControl verbs."""
+
+    name = "kvnumba"
+
+    def __init__(self, batch: int):
+        self.cache = kv.BatchedSequenceCache(_config(batch))
+        for _ in range(batch):
+            self.cache.seq_new()
+        self.batch = batch
+
+    def step(self, ids):
+        cache = self.cache
+        cache.declare_step(ids)
+        cache.prepare_step()
+        cache.commit_step()
+
+    def plan_of(self, ids):
+        """The tables one step builds (untimed; the step is aborted)."""
+        plan = self.cache.declare_step(ids)
+        self.cache.prepare_step()
+        out = (plan.seq_info.copy(), plan.seq_cols.copy(), plan.positions.copy())
+        self.cache.abort_step()
+        return out
+
+    def max_pos(self) -> int:
+        return max(self.cache.pos(s) for s in range(self.batch))
+
+    def rewind_all(self):
+        for s in range(self.batch):
+            self.cache.rewind(s, 0)
+
+
+class NaiveDriver:
+    """The naive path: one `transitions` model per slot, Python loops per slot and token.
+
+    Validation mirrors kvnumba's refusals (checked on plain Python state before any
+    trigger fires, so a refused step changes nothing), then one trigger per slot
+    per event; the tables are built token by token and uploaded like kvnumba's.
+    """
+
+    name = "naive"
+
+    def __init__(self, batch: int):
+        self.n = batch
+        self.pad_col = batch
+        self.slots = [MachineModel(SLOT_LIFECYCLE) for _ in range(batch)]
+        self.step_model = MachineModel(STEP_PROTOCOL)
+        self.pos = [0] * batch
+        self.high_water = [0] * batch
+        for model in self.slots:
+            self._fire(model, "seq_new")
+        self.info_size = min(batch, MAX_STEP) * SEQ_INFO_FIELDS
+        size = self.info_size + 2 * MAX_STEP
+        self.host = kv_device.host_buffer(size, np.int32)
+        self.device = kv_device.cuda.device_array(size, dtype=np.int32)
+        self.stream = kv_device.cuda.default_stream()
+        self.runs = None
+        self.tables = None
+
+    @staticmethod
+    def _fire(model, event):
+        if not model.fire(event):
+            raise RuntimeError(f"naive: {event} refused from {model.state}")
+
+    def declare_step(self, seq_ids):
+        if self.step_model.state != "idle":
+            raise RuntimeError("naive: a step is open")
+        runs = []  # [seq, q_start, q_len]
+        prev = -1
+        for i, seq in enumerate(seq_ids):
+            seq = int(seq)
+            if not 0 <= seq < self.n or self.slots[seq].state == "free":
+                raise RuntimeError(f"naive: unknown or free sequence {seq}")
+            if seq != prev:
+                runs.append([seq, i, 1])
+                prev = seq
+            else:
+                runs[-1][2] += 1
+        seen = set()
+        for seq, _, q_len in runs:
+            if seq in seen:
+                raise RuntimeError(f"naive: sequence {seq} has more than one run")
+            seen.add(seq)
+            if self.slots[seq].state not in ("claimed", "committed", "rewound"):
+                raise RuntimeError(f"naive: sequence {seq} cannot declare")
+            if q_len > MAX_WRITE or self.pos[seq] + q_len > CAPACITY:
+                raise RuntimeError(f"naive: sequence {seq} over max_write or capacity")
+        n_tokens = len(seq_ids)
+        if n_tokens > MAX_STEP:
+            raise RuntimeError("naive: over max_step")
+        self._fire(self.step_model, "declare")
+        info = []
+        logits = []
+        for seq, q_start, q_len in runs:
+            self._fire(self.slots[seq], "declare")
+            info.append((q_start, q_len, seq, self.pos[seq], 0))
+            logits.append(q_start + q_len - 1)
+        self.seq_info = np.array(info, dtype=np.int32)
+        self.logits = np.array(logits, dtype=np.int64)
+        self.max_kv_len = max(self.pos[seq] + q_len for seq, _, q_len in runs)
+        self.runs = runs
+        self.n_tokens = n_tokens
+
+    def prepare_step(self, width=None):
+        width = self.n_tokens if width is None else width
+        if self.max_kv_len > CAPACITY:  # flat rows were allocated at capacity: never grows
+            raise RuntimeError("naive: rows")
+        self._fire(self.step_model, "prepare")
+        cols, positions = [], []
+        for seq, _, q_len in self.runs:
+            start = self.pos[seq]
+            for j in range(q_len):
+                cols.append(seq)
+                positions.append(start + j)
+        for _ in range(width - self.n_tokens):
+            cols.append(self.pad_col)
+            positions.append(0)
+        seq_cols = np.array(cols, dtype=np.int32)
+        pos = np.array(positions, dtype=np.int32)
+        host = self.host
+        host[:self.seq_info.size] = self.seq_info.ravel()
+        tokens = host[self.info_size:self.info_size + 2 * width].reshape(width, 2)
+        tokens[:, 0] = seq_cols
+        tokens[:, 1] = pos
+        kv_staging.upload_prefix(self.device, host, self.info_size + 2 * width, self.stream)
+        self.tables = (self.seq_info, seq_cols, pos)
+
+    def commit_step(self):
+        self._fire(self.step_model, "commit")
+        for seq, _, q_len in self.runs:
+            self._fire(self.slots[seq], "commit")
+            end = self.pos[seq] + q_len
+            self.pos[seq] = end
+            if end > self.high_water[seq]:
+                self.high_water[seq] = end
+        self.runs = None
+
+    def step(self, ids):
+        self.declare_step(ids)
+        self.prepare_step()
+        self.commit_step()
+
+    def plan_of(self, ids):
+        """The tables one step builds (untimed): run the step, then undo its advance."""
+        before = list(self.pos), list(self.high_water)
+        self.step(ids)
+        tables = self.tables
+        for seq in range(self.n):
+            if self.pos[seq] != before[0][seq]:
+                self._fire(self.slots[seq], "rewind")
+        self.pos, self.high_water = before
+        return tables
+
+    def max_pos(self) -> int:
+        return max(self.pos)
+
+    def rewind_all(self):
+        for seq in range(self.n):
+            self._fire(self.slots[seq], "rewind")
+            self.pos[seq] = 0
+
+
+# ---------------------------------------------------------------------------- timing
+@contextmanager
+def _no_simulated_upload():
+    """On the simulator, make the (simulated) host-to-device copy a no-op."""
+    if not kv_device.SIMULATOR:
+        yield
+        return
+    saved = kv_staging.upload_prefix
+    kv_staging.upload_prefix = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        kv_staging.upload_prefix = saved
+
+
+def _time_driver(driver, ids, *, repeats: int, budget_s: float) -> tuple:
+    """(median, best) µs per step over `repeats` timed blocks of back-to-back steps."""
+    max_run = int(np.bincount(ids).max())
+    max_steps = max(1, (CAPACITY - 1) // max_run)
+    driver.step(ids)  # warm up (first-call costs, caches)
+    t0 = time.perf_counter()
+    driver.step(ids)
+    one = max(time.perf_counter() - t0, 1e-7)
+    steps = int(min(max_steps, max(1, budget_s / repeats / one)))
+    samples = []
+    gc_was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            if driver.max_pos() + steps * max_run > CAPACITY:
+                driver.rewind_all()  # outside the timed region
+            start = time.perf_counter()
+            for _ in range(steps):
+                driver.step(ids)
+            samples.append((time.perf_counter() - start) / steps * 1e6)
+    finally:
+        if gc_was:
+            gc.enable()
+    return statistics.median(samples), min(samples)
+
+
+def _check_same_tables(kv_driver, naive, ids):
+    a, b = kv_driver.plan_of(ids), naive.plan_of(ids)
+    for name, x, y in zip(("seq_info", "seq_cols", "positions"), a, b):
+        if not np.array_equal(np.asarray(x), np.asarray(y)):
+            raise AssertionError(f"naive and kvnumba disagree on {name}")
+
+
+def run(quick: bool = False, batches=BATCHES, verbose: bool = False) -> dict:
+    """Time both drivers for every (B, step kind). Returns the figures as a dict."""
+    repeats = 3 if quick else 9
+    budget = 0.01 if quick else 0.4   # seconds of timed steps per (driver, B, kind)
+    rows = []
+    with _no_simulated_upload():
+        for batch in batches:
+            for kind in KINDS:
+                ids = step_ids(batch, kind)
+                kv_driver, naive = KvDriver(batch), NaiveDriver(batch)
+                _check_same_tables(kv_driver, naive, ids)
+                kv_us, kv_best = _time_driver(kv_driver, ids, repeats=repeats, budget_s=budget)
+                naive_us, naive_best = _time_driver(naive, ids, repeats=repeats, budget_s=budget)
+                row = dict(batch=batch, kind=kind, tokens=int(ids.size), kvnumba_us=kv_us,
+                           naive_us=naive_us, ratio=naive_us / kv_us, kvnumba_best_us=kv_best,
+                           naive_best_us=naive_best)
+                rows.append(row)
+                if verbose:
+                    print(_format_row(row), flush=True)
+    result = dict(upload_included=not kv_device.SIMULATOR, device=kv_device.KIND,
+                  quick=quick, repeats=repeats, rows=rows,
+                  targets=dict(decode_us_at_256=TARGET_DECODE_US, ratio_at_256=TARGET_RATIO))
+    at_256 = {r["kind"]: r for r in rows if r["batch"] == 256}
+    if "decode" in at_256:
+        d = at_256["decode"]
+        result["decode_us_at_256"] = d["kvnumba_us"]
+        result["ratio_at_256"] = d["ratio"]
+        result["meets_decode_target"] = d["kvnumba_us"] < TARGET_DECODE_US
+        result["meets_ratio_target"] = d["ratio"] >= TARGET_RATIO
+    return result
+
+
+# ---------------------------------------------------------------------------- report
+HEADER = f"{'B':>5} {'step':<7} {'tokens':>6} {'kvnumba µs/step':>16} {'naive µs/step':>14} " \
+         f"{'ratio':>7} {'kvnumba best':>13}"
+
+
+def _format_row(row) -> str:
+    return (f"{row['batch']:>5} {row['kind']:<7} {row['tokens']:>6} {row['kvnumba_us']:>16.1f} "
+            f"{row['naive_us']:>14.1f} {row['ratio']:>6.1f}x {row['kvnumba_best_us']:>13.1f}")
+
+
+def header_lines(result_or_simulator) -> list:
+    simulator = result_or_simulator if isinstance(result_or_simulator, bool) \
+        else not result_or_simulator["upload_included"]
+    upload = ("host-to-device upload EXCLUDED (simulator: simulated copy replaced by a no-op)"
+              if simulator else "host-to-device upload included (GPU)")
+    return ["control plane: host time of declare_step + prepare_step + commit_step "
+            "(median µs per step; best = fastest block)",
+            f"  {upload}; naive = one transitions model per slot, Python bookkeeping",
+            f"  targets: < {TARGET_DECODE_US:.0f} µs per decode step at B=256; "
+            f">= {TARGET_RATIO:.0f}x faster than naive at B=256"]
+
+
+def report(result: dict) -> str:
+    lines = header_lines(result) + [HEADER] + [_format_row(r) for r in result["rows"]]
+    if "decode_us_at_256" in result:
+        ok = {True: "met", False: "MISSED"}
+        lines.append(f"  decode at B=256: {result['decode_us_at_256']:.1f} µs "
+                     f"(target < {TARGET_DECODE_US:.0f}: {ok[result['meets_decode_target']]}), "
+                     f"{result['ratio_at_256']:.1f}x naive "
+                     f"(target >= {TARGET_RATIO:.0f}x: {ok[result['meets_ratio_target']]})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short run (a few ms per case)")
+    args = parser.parse_args(argv)
+    print("\n".join(header_lines(kv_device.SIMULATOR)), flush=True)
+    print(HEADER, flush=True)
+    result = run(quick=args.quick, verbose=True)
+    print(report(result).splitlines()[-1] if "decode_us_at_256" in result else "")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
