@@ -26,6 +26,7 @@ from .slots import SlotState, SlotTable, StepMachine, StepState, check_ids
 from .staging import Staging
 
 _IO_DTYPES = (np.float16, np.float32)
+_max = np.maximum.reduce
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
 
 
@@ -183,19 +184,21 @@ class BatchedSequenceCache:
         n_tokens = ids.size
         ids = ids.astype(np.int64, copy=False)
         boundary = ids[1:] != ids[:-1]
-        if np.count_nonzero(boundary) == n_tokens - 1:  # every token its own run: decode
+        if n_tokens <= self._arange.size and np.count_nonzero(boundary) == n_tokens - 1:
+            # every token its own run (a decode step): reuse the read-only ramps
             run_seqs, run_starts, run_lens = ids, self._arange[:n_tokens], self._ones[:n_tokens]
         else:
             run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
             run_seqs = ids[run_starts]
             run_lens = np.diff(np.append(run_starts, n_tokens))
         nxt = self._slots.check("declare", run_seqs)
-        self._check_runs(run_seqs, run_starts, run_lens)
-        flags = self._block_flags(blocks, run_seqs)
+        pos_start = self._slots.pos[run_seqs]
+        ends = pos_start + run_lens
+        max_q_len, max_kv_len = self._check_runs(run_seqs, run_starts, run_lens, ends)
         if n_tokens > self.config.max_step:
             raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
                                 f"{self.config.max_step}")
-        pos_start = self._slots.pos[run_seqs]
+        flags = self._block_flags(blocks, run_seqs)
         seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
         seq_info[:, Q_START] = run_starts
         seq_info[:, Q_LEN] = run_lens
@@ -205,11 +208,10 @@ class BatchedSequenceCache:
         seq_info.setflags(write=False)
         logits = run_starts + run_lens - 1
         logits.setflags(write=False)
-        ends = pos_start + run_lens
         self._slots.apply("declare", run_seqs, nxt)
         self._step.apply("declare", nxt_step)
         self._runs = (run_seqs, run_lens, ends)
-        self._plan = StepPlan(n_tokens, seq_info, logits, int(run_lens.max()), int(ends.max()))
+        self._plan = StepPlan(n_tokens, seq_info, logits, max_q_len, max_kv_len)
         return self._plan
 
     def prepare_step(self, width: int | None = None) -> StepPlan:
@@ -226,12 +228,14 @@ class BatchedSequenceCache:
             raise CapacityError(f"prepare_step: width {width} outside [n_tokens "
                                 f"{plan.n_tokens}, max_step {self.config.max_step}]")
         if plan.max_kv_len > self._pool.flat_rows:
-            self._pool.ensure_row(plan.max_kv_len - 1, int(self._slots.high_water.max()))
+            self._pool.ensure_row(plan.max_kv_len - 1, int(_max(self._slots.high_water)))
         run_seqs, run_lens, _ = self._runs
         info = plan.seq_info
-        seq_cols = np.full(width, self._pad_col, dtype=np.int32)
-        positions = np.zeros(width, dtype=np.int32)
         n = plan.n_tokens
+        seq_cols = np.empty(width, dtype=np.int32)
+        positions = np.empty(width, dtype=np.int32)
+        seq_cols[n:] = self._pad_col
+        positions[n:] = 0
         if run_seqs.size == n:
             seq_cols[:n] = run_seqs
             positions[:n] = info[:, POS_START]
@@ -399,25 +403,31 @@ class BatchedSequenceCache:
                                  f"{int(self._slots.high_water[seq])}, max_write "
                                  f"{self.config.max_write})")
 
-    def _check_runs(self, run_seqs, run_starts, run_lens) -> None:
-        counts = np.bincount(run_seqs, minlength=self._n)
-        if counts.max() > 1:
+    def _check_runs(self, run_seqs, run_starts, run_lens, ends) -> tuple[int, int]:
+        """Refuse a sequence in several runs, a run over max_write, an end past capacity.
+
+        Returns the longest run and the furthest end (they size the kernels' grids).
+        """
+        if _max(np.bincount(run_seqs, minlength=self._n)) > 1:
+            counts = np.bincount(run_seqs, minlength=self._n)
             seq = int(np.flatnonzero(counts > 1)[0])
             runs = [(int(s), int(s + n)) for s, n, q in zip(run_starts, run_lens, run_seqs)
                     if q == seq]
             raise OwnerRunError(f"declare_step: sequence {seq} has {len(runs)} runs "
                                 f"{runs} (token ranges); its tokens must form one contiguous run")
-        m = self.config.max_write
-        if run_lens.max() > m:
+        max_q_len = int(_max(run_lens))
+        if max_q_len > self.config.max_write:
             i = int(np.argmax(run_lens))
             raise CapacityError(f"declare_step: sequence {int(run_seqs[i])} writes "
-                                f"{int(run_lens[i])} tokens, more than max_write {m}")
-        ends = self._slots.pos[run_seqs] + run_lens
-        if ends.max() > self.config.capacity:
+                                f"{int(run_lens[i])} tokens, more than max_write "
+                                f"{self.config.max_write}")
+        max_kv_len = int(_max(ends))
+        if max_kv_len > self.config.capacity:
             i = int(np.argmax(ends))
             raise CapacityError(f"declare_step: sequence {int(run_seqs[i])} at pos "
                                 f"{int(self._slots.pos[run_seqs[i]])} + {int(run_lens[i])} tokens "
                                 f"exceeds capacity {self.config.capacity}")
+        return max_q_len, max_kv_len
 
     def _block_flags(self, blocks, run_seqs) -> np.ndarray | int:
         if blocks is None or (not isinstance(blocks, np.ndarray) and len(blocks) == 0):
