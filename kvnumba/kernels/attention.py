@@ -1,0 +1,449 @@
+"""Variable-length attention over each segment's own history (DESIGN §8).
+
+One kernel body does the work: a block takes a tile of *rows* of one segment and
+one kv head, where a row is a (query token, query head of the kv head's GQA group)
+pair, token-major (row `r` -> token `r // group`, head `kv_head * group + r % group`).
+So every K/V tile a block stages in shared memory serves all the query heads that
+read it (packed GQA). For its rows the block walks one key range in tiles of
+`block_keys` keys; per tile (4 barriers):
+
+  a. stage K (float32, rows padded by one to dodge bank conflicts);
+  b. scores: each thread a `PR x PK` micro-tile of (row, key) pairs, dot products
+     over head_dim from shared memory; scale, softcap, mask -> -inf;
+  c. one thread per row: online-softmax update (running max / sum, rescale
+     factor), probabilities written back in place; meanwhile all threads stage V
+     over K;
+  d. each thread rescales and accumulates its `OWN` (row, dim) output elements.
+
+Every query's visible keys form one interval `[lo, hi)` (see `_key_range`), and
+these intervals only move forward with the token, so a row tile needs exactly the
+keys `[lo(first row), hi(last row))`: tiles outside the causal / window mask are
+never loaded.
+
+Two paths, chosen per call on the host from `max_q_len`:
+
+* decode (`max_q_len <= DECODE_MAX_Q_LEN`): `DECODE_TILES` (few rows, wide key
+  tiles) and split-K (flash-decoding): the key range of each row tile is cut into
+  `n_splits` chunks, one block each, writing unnormalised partials (acc, max, sum)
+  to the workspace; `_combine_kernel` merges them (log-sum-exp) into `out`. With a
+  single split the block writes `out` directly and no combine runs.
+* prefill: `PREFILL_TILES` (tall row tiles), one block per (segment, row tile,
+  kv head) over the whole key range, writing `out` directly.
+
+`_zero_rows_kernel` writes zeros into the padding rows `[n_tokens, width)`.
+Softmax and accumulation are float32; storage, q and out may each be float16 or
+float32 (one compiled specialisation per combination, made on first use).
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from ..device import cuda
+from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START
+
+from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
+
+#: head_dim is padded up to one of these; each gets its own compiled tile shapes
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+#: padded head_dim -> tile shapes (block_rows, block_keys, key_lanes, threads):
+#: key_lanes threads run along keys and threads // key_lanes along rows. Shared
+#: memory, (block_rows + block_keys) * (dpad + 1) + block_rows * (block_keys + 1)
+#: floats, stays under the 48 KiB static limit. Tiny head dims use 2 warps.
+#: Decode offers one shape per row count (group * max_q_len rows are packed in a
+#: tile): the host takes the smallest that holds them all, else the largest, so
+#: threads are not left idle on a 1-row decode.
+DECODE_TILES = {
+    16: ((4, 32, 16, 64), (16, 32, 4, 64)),
+    32: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
+    64: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
+    128: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
+    256: ((4, 32, 32, 128), (8, 32, 16, 128)),
+}
+PREFILL_TILES = {16: (32, 32, 8, 64), 32: (64, 64, 16, 128), 64: (64, 32, 16, 128),
+                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128)}
+#: segments no longer than this (all of them) take the split-K decode path
+DECODE_MAX_Q_LEN = 4
+#: the decode path aims for this many blocks (about 2 per SM on an H100/H200), but
+#: never cuts a key range into chunks shorter than DECODE_MIN_CHUNK keys or into
+#: more than MAX_SPLITS pieces
+TARGET_BLOCKS = 264
+DECODE_MIN_CHUNK = 256
+MAX_SPLITS = 64
+#: threads per block of the combine and padding kernels
+COMBINE_THREADS = 128
+
+NEG_INF = float32(-math.inf)
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The padded head_dim whose tile shapes serve `head_dim` (1..256)."""
+    for dpad in HEAD_DIM_BUCKETS:
+        if head_dim <= dpad:
+            return dpad
+    raise ValueError(f"head_dim={head_dim}: attention supports at most {HEAD_DIM_BUCKETS[-1]}")
+
+
+@cuda.jit(device=True)
+def _key_range(i, q_len, pos_start, block, window):
+    """`[lo, hi)`: the keys query `i` of a segment sees (one interval, moving forward with `i`).
+
+    Causal: `lo(p) <= j <= p`, `lo(p) = max(0, p - W + 1)` (0 without a window): FlashAttention's
+    `window_size=(W - 1, 0)`, Hugging Face's `sliding_window=W`.
+    Block: the whole block `[pos_start, pos_start + q_len)` plus history `j >= lo(p)`.
+    """
+    p = pos_start + i
+    lo = 0
+    if window > 0:
+        lo = max(0, p - window + 1)
+    if block:
+        return min(lo, pos_start), pos_start + q_len
+    return lo, p + 1
+
+
+@cuda.jit(device=True)
+def _store_row(row0, c, ring_rows):
+    """Storage row of key `key0 + c`, given `row0`, the row of `key0` (no division per key)."""
+    row = row0 + c
+    if ring_rows > 0:
+        while row >= ring_rows:
+            row -= ring_rows
+    return row
+
+
+@lru_cache(maxsize=None)
+def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: int,
+                      threads: int):
+    """The attention kernel for one padded head_dim and tile shape (see module doc)."""
+    BR, BK, TX, THREADS = block_rows, block_keys, key_lanes, threads
+    TY = THREADS // TX               # thread lanes along rows
+    PR, PK = BR // TY, BK // TX      # micro-tile of (row, key) pairs per thread
+    NSCORE = PR * PK
+    OWN = BR * dpad // THREADS       # (row, dim) output elements per thread
+    STRIDE = dpad + 1                # padded shared rows: no bank conflicts across rows
+    PSTRIDE = BK + 1
+    assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad
+
+    @cuda.jit
+    def attention(q, k_store, v_store, seq_info, out, part_acc, part_ml,
+                  n_row_tiles, n_splits, chunk, group, ring_rows, window, scale, softcap):
+        tid = cuda.threadIdx.x
+        kv_head = cuda.blockIdx.y
+        split = cuda.blockIdx.x % n_splits
+        row_tile = cuda.blockIdx.x // n_splits
+        seg = row_tile // n_row_tiles
+        first_row = (row_tile % n_row_tiles) * BR
+
+        q_start = seq_info[seg, Q_START]
+        q_len = seq_info[seg, Q_LEN]
+        col = seq_info[seg, COL]
+        pos_start = seq_info[seg, POS_START]
+        block = (seq_info[seg, FLAGS] & FLAG_BLOCK) != 0
+        n_rows = min(BR, group * q_len - first_row)
+        if n_rows <= 0:
+            return
+        span_lo, _hi = _key_range(first_row // group, q_len, pos_start, block, window)
+        _lo, span_hi = _key_range((first_row + n_rows - 1) // group, q_len, pos_start,
+                                  block, window)
+        key_lo = span_lo + split * chunk
+        key_hi = min(span_hi, key_lo + chunk)
+        if key_lo >= key_hi:
+            return
+        width, n_heads, head_dim = q.shape
+
+        q_tile = cuda.shared.array((BR, STRIDE), float32)
+        kv_tile = cuda.shared.array((BK, STRIDE), float32)
+        probs = cuda.shared.array((BR, PSTRIDE), float32)
+        row_lo = cuda.shared.array(BR, int32)
+        row_hi = cuda.shared.array(BR, int32)
+        row_alpha = cuda.shared.array(BR, float32)
+        row_sum = cuda.shared.array(BR, float32)
+
+        # stage the (pre-scaled) queries and each row's key interval
+        for e in range(tid, n_rows * dpad, THREADS):
+            r = e // dpad
+            d = e - r * dpad
+            if d < head_dim:
+                row = first_row + r
+                q_tile[r, d] = float32(q[q_start + row // group, kv_head * group + row % group,
+                                         d]) * scale
+        if tid < n_rows:
+            lo, hi = _key_range((first_row + tid) // group, q_len, pos_start, block, window)
+            row_lo[tid] = lo
+            row_hi[tid] = hi
+        run_max = NEG_INF                # this thread's row (tid < n_rows): running max, sum
+        run_sum = float32(0.0)
+        acc = cuda.local.array(OWN, float32)
+        for i in range(OWN):
+            acc[i] = 0.0
+        score = cuda.local.array(NSCORE, float32)
+        ty = tid // TX
+        tx = tid % TX
+        own_first_row = tid // dpad
+
+        for key0 in range(key_lo, key_hi, BK):
+            n_keys = min(BK, key_hi - key0)
+            row0 = key0 % ring_rows if ring_rows > 0 else key0   # storage row of key0
+            # a. stage K
+            for e in range(tid, n_keys * dpad, THREADS):
+                c = e // dpad
+                d = e - c * dpad
+                if d < head_dim:
+                    kv_tile[c, d] = float32(k_store[_store_row(row0, c, ring_rows), col,
+                                                    kv_head, d])
+            cuda.syncthreads()
+            # b. scores of this thread's micro-tile (clamped indices: no stale reads)
+            if ty < n_rows and tx < n_keys:
+                for j in range(NSCORE):
+                    score[j] = 0.0
+                for d in range(head_dim):
+                    for a in range(PR):
+                        qa = q_tile[min(ty + a * TY, n_rows - 1), d]
+                        for b in range(PK):
+                            score[a * PK + b] += qa * kv_tile[min(tx + b * TX, n_keys - 1), d]
+                for a in range(PR):
+                    r = ty + a * TY
+                    for b in range(PK):
+                        c = tx + b * TX
+                        if r < n_rows and c < n_keys:
+                            key = key0 + c
+                            s = score[a * PK + b]
+                            if softcap > 0:
+                                s = softcap * math.tanh(s / softcap)
+                            if key < row_lo[r] or key >= row_hi[r]:
+                                s = NEG_INF
+                            probs[r, c] = s
+            cuda.syncthreads()
+            # c. online softmax, one thread per row; everyone stages V over K
+            if tid < n_rows:
+                tile_max = NEG_INF
+                for c in range(n_keys):
+                    tile_max = max(tile_max, probs[tid, c])
+                new_max = max(run_max, tile_max)
+                alpha = float32(1.0)
+                tile_sum = float32(0.0)
+                if new_max == NEG_INF:   # no visible key yet: nothing to rescale
+                    for c in range(n_keys):
+                        probs[tid, c] = 0.0
+                else:
+                    alpha = math.exp(run_max - new_max)
+                    for c in range(n_keys):
+                        p = math.exp(probs[tid, c] - new_max)
+                        probs[tid, c] = p
+                        tile_sum += p
+                run_max = new_max
+                run_sum = run_sum * alpha + tile_sum
+                row_alpha[tid] = alpha
+                row_sum[tid] = run_sum
+            for e in range(tid, n_keys * dpad, THREADS):
+                c = e // dpad
+                d = e - c * dpad
+                if d < head_dim:
+                    kv_tile[c, d] = float32(v_store[_store_row(row0, c, ring_rows), col,
+                                                    kv_head, d])
+            cuda.syncthreads()
+            # d. rescale and accumulate this thread's output elements
+            if own_first_row < n_rows:
+                for i in range(OWN):
+                    acc[i] *= row_alpha[min((i * THREADS + tid) // dpad, n_rows - 1)]
+                for c in range(n_keys):
+                    for i in range(OWN):
+                        e = i * THREADS + tid
+                        r = e // dpad
+                        d = e - r * dpad
+                        if r < n_rows and d < head_dim:
+                            acc[i] += probs[r, c] * kv_tile[c, d]
+            if key0 + BK < key_hi:
+                cuda.syncthreads()
+
+        # write out (one split) or partials (split-K, merged by _combine_kernel)
+        for i in range(OWN):
+            e = i * THREADS + tid
+            r = e // dpad
+            d = e - r * dpad
+            if r < n_rows and d < head_dim:
+                row = first_row + r
+                token = q_start + row // group
+                head = kv_head * group + row % group
+                if n_splits == 1:
+                    out[token, head, d] = acc[i] / row_sum[r]
+                else:
+                    part_acc[((split * width + token) * n_heads + head) * head_dim + d] = acc[i]
+        if n_splits > 1 and tid < n_rows:
+            row = first_row + tid
+            token = q_start + row // group
+            head = kv_head * group + row % group
+            base = ((split * width + token) * n_heads + head) * 2
+            part_ml[base] = run_max
+            part_ml[base + 1] = run_sum
+
+    return attention
+
+
+@cuda.jit
+def _combine_kernel(seq_info, part_acc, part_ml, out, max_q_len, group, block_rows, chunk,
+                    window):
+    """Merge split-K partials of one query token (all heads): log-sum-exp weighted sum.
+
+    Row tile and split geometry must match the attention launch that wrote them.
+    """
+    tid = cuda.threadIdx.x
+    seg = cuda.blockIdx.x // max_q_len
+    i = cuda.blockIdx.x % max_q_len
+    q_len = seq_info[seg, Q_LEN]
+    if i >= q_len:
+        return
+    pos_start = seq_info[seg, POS_START]
+    block = (seq_info[seg, FLAGS] & FLAG_BLOCK) != 0
+    token = seq_info[seg, Q_START] + i
+    width, n_heads, head_dim = out.shape
+    lo, hi = _key_range(i, q_len, pos_start, block, window)
+    for e in range(tid, n_heads * head_dim, COMBINE_THREADS):
+        head = e // head_dim
+        d = e - head * head_dim
+        first_row = ((i * group + head % group) // block_rows) * block_rows
+        span_lo, _hi = _key_range(first_row // group, q_len, pos_start, block, window)
+        split_first = (lo - span_lo) // chunk
+        split_last = (hi - 1 - span_lo) // chunk
+        best = NEG_INF
+        for split in range(split_first, split_last + 1):
+            best = max(best, part_ml[((split * width + token) * n_heads + head) * 2])
+        total = float32(0.0)
+        value = float32(0.0)
+        for split in range(split_first, split_last + 1):
+            base = (split * width + token) * n_heads + head
+            weight = math.exp(part_ml[base * 2] - best)
+            total += weight * part_ml[base * 2 + 1]
+            value += weight * part_acc[base * head_dim + d]
+        out[token, head, d] = value / total
+
+
+@cuda.jit
+def _zero_rows_kernel(out, first_token):
+    """Zero one padding row `out[first_token + blockIdx.x]` (all heads)."""
+    token = first_token + cuda.blockIdx.x
+    n_heads, head_dim = out.shape[1], out.shape[2]
+    for e in range(cuda.threadIdx.x, n_heads * head_dim, COMBINE_THREADS):
+        head = e // head_dim
+        out[token, head, e - head * head_dim] = float32(0.0)
+
+
+class AttentionWorkspace:
+    """Scratch device buffers (split-K partials etc.), grown on demand and reused across calls.
+
+    `part_acc`: float32, flat `[n_splits, width, n_q_heads, head_dim]` unnormalised
+    outputs; `part_ml`: float32, flat `[n_splits, width, n_q_heads, 2]` running max
+    and sum. Sizes only grow (to the next power of two), so a warm workspace
+    allocates nothing.
+    """
+
+    def __init__(self):
+        self.part_acc = None
+        self.part_ml = None
+        self.dummy = cuda.device_array(1, np.float32)   # for launches without partials
+
+    @staticmethod
+    def _grown(buf, size, stream):
+        if buf is not None and buf.size >= size:
+            return buf
+        return cuda.device_array(1 << max(0, int(size - 1).bit_length()), np.float32,
+                                 stream=stream)
+
+    def partials(self, acc_size: int, ml_size: int, stream=0):
+        """`(part_acc, part_ml)` of at least these sizes (elements)."""
+        self.part_acc = self._grown(self.part_acc, acc_size, stream)
+        self.part_ml = self._grown(self.part_ml, ml_size, stream)
+        return self.part_acc, self.part_ml
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.size * 4 for b in (self.part_acc, self.part_ml, self.dummy)
+                   if b is not None)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
+                window, path=None, kv_chunk=None):
+    """Host-side launch geometry: a dict with path, tiles, grid and split-K chunking.
+
+    `path`: None (auto: "decode" when `max_q_len <= DECODE_MAX_Q_LEN`), "decode" or
+    "prefill". `kv_chunk`: force the split-K chunk length (keys), any path.
+    """
+    if path is None:
+        path = "decode" if max_q_len <= DECODE_MAX_Q_LEN else "prefill"
+    if path not in ("decode", "prefill"):
+        raise ValueError(f"path={path!r}: must be None, 'decode' or 'prefill'")
+    group = n_q_heads // n_kv_heads
+    dpad = head_dim_bucket(head_dim)
+    if path == "decode":
+        rows = group * max_q_len
+        tiles = next((t for t in DECODE_TILES[dpad] if t[0] >= rows), DECODE_TILES[dpad][-1])
+    else:
+        tiles = PREFILL_TILES[dpad]
+    block_rows, block_keys, key_lanes, threads = tiles
+    n_row_tiles = _ceil_div(group * max_q_len, block_rows)
+    # longest key range of one row tile: the whole history, or what the window leaves
+    span = max_kv_len if window <= 0 else min(max_kv_len, window + max_q_len - 1)
+    span = max(span, 1)
+    if kv_chunk is not None:
+        chunk = int(kv_chunk)
+    elif path == "decode":
+        want = min(MAX_SPLITS, max(1, _ceil_div(TARGET_BLOCKS,
+                                                n_segments * n_row_tiles * n_kv_heads)))
+        chunk = _ceil_div(max(DECODE_MIN_CHUNK, _ceil_div(span, want)), block_keys) * block_keys
+    else:
+        chunk = span
+    n_splits = _ceil_div(span, chunk)
+    return dict(path=path, group=group, dpad=dpad, block_rows=block_rows,
+                block_keys=block_keys, key_lanes=key_lanes, n_row_tiles=n_row_tiles,
+                n_splits=n_splits, chunk=chunk,
+                grid=(n_segments * n_row_tiles * n_splits, n_kv_heads), threads=threads)
+
+
+def attend(q, k_store, v_store, seq_info, out, *, n_segments, n_tokens, max_q_len, max_kv_len,
+           ring_rows, window, scale, softcap, workspace, stream=0, path=None, kv_chunk=None):
+    """Attention of every segment's queries over its own column's keys; writes and returns `out`.
+
+    q: [width, n_q_heads, head_dim] device array (float16/float32); out: same shape,
+    float16/float32. k_store/v_store: [rows, n_cols, n_kv_heads, head_dim].
+    seq_info: int32 device [>= n_segments, 5] (fields in `kvnumba.plan`).
+    n_tokens <= width; rows [n_tokens, width) of out are zeroed.
+    max_q_len / max_kv_len: largest q_len / pos_start + q_len over the segments.
+    ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
+    softcap: 0.0 = off. All launches on `stream`; no host synchronisation, no copies,
+    no device allocation once `workspace` is warm.
+    path / kv_chunk: overrides for tests and benchmarks (see `launch_plan`).
+    """
+    width, n_q_heads, head_dim = q.shape
+    n_kv_heads = k_store.shape[2]
+    assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
+    assert 0 <= n_tokens <= width
+    if n_tokens < width:
+        _zero_rows_kernel[width - n_tokens, COMBINE_THREADS, stream](out, n_tokens)
+    if n_segments == 0 or n_tokens == 0:
+        return out
+    plan = launch_plan(n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,
+                       n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                       window=window, path=path, kv_chunk=kv_chunk)
+    n_splits = plan["n_splits"]
+    if n_splits > 1:
+        part_acc, part_ml = workspace.partials(n_splits * width * n_q_heads * head_dim,
+                                               n_splits * width * n_q_heads * 2, stream)
+    else:
+        part_acc = part_ml = workspace.dummy
+    kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
+                               plan["key_lanes"], plan["threads"])
+    kernel[plan["grid"], plan["threads"], stream](
+        q, k_store, v_store, seq_info, out, part_acc, part_ml,
+        plan["n_row_tiles"], n_splits, plan["chunk"], plan["group"], int(ring_rows),
+        int(window), np.float32(scale), np.float32(softcap))
+    if n_splits > 1:
+        _combine_kernel[n_segments * max_q_len, COMBINE_THREADS, stream](
+            seq_info, part_acc, part_ml, out, max_q_len, plan["group"], plan["block_rows"],
+            plan["chunk"], int(window))
+    return out
