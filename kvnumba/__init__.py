@@ -12,6 +12,8 @@ from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigErr
                      RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
                      UnknownSequenceError)
 from .plan import Segment, StepPlan
+from .sessions import PackedStep, SessionTable
+from .single import SequenceBatchControl, SequenceCache
 from .slots import SlotState, StepState
 
 __version__ = "0.1.0"
@@ -22,4 +24,5 @@ __all__ = [
     "OwnerRunError", "PositionError", "RingFloorError", "Segment", "SessionError",
     "ShapeError", "SlotState", "SlotStateError", "StepPlan", "StepProtocolError",
     "StepState", "UnknownSequenceError", "device", "flat", "ring",
+    "PackedStep", "SessionTable", "SequenceBatchControl", "SequenceCache",
 ]

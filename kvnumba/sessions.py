@@ -1,0 +1,276 @@
+"""`SessionTable`: sessions mapped onto sequences through the BatchControl face alone (DESIGN §10).
+
+A session is what a serving loop calls a conversation; a sequence is a cache
+column. The table hands out session ids (from 1, monotonic, never reused), keeps
+one sequence per session, and packs a batch of `(sid, start, tokens)` inputs
+into one step's token axis (`PackedStep`), queueing the rewinds that inputs
+starting before a session's cursor imply. It uses only BatchControl verbs
+(`seq_new`, `seq_rm`, `seq_clone`, `rewind`, `pos`, `floor`, `state`,
+`step_state`), so it runs over a `BatchedSequenceCache` and over a
+`SequenceBatchControl` alike.
+
+Every refusal is a `SessionError` or one of the cache's own typed errors (with
+the session named in its message), and changes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import (CacheFullError, ConfigError, KVCacheError, RingFloorError, SessionError,
+                     ShapeError, SlotStateError, StepProtocolError)
+from .slots import SlotState, StepState
+
+_REWINDABLE = (SlotState.COMMITTED, SlotState.REWOUND)
+
+
+@dataclass(frozen=True)
+class PackedStep:
+    """One step's inputs laid end to end on the token axis.
+
+    tokens:         the inputs' tokens concatenated along axis 0 (token ids `[n]`, or
+                    payload rows `[n, ...]`).
+    positions:      `[n]` int64, the absolute position of each token in its session.
+    seq_ids:        `[n]` int64, the sequence of each token: pass it to
+                    `control.declare_step(packed.seq_ids)`.
+    logit_indices:  `[n_inputs]` int64, one per input: the index of its last token if it
+                    is its session's last input in the batch, else -1 (an earlier chunk
+                    of a prompt samples nothing).
+    """
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seq_ids: np.ndarray
+    logit_indices: np.ndarray
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.seq_ids.size)
+
+
+class SessionTable:
+    """Sessions over any BatchControl (`BatchedSequenceCache`, `SequenceBatchControl`, ...).
+
+    control:             the BatchControl the sessions' sequences live in.
+    max_sessions:        most sessions open at once (clones count).
+    max_session_tokens:  most positions one session may reach.
+    """
+
+    def __init__(self, control, *, max_sessions: int, max_session_tokens: int):
+        for name, value in (("max_sessions", max_sessions),
+                            ("max_session_tokens", max_session_tokens)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(f"SessionTable: {name}={value!r} must be an integer >= 1")
+        self.control = control
+        self.max_sessions = int(max_sessions)
+        self.max_session_tokens = int(max_session_tokens)
+        self._seqs: dict[int, int] = {}   # sid -> sequence id, in opening order
+        self._next_sid = 1
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def sessions(self) -> tuple:
+        """The open session ids, in the order they were opened."""
+        return tuple(self._seqs)
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __contains__(self, sid) -> bool:
+        return sid in self._seqs
+
+    def seq(self, sid: int) -> int:
+        """The sequence id that holds session `sid`."""
+        return self._seq(sid, "seq")
+
+    def pos(self, sid: int) -> int:
+        """Positions session `sid` holds (its cursor: the next token takes this position)."""
+        return int(self.control.pos(self._seq(sid, "pos")))
+
+    # ------------------------------------------------------------------ session verbs
+    def open(self) -> int:
+        """Open an empty session on a fresh sequence; returns its id (ids start at 1).
+
+        `SessionError` at `max_sessions` or when the control has no free sequence.
+        """
+        self._require_room("open")
+        try:
+            seq = int(self.control.seq_new())
+        except CacheFullError as exc:
+            raise SessionError(f"open: the control has no free sequence for a new session "
+                               f"({exc})") from exc
+        return self._add(seq)
+
+    def close(self, sid: int) -> None:
+        """Free the session's sequence (`seq_rm`) and forget it. Unknown or closed: nothing."""
+        seq = self._seqs.get(sid)
+        if seq is None:
+            return
+        try:
+            self.control.seq_rm(seq)
+        except KVCacheError as exc:
+            raise _naming(exc, f"close session {sid} (sequence {seq})") from exc
+        del self._seqs[sid]
+
+    def clone(self, sid: int, upto: int | None = None) -> int:
+        """A new session holding session `sid`'s first `upto` positions (default all).
+
+        `0 < upto <= pos(sid)` and `upto <= max_session_tokens`, else `SessionError`;
+        the copy is `control.seq_clone` (a single-sequence control refuses it with
+        `CloneRefusedError`; a target below the ring floor is `RingFloorError`).
+        """
+        seq = self._seq(sid, "clone")
+        pos = int(self.control.pos(seq))
+        keep = pos if upto is None else _as_int(upto, f"clone session {sid}: upto")
+        if not 0 < keep <= pos:
+            raise SessionError(f"clone session {sid}: upto={keep} outside (0, {pos}] "
+                               f"(the session holds {pos} positions)")
+        if keep > self.max_session_tokens:
+            raise SessionError(f"clone session {sid}: upto={keep} exceeds max_session_tokens "
+                               f"{self.max_session_tokens}")
+        self._require_room(f"clone session {sid}")
+        try:
+            dst = int(self.control.seq_clone(seq, keep))
+        except CacheFullError as exc:
+            raise SessionError(f"clone session {sid}: the control has no free sequence for "
+                               f"the clone ({exc})") from exc
+        except KVCacheError as exc:
+            raise _naming(exc, f"clone session {sid} (sequence {seq}) upto {keep}") from exc
+        return self._add(dst)
+
+    # ------------------------------------------------------------------ packing
+    def pack(self, inputs) -> PackedStep:
+        """Lay `inputs`, each `(sid, start, tokens)`, end to end for one step.
+
+        Per session a cursor starts at `pos(sid)`. Refused (nothing changes): an
+        unknown session; `start` past the cursor (a gap); a later input of the same
+        session starting before the cursor (an overlap); inputs of one session that
+        are not adjacent; `start + len(tokens) > max_session_tokens`; an empty input.
+        A session's first input starting before its cursor queues a rewind to
+        `start`, refused below the sequence's floor (`RingFloorError`) or when the
+        sequence cannot rewind now. The queued rewinds run only after every input
+        has passed. Then call `control.declare_step(packed.seq_ids)`.
+        """
+        inputs = list(inputs)
+        if not inputs:
+            raise SessionError("pack: no inputs")
+        cursors: dict[int, int] = {}
+        rewinds: dict[int, tuple[int, int]] = {}  # sid -> (seq, target)
+        chunks, seqs, starts, lens = [], [], [], []
+        last_sid = None
+        for i, item in enumerate(inputs):
+            try:
+                sid, start, tokens = item
+            except (TypeError, ValueError):
+                raise SessionError(f"pack: input {i} must be (sid, start, tokens), "
+                                   f"got {item!r}") from None
+            seq = self._seq(sid, f"pack input {i}")
+            start = _as_int(start, f"pack input {i} (session {sid}): start")
+            arr = np.asarray(tokens)
+            if arr.ndim == 0 or arr.shape[0] == 0:
+                raise SessionError(f"pack: input {i} (session {sid}) has no tokens "
+                                   f"(shape {arr.shape})")
+            n = int(arr.shape[0])
+            if sid in cursors:
+                cursor = cursors[sid]
+                if sid != last_sid:
+                    raise SessionError(f"pack: input {i} of session {sid} is not adjacent to "
+                                       f"its earlier input; a session's inputs must be one run")
+                if start < cursor:
+                    raise SessionError(f"pack: input {i} of session {sid} starts at {start}, "
+                                       f"overlapping its earlier input which ends at {cursor}")
+            else:
+                cursor = int(self.control.pos(seq))
+                if start < cursor:
+                    self._check_rewind(i, sid, seq, start, cursor)
+                    rewinds[sid] = (seq, start)
+            if start > cursor:
+                raise SessionError(f"pack: input {i} of session {sid} starts at {start}, past "
+                                   f"its cursor {cursor} (a gap of {start - cursor} positions)")
+            end = start + n
+            if end > self.max_session_tokens:
+                raise SessionError(f"pack: input {i} of session {sid} would reach position "
+                                   f"{end}, past max_session_tokens {self.max_session_tokens}")
+            cursors[sid] = end
+            last_sid = sid
+            chunks.append(arr)
+            seqs.append(seq)
+            starts.append(start)
+            lens.append(n)
+        try:
+            tokens = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=0)
+        except ValueError as exc:
+            shapes = [c.shape for c in chunks]
+            raise ShapeError(f"pack: inputs do not concatenate along axis 0 (shapes {shapes}): "
+                             f"{exc}") from None
+        lens_a = np.asarray(lens, dtype=np.int64)
+        offsets = np.concatenate(([0], np.cumsum(lens_a)[:-1]))
+        seq_ids = np.repeat(np.asarray(seqs, dtype=np.int64), lens_a)
+        positions = np.arange(int(lens_a.sum()), dtype=np.int64) + \
+            np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lens_a)
+        sids = [item[0] for item in inputs]
+        last_of_session = np.array([i + 1 == len(sids) or sids[i + 1] != sids[i]
+                                    for i in range(len(sids))])
+        logit_indices = np.where(last_of_session, offsets + lens_a - 1, -1).astype(np.int64)
+        # every input passed: now (and only now) apply the queued rewinds
+        for sid, (seq, target) in rewinds.items():
+            try:
+                self.control.rewind(seq, target)
+            except KVCacheError as exc:  # pre-checked above; reaching here is a control bug
+                raise _naming(exc, f"pack: rewind of session {sid} to {target}") from exc
+        for a in (positions, seq_ids, logit_indices):
+            a.setflags(write=False)
+        return PackedStep(tokens, positions, seq_ids, logit_indices)
+
+    # ------------------------------------------------------------------ internals
+    def _seq(self, sid, verb: str) -> int:
+        seq = self._seqs.get(sid) if isinstance(sid, (int, np.integer)) else None
+        if seq is None:
+            raise SessionError(f"{verb}: unknown session {sid!r} (open: {list(self._seqs)})")
+        return seq
+
+    def _require_room(self, verb: str) -> None:
+        if len(self._seqs) >= self.max_sessions:
+            raise SessionError(f"{verb}: {len(self._seqs)} sessions are open, the most "
+                               f"max_sessions={self.max_sessions} allows")
+
+    def _add(self, seq: int) -> int:
+        sid = self._next_sid
+        self._next_sid += 1
+        self._seqs[sid] = seq
+        return sid
+
+    def _check_rewind(self, i: int, sid: int, seq: int, target: int, cursor: int) -> None:
+        """Everything `control.rewind(seq, target)` would refuse, checked before any rewind."""
+        where = f"pack: input {i} of session {sid} (sequence {seq})"
+        if target < 0:
+            raise SessionError(f"{where} starts at {target}, before position 0")
+        if self.control.step_state != StepState.IDLE:
+            raise StepProtocolError(f"{where} needs a rewind from {cursor} to {target}, but a "
+                                    f"step is open ({self.control.step_state.name}); rewinds run "
+                                    f"between steps")
+        state = SlotState(int(self.control.state(seq)))
+        if state not in _REWINDABLE:
+            raise SlotStateError(f"{where} needs a rewind from {cursor} to {target}, but the "
+                                 f"sequence is {state.name}; rewind is allowed only from "
+                                 f"{', '.join(s.name for s in _REWINDABLE)}")
+        floor = int(self.control.floor(seq))
+        if target < floor:
+            raise RingFloorError(f"{where}: rewind target {target} is below the floor {floor} "
+                                 f"(cursor {cursor}, high-water "
+                                 f"{int(self.control.high_water(seq))})")
+
+
+def _as_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise SessionError(f"{what}: expected an int, got {value!r}")
+    return int(value)
+
+
+def _naming(exc: KVCacheError, context: str) -> KVCacheError:
+    """The same error type with `context` (naming the session) in front of its message."""
+    try:
+        return type(exc)(f"{context}: {exc}")
+    except Exception:  # an error class with another constructor: keep it as it is
+        return exc
