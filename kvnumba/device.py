@@ -52,13 +52,12 @@ def _choose() -> str:
 KIND = _choose()
 SIMULATOR = KIND == "simulator"
 
-if "numba.cuda" in sys.modules:
-    _already = bool(getattr(sys.modules["numba.cuda"], "simulator_is_available", None)) \
-        or os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
-    if _already != SIMULATOR:
-        raise DeviceError(f"numba.cuda was imported before kvnumba in the other mode; "
-                          f"import kvnumba first or set NUMBA_ENABLE_CUDASIM "
-                          f"{'=1' if SIMULATOR else 'unset'}")
+if "numba.cuda" in sys.modules:  # too late to choose: it must already be in the right mode
+    import numba.core.config
+    if bool(numba.core.config.ENABLE_CUDASIM) != SIMULATOR:
+        raise DeviceError(f"numba.cuda was imported in the other mode before kvnumba chose "
+                          f"{KIND!r}; import kvnumba first, or set NUMBA_ENABLE_CUDASIM="
+                          f"{'1' if SIMULATOR else '0'}")
 else:
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if SIMULATOR else "0"
     if "numba" in sys.modules:  # numba read its config already: make it read again

@@ -1,0 +1,99 @@
+"""Device selection (DESIGN §11) and array interop."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvnumba as kv
+from kvnumba import device
+from kvnumba.device import cuda
+
+
+def python(code, **env):
+    import os
+    full = {k: v for k, v in os.environ.items() if k not in ("KVNUMBA_DEVICE",
+                                                           "NUMBA_ENABLE_CUDASIM")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full,
+                          timeout=120)
+
+
+def test_forced_simulator_is_silent_and_enables_numba_cudasim():
+    r = python("import kvnumba, numba.core.config as c; print(kvnumba.device.KIND, "
+               "c.ENABLE_CUDASIM)", KVNUMBA_DEVICE="simulator")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["simulator", "1"] and "no CUDA GPU" not in r.stderr
+
+
+def test_unknown_device_name_is_refused():
+    r = python("import kvnumba", KVNUMBA_DEVICE="tpu")
+    assert r.returncode != 0 and "DeviceError" in r.stderr and "'tpu'" in r.stderr
+
+
+@pytest.mark.skipif(not device.SIMULATOR, reason="only meaningful on a machine without a GPU")
+def test_gpu_requested_without_one_is_a_clear_error():
+    r = python("import kvnumba", KVNUMBA_DEVICE="gpu")
+    assert r.returncode != 0 and "KVNUMBA_DEVICE=gpu" in r.stderr and "no GPU" in r.stderr
+
+
+@pytest.mark.skipif(not device.SIMULATOR, reason="only meaningful on a machine without a GPU")
+def test_auto_choice_prints_one_notice_line():
+    r = python("import kvnumba; print(kvnumba.device.KIND)")
+    assert r.returncode == 0 and r.stdout.strip() == "simulator"
+    assert len([line for line in r.stderr.splitlines() if "kvnumba:" in line]) == 1
+
+
+@pytest.mark.skipif(not device.SIMULATOR, reason="only meaningful on a machine without a GPU")
+def test_numba_imported_first_is_reconfigured_before_numba_cuda():
+    r = python("import numba; import kvnumba; from numba import cuda; "
+               "print(kvnumba.device.KIND, cuda.simulator is not None)",
+               KVNUMBA_DEVICE="simulator")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "simulator"
+
+
+def make():
+    cfg = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=4, capacity=8, max_seqs=2,
+                         max_write=4, max_step=4, dtype="float32", initial_rows=4)
+    return kv.BatchedSequenceCache(cfg)
+
+
+def test_device_arrays_are_used_in_place():
+    rng = np.random.default_rng(0)
+    c = make()
+    s = c.seq_new()
+    c.declare_step([s, s])
+    c.prepare_step(3)
+    k = rng.standard_normal((3, 1, 4)).astype(np.float32)
+    q = rng.standard_normal((3, 2, 4)).astype(np.float32)
+    d_k, d_q = cuda.to_device(k), cuda.to_device(q)
+    d_out = cuda.device_array((3, 2, 4), np.float16)
+    got = c.update_and_attend(0, d_q, d_k, d_k, out=d_out)
+    assert got is d_out                      # written in place, the caller's dtype kept
+    out = d_out.copy_to_host().astype(np.float64)
+    # token 0 sees only itself: softmax over one key returns its value exactly
+    np.testing.assert_allclose(out[0], np.repeat(k[0], 2, axis=0), rtol=1e-3)
+    np.testing.assert_array_equal(out[2], 0)  # the padding row
+    host = c.attend(0, q)                    # NumPy in, NumPy out, q's dtype
+    assert isinstance(host, np.ndarray) and host.dtype == np.float32
+    np.testing.assert_allclose(host, out, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(device.SIMULATOR, reason="__cuda_array_interface__ needs a real device")
+def test_foreign_cuda_arrays_are_used_without_a_copy():
+    class Foreign:  # any producer of the CUDA array interface (CuPy, PyTorch, ...)
+        def __init__(self, arr):
+            self._arr = arr
+            self.shape, self.dtype = arr.shape, arr.dtype
+            self.__cuda_array_interface__ = arr.__cuda_array_interface__
+
+    c = make()
+    s = c.seq_new()
+    c.declare_step([s])
+    c.prepare_step()
+    k = cuda.to_device(np.ones((1, 1, 4), np.float32))
+    out = cuda.device_array((1, 1, 4), np.float32)
+    c.write(0, Foreign(k), Foreign(k))
+    c.attend(0, Foreign(k), out=Foreign(out))
+    np.testing.assert_allclose(out.copy_to_host(), 1.0)
