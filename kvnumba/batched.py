@@ -408,8 +408,8 @@ class BatchedSequenceCache:
 
         Returns the longest run and the furthest end (they size the kernels' grids).
         """
-        if _max(np.bincount(run_seqs, minlength=self._n)) > 1:
-            counts = np.bincount(run_seqs, minlength=self._n)
+        counts = np.bincount(run_seqs, minlength=self._n)
+        if _max(counts) > 1:
             seq = int(np.flatnonzero(counts > 1)[0])
             runs = [(int(s), int(s + n)) for s, n, q in zip(run_starts, run_lens, run_seqs)
                     if q == seq]

@@ -20,9 +20,10 @@ import numpy as np
 
 from .errors import (CacheFullError, ConfigError, KVCacheError, RingFloorError, SessionError,
                      ShapeError, SlotStateError, StepProtocolError)
-from .slots import SlotState, StepState
+from .slots import SLOT_MACHINE, SlotState, StepState
 
-_REWINDABLE = (SlotState.COMMITTED, SlotState.REWOUND)
+# the states the declared lifecycle lets `rewind` fire from
+_REWINDABLE = tuple(SlotState[s.upper()] for s in SLOT_MACHINE.allowed_from("rewind"))
 
 
 @dataclass(frozen=True)
