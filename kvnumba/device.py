@@ -67,6 +67,49 @@ else:
 from numba import cuda  # noqa: E402  (must follow the choice above)
 
 
+def _serialise_simulator_shared_arrays() -> None:
+    """Make the simulator's `cuda.shared.array` allocation atomic.
+
+    The simulator finds a block's shared array by call site: the first thread to
+    get there allocates it, the others look it up. That check-then-insert is not
+    locked (numba-cuda 0.30.4), so two threads switching at the wrong moment get
+    two different "shared" arrays, and about 1% of launches of a kernel with
+    several shared arrays computed garbage at `sys.setswitchinterval(1e-4)`.
+    Real GPUs are not affected.
+    """
+    import threading
+
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    shared = kernelapi.FakeCUDAShared
+    if getattr(shared, "_kvnumba_locked", False):
+        return
+    allocate = shared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None or shape == 0:  # refused / dynamic: not keyed by call site
+            return allocate(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        frame = sys._getframe(1)  # the kernel line that asked, as the simulator keys it
+        site = (frame.f_code.co_filename, frame.f_lineno)
+        with lock:
+            found = self._allocations.get(site)
+            if found is None:
+                found = self._allocations[site] = np.empty(shape, dtype)
+        return found
+
+    shared.array = array
+    shared._kvnumba_locked = True
+
+
+if SIMULATOR:
+    _serialise_simulator_shared_arrays()
+
+
 def on_device(array) -> bool:
     """True for arrays already on the device (Numba, CuPy, PyTorch CUDA, the simulator's)."""
     return hasattr(array, "__cuda_array_interface__") or hasattr(array, "copy_to_host")

@@ -97,3 +97,48 @@ def test_foreign_cuda_arrays_are_used_without_a_copy():
     c.write(0, Foreign(k), Foreign(k))
     c.attend(0, Foreign(k), out=Foreign(out))
     np.testing.assert_allclose(out.copy_to_host(), 1.0)
+
+
+@pytest.mark.skipif(not device.SIMULATOR, reason="a workaround for the simulator only")
+def test_simulator_shared_arrays_are_shared_by_every_thread_of_a_block():
+    """numba-cuda's simulator allocates `cuda.shared.array` check-then-insert without a
+    lock; kvnumba serialises it. 64 threads released together must get one array."""
+    import threading
+
+    from numba.cuda.simulator import kernelapi
+
+    for _ in range(20):
+        shared = kernelapi.FakeCUDAShared(0)
+        start = threading.Barrier(64)
+        got = []
+
+        def worker():
+            start.wait()
+            got.append(id(shared.array((4,), np.float32)))  # one call site for all
+
+        threads = [threading.Thread(target=worker) for _ in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(set(got)) == 1
+
+
+def test_attention_launch_is_repeatable_on_the_device():
+    """The same launch, many times: identical bits (a shared-memory race would differ)."""
+    from kvnumba.kernels import attention
+
+    rng = np.random.default_rng(3)
+    k = cuda.to_device(rng.standard_normal((4, 2, 1, 4)).astype(np.float32))
+    q = cuda.to_device(rng.standard_normal((2, 2, 4)).astype(np.float32))
+    info = cuda.to_device(np.array([[0, 2, 0, 0, 0]], np.int32))
+    ws = attention.AttentionWorkspace()
+    runs = []
+    for _ in range(30):
+        out = cuda.device_array((2, 2, 4), np.float32)
+        attention.attend(q, k, k, info, out, n_segments=1, n_tokens=2, max_q_len=2,
+                         max_kv_len=2, ring_rows=0, window=0, scale=0.5, softcap=0.0,
+                         workspace=ws)
+        runs.append(out.copy_to_host())
+    for r in runs[1:]:
+        np.testing.assert_array_equal(r, runs[0])
