@@ -430,16 +430,20 @@ class BatchedSequenceCache:
         return max_q_len, max_kv_len
 
     def _block_flags(self, blocks, run_seqs) -> np.ndarray | int:
-        if blocks is None or (not isinstance(blocks, np.ndarray) and len(blocks) == 0):
+        """FLAG_BLOCK for the runs `blocks` names; every named sequence must have a run."""
+        if blocks is None or len(blocks) == 0:
             return 0
-        block_ids = np.unique(np.asarray(blocks, dtype=np.int64).ravel())
+        block_ids = np.asarray(blocks, dtype=np.int64).ravel()
         check_ids(block_ids, self._n, "declare_step blocks")
-        flags = np.isin(run_seqs, block_ids)
-        if flags.sum() != block_ids.size:
-            missing = sorted(set(block_ids.tolist()) - set(run_seqs.tolist()))
-            raise OwnerRunError(f"declare_step: blocks name sequences {missing} that have no "
-                                f"run in this step")
-        return flags.astype(np.int32) * FLAG_BLOCK
+        marked = np.zeros(self._n, dtype=np.int32)
+        marked[run_seqs] = 1
+        missing = block_ids[marked[block_ids] == 0]
+        if missing.size:
+            raise OwnerRunError(f"declare_step: blocks name sequences {sorted(set(missing.tolist()))}"
+                                f" that have no run in this step")
+        marked[:] = 0
+        marked[block_ids] = FLAG_BLOCK
+        return marked[run_seqs]
 
 
 def _dtype_of(array):
