@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("thorough", max_examples=500, deadline=None,
-                          stateful_step_count=60,
+settings.register_profile("thorough", max_examples=1000, deadline=None,
+                          stateful_step_count=100,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -7,6 +7,8 @@ from those histories (tests/oracle.py). Every refusal must raise the predicted
 error class and leave states, positions, high-waters, the step and every byte
 of storage as they were.
 """
+from collections import Counter
+
 import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -16,9 +18,11 @@ import kvnumba as kv
 from oracle import dense_attention, floor, ring_rows
 
 WINDOWS = [None, 3]          # one flat layer, one ring layer
-MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 24
+MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 48
 HEADS, Q_HEADS, DIM = 1, 2, 4
 LIVE = ("claimed", "committed", "rewound")
+#: rules run and steps committed, over the whole session (reported by thorough runs)
+COUNTS = Counter()
 
 
 class Refused(Exception):
@@ -187,10 +191,16 @@ class CacheMachine(RuleBasedStateMachine):
     def step(self, data, pad, meddle, ending):
         live = [s for s in range(MAX_SEQS) if self.model.state[s] != "free"]
         legal = bool(live) and data.draw(st.integers(0, 9), label="legal ids") > 0
-        ids_from = st.sampled_from(live) if legal else st.integers(-1, MAX_SEQS)
-        runs = data.draw(st.lists(st.tuples(ids_from, st.integers(1, 4)), min_size=1,
-                                  max_size=4, unique_by=(lambda r: r[0]) if legal else None),
-                         label="runs")
+        if legal:  # mostly steps the cache accepts; over-long runs and steps now and then
+            runs = data.draw(st.lists(st.tuples(st.sampled_from(live),
+                                                st.integers(1, MAX_WRITE)),
+                                      min_size=1, max_size=len(live), unique_by=lambda r: r[0]),
+                             label="runs")
+            if data.draw(st.integers(0, 9), label="stretch") == 0:
+                runs[0] = (runs[0][0], runs[0][1] + data.draw(st.integers(1, MAX_STEP)))
+        else:
+            runs = data.draw(st.lists(st.tuples(st.integers(-1, MAX_SEQS), st.integers(1, 4)),
+                                      min_size=1, max_size=4), label="runs")
         block_pick = data.draw(st.lists(st.integers(0, MAX_SEQS - 1), max_size=2),
                                label="blocks") if data.draw(st.booleans()) else []
         ids = [s for s, n in runs for _ in range(n)]
@@ -199,6 +209,7 @@ class CacheMachine(RuleBasedStateMachine):
             segments = self.model.declare(ids, blocks)
         except Refused as refusal:
             before = snapshot(self.cache)
+            COUNTS[f"declare refused: {refusal.cls.__name__}"] += 1
             try:
                 self.cache.declare_step(np.array(ids), blocks=blocks)
             except refusal.cls:
@@ -207,6 +218,7 @@ class CacheMachine(RuleBasedStateMachine):
             raise AssertionError(f"declare_step({ids}, blocks={blocks}): expected "
                                  f"{refusal.cls.__name__}")
         plan = self.cache.declare_step(ids, blocks=blocks)
+        COUNTS[f"declared, then {ending}"] += 1
         self.check_declared(plan, segments, len(ids))
         if meddle:  # sequence verbs and a second declare are refused while a step is open
             before = snapshot(self.cache)
@@ -241,6 +253,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.raise_high_water(segments)
             return
         self.cache.commit_step()
+        COUNTS["steps committed"] += 1
         for s, _, n, p0, _ in segments:
             self.model.pos[s] = p0 + n
             self.model.hw[s] = max(self.model.hw[s], p0 + n)
@@ -299,6 +312,7 @@ class CacheMachine(RuleBasedStateMachine):
     # ---------------------------------------------------------------- invariants
     @invariant()
     def slots_match_the_model(self):
+        COUNTS["invariant checks"] += 1
         assert self.cache.step_state == kv.StepState.IDLE
         for s in range(MAX_SEQS):
             assert self.cache.state(s).name.lower() == self.model.state[s], s
