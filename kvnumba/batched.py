@@ -13,7 +13,7 @@ import numpy as np
 from statemachines import CLONE_SOURCE_STATES
 
 from .config import CacheConfig
-from .device import as_device, check_array, cuda, on_device
+from .device import as_device, check_array, cuda, dtype_of, on_device
 from .errors import (CacheFullError, CapacityError, ConfigError, FreeSequenceError,
                      OwnerRunError, PositionError, RingFloorError, ShapeError, SlotStateError,
                      StepProtocolError, UnknownSequenceError)
@@ -309,7 +309,7 @@ class BatchedSequenceCache:
             raise ConfigError(f"attend: softcap={softcap} must be > 0 (or None)")
         host_out = out is not None and not on_device(out)
         if out is None or host_out:
-            dev_out = cuda.device_array(q_shape, dtype=np.dtype(_dtype_of(out if host_out else q)),
+            dev_out = cuda.device_array(q_shape, dtype=dtype_of(out if host_out else q),
                                         stream=self.stream)
         else:
             dev_out = as_device(out, self.stream)
@@ -444,9 +444,4 @@ class BatchedSequenceCache:
         marked[:] = 0
         marked[block_ids] = FLAG_BLOCK
         return marked[run_seqs]
-
-
-def _dtype_of(array):
-    dtype = array.dtype
-    return dtype if isinstance(dtype, np.dtype) else np.dtype(str(dtype).rsplit(".", 1)[-1])
 

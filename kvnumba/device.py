@@ -127,9 +127,7 @@ def as_device(array, stream=0):
 def check_array(name: str, array, shape: tuple, dtypes) -> None:
     """Refuse (`ShapeError`) an array of the wrong shape, rank or dtype, before any launch."""
     got_shape = tuple(getattr(array, "shape", ()))
-    dtype = getattr(array, "dtype", None)
-    if dtype is not None and not isinstance(dtype, np.dtype):
-        dtype = _foreign_dtype(dtype)
+    dtype = dtype_of(array)
     if len(got_shape) != len(shape):
         raise ShapeError(f"{name}: expected rank {len(shape)} {shape}, got rank "
                          f"{len(got_shape)} {got_shape}")
@@ -139,11 +137,13 @@ def check_array(name: str, array, shape: tuple, dtypes) -> None:
         raise ShapeError(f"{name}: dtype {dtype} not in {[np.dtype(d).name for d in dtypes]}")
 
 
-def _foreign_dtype(dtype):
-    """NumPy dtype of a foreign array's dtype (e.g. torch.float16 -> float16)."""
-    text = str(dtype).rsplit(".", 1)[-1]
+def dtype_of(array):
+    """The NumPy dtype of any array (torch.float16 -> float16), or None if it has none."""
+    dtype = getattr(array, "dtype", None)
+    if dtype is None or isinstance(dtype, np.dtype):
+        return dtype
     try:
-        return np.dtype(text)
+        return np.dtype(str(dtype).rsplit(".", 1)[-1])
     except TypeError:
         return None
 

@@ -45,21 +45,6 @@ def ring_floor(high_water, rows: int, max_write: int):
     return int(floor) if floor.ndim == 0 else floor
 
 
-def floor_layer(high_water, ring_rows_per_layer: np.ndarray, max_write: int):
-    """`(floor, layer)`: the binding floor over every layer and the layer that sets it.
-
-    Flat layers (rows 0) have floor 0. Returns layer -1 when no ring layer binds.
-    """
-    best, best_layer = 0, -1
-    for layer, rows in enumerate(ring_rows_per_layer):
-        if rows == 0:
-            continue
-        f = ring_floor(high_water, int(rows), max_write)
-        if f > best:
-            best, best_layer = f, layer
-    return best, best_layer
-
-
 def grown_rows(rows: int, needed_row: int, capacity: int) -> int:
     """Flat-layer growth: `min(capacity, max(needed_row + 1, 2 * rows))`, or `rows` if enough."""
     if needed_row < rows:
