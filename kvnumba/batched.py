@@ -59,7 +59,8 @@ class BatchedSequenceCache:
         self._ones = np.ones(config.max_step, dtype=np.int64)
         self._arange.setflags(write=False)
         self._ones.setflags(write=False)
-        self._runs = None  # (run_seqs, run_lens) of the open step
+        self._runs = None  # (run_seqs, run_lens, ends) of the open step
+        # every ring layer's floor is hw - M once hw > R: the smallest R binds first
         rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
         self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
 
