@@ -181,9 +181,9 @@ class BatchedSequenceCache:
         if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
             raise ShapeError(f"declare_step: seq_ids must be a non-empty 1-D sequence of ints, "
                              f"got shape {ids.shape} dtype {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False)
         check_ids(ids, self._n, "declare_step")
         n_tokens = ids.size
-        ids = ids.astype(np.int64, copy=False)
         boundary = ids[1:] != ids[:-1]
         if n_tokens <= self._arange.size and np.count_nonzero(boundary) == n_tokens - 1:
             # every token its own run (a decode step): reuse the read-only ramps

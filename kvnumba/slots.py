@@ -64,14 +64,15 @@ class SlotTable:
         self.pos = np.zeros(n, dtype=np.int64)
         self.high_water = np.zeros(n, dtype=np.int64)
         self.before_declare = np.zeros(n, dtype=np.int8)  # where `abort` returns to
-        self._table = SLOT_MACHINE.table
-        self._event = SLOT_MACHINE.event_index
+        # one read-only column of the compiled table per event: next state by current state
+        self._next = {event: np.ascontiguousarray(SLOT_MACHINE.table[:, i])
+                      for event, i in SLOT_MACHINE.event_index.items()}
         self.strict = strict_mode() if strict is None else strict
         self._models = [MachineModel(SLOT_LIFECYCLE) for _ in range(n)] if self.strict else None
 
     def check(self, event: str, seqs: np.ndarray) -> np.ndarray:
         """Next state of each slot in `seqs` under `event`; raises if any slot refuses."""
-        nxt = self._table[self.state[seqs], self._event[event]]
+        nxt = self._next[event].take(self.state.take(seqs))
         if _min(nxt) == REFUSED:
             bad = int(seqs[np.flatnonzero(nxt == REFUSED)[0]])
             self._refuse(event, bad)
@@ -80,7 +81,7 @@ class SlotTable:
         return nxt
 
     def check_one(self, event: str, seq: int) -> int:
-        nxt = int(self._table[self.state[seq], self._event[event]])
+        nxt = int(self._next[event][self.state[seq]])
         if nxt == REFUSED:
             self._refuse(event, seq)
         if self._models is not None:
@@ -157,7 +158,8 @@ class StepMachine:
 
 
 def check_ids(seqs: np.ndarray, n: int, verb: str) -> None:
-    """Refuse ids outside `[0, n)` with `UnknownSequenceError`."""
-    if seqs.size and (_min(seqs) < 0 or _max(seqs) >= n):
+    """Refuse ids outside `[0, n)` with `UnknownSequenceError` (`seqs`: an int64 array)."""
+    # one reduction: as unsigned, a negative id is larger than any valid one
+    if seqs.size and _max(seqs.view(np.uint64)) >= n:
         bad = int(seqs[(seqs < 0) | (seqs >= n)][0])
         raise UnknownSequenceError(f"{verb}: sequence {bad} is not a column id in [0, {n})")
