@@ -113,6 +113,20 @@ def _store_row(row0, c, ring_rows):
     return row
 
 
+@cuda.jit(device=True)
+def _stage_keys(tile, store, row0, n_keys, col, kv_head, head_dim, dpad, ring_rows, tid,
+                threads):
+    """Copy `n_keys` keys from storage row `row0` on (wrapping a ring) into `tile` as float32.
+
+    The block's threads stride over (key, dim) pairs, dims innermost: coalesced reads.
+    """
+    for e in range(tid, n_keys * dpad, threads):
+        c = e // dpad
+        d = e - c * dpad
+        if d < head_dim:
+            tile[c, d] = float32(store[_store_row(row0, c, ring_rows), col, kv_head, d])
+
+
 @lru_cache(maxsize=None)
 def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: int,
                       threads: int):
@@ -187,12 +201,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             n_keys = min(BK, key_hi - key0)
             row0 = key0 % ring_rows if ring_rows > 0 else key0   # storage row of key0
             # a. stage K
-            for e in range(tid, n_keys * dpad, THREADS):
-                c = e // dpad
-                d = e - c * dpad
-                if d < head_dim:
-                    kv_tile[c, d] = float32(k_store[_store_row(row0, c, ring_rows), col,
-                                                    kv_head, d])
+            _stage_keys(kv_tile, k_store, row0, n_keys, col, kv_head, head_dim, dpad,
+                        ring_rows, tid, THREADS)
             cuda.syncthreads()
             # b. scores of this thread's micro-tile (clamped indices: no stale reads)
             if ty < n_rows and tx < n_keys:
@@ -237,12 +247,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 run_sum = run_sum * alpha + tile_sum
                 row_alpha[tid] = alpha
                 row_sum[tid] = run_sum
-            for e in range(tid, n_keys * dpad, THREADS):
-                c = e // dpad
-                d = e - c * dpad
-                if d < head_dim:
-                    kv_tile[c, d] = float32(v_store[_store_row(row0, c, ring_rows), col,
-                                                    kv_head, d])
+            _stage_keys(kv_tile, v_store, row0, n_keys, col, kv_head, head_dim, dpad,
+                        ring_rows, tid, THREADS)
             cuda.syncthreads()
             # d. rescale and accumulate this thread's output elements
             if own_first_row < n_rows:
