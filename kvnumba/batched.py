@@ -14,15 +14,14 @@ from statemachines import CLONE_SOURCE_STATES
 
 from .config import CacheConfig
 from .device import as_device, check_array, cuda, dtype_of, on_device
-from .errors import (CacheFullError, CapacityError, ConfigError, FreeSequenceError,
-                     OwnerRunError, PositionError, RingFloorError, ShapeError, SlotStateError,
-                     StepProtocolError, UnknownSequenceError)
+from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
+                     RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
 from .kernels.attention import AttentionWorkspace, attend as attend_kernel
 from .kernels.write import write_kv
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
                    held_positions, ring_floor)
 from .pool import Pool
-from .slots import SlotState, SlotTable, StepMachine, StepState, check_ids
+from .slots import SlotState, SlotTable, StepMachine, StepState, check_ids, state_refusal
 from .staging import Staging
 
 _IO_DTYPES = (np.float16, np.float32)
@@ -136,9 +135,8 @@ class BatchedSequenceCache:
         src = self._id(src, "seq_clone")
         state = SlotState(int(self._slots.state[src]))
         if state not in _CLONE_SOURCES:
-            cls = FreeSequenceError if state == SlotState.FREE else SlotStateError
-            raise cls(f"seq_clone: source sequence {src} is {state.name}; a clone source must "
-                      f"be {' or '.join(s.name for s in _CLONE_SOURCES)}")
+            raise state_refusal(src, state, "seq_clone from it",
+                                [s.name for s in _CLONE_SOURCES])
         pos = int(self._slots.pos[src])
         keep = pos if upto is None else self._int(upto, "seq_clone upto")
         if not 1 <= keep <= pos:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import (CacheFullError, ConfigError, KVCacheError, RingFloorError, SessionError,
-                     ShapeError, SlotStateError, StepProtocolError)
-from .slots import SLOT_MACHINE, SlotState, StepState
+                     ShapeError, StepProtocolError)
+from .slots import SLOT_MACHINE, SlotState, StepState, state_refusal
 
 # the states the declared lifecycle lets `rewind` fire from
 _REWINDABLE = tuple(SlotState[s.upper()] for s in SLOT_MACHINE.allowed_from("rewind"))
@@ -253,9 +253,8 @@ class SessionTable:
                                     f"between steps")
         state = SlotState(int(self.control.state(seq)))
         if state not in _REWINDABLE:
-            raise SlotStateError(f"{where} needs a rewind from {cursor} to {target}, but the "
-                                 f"sequence is {state.name}; rewind is allowed only from "
-                                 f"{', '.join(s.name for s in _REWINDABLE)}")
+            raise state_refusal(seq, state, f"{where}: a rewind from {cursor} to {target}",
+                                [s.name for s in _REWINDABLE])
         floor = int(self.control.floor(seq))
         if target < floor:
             raise RingFloorError(f"{where}: rewind target {target} is below the floor {floor} "

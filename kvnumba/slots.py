@@ -113,9 +113,14 @@ class SlotTable:
         allowed = [SlotState[s.upper()].name for s in SLOT_MACHINE.allowed_from(event)]
         if self._models is not None:
             self._cross_check(event, [seq], allowed=False)
-        cls = FreeSequenceError if state == SlotState.FREE else SlotStateError
-        raise cls(f"sequence {seq} is {state.name}: event {event!r} is allowed only from "
-                  f"{', '.join(allowed)}")
+        raise state_refusal(seq, state, f"event {event!r}", allowed)
+
+
+def state_refusal(seq: int, state: SlotState, doing: str, allowed) -> SlotStateError:
+    """The error for `doing` on sequence `seq` in `state` (FREE: also an unknown sequence)."""
+    cls = FreeSequenceError if state == SlotState.FREE else SlotStateError
+    return cls(f"sequence {seq} is {state.name}: {doing} is allowed only from "
+               f"{', '.join(allowed)}")
 
 
 class StepMachine:
