@@ -9,19 +9,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .args import describe, is_int
 from .errors import ConfigError
 
 #: storage dtypes the kernels support, by name
 DTYPES = {"float32": np.float32, "float16": np.float16}
 #: the largest head_dim the attention kernels are built for
 MAX_HEAD_DIM = 256
+#: positions and token indices travel to the kernels as int32
+INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer's kind: flat (`window is None`) or a sliding-window ring of `window` positions."""
+    """One layer's kind: flat (`window is None`) or a sliding-window ring of `window` positions.
+
+    Build it with `flat()` or `ring(window=W)`; a `LayerSpec` built directly is
+    checked the same way (`window` None or an int >= 1, else `ConfigError`).
+    """
 
     window: int | None = None
+
+    def __post_init__(self):
+        if self.window is None:
+            return
+        if not is_int(self.window) or not 1 <= self.window <= INT32_MAX:
+            raise ConfigError(f"LayerSpec(window={describe(self.window)}): window must be None "
+                              f"(flat) or an integer in [1, {INT32_MAX}]")
+        object.__setattr__(self, "window", int(self.window))
 
     @property
     def is_ring(self) -> bool:
@@ -39,14 +54,15 @@ def ring(window: int) -> LayerSpec:
     This is Hugging Face's `sliding_window=window` and FlashAttention's
     `window_size=(window - 1, 0)`.
     """
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
-        raise ConfigError(f"ring(window={window!r}): window must be an integer >= 1")
-    return LayerSpec(int(window))
+    if window is None:
+        raise ConfigError("ring(window=None): window must be an integer >= 1 (use flat() for "
+                          "a layer without a window)")
+    return LayerSpec(window)
 
 
 def _require_int(name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(f"{name}={value!r}: must be an integer")
+    if not is_int(value):
+        raise ConfigError(f"{name}={describe(value)}: must be an integer")
     if value < lo or (hi is not None and value > hi):
         bound = f"{lo} <= {name}" + (f" <= {hi}" if hi is not None else "")
         raise ConfigError(f"{name}={value}: requires {rule or bound}")
@@ -79,24 +95,29 @@ class CacheConfig:
     initial_rows: int = 256
 
     def __post_init__(self):
+        if not isinstance(self.layers, (list, tuple)):
+            raise ConfigError(f"layers={describe(self.layers)}: must be a list of LayerSpec, "
+                              f"e.g. [flat(), ring(window=4096)]")
         layers = tuple(self.layers)
         if not layers:
             raise ConfigError("layers=[]: requires at least one layer")
         for i, spec in enumerate(layers):
             if not isinstance(spec, LayerSpec):
-                raise ConfigError(f"layers[{i}]={spec!r}: must be flat() or ring(window=...)")
+                raise ConfigError(f"layers[{i}]={describe(spec)}: must be flat() or "
+                                  f"ring(window=...)")
         object.__setattr__(self, "layers", layers)
         _require_int("n_kv_heads", self.n_kv_heads, 1)
         _require_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
-        _require_int("capacity", self.capacity, 1)
-        _require_int("max_seqs", self.max_seqs, 1)
+        _require_int("capacity", self.capacity, 1, INT32_MAX,
+                     rule=f"1 <= capacity <= {INT32_MAX} (positions are int32)")
+        _require_int("max_seqs", self.max_seqs, 1, INT32_MAX - 1)
         _require_int("max_write", self.max_write, 1, self.capacity,
                      rule=f"1 <= max_write <= capacity ({self.capacity})")
-        _require_int("max_step", self.max_step, self.max_write,
-                     rule=f"max_step >= max_write ({self.max_write})")
+        _require_int("max_step", self.max_step, self.max_write, INT32_MAX,
+                     rule=f"max_step >= max_write ({self.max_write}) and max_step <= {INT32_MAX}")
         _require_int("initial_rows", self.initial_rows, 1)
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype={self.dtype!r}: must be one of {sorted(DTYPES)}")
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
+            raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
 
     @property
     def np_dtype(self):
