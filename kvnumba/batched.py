@@ -12,16 +12,17 @@ import numpy as np
 
 from statemachines import CLONE_SOURCE_STATES
 
+from .args import as_finite, as_ids, as_int, describe, is_int
 from .config import CacheConfig
-from .device import as_device, check_array, cuda, dtype_of, on_device
+from .device import allocating, as_device, check_array, check_out, cuda, dtype_of, on_device
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
 from .kernels.attention import AttentionWorkspace, attend as attend_kernel
 from .kernels.write import write_kv
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   held_positions, ring_floor)
+                   StepTables, frozen, held_positions, ring_floor)
 from .pool import Pool
-from .slots import SlotState, SlotTable, StepMachine, StepState, check_ids, state_refusal
+from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
 
 _IO_DTYPES = (np.float16, np.float32)
@@ -47,18 +48,24 @@ class BatchedSequenceCache:
         n = config.max_seqs
         self._n = n
         self._pad_col = n if scratch_column else -1
-        self._slots = SlotTable(n)
         self._step = StepMachine()
-        self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
-        self._staging = Staging(config.max_step, min(n, config.max_step), self.stream)
-        self._workspace = AttentionWorkspace()
-        self._plan: StepPlan | None = None
-        # read-only ramps reused by every decode step (no per-step allocation)
-        self._arange = np.arange(config.max_step, dtype=np.int64)
-        self._ones = np.ones(config.max_step, dtype=np.int64)
+        with allocating(f"BatchedSequenceCache({n} sequences, capacity {config.capacity}, "
+                        f"max_step {config.max_step})"):
+            self._slots = SlotTable(n)
+            self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
+            self._staging = Staging(config.max_step, min(n, config.max_step), self.stream)
+            self._workspace = AttentionWorkspace()
+            # read-only ramps reused by every decode step (no per-step allocation); a step
+            # whose every token is its own run of a distinct sequence has at most this many
+            ramp = min(config.max_step, n)
+            self._arange = np.arange(ramp, dtype=np.int64)
+            self._ones = np.ones(ramp, dtype=np.int64)
         self._arange.setflags(write=False)
         self._ones.setflags(write=False)
-        self._runs = None  # (run_seqs, run_lens, ends) of the open step
+        self._tables: StepTables | None = None   # the open step, as the cache keeps it
+        self._plan: StepPlan | None = None       # its read-only view, handed to callers
+        self._runs = None      # (run_seqs, run_lens, ends) of the open step
+        self._written = np.zeros(config.n_layers, dtype=bool)  # layers the step has written
         # every ring layer's floor is hw - M once hw > R: the smallest R binds first
         rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
         self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
@@ -85,7 +92,7 @@ class BatchedSequenceCache:
 
     def layer_data(self, layer: int):
         """`(k, v)` device arrays of `layer`, `[rows, n_cols, n_kv_heads, head_dim]`."""
-        self._check_layer(layer)
+        layer = self._layer(layer, "layer_data")
         return self._pool.k[layer], self._pool.v[layer]
 
     def pos(self, seq: int) -> int:
@@ -138,7 +145,7 @@ class BatchedSequenceCache:
             raise state_refusal(src, state, "seq_clone from it",
                                 [s.name for s in _CLONE_SOURCES])
         pos = int(self._slots.pos[src])
-        keep = pos if upto is None else self._int(upto, "seq_clone upto")
+        keep = pos if upto is None else as_int(upto, "seq_clone upto")
         if not 1 <= keep <= pos:
             raise PositionError(f"seq_clone: upto={keep} outside [1, {pos}] for sequence {src}")
         self._check_floor(src, keep, "seq_clone")
@@ -156,7 +163,7 @@ class BatchedSequenceCache:
         self._step.require_idle("rewind")
         seq = self._id(seq, "rewind")
         nxt = self._slots.check_one("rewind", seq)
-        position = self._int(position, "rewind position")
+        position = as_int(position, "rewind position")
         pos = int(self._slots.pos[seq])
         if position > pos or position < 0:
             raise PositionError(f"rewind: position {position} outside [{self._floor(seq)}, {pos}] "
@@ -173,14 +180,15 @@ class BatchedSequenceCache:
         `blocks`: sequences whose run is a bidirectional draft block. Refusals, in
         order: open step, unknown or free id, a sequence in more than one run, a run
         longer than `max_write`, `pos + run > capacity`, more than `max_step` tokens.
+        The cache copies `seq_ids`: the caller may reuse its buffer at once.
+        Returns a read-only `StepPlan`.
         """
         nxt_step = self._step.check("declare", "declare_step")
-        ids = seq_ids if isinstance(seq_ids, np.ndarray) else np.asarray(seq_ids)
-        if ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu":
-            raise ShapeError(f"declare_step: seq_ids must be a non-empty 1-D sequence of ints, "
-                             f"got shape {ids.shape} dtype {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False)
-        check_ids(ids, self._n, "declare_step")
+        ids = as_ids(seq_ids, self._n, "declare_step seq_ids")
+        if ids.size == 0:
+            raise ShapeError("declare_step: seq_ids must be a non-empty 1-D sequence of ints "
+                             "(one sequence id per token)")
+        block_ids = self._block_ids(blocks)
         n_tokens = ids.size
         boundary = ids[1:] != ids[:-1]
         if n_tokens <= self._arange.size and np.count_nonzero(boundary) == n_tokens - 1:
@@ -197,20 +205,20 @@ class BatchedSequenceCache:
         if n_tokens > self.config.max_step:
             raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
                                 f"{self.config.max_step}")
-        flags = self._block_flags(blocks, run_seqs)
+        flags = self._block_flags(block_ids, run_seqs)
         seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
         seq_info[:, Q_START] = run_starts
         seq_info[:, Q_LEN] = run_lens
         seq_info[:, COL] = run_seqs
         seq_info[:, POS_START] = pos_start
         seq_info[:, FLAGS] = flags
-        seq_info.setflags(write=False)
         logits = run_starts + run_lens - 1
-        logits.setflags(write=False)
         self._slots.apply("declare", run_seqs, nxt)
         self._step.apply("declare", nxt_step)
         self._runs = (run_seqs, run_lens, ends)
-        self._plan = StepPlan(n_tokens, seq_info, logits, max_q_len, max_kv_len)
+        self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits), max_q_len,
+                                  max_kv_len)
+        self._plan = StepPlan(self._tables)
         return self._plan
 
     def prepare_step(self, width: int | None = None) -> StepPlan:
@@ -221,8 +229,8 @@ class BatchedSequenceCache:
         them with the segment table in one host-to-device copy, without a host sync.
         """
         nxt_step = self._step.check("prepare", "prepare_step")
-        plan = self._plan
-        width = plan.n_tokens if width is None else self._int(width, "prepare_step width")
+        plan = self._tables
+        width = plan.n_tokens if width is None else as_int(width, "prepare_step width")
         if not plan.n_tokens <= width <= self.config.max_step:
             raise CapacityError(f"prepare_step: width {width} outside [n_tokens "
                                 f"{plan.n_tokens}, max_step {self.config.max_step}]")
@@ -242,12 +250,11 @@ class BatchedSequenceCache:
             seq_cols[:n] = np.repeat(run_seqs, run_lens)
             positions[:n] = np.arange(n) + np.repeat(info[:, POS_START] - info[:, Q_START],
                                                      run_lens)
-        seq_cols.setflags(write=False)
-        positions.setflags(write=False)
         self._staging.upload(info, seq_cols, positions)
-        plan.width, plan.seq_cols, plan.positions = width, seq_cols, positions
+        plan.width, plan.seq_cols, plan.positions = width, frozen(seq_cols), frozen(positions)
+        self._written[:] = False
         self._step.apply("prepare", nxt_step)
-        return plan
+        return self._plan
 
     def commit_step(self) -> None:
         """Advance every sequence of the step by its run: `pos += q_len`, COMMITTED."""
@@ -273,39 +280,83 @@ class BatchedSequenceCache:
             hw[run_seqs] = np.maximum(hw[run_seqs], ends)
         self._close(nxt_step, "abort")
 
+    def check_declarable(self, seqs: np.ndarray) -> None:
+        """Raise what `declare_step` would raise first for sequences `seqs` (an int64 array of
+        valid ids): an open step, then a free or busy sequence. Changes nothing."""
+        self._step.check("declare", "declare_step")
+        self._slots.check("declare", seqs)
+
     def _close(self, nxt_step, event):
         self._step.apply(event, nxt_step)
-        self._plan = None
+        self._tables = self._plan = None
         self._runs = None
 
     # ------------------------------------------------------------------ data path
     def write(self, layer: int, k, v) -> None:
         """Write the prepared step's K and V `[width, n_kv_heads, head_dim]` into `layer`."""
-        plan = self._require_prepared("write")
-        self._check_layer(layer)
-        shape = (plan.width, self.config.n_kv_heads, self.config.head_dim)
-        check_array("k", k, shape, _IO_DTYPES)
-        check_array("v", v, shape, _IO_DTYPES)
-        write_kv(self._pool.k[layer], self._pool.v[layer], as_device(k, self.stream),
-                 as_device(v, self.stream), self._staging.seq_cols, self._staging.positions,
-                 int(self._pool.ring_rows[layer]), self.stream)
+        self._launch_write(*self._write_args(layer, k, v))
 
     def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
         """Attention of the prepared step's queries over their own sequences' histories.
 
         q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`.
         Returns `out` (q's dtype unless given): a device array for device input, a
-        NumPy array for NumPy input. Padding rows are zero.
+        NumPy array for NumPy input. Padding rows are zero. The step must have
+        written `layer` first (`write` or `update_and_attend`); `scale` (default
+        `1/sqrt(head_dim)`) and `softcap` (None or > 0) must be finite.
         """
-        plan = self._require_prepared("attend")
-        self._check_layer(layer)
-        n_q_heads = self._check_q(q, plan.width)
-        q_shape = (plan.width, n_q_heads, self.config.head_dim)
+        args = self._attend_args(layer, q, out, scale, softcap)
+        if not self._written[args[0]]:
+            raise StepProtocolError(f"attend: the prepared step has not written layer "
+                                    f"{args[0]}'s K/V; call write({args[0]}, k, v) or "
+                                    f"update_and_attend first")
+        return self._launch_attend(*args)
+
+    def update_and_attend(self, layer: int, q, k, v, **kw):
+        """`write(layer, k, v)` then `attend(layer, q, **kw)`.
+
+        Every argument of both halves is checked before anything is written.
+        """
+        unknown = set(kw) - {"out", "scale", "softcap"}
+        if unknown:
+            raise ShapeError(f"update_and_attend: unexpected keyword arguments "
+                             f"{sorted(unknown)} (allowed: out, scale, softcap)")
+        write_args = self._write_args(layer, k, v)
+        attend_args = self._attend_args(layer, q, kw.get("out"), kw.get("scale"),
+                                        kw.get("softcap"))
+        self._launch_write(*write_args)
+        return self._launch_attend(*attend_args)
+
+    def _write_args(self, layer, k, v):
+        self._require_prepared("write")
+        layer = self._layer(layer, "write")
+        shape = (self._tables.width, self.config.n_kv_heads, self.config.head_dim)
+        check_array("k", k, shape, _IO_DTYPES)
+        check_array("v", v, shape, _IO_DTYPES)
+        return layer, k, v
+
+    def _launch_write(self, layer, k, v) -> None:
+        write_kv(self._pool.k[layer], self._pool.v[layer], as_device(k, self.stream),
+                 as_device(v, self.stream), self._staging.seq_cols, self._staging.positions,
+                 int(self._pool.ring_rows[layer]), self.stream)
+        self._written[layer] = True
+
+    def _attend_args(self, layer, q, out, scale, softcap):
+        self._require_prepared("attend")
+        layer = self._layer(layer, "attend")
+        n_q_heads = self._check_q(q, self._tables.width)
         if out is not None:
-            check_array("out", out, q_shape, _IO_DTYPES)
-        scale = 1.0 / math.sqrt(self.config.head_dim) if scale is None else float(scale)
-        if softcap is not None and not softcap > 0:
-            raise ConfigError(f"attend: softcap={softcap} must be > 0 (or None)")
+            check_out("out", out, (self._tables.width, n_q_heads, self.config.head_dim),
+                      _IO_DTYPES)
+        scale = (1.0 / math.sqrt(self.config.head_dim) if scale is None
+                 else as_finite(scale, "attend: scale"))
+        softcap = 0.0 if softcap is None else as_finite(softcap, "attend: softcap",
+                                                        positive=True)
+        return layer, q, out, scale, softcap
+
+    def _launch_attend(self, layer, q, out, scale, softcap):
+        plan = self._tables
+        q_shape = (plan.width, q.shape[1], self.config.head_dim)
         host_out = out is not None and not on_device(out)
         if out is None or host_out:
             dev_out = cuda.device_array(q_shape, dtype=dtype_of(out if host_out else q),
@@ -314,10 +365,10 @@ class BatchedSequenceCache:
             dev_out = as_device(out, self.stream)
         window = self.config.layers[layer].window or 0
         attend_kernel(as_device(q, self.stream), self._pool.k[layer], self._pool.v[layer],
-                      self._staging.seq_info, dev_out, n_segments=plan.n_segments,
+                      self._staging.seq_info, dev_out, n_segments=len(plan.seq_info),
                       n_tokens=plan.n_tokens, max_q_len=plan.max_q_len,
                       max_kv_len=plan.max_kv_len, ring_rows=int(self._pool.ring_rows[layer]),
-                      window=window, scale=scale, softcap=float(softcap or 0.0),
+                      window=window, scale=scale, softcap=softcap,
                       workspace=self._workspace, stream=self.stream)
         if host_out:
             out[...] = dev_out.copy_to_host(stream=self.stream)
@@ -326,18 +377,13 @@ class BatchedSequenceCache:
             return dev_out.copy_to_host(stream=self.stream)
         return out if out is not None else dev_out
 
-    def update_and_attend(self, layer: int, q, k, v, **kw):
-        """`write(layer, k, v)` then `attend(layer, q, **kw)`."""
-        self.write(layer, k, v)
-        return self.attend(layer, q, **kw)
-
     def sequence_kv(self, seq: int, layer: int):
         """`(positions, k, v)`: host copies of what `layer` still holds for `seq`, in order.
 
         Flat layers: positions `[0, pos)`; ring layers: `[max(0, hw - R), pos)`.
         """
         seq = self._id(seq, "sequence_kv")
-        self._check_layer(layer)
+        layer = self._layer(layer, "sequence_kv")
         ring = int(self._pool.ring_rows[layer])
         start, stop = held_positions(int(self._slots.pos[seq]),
                                      int(self._slots.high_water[seq]), ring)
@@ -353,39 +399,40 @@ class BatchedSequenceCache:
 
     # ------------------------------------------------------------------ checks
     def _id(self, seq, verb: str) -> int:
-        seq = self._int(seq, f"{verb} sequence id")
+        seq = as_int(seq, f"{verb}: sequence id")
         if not 0 <= seq < self._n:
             raise UnknownSequenceError(f"{verb}: sequence {seq} is not a column id in "
                                        f"[0, {self._n})")
         return seq
 
-    @staticmethod
-    def _int(value, what: str) -> int:
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise ShapeError(f"{what}: expected an int, got {value!r}")
-        return int(value)
-
-    def _check_layer(self, layer) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or \
-                not 0 <= layer < self.config.n_layers:
-            raise ShapeError(f"layer {layer!r} outside [0, {self.config.n_layers})")
+    def _layer(self, layer, verb: str) -> int:
+        n_layers = self.config.n_layers
+        if not is_int(layer):
+            raise ShapeError(f"{verb}: layer must be an int index in [0, {n_layers}), got "
+                             f"{describe(layer)}")
+        if not 0 <= layer < n_layers:
+            raise ShapeError(f"{verb}: layer {int(layer)} is outside [0, {n_layers})")
+        return int(layer)
 
     def _check_q(self, q, width: int) -> int:
-        shape = tuple(getattr(q, "shape", ()))
+        check_array("q", q, None, _IO_DTYPES)
+        shape = tuple(q.shape)
         if len(shape) != 3:
-            raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got {shape}")
-        n_q_heads = shape[1]
-        if n_q_heads < 1 or n_q_heads % self.config.n_kv_heads:
-            raise ShapeError(f"q: n_q_heads {n_q_heads} is not a multiple of n_kv_heads "
-                             f"{self.config.n_kv_heads}")
+            raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got shape "
+                             f"{shape}")
+        n_q_heads, n_kv_heads = shape[1], self.config.n_kv_heads
+        if n_q_heads < 1 or n_q_heads % n_kv_heads:
+            raise ShapeError(f"q: n_q_heads={n_q_heads} must be a positive multiple of "
+                             f"n_kv_heads={n_kv_heads} (query head h reads kv head "
+                             f"h // (n_q_heads // n_kv_heads))")
         check_array("q", q, (width, n_q_heads, self.config.head_dim), _IO_DTYPES)
         return n_q_heads
 
-    def _require_prepared(self, verb: str) -> StepPlan:
+    def _require_prepared(self, verb: str) -> None:
         if self._step.index != StepState.PREPARED:
             raise StepProtocolError(f"{verb}: the step is {self._step.state.name}; data moves "
-                                    f"only inside a prepared step")
-        return self._plan
+                                    f"only inside a prepared step (declare_step, then "
+                                    f"prepare_step)")
 
     def _lowest_free(self, verb: str) -> int:
         free = np.flatnonzero(self._slots.state == SlotState.FREE)
@@ -428,12 +475,17 @@ class BatchedSequenceCache:
                                 f"exceeds capacity {self.config.capacity}")
         return max_q_len, max_kv_len
 
-    def _block_flags(self, blocks, run_seqs) -> np.ndarray | int:
-        """FLAG_BLOCK for the runs `blocks` names; every named sequence must have a run."""
-        if blocks is None or len(blocks) == 0:
+    def _block_ids(self, blocks):
+        """`blocks` as a fresh int64 id array, or None for no blocks."""
+        if blocks is None:
+            return None
+        ids = as_ids(blocks, self._n, "declare_step blocks")
+        return ids if ids.size else None
+
+    def _block_flags(self, block_ids, run_seqs) -> np.ndarray | int:
+        """FLAG_BLOCK for the runs `block_ids` names; every named sequence must have a run."""
+        if block_ids is None:
             return 0
-        block_ids = np.asarray(blocks, dtype=np.int64).ravel()
-        check_ids(block_ids, self._n, "declare_step blocks")
         marked = np.zeros(self._n, dtype=np.int32)
         marked[run_seqs] = 1
         missing = block_ids[marked[block_ids] == 0]
@@ -443,4 +495,3 @@ class BatchedSequenceCache:
         marked[:] = 0
         marked[block_ids] = FLAG_BLOCK
         return marked[run_seqs]
-

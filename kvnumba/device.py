@@ -10,10 +10,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from contextlib import contextmanager
 
 import numpy as np
 
-from .errors import KVCacheError, ShapeError
+from .errors import CapacityError, KVCacheError, ShapeError
 
 
 class DeviceError(KVCacheError):
@@ -124,17 +125,47 @@ def as_device(array, stream=0):
     return cuda.to_device(np.ascontiguousarray(array), stream=stream)
 
 
-def check_array(name: str, array, shape: tuple, dtypes) -> None:
-    """Refuse (`ShapeError`) an array of the wrong shape, rank or dtype, before any launch."""
-    got_shape = tuple(getattr(array, "shape", ()))
-    dtype = dtype_of(array)
-    if len(got_shape) != len(shape):
-        raise ShapeError(f"{name}: expected rank {len(shape)} {shape}, got rank "
+def is_array(array) -> bool:
+    """True for what the data path accepts: NumPy arrays and device arrays."""
+    return isinstance(array, np.ndarray) or on_device(array)
+
+
+def check_array(name: str, array, shape: tuple | None, dtypes) -> None:
+    """Refuse (`ShapeError`) a non-array, or an array of the wrong rank, shape or dtype,
+    before any launch. `shape=None` checks only that it is an array of an allowed dtype."""
+    allowed = [np.dtype(d).name for d in dtypes]
+    if not is_array(array):
+        raise ShapeError(f"{name}: expected a NumPy or device array"
+                         f"{'' if shape is None else f' of shape {tuple(shape)}'} "
+                         f"and dtype in {allowed}, got {type(array).__name__}")
+    got_shape = tuple(array.shape)
+    if shape is not None and len(got_shape) != len(shape):
+        raise ShapeError(f"{name}: expected rank {len(shape)} {tuple(shape)}, got rank "
                          f"{len(got_shape)} {got_shape}")
-    if got_shape != tuple(shape):
+    if shape is not None and got_shape != tuple(shape):
         raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {got_shape}")
-    if dtype is None or np.dtype(dtype) not in [np.dtype(d) for d in dtypes]:
-        raise ShapeError(f"{name}: dtype {dtype} not in {[np.dtype(d).name for d in dtypes]}")
+    dtype = dtype_of(array)
+    if dtype is None or np.dtype(dtype).name not in allowed:
+        raise ShapeError(f"{name}: dtype {dtype} not in {allowed}")
+
+
+def check_out(name: str, out, shape: tuple, dtypes) -> None:
+    """`check_array`, and a host `out` must be a writeable NumPy array."""
+    check_array(name, out, shape, dtypes)
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ShapeError(f"{name}: the NumPy array is read-only; pass a writeable array "
+                         f"(or none, to get a new one)")
+
+
+@contextmanager
+def allocating(what: str):
+    """Turn a failed host or device allocation inside the block into `CapacityError`."""
+    try:
+        yield
+    except KVCacheError:
+        raise
+    except Exception as exc:  # MemoryError, NumPy's size limits, the driver's out-of-memory
+        raise CapacityError(f"{what}: allocation failed ({type(exc).__name__}: {exc})") from exc
 
 
 def dtype_of(array):

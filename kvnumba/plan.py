@@ -64,7 +64,7 @@ def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's run in a step: tokens `[q_start, q_start + q_len)` at positions from `pos_start`."""
+    """One span of a step: tokens `[q_start, q_start + q_len)` of `seq` at positions from `pos_start`."""
 
     seq: int
     q_start: int
@@ -73,41 +73,83 @@ class Segment:
     block: bool
 
 
-class StepPlan:
-    """A declared (and, once prepared, staged) step. Host NumPy arrays, read-only.
+def frozen(array: np.ndarray) -> np.ndarray:
+    """A read-only view of `array`, which itself becomes read-only: neither can be written
+    again, so a view handed to a caller cannot reach the cache's own copy."""
+    array.setflags(write=False)
+    return array.view()
 
-    n_tokens:       tokens the step declared (no padding).
-    width:          the padded width once prepared, else None.
-    segments:       tuple of `Segment`, in token order.
-    seq_cols:       [width] int32, the storage column of each token; padding -> scratch.
-    positions:      [width] int32, the position of each token; padding -> 0.
-    seq_info:       [n_segments, SEQ_INFO_FIELDS] int32 segment table (see module constants).
-    logit_indices:  [n_segments] int64, each segment's last token.
+
+class StepTables:
+    """The cache's own record of the open step. Never handed out: callers get a `StepPlan`.
+
+    n_tokens, width (None until prepared), seq_info [n_segments, SEQ_INFO_FIELDS],
+    logit_indices [n_segments], max_q_len, max_kv_len, and once prepared seq_cols
+    / positions [width]; every array read-only.
     """
 
-    __slots__ = ("n_tokens", "width", "seq_cols", "positions", "seq_info",
-                 "logit_indices", "max_q_len", "max_kv_len")
+    __slots__ = ("n_tokens", "width", "seq_info", "logit_indices", "max_q_len", "max_kv_len",
+                 "seq_cols", "positions")
 
-    def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len,
-                 width=None, seq_cols=None, positions=None):
+    def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len):
         self.n_tokens = n_tokens
-        self.width = width
+        self.width = None
         self.seq_info = seq_info
         self.logit_indices = logit_indices
         self.max_q_len = max_q_len
         self.max_kv_len = max_kv_len
-        self.seq_cols = seq_cols
-        self.positions = positions
+        self.seq_cols = None
+        self.positions = None
+
+
+def _read(field: str, doc: str):
+    def get(self):
+        value = getattr(self._tables, field)
+        return value.view() if isinstance(value, np.ndarray) else value
+    return property(get, doc=doc)
+
+
+class StepPlan:
+    """A read-only view of a declared (and, once prepared, staged) step.
+
+    The cache keeps its own record and never reads this object back: setting an
+    attribute raises `AttributeError`, and its arrays cannot be made writeable.
+    `prepare_step` fills `width`, `seq_cols` and `positions` in place, so the plan
+    `declare_step` returned shows them too.
+    """
+
+    __slots__ = ("_tables",)
+
+    def __init__(self, tables: StepTables):
+        object.__setattr__(self, "_tables", tables)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"StepPlan is read-only: cannot set {name!r} (the cache keeps its "
+                             f"own copy of the step)")
+
+    __delattr__ = __setattr__
+
+    n_tokens = _read("n_tokens", "Tokens the step declared (no padding).")
+    width = _read("width", "The padded width once prepared, else None.")
+    seq_info = _read("seq_info", "[n_segments, SEQ_INFO_FIELDS] int32 segment table "
+                                 "(fields: the module constants Q_START .. FLAGS).")
+    logit_indices = _read("logit_indices", "[n_segments] int64: each segment's last token.")
+    max_q_len = _read("max_q_len", "The longest segment (tokens).")
+    max_kv_len = _read("max_kv_len", "The furthest position + 1 any segment reaches.")
+    seq_cols = _read("seq_cols", "[width] int32 storage column per token (padding -> scratch "
+                                 "column, or -1 without one); None until prepared.")
+    positions = _read("positions", "[width] int32 position per token (padding -> 0); None "
+                                   "until prepared.")
 
     @property
     def segments(self) -> tuple:
         """`Segment` records of the segment table (built on access, off the hot path)."""
         return tuple(Segment(int(r[COL]), int(r[Q_START]), int(r[Q_LEN]), int(r[POS_START]),
-                             bool(r[FLAGS] & FLAG_BLOCK)) for r in self.seq_info)
+                             bool(r[FLAGS] & FLAG_BLOCK)) for r in self._tables.seq_info)
 
     @property
     def n_segments(self) -> int:
-        return len(self.seq_info)
+        return len(self._tables.seq_info)
 
     def __repr__(self):
         return (f"StepPlan(n_tokens={self.n_tokens}, width={self.width}, "

@@ -7,8 +7,7 @@ ring layers hold `R = min(capacity, W + M - 1)` rows, allocated once.
 from __future__ import annotations
 
 from .config import CacheConfig
-from .device import cuda
-from .errors import CapacityError
+from .device import allocating, cuda
 from .kernels.copy import copy_column
 from .plan import grown_rows, layer_rows
 
@@ -53,11 +52,9 @@ class Pool:
         new_rows = grown_rows(self.flat_rows, needed_row, self.config.capacity)
         if new_rows == self.flat_rows or not self.flat_layers:
             return
-        try:
+        with allocating(f"growing flat layers from {self.flat_rows} to {new_rows} rows (the "
+                        f"old storage is kept)"):
             fresh = {layer: self._allocate(new_rows) for layer in self.flat_layers}
-        except Exception as exc:  # out of device memory, or a simulated failure
-            raise CapacityError(f"growing flat layers from {self.flat_rows} to {new_rows} rows "
-                                f"failed ({exc}); the old storage is kept") from exc
         keep = min(live_rows, self.flat_rows)
         for layer, (k, v) in fresh.items():
             if keep:  # rows are the outermost axis: the live prefix is one contiguous copy

@@ -15,7 +15,8 @@ import numpy as np
 
 from .batched import BatchedSequenceCache
 from .config import CacheConfig
-from .errors import CloneRefusedError, ConfigError, ShapeError, StepProtocolError
+from .args import as_int, describe
+from .errors import CapacityError, CloneRefusedError, ConfigError, ShapeError, StepProtocolError
 from .plan import StepPlan
 from .slots import SlotState, StepState
 
@@ -42,7 +43,7 @@ class SequenceCache:
                               f"sequence, so it requires max_seqs == 1")
         self._inner = BatchedSequenceCache(config, stream, scratch_column=False)
         self._inner.seq_new()
-        self._zeros = np.zeros(config.max_step, dtype=np.int64)  # seq_ids of any step
+        self._zeros = np.zeros(config.max_write, dtype=np.int64)  # seq_ids of any step
         self._zeros.setflags(write=False)
         self._block = np.zeros(1, dtype=np.int64)
         self._block.setflags(write=False)
@@ -131,15 +132,17 @@ class SequenceCache:
         Refused: an open step, a FREE sequence, `n_tokens > max_write`,
         `pos + n_tokens > capacity` (`CapacityError`), `n_tokens < 1` (`ShapeError`).
         """
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)):
-            raise ShapeError(f"declare_step: n_tokens must be an int, got {n_tokens!r}")
+        n_tokens = as_int(n_tokens, "declare_step: n_tokens")
         if n_tokens < 1:
             raise ShapeError(f"declare_step: n_tokens={n_tokens} must be >= 1")
-        if n_tokens <= self._zeros.size:
-            ids = self._zeros[:n_tokens]
-        else:  # refused by the inner cache (max_write / max_step), with its message
-            ids = np.zeros(int(n_tokens), dtype=np.int64)
-        return self._inner.declare_step(ids, blocks=self._block if block else ())
+        if not isinstance(block, (bool, np.bool_)):
+            raise ShapeError(f"declare_step: block must be True or False, got {describe(block)}")
+        if n_tokens > self._zeros.size:  # past max_write: refused without building its ids
+            self._inner.check_declarable(self._block)
+            raise CapacityError(f"declare_step: sequence {_SEQ} writes {n_tokens} tokens, more "
+                                f"than max_write {self.config.max_write}")
+        return self._inner.declare_step(self._zeros[:n_tokens],
+                                        blocks=self._block if block else ())
 
     def prepare_step(self, width: int | None = None) -> StepPlan:
         """Stage the step at `width` tokens (`n_tokens <= width <= max_step`, default

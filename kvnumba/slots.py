@@ -14,7 +14,7 @@ import numpy as np
 from statemachines import (REFUSED, RESTORES, SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel,
                            compile_machine)
 
-from .errors import FreeSequenceError, SlotStateError, StepProtocolError, UnknownSequenceError
+from .errors import FreeSequenceError, SlotStateError, StepProtocolError
 
 
 class SlotState(IntEnum):
@@ -118,9 +118,26 @@ class SlotTable:
 
 def state_refusal(seq: int, state: SlotState, doing: str, allowed) -> SlotStateError:
     """The error for `doing` on sequence `seq` in `state` (FREE: also an unknown sequence)."""
-    cls = FreeSequenceError if state == SlotState.FREE else SlotStateError
-    return cls(f"sequence {seq} is {state.name}: {doing} is allowed only from "
-               f"{', '.join(allowed)}")
+    if state == SlotState.FREE:
+        return FreeSequenceError(f"sequence {seq} is FREE (no live sequence holds that column; "
+                                 f"claim one with seq_new()): {doing} is allowed only from "
+                                 f"{', '.join(allowed)}")
+    return SlotStateError(f"sequence {seq} is {state.name}: {doing} is allowed only from "
+                          f"{', '.join(allowed)}")
+
+
+#: what to call instead, by (refused step event, the state it found)
+_STEP_HINTS = {
+    ("declare", StepState.DECLARED): "finish the open step with prepare_step() and "
+                                     "commit_step(), or drop it with abort_step(), first",
+    ("declare", StepState.PREPARED): "finish the open step with commit_step() or "
+                                     "abort_step() first",
+    ("prepare", StepState.IDLE): "call declare_step() first",
+    ("prepare", StepState.PREPARED): "the step is already prepared",
+    ("commit", StepState.IDLE): "no step is open: declare_step() and prepare_step() first",
+    ("commit", StepState.DECLARED): "call prepare_step() first",
+    ("abort", StepState.IDLE): "no step is open",
+}
 
 
 class StepMachine:
@@ -147,7 +164,8 @@ class StepMachine:
             raise AssertionError(f"strict: step machine disagrees on {event} from {self.state}")
         if nxt == REFUSED:
             need = " or ".join(s.upper() for s in STEP_MACHINE.allowed_from(event))
-            raise StepProtocolError(f"{verb}: the step is {self.state.name}; it needs {need}")
+            raise StepProtocolError(f"{verb}: the step is {self.state.name}; it needs {need} "
+                                    f"({_STEP_HINTS[event, self.state]})")
         return nxt
 
     def apply(self, event: str, nxt: int) -> None:
@@ -160,11 +178,3 @@ class StepMachine:
         if self.index != StepState.IDLE:
             raise StepProtocolError(f"{verb}: a step is open ({self.state.name}); sequence verbs "
                                     f"run between steps (commit_step or abort_step first)")
-
-
-def check_ids(seqs: np.ndarray, n: int, verb: str) -> None:
-    """Refuse ids outside `[0, n)` with `UnknownSequenceError` (`seqs`: an int64 array)."""
-    # one reduction: as unsigned, a negative id is larger than any valid one
-    if seqs.size and _max(seqs.view(np.uint64)) >= n:
-        bad = int(seqs[(seqs < 0) | (seqs >= n)][0])
-        raise UnknownSequenceError(f"{verb}: sequence {bad} is not a column id in [0, {n})")
