@@ -18,12 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import (CacheFullError, ConfigError, KVCacheError, RingFloorError, SessionError,
-                     ShapeError, StepProtocolError)
+from .args import describe, is_int
+from .errors import (CacheFullError, CapacityError, ConfigError, KVCacheError, RingFloorError,
+                     SessionError, ShapeError, StepProtocolError)
 from .slots import SLOT_MACHINE, SlotState, StepState, state_refusal
 
-# the states the declared lifecycle lets `rewind` fire from
+# the states the declared lifecycle lets `rewind` and `declare` fire from
 _REWINDABLE = tuple(SlotState[s.upper()] for s in SLOT_MACHINE.allowed_from("rewind"))
+_DECLARABLE = tuple(SlotState[s.upper()] for s in SLOT_MACHINE.allowed_from("declare"))
+#: what a control must offer: the BatchControl verbs the table calls, and its limits
+_CONTROL_VERBS = ("seq_new", "seq_rm", "seq_clone", "rewind", "pos", "floor", "high_water",
+                  "state", "step_state", "max_seqs", "config")
 
 
 @dataclass(frozen=True)
@@ -59,10 +64,21 @@ class SessionTable:
     """
 
     def __init__(self, control, *, max_sessions: int, max_session_tokens: int):
-        for name, value in (("max_sessions", max_sessions),
-                            ("max_session_tokens", max_session_tokens)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ConfigError(f"SessionTable: {name}={value!r} must be an integer >= 1")
+        missing = [verb for verb in _CONTROL_VERBS if not hasattr(control, verb)]
+        if missing:
+            raise ConfigError(f"SessionTable: control={describe(control)} is not a "
+                              f"BatchControl (it lacks {', '.join(missing)}); pass a "
+                              f"BatchedSequenceCache or a SequenceBatchControl")
+        limits = (("max_sessions", max_sessions, int(control.max_seqs), "the control's max_seqs"),
+                  ("max_session_tokens", max_session_tokens, int(control.config.capacity),
+                   "the control's capacity"))
+        for name, value, most, what in limits:
+            if not is_int(value) or value < 1:
+                raise ConfigError(f"SessionTable: {name}={describe(value)} must be an integer "
+                                  f">= 1")
+            if value > most:
+                raise ConfigError(f"SessionTable: {name}={value} is more than the control can "
+                                  f"hold ({what} is {most})")
         self.control = control
         self.max_sessions = int(max_sessions)
         self.max_session_tokens = int(max_session_tokens)
@@ -79,7 +95,7 @@ class SessionTable:
         return len(self._seqs)
 
     def __contains__(self, sid) -> bool:
-        return sid in self._seqs
+        return is_int(sid) and int(sid) in self._seqs
 
     def seq(self, sid: int) -> int:
         """The sequence id that holds session `sid`."""
@@ -104,8 +120,13 @@ class SessionTable:
         return self._add(seq)
 
     def close(self, sid: int) -> None:
-        """Free the session's sequence (`seq_rm`) and forget it. Unknown or closed: nothing."""
-        seq = self._seqs.get(sid)
+        """Free the session's sequence (`seq_rm`) and forget it. Unknown or closed: nothing.
+
+        A `sid` that is not an int (a bool, a list, ...) is a `SessionError`.
+        """
+        if not is_int(sid):
+            raise SessionError(f"close: session ids are ints, got {describe(sid)}")
+        seq = self._seqs.get(int(sid))
         if seq is None:
             return
         try:
@@ -147,31 +168,33 @@ class SessionTable:
         Per session a cursor starts at `pos(sid)`. Refused (nothing changes): an
         unknown session; `start` past the cursor (a gap); a later input of the same
         session starting before the cursor (an overlap); inputs of one session that
-        are not adjacent; `start + len(tokens) > max_session_tokens`; an empty input.
+        are not adjacent; `start + len(tokens) > max_session_tokens`; an empty input;
+        and everything the following `declare_step` would refuse (an open step, a
+        session writing more than `max_write` tokens, more than `max_step` tokens).
         A session's first input starting before its cursor queues a rewind to
         `start`, refused below the sequence's floor (`RingFloorError`) or when the
         sequence cannot rewind now. The queued rewinds run only after every input
         has passed. Then call `control.declare_step(packed.seq_ids)`.
         """
+        if isinstance(inputs, (str, bytes, dict, set, frozenset)) or \
+                not hasattr(inputs, "__iter__"):
+            raise SessionError(f"pack: inputs must be a list of (sid, start, tokens), got "
+                               f"{describe(inputs)}")
         inputs = list(inputs)
         if not inputs:
             raise SessionError("pack: no inputs")
+        control = self.control
+        if control.step_state != StepState.IDLE:
+            raise StepProtocolError(f"pack: a step is open ({control.step_state.name}); pack "
+                                    f"the next step after commit_step() or abort_step()")
         cursors: dict[int, int] = {}
+        written: dict[int, int] = {}              # sid -> tokens in this step
         rewinds: dict[int, tuple[int, int]] = {}  # sid -> (seq, target)
         chunks, seqs, starts, lens = [], [], [], []
         last_sid = None
         for i, item in enumerate(inputs):
-            try:
-                sid, start, tokens = item
-            except (TypeError, ValueError):
-                raise SessionError(f"pack: input {i} must be (sid, start, tokens), "
-                                   f"got {item!r}") from None
+            sid, start, arr = self._input(i, item)
             seq = self._seq(sid, f"pack input {i}")
-            start = _as_int(start, f"pack input {i} (session {sid}): start")
-            arr = np.asarray(tokens)
-            if arr.ndim == 0 or arr.shape[0] == 0:
-                raise SessionError(f"pack: input {i} (session {sid}) has no tokens "
-                                   f"(shape {arr.shape})")
             n = int(arr.shape[0])
             if sid in cursors:
                 cursor = cursors[sid]
@@ -182,23 +205,27 @@ class SessionTable:
                     raise SessionError(f"pack: input {i} of session {sid} starts at {start}, "
                                        f"overlapping its earlier input which ends at {cursor}")
             else:
-                cursor = int(self.control.pos(seq))
+                cursor = int(control.pos(seq))
                 if start < cursor:
                     self._check_rewind(i, sid, seq, start, cursor)
                     rewinds[sid] = (seq, start)
+                else:
+                    self._check_declarable(i, sid, seq)
             if start > cursor:
                 raise SessionError(f"pack: input {i} of session {sid} starts at {start}, past "
                                    f"its cursor {cursor} (a gap of {start - cursor} positions)")
             end = start + n
-            if end > self.max_session_tokens:
+            if end > self.max_session_tokens:  # max_session_tokens <= capacity: covers it too
                 raise SessionError(f"pack: input {i} of session {sid} would reach position "
                                    f"{end}, past max_session_tokens {self.max_session_tokens}")
             cursors[sid] = end
+            written[sid] = written.get(sid, 0) + n
             last_sid = sid
             chunks.append(arr)
             seqs.append(seq)
             starts.append(start)
             lens.append(n)
+        self._check_step_limits(written, sum(lens))
         try:
             tokens = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=0)
         except ValueError as exc:
@@ -217,7 +244,7 @@ class SessionTable:
         # every input passed: now (and only now) apply the queued rewinds
         for sid, (seq, target) in rewinds.items():
             try:
-                self.control.rewind(seq, target)
+                control.rewind(seq, target)
             except KVCacheError as exc:  # pre-checked above; reaching here is a control bug
                 raise _naming(exc, f"pack: rewind of session {sid} to {target}") from exc
         for a in (positions, seq_ids, logit_indices):
@@ -226,10 +253,49 @@ class SessionTable:
 
     # ------------------------------------------------------------------ internals
     def _seq(self, sid, verb: str) -> int:
-        seq = self._seqs.get(sid) if isinstance(sid, (int, np.integer)) else None
+        if not is_int(sid):
+            raise SessionError(f"{verb}: session ids are ints, got {describe(sid)}")
+        seq = self._seqs.get(int(sid))
         if seq is None:
             raise SessionError(f"{verb}: unknown session {sid!r} (open: {list(self._seqs)})")
         return seq
+
+    @staticmethod
+    def _input(i: int, item):
+        """One pack input as `(sid, start, tokens array)`, or `SessionError` / `ShapeError`."""
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise SessionError(f"pack: input {i} must be (sid, start, tokens), got "
+                               f"{describe(item)}")
+        sid, start, tokens = item
+        if not is_int(sid):
+            raise SessionError(f"pack: input {i}: session ids are ints, got {describe(sid)}")
+        start = _as_int(start, f"pack input {i} (session {sid}): start")
+        try:
+            arr = np.asarray(tokens)
+        except (ValueError, TypeError) as exc:
+            raise ShapeError(f"pack: input {i} (session {sid}): tokens must be an array-like "
+                             f"with one row per token ({exc})") from None
+        if arr.ndim == 0 or arr.shape[0] == 0:
+            raise SessionError(f"pack: input {i} (session {sid}) has no tokens "
+                               f"(shape {arr.shape})")
+        return int(sid), start, arr
+
+    def _check_declarable(self, i: int, sid: int, seq: int) -> None:
+        """The session's sequence can join a step (as `declare_step` checks)."""
+        state = SlotState(int(self.control.state(seq)))
+        if state not in _DECLARABLE:
+            raise state_refusal(seq, state, f"pack: input {i} of session {sid}: a step",
+                                [s.name for s in _DECLARABLE])
+
+    def _check_step_limits(self, written: dict, n_tokens: int) -> None:
+        """`max_write` per session and `max_step` per step, as `declare_step` checks them."""
+        config = self.control.config
+        sid = max(written, key=written.get)
+        if written[sid] > config.max_write:
+            raise CapacityError(f"pack: session {sid} writes {written[sid]} tokens in this "
+                                f"step, more than max_write {config.max_write}")
+        if n_tokens > config.max_step:
+            raise CapacityError(f"pack: {n_tokens} tokens exceed max_step {config.max_step}")
 
     def _require_room(self, verb: str) -> None:
         if len(self._seqs) >= self.max_sessions:
@@ -247,10 +313,6 @@ class SessionTable:
         where = f"pack: input {i} of session {sid} (sequence {seq})"
         if target < 0:
             raise SessionError(f"{where} starts at {target}, before position 0")
-        if self.control.step_state != StepState.IDLE:
-            raise StepProtocolError(f"{where} needs a rewind from {cursor} to {target}, but a "
-                                    f"step is open ({self.control.step_state.name}); rewinds run "
-                                    f"between steps")
         state = SlotState(int(self.control.state(seq)))
         if state not in _REWINDABLE:
             raise state_refusal(seq, state, f"{where}: a rewind from {cursor} to {target}",
@@ -263,8 +325,8 @@ class SessionTable:
 
 
 def _as_int(value, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise SessionError(f"{what}: expected an int, got {value!r}")
+    if not is_int(value):
+        raise SessionError(f"{what}: expected an int, got {describe(value)}")
     return int(value)
 
 
