@@ -185,14 +185,15 @@ def test_open_at_max_sessions_and_when_control_full():
     assert snapshot(c) == before and t.sessions == (1, 2)
 
     c = batched(max_seqs=3)
-    t = kv.SessionTable(c, max_sessions=5, max_session_tokens=10)
-    assert [t.open() for _ in range(3)] == [1, 2, 3]
+    t = kv.SessionTable(c, max_sessions=3, max_session_tokens=10)
+    assert [t.open() for _ in range(2)] == [1, 2]
+    c.seq_new()  # a sequence the table does not own fills the control
     before = snapshot(c)
     with pytest.raises(kv.SessionError, match="no free sequence"):
         t.open()
-    assert snapshot(c) == before and t.sessions == (1, 2, 3)
+    assert snapshot(c) == before and t.sessions == (1, 2)
     t.close(2)
-    assert t.open() == 4  # the refused open consumed no id
+    assert t.open() == 3  # the refused open consumed no id
 
 
 def test_clone_shares_the_prefix_and_nothing_after():
@@ -259,10 +260,12 @@ def test_invalid_table_limits():
 # ---------------------------------------------------------------- over SequenceBatchControl
 def test_single_control_serves_one_session_at_a_time():
     c = single()
-    t = kv.SessionTable(c, max_sessions=4, max_session_tokens=30)
+    with pytest.raises(kv.ConfigError, match=r"max_sessions=4 .* max_seqs is 1"):
+        kv.SessionTable(c, max_sessions=4, max_session_tokens=30)
+    t = kv.SessionTable(c, max_sessions=1, max_session_tokens=30)
     s = t.open()
     assert s == 1 and t.seq(s) == 0
-    with pytest.raises(kv.SessionError, match="no free sequence"):
+    with pytest.raises(kv.SessionError, match="max_sessions=1"):
         t.open()
     assert t.sessions == (1,)
 
@@ -287,12 +290,15 @@ def test_single_control_abutting_chunks_and_rewind_into_history():
 
 def test_single_control_refuses_clones_changing_nothing():
     c = single()
-    t = kv.SessionTable(c, max_sessions=2, max_session_tokens=30)
+    t = kv.SessionTable(c, max_sessions=1, max_session_tokens=30)
     s = t.open()
     run_step(c, [0] * 4)
     before = snapshot(c)
-    with pytest.raises(kv.CloneRefusedError, match=f"session {s}"):
+    # a table over one sequence has no room for a clone; the control itself refuses too
+    with pytest.raises(kv.SessionError, match="max_sessions=1"):
         t.clone(s, upto=2)
+    with pytest.raises(kv.CloneRefusedError, match="sequence 0"):
+        c.seq_clone(t.seq(s), upto=2)
     assert snapshot(c) == before and t.sessions == (s,) and t.pos(s) == 4
 
 

@@ -1,0 +1,55 @@
+"""Everything a refusal must leave as it was, as comparable bytes.
+
+`snapshot(face)` covers a `BatchedSequenceCache`, a `SequenceCache`, a
+`SequenceBatchControl` or a `SessionTable` (with its control): every slot's state,
+pos, high-water and floor; the step state; the open plan's tables; which layers
+the step has written; the staged device tables; and the raw bytes of every
+layer's K and V storage (compared as bytes: never-written storage may hold NaN).
+"""
+import numpy as np
+
+import kvnumba as kv
+
+
+def _cache(face):
+    """The `BatchedSequenceCache` underneath any face."""
+    if isinstance(face, kv.SessionTable):
+        face = face.control
+    return getattr(face, "_inner", face)
+
+
+def _plan(plan):
+    if plan is None:
+        return None
+    arrays = (plan.seq_info, plan.logit_indices, plan.seq_cols, plan.positions)
+    return (plan.n_tokens, plan.width) + tuple(None if a is None else a.tobytes()
+                                                for a in arrays)
+
+
+def snapshot(face):
+    cache = _cache(face)
+    slots = [(cache.state(s), cache.pos(s), cache.high_water(s), cache.floor(s))
+             for s in range(cache.max_seqs)]
+    storage = []
+    for layer in range(cache.config.n_layers):
+        k, v = cache.layer_data(layer)
+        storage.append((k.shape, k.copy_to_host().tobytes(), v.copy_to_host().tobytes()))
+    state = (slots, cache.step_state, _plan(cache.plan), cache._written.tobytes(),
+             cache._staging.device.copy_to_host().tobytes(), storage, cache.nbytes)
+    if isinstance(face, kv.SessionTable):
+        sessions = [(sid, face.seq(sid)) for sid in face.sessions]
+        state += (sessions, face._next_sid)
+    return state
+
+
+def assert_unchanged(before, after):
+    """Compare two snapshots, naming the first part that differs."""
+    names = ("slots", "step_state", "plan", "written layers", "staged tables", "storage",
+             "nbytes", "sessions", "next session id")
+    for name, a, b in zip(names, before, after):
+        assert a == b, f"a refused call changed the {name}"
+    assert len(before) == len(after)
+
+
+def fill(rng, shape, dtype=np.float32):
+    return rng.standard_normal(shape).astype(dtype)
