@@ -20,7 +20,7 @@ from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, 
 from .kernels.attention import AttentionWorkspace, attend as attend_kernel
 from .kernels.write import write_kv
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   StepTables, frozen, held_positions, ring_floor)
+                   StepTables, frozen, held_positions, ring_floor, span_offsets)
 from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
@@ -53,7 +53,8 @@ class BatchedSequenceCache:
                         f"max_step {config.max_step})"):
             self._slots = SlotTable(n)
             self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
-            self._staging = Staging(config.max_step, min(n, config.max_step), self.stream)
+            # a step has at most one span per token, so at most max_step segments
+            self._staging = Staging(config.max_step, config.max_step, self.stream)
             self._workspace = AttentionWorkspace()
             # read-only ramps reused by every decode step (no per-step allocation); a step
             # whose every token is its own run of a distinct sequence has at most this many
@@ -64,7 +65,8 @@ class BatchedSequenceCache:
         self._ones.setflags(write=False)
         self._tables: StepTables | None = None   # the open step, as the cache keeps it
         self._plan: StepPlan | None = None       # its read-only view, handed to callers
-        self._runs = None      # (run_seqs, run_lens, ends) of the open step
+        self._runs = None      # (span seqs, span lengths) of the open step, in token order
+        self._seq_ends = None  # (its sequences, the position each reaches) for commit / abort
         self._written = np.zeros(config.n_layers, dtype=bool)  # layers the step has written
         # every ring layer's floor is hw - M once hw > R: the smallest R binds first
         rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
@@ -176,12 +178,16 @@ class BatchedSequenceCache:
     def declare_step(self, seq_ids, *, blocks=()) -> StepPlan:
         """Open a step: one sequence id per token, in token order.
 
-        Each sequence's tokens must form one contiguous run (one attention segment).
-        `blocks`: sequences whose run is a bidirectional draft block. Refusals, in
-        order: open step, unknown or free id, a sequence in more than one run, a run
-        longer than `max_write`, `pos + run > capacity`, more than `max_step` tokens.
-        The cache copies `seq_ids`: the caller may reuse its buffer at once.
-        Returns a read-only `StepPlan`.
+        Each maximal run of one id is a span and one attention segment. A sequence
+        may have several spans (`[a, b, a]`): they take consecutive positions in
+        token order, and a later span's queries see the keys the earlier ones write
+        in the same step. `blocks`: sequences whose tokens are a bidirectional draft
+        block; a block owner must be exactly one span. Refusals, in order: an open
+        step; an unknown or free id; a block owner in more or fewer than one span; a
+        sequence writing more than `max_write` tokens (all its spans); `pos` + its
+        tokens past `capacity`; more than `max_step` tokens. The cache copies
+        `seq_ids` (the caller may reuse its buffer at once) and returns a read-only
+        `StepPlan`.
         """
         nxt_step = self._step.check("declare", "declare_step")
         ids = as_ids(seq_ids, self._n, "declare_step seq_ids")
@@ -192,20 +198,27 @@ class BatchedSequenceCache:
         n_tokens = ids.size
         boundary = ids[1:] != ids[:-1]
         if n_tokens <= self._arange.size and np.count_nonzero(boundary) == n_tokens - 1:
-            # every token its own run (a decode step): reuse the read-only ramps
+            # every token its own span (a decode step): reuse the read-only ramps
             run_seqs, run_starts, run_lens = ids, self._arange[:n_tokens], self._ones[:n_tokens]
         else:
             run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
             run_seqs = ids[run_starts]
             run_lens = np.diff(np.append(run_starts, n_tokens))
         nxt = self._slots.check("declare", run_seqs)
+        spans_per_seq = np.bincount(run_seqs, minlength=self._n)
+        flags = self._block_flags(block_ids, spans_per_seq, run_seqs, run_starts, run_lens)
         pos_start = self._slots.pos[run_seqs]
-        ends = pos_start + run_lens
-        max_q_len, max_kv_len = self._check_runs(run_seqs, run_starts, run_lens, ends)
+        if _max(spans_per_seq) == 1:   # one span per sequence (the common step)
+            seqs, totals = run_seqs, run_lens
+        else:
+            offsets, seqs, totals = span_offsets(run_seqs, run_lens)
+            pos_start = pos_start + offsets
+            nxt = self._slots.check("declare", seqs)
+        ends = self._slots.pos[seqs] + totals
+        self._check_totals(seqs, totals, ends)
         if n_tokens > self.config.max_step:
             raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
                                 f"{self.config.max_step}")
-        flags = self._block_flags(block_ids, run_seqs)
         seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
         seq_info[:, Q_START] = run_starts
         seq_info[:, Q_LEN] = run_lens
@@ -213,11 +226,12 @@ class BatchedSequenceCache:
         seq_info[:, POS_START] = pos_start
         seq_info[:, FLAGS] = flags
         logits = run_starts + run_lens - 1
-        self._slots.apply("declare", run_seqs, nxt)
+        self._slots.apply("declare", seqs, nxt)
         self._step.apply("declare", nxt_step)
-        self._runs = (run_seqs, run_lens, ends)
-        self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits), max_q_len,
-                                  max_kv_len)
+        self._runs = (run_seqs, run_lens)
+        self._seq_ends = (seqs, ends)
+        self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits),
+                                  int(_max(run_lens)), int(_max(ends)))
         self._plan = StepPlan(self._tables)
         return self._plan
 
@@ -236,7 +250,7 @@ class BatchedSequenceCache:
                                 f"{plan.n_tokens}, max_step {self.config.max_step}]")
         if plan.max_kv_len > self._pool.flat_rows:
             self._pool.ensure_row(plan.max_kv_len - 1, int(_max(self._slots.high_water)))
-        run_seqs, run_lens, _ = self._runs
+        run_seqs, run_lens = self._runs
         info = plan.seq_info
         n = plan.n_tokens
         seq_cols = np.empty(width, dtype=np.int32)
@@ -257,27 +271,27 @@ class BatchedSequenceCache:
         return self._plan
 
     def commit_step(self) -> None:
-        """Advance every sequence of the step by its run: `pos += q_len`, COMMITTED."""
+        """Advance every sequence of the step by all its spans' tokens; COMMITTED."""
         nxt_step = self._step.check("commit", "commit_step")
-        run_seqs, run_lens, ends = self._runs
-        self._slots.apply("commit", run_seqs, self._slots.check("commit", run_seqs))
-        self._slots.pos[run_seqs] = ends
+        seqs, ends = self._seq_ends
+        self._slots.apply("commit", seqs, self._slots.check("commit", seqs))
+        self._slots.pos[seqs] = ends
         hw = self._slots.high_water
-        hw[run_seqs] = np.maximum(hw[run_seqs], ends)
+        hw[seqs] = np.maximum(hw[seqs], ends)
         self._close(nxt_step, "commit")
 
     def abort_step(self) -> None:
         """Return every sequence of the step to its earlier state; nothing advances.
 
         After `prepare_step` the kernels may have written, so each sequence's
-        high-water rises to the end of its run.
+        high-water rises to the end of its last span.
         """
         nxt_step = self._step.check("abort", "abort_step")
-        run_seqs, _, ends = self._runs
-        self._slots.apply("abort", run_seqs, self._slots.check("abort", run_seqs))
+        seqs, ends = self._seq_ends
+        self._slots.apply("abort", seqs, self._slots.check("abort", seqs))
         if self._step.index == StepState.PREPARED:
             hw = self._slots.high_water
-            hw[run_seqs] = np.maximum(hw[run_seqs], ends)
+            hw[seqs] = np.maximum(hw[seqs], ends)
         self._close(nxt_step, "abort")
 
     def check_declarable(self, seqs: np.ndarray) -> None:
@@ -289,7 +303,7 @@ class BatchedSequenceCache:
     def _close(self, nxt_step, event):
         self._step.apply(event, nxt_step)
         self._tables = self._plan = None
-        self._runs = None
+        self._runs = self._seq_ends = None
 
     # ------------------------------------------------------------------ data path
     def write(self, layer: int, k, v) -> None:
@@ -449,31 +463,18 @@ class BatchedSequenceCache:
                                  f"{int(self._slots.high_water[seq])}, max_write "
                                  f"{self.config.max_write})")
 
-    def _check_runs(self, run_seqs, run_starts, run_lens, ends) -> tuple[int, int]:
-        """Refuse a sequence in several runs, a run over max_write, an end past capacity.
-
-        Returns the longest run and the furthest end (they size the kernels' grids).
-        """
-        counts = np.bincount(run_seqs, minlength=self._n)
-        if _max(counts) > 1:
-            seq = int(np.flatnonzero(counts > 1)[0])
-            runs = [(int(s), int(s + n)) for s, n, q in zip(run_starts, run_lens, run_seqs)
-                    if q == seq]
-            raise OwnerRunError(f"declare_step: sequence {seq} has {len(runs)} runs "
-                                f"{runs} (token ranges); its tokens must form one contiguous run")
-        max_q_len = int(_max(run_lens))
-        if max_q_len > self.config.max_write:
-            i = int(np.argmax(run_lens))
-            raise CapacityError(f"declare_step: sequence {int(run_seqs[i])} writes "
-                                f"{int(run_lens[i])} tokens, more than max_write "
+    def _check_totals(self, seqs, totals, ends) -> None:
+        """Refuse a sequence writing more than max_write tokens, or reaching past capacity."""
+        if _max(totals) > self.config.max_write:
+            i = int(np.argmax(totals))
+            raise CapacityError(f"declare_step: sequence {int(seqs[i])} writes "
+                                f"{int(totals[i])} tokens, more than max_write "
                                 f"{self.config.max_write}")
-        max_kv_len = int(_max(ends))
-        if max_kv_len > self.config.capacity:
+        if _max(ends) > self.config.capacity:
             i = int(np.argmax(ends))
-            raise CapacityError(f"declare_step: sequence {int(run_seqs[i])} at pos "
-                                f"{int(self._slots.pos[run_seqs[i]])} + {int(run_lens[i])} tokens "
+            raise CapacityError(f"declare_step: sequence {int(seqs[i])} at pos "
+                                f"{int(self._slots.pos[seqs[i]])} + {int(totals[i])} tokens "
                                 f"exceeds capacity {self.config.capacity}")
-        return max_q_len, max_kv_len
 
     def _block_ids(self, blocks):
         """`blocks` as a fresh int64 id array, or None for no blocks."""
@@ -482,16 +483,21 @@ class BatchedSequenceCache:
         ids = as_ids(blocks, self._n, "declare_step blocks")
         return ids if ids.size else None
 
-    def _block_flags(self, block_ids, run_seqs) -> np.ndarray | int:
-        """FLAG_BLOCK for the runs `block_ids` names; every named sequence must have a run."""
+    def _block_flags(self, block_ids, spans_per_seq, run_seqs, run_starts,
+                     run_lens) -> np.ndarray | int:
+        """FLAG_BLOCK for the spans `block_ids` names; each must name exactly one span."""
         if block_ids is None:
             return 0
+        wrong = block_ids[spans_per_seq[block_ids] != 1]
+        if wrong.size:
+            seq = int(wrong[0])
+            runs = [(int(a), int(a + n)) for a, n, q in zip(run_starts, run_lens, run_seqs)
+                    if q == seq]
+            if not runs:
+                raise OwnerRunError(f"declare_step: blocks name sequence {seq}, which has no "
+                                    f"run in this step; a draft block must be exactly one run")
+            raise OwnerRunError(f"declare_step: block owner {seq} has {len(runs)} runs {runs} "
+                                f"(token ranges); a draft block must be exactly one run")
         marked = np.zeros(self._n, dtype=np.int32)
-        marked[run_seqs] = 1
-        missing = block_ids[marked[block_ids] == 0]
-        if missing.size:
-            raise OwnerRunError(f"declare_step: blocks name sequences {sorted(set(missing.tolist()))}"
-                                f" that have no run in this step")
-        marked[:] = 0
         marked[block_ids] = FLAG_BLOCK
         return marked[run_seqs]

@@ -45,7 +45,7 @@ class StepProtocolError(KVCacheError):
 
 
 class OwnerRunError(KVCacheError):
-    """A sequence whose tokens do not form exactly one contiguous run in a step."""
+    """A draft-block owner whose tokens do not form exactly one contiguous run in a step."""
 
 
 class ShapeError(KVCacheError, ValueError):

@@ -52,6 +52,30 @@ def grown_rows(rows: int, needed_row: int, capacity: int) -> int:
     return min(capacity, max(needed_row + 1, 2 * rows))
 
 
+def span_offsets(run_seqs: np.ndarray, run_lens: np.ndarray):
+    """Where each span of a step starts within its sequence's tokens, and each sequence's total.
+
+    `run_seqs`, `run_lens`: the step's spans (maximal runs of one id) in token order.
+    A sequence's spans take consecutive positions in token order, so span `i`
+    starts `offsets[i]` positions after `pos(run_seqs[i])`. Returns
+    `(offsets [n_spans], seqs [n_seqs] (ascending), totals [n_seqs])`; vectorised,
+    no loop over spans.
+    """
+    order = np.argsort(run_seqs, kind="stable")      # spans grouped by sequence, token order kept
+    seqs = run_seqs[order]
+    lens = run_lens[order]
+    first = np.empty(seqs.size, dtype=bool)
+    first[0] = True
+    np.not_equal(seqs[1:], seqs[:-1], out=first[1:])
+    before = np.cumsum(lens) - lens                  # tokens of all earlier spans (this order)
+    # `before` never decreases, so carrying each group's first value forward is a running max
+    group_base = np.maximum.accumulate(np.where(first, before, 0))
+    offsets = np.empty_like(before)
+    offsets[order] = before - group_base
+    starts = np.flatnonzero(first)
+    return offsets, seqs[starts], np.add.reduceat(lens, starts)
+
+
 def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
     """`[start, stop)` of the positions a layer still holds for a sequence.
 
