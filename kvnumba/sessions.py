@@ -4,10 +4,11 @@ A session is what a serving loop calls a conversation; a sequence is a cache
 column. The table hands out session ids (from 1, monotonic, never reused), keeps
 one sequence per session, and packs a batch of `(sid, start, tokens)` inputs
 into one step's token axis (`PackedStep`), queueing the rewinds that inputs
-starting before a session's cursor imply. It uses only BatchControl verbs
-(`seq_new`, `seq_rm`, `seq_clone`, `rewind`, `pos`, `floor`, `state`,
-`step_state`), so it runs over a `BatchedSequenceCache` and over a
-`SequenceBatchControl` alike.
+starting before a session's cursor imply. A session may have several inputs in
+one batch, anywhere in it (each becomes a span of its sequence). It uses only
+BatchControl verbs (`seq_new`, `seq_rm`, `seq_clone`, `rewind`, `pos`, `floor`,
+`state`, `step_state`) and the control's `config` limits, so it runs over a
+`BatchedSequenceCache` and over a `SequenceBatchControl` alike.
 
 Every refusal is a `SessionError` or one of the cache's own typed errors (with
 the session named in its message), and changes nothing.
@@ -41,8 +42,10 @@ class PackedStep:
     seq_ids:        `[n]` int64, the sequence of each token: pass it to
                     `control.declare_step(packed.seq_ids)`.
     logit_indices:  `[n_inputs]` int64, one per input: the index of its last token if it
-                    is its session's last input in the batch, else -1 (an earlier chunk
-                    of a prompt samples nothing).
+                    produces output, else -1. An input produces output when its fourth
+                    element `produce_output` says so, or, without one, when it is its
+                    session's last input in the batch (an earlier chunk of a prompt
+                    samples nothing).
     """
 
     tokens: np.ndarray
@@ -163,18 +166,27 @@ class SessionTable:
 
     # ------------------------------------------------------------------ packing
     def pack(self, inputs) -> PackedStep:
-        """Lay `inputs`, each `(sid, start, tokens)`, end to end for one step.
+        """Lay `inputs`, each `(sid, start, tokens)` or `(sid, start, tokens, produce_output)`,
+        end to end for one step.
 
-        Per session a cursor starts at `pos(sid)`. Refused (nothing changes): an
-        unknown session; `start` past the cursor (a gap); a later input of the same
-        session starting before the cursor (an overlap); inputs of one session that
-        are not adjacent; `start + len(tokens) > max_session_tokens`; an empty input;
-        and everything the following `declare_step` would refuse (an open step, a
-        session writing more than `max_write` tokens, more than `max_step` tokens).
-        A session's first input starting before its cursor queues a rewind to
-        `start`, refused below the sequence's floor (`RingFloorError`) or when the
-        sequence cannot rewind now. The queued rewinds run only after every input
-        has passed. Then call `control.declare_step(packed.seq_ids)`.
+        Per session a cursor starts at `pos(sid)`; each input must start at its
+        session's cursor, which then moves past it. A session's first input may start
+        before the cursor: that queues a rewind to `start` (refused below the
+        sequence's floor, `RingFloorError`, or when the sequence cannot rewind now).
+        A later input of the same session may sit anywhere later in the batch; it
+        becomes another span of the sequence. `logit_indices` has one entry per
+        input: its last token's index if `produce_output` is true, -1 if false;
+        without the fourth element, the index when the input is its session's last
+        in the batch, else -1.
+
+        Refused, before anything changes: inputs that are not a list of such tuples;
+        an unknown session; an empty input; a gap (`start` past the cursor); an
+        overlap (a later input starting before the cursor); `start + len(tokens) >
+        max_session_tokens`; and everything the following `declare_step` would
+        refuse (an open step, a sequence that cannot join a step, a session writing
+        more than `max_write` tokens in all, more than `max_step` tokens). The queued
+        rewinds run only after every input has passed. Then call
+        `control.declare_step(packed.seq_ids)`.
         """
         if isinstance(inputs, (str, bytes, dict, set, frozenset)) or \
                 not hasattr(inputs, "__iter__"):
@@ -189,18 +201,15 @@ class SessionTable:
                                     f"the next step after commit_step() or abort_step()")
         cursors: dict[int, int] = {}
         written: dict[int, int] = {}              # sid -> tokens in this step
+        last_input: dict[int, int] = {}           # sid -> its last input's index
         rewinds: dict[int, tuple[int, int]] = {}  # sid -> (seq, target)
-        chunks, seqs, starts, lens = [], [], [], []
-        last_sid = None
+        chunks, seqs, starts, lens, outputs = [], [], [], [], []
         for i, item in enumerate(inputs):
-            sid, start, arr = self._input(i, item)
+            sid, start, arr, produce = self._input(i, item)
             seq = self._seq(sid, f"pack input {i}")
             n = int(arr.shape[0])
             if sid in cursors:
                 cursor = cursors[sid]
-                if sid != last_sid:
-                    raise SessionError(f"pack: input {i} of session {sid} is not adjacent to "
-                                       f"its earlier input; a session's inputs must be one run")
                 if start < cursor:
                     raise SessionError(f"pack: input {i} of session {sid} starts at {start}, "
                                        f"overlapping its earlier input which ends at {cursor}")
@@ -220,11 +229,12 @@ class SessionTable:
                                    f"{end}, past max_session_tokens {self.max_session_tokens}")
             cursors[sid] = end
             written[sid] = written.get(sid, 0) + n
-            last_sid = sid
+            last_input[sid] = i
             chunks.append(arr)
             seqs.append(seq)
             starts.append(start)
             lens.append(n)
+            outputs.append(produce)
         self._check_step_limits(written, sum(lens))
         try:
             tokens = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=0)
@@ -237,10 +247,10 @@ class SessionTable:
         seq_ids = np.repeat(np.asarray(seqs, dtype=np.int64), lens_a)
         positions = np.arange(int(lens_a.sum()), dtype=np.int64) + \
             np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lens_a)
-        sids = [item[0] for item in inputs]
-        last_of_session = np.array([i + 1 == len(sids) or sids[i + 1] != sids[i]
-                                    for i in range(len(sids))])
-        logit_indices = np.where(last_of_session, offsets + lens_a - 1, -1).astype(np.int64)
+        last = set(last_input.values())
+        sampled = np.array([i in last if produce is None else bool(produce)
+                            for i, produce in enumerate(outputs)], dtype=bool)
+        logit_indices = np.where(sampled, offsets + lens_a - 1, -1).astype(np.int64)
         # every input passed: now (and only now) apply the queued rewinds
         for sid, (seq, target) in rewinds.items():
             try:
@@ -262,11 +272,16 @@ class SessionTable:
 
     @staticmethod
     def _input(i: int, item):
-        """One pack input as `(sid, start, tokens array)`, or `SessionError` / `ShapeError`."""
-        if not isinstance(item, (list, tuple)) or len(item) != 3:
-            raise SessionError(f"pack: input {i} must be (sid, start, tokens), got "
-                               f"{describe(item)}")
-        sid, start, tokens = item
+        """One pack input as `(sid, start, tokens array, produce_output or None)`, or
+        `SessionError` / `ShapeError`."""
+        if not isinstance(item, (list, tuple)) or len(item) not in (3, 4):
+            raise SessionError(f"pack: input {i} must be (sid, start, tokens) or (sid, start, "
+                               f"tokens, produce_output), got {describe(item)}")
+        sid, start, tokens = item[:3]
+        produce = item[3] if len(item) == 4 else None
+        if not isinstance(produce, (bool, np.bool_, type(None))):
+            raise SessionError(f"pack: input {i}: produce_output must be True or False, got "
+                               f"{describe(produce)}")
         if not is_int(sid):
             raise SessionError(f"pack: input {i}: session ids are ints, got {describe(sid)}")
         start = _as_int(start, f"pack input {i} (session {sid}): start")
@@ -278,7 +293,7 @@ class SessionTable:
         if arr.ndim == 0 or arr.shape[0] == 0:
             raise SessionError(f"pack: input {i} (session {sid}) has no tokens "
                                f"(shape {arr.shape})")
-        return int(sid), start, arr
+        return int(sid), start, arr, produce
 
     def _check_declarable(self, i: int, sid: int, seq: int) -> None:
         """The session's sequence can join a step (as `declare_step` checks)."""
