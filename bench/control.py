@@ -1,9 +1,11 @@
 """Control-plane benchmark: host time of declare_step + prepare_step + commit_step.
 
-Two step kinds, for B in {1, 8, 64, 256} sequences:
+Three step kinds, for B in {1, 8, 64, 256} sequences:
 
 * decode: one token per sequence;
-* mixed:  a few sequences prefill a chunk of 16-64 tokens, the rest decode.
+* mixed:  a few sequences prefill a chunk of 16-64 tokens, the rest decode;
+* spans:  every sequence in two spans (`[0 .. B-1, 0 .. B-1]`: a feedback token,
+          then the next token of the same sequence after all the others).
 
 Each is timed for `BatchedSequenceCache` and for a naive driver of the same
 steps: one `transitions` model per slot (`statemachines.MachineModel`) plus one
@@ -33,7 +35,7 @@ from kvnumba.plan import SEQ_INFO_FIELDS
 from statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 
 BATCHES = (1, 8, 64, 256)
-KINDS = ("decode", "mixed")
+KINDS = ("decode", "mixed", "spans")
 CHUNKS = (16, 32, 48, 64)        # prefill chunk lengths of a mixed step, cycled
 HEAD_DIM = 8                     # the control plane does not depend on it
 CAPACITY = 4096                  # positions per sequence; rewound (untimed) before overflow
@@ -45,10 +47,12 @@ TARGET_RATIO = 30.0              # kvnumba vs naive at B = 256
 
 # ---------------------------------------------------------------------------- steps
 def step_ids(batch: int, kind: str) -> np.ndarray:
-    """The token axis of one step: sequence id per token (int64, each sequence one run)."""
+    """The token axis of one step: sequence id per token (int64)."""
     ids = np.arange(batch, dtype=np.int64)
     if kind == "decode":
         return ids
+    if kind == "spans":
+        return np.concatenate([ids, ids])
     n_prefill = max(1, batch // 32)
     lens = np.ones(batch, dtype=np.int64)
     lens[:n_prefill] = [CHUNKS[i % len(CHUNKS)] for i in range(n_prefill)]
@@ -114,7 +118,7 @@ class NaiveDriver:
         self.high_water = [0] * batch
         for model in self.slots:
             self._fire(model, "seq_new")
-        self.info_size = min(batch, MAX_STEP) * SEQ_INFO_FIELDS
+        self.info_size = MAX_STEP * SEQ_INFO_FIELDS
         size = self.info_size + 2 * MAX_STEP
         self.host = kv_device.host_buffer(size, np.int32)
         self.device = kv_device.cuda.device_array(size, dtype=np.int32)
@@ -130,40 +134,39 @@ class NaiveDriver:
     def declare_step(self, seq_ids):
         if self.step_model.state != "idle":
             raise RuntimeError("naive: a step is open")
-        runs = []  # [seq, q_start, q_len]
+        runs = []  # [seq, q_start, q_len, pos_start]
+        cursor = {}  # seq -> the position its next span starts at
         prev = -1
         for i, seq in enumerate(seq_ids):
             seq = int(seq)
             if not 0 <= seq < self.n or self.slots[seq].state == "free":
                 raise RuntimeError(f"naive: unknown or free sequence {seq}")
             if seq != prev:
-                runs.append([seq, i, 1])
+                runs.append([seq, i, 0, cursor.get(seq, self.pos[seq])])
                 prev = seq
-            else:
-                runs[-1][2] += 1
-        seen = set()
-        for seq, _, q_len in runs:
-            if seq in seen:
-                raise RuntimeError(f"naive: sequence {seq} has more than one run")
-            seen.add(seq)
+            runs[-1][2] += 1
+            cursor[seq] = runs[-1][3] + runs[-1][2]
+        for seq, end in cursor.items():
             if self.slots[seq].state not in ("claimed", "committed", "rewound"):
                 raise RuntimeError(f"naive: sequence {seq} cannot declare")
-            if q_len > MAX_WRITE or self.pos[seq] + q_len > CAPACITY:
+            if end - self.pos[seq] > MAX_WRITE or end > CAPACITY:
                 raise RuntimeError(f"naive: sequence {seq} over max_write or capacity")
         n_tokens = len(seq_ids)
         if n_tokens > MAX_STEP:
             raise RuntimeError("naive: over max_step")
         self._fire(self.step_model, "declare")
+        for seq in cursor:
+            self._fire(self.slots[seq], "declare")
         info = []
         logits = []
-        for seq, q_start, q_len in runs:
-            self._fire(self.slots[seq], "declare")
-            info.append((q_start, q_len, seq, self.pos[seq], 0))
+        for seq, q_start, q_len, pos_start in runs:
+            info.append((q_start, q_len, seq, pos_start, 0))
             logits.append(q_start + q_len - 1)
         self.seq_info = np.array(info, dtype=np.int32)
         self.logits = np.array(logits, dtype=np.int64)
-        self.max_kv_len = max(self.pos[seq] + q_len for seq, _, q_len in runs)
+        self.max_kv_len = max(cursor.values())
         self.runs = runs
+        self.ends = cursor
         self.n_tokens = n_tokens
 
     def prepare_step(self, width=None):
@@ -172,8 +175,7 @@ class NaiveDriver:
             raise RuntimeError("naive: rows")
         self._fire(self.step_model, "prepare")
         cols, positions = [], []
-        for seq, _, q_len in self.runs:
-            start = self.pos[seq]
+        for seq, _, q_len, start in self.runs:
             for j in range(q_len):
                 cols.append(seq)
                 positions.append(start + j)
@@ -192,13 +194,12 @@ class NaiveDriver:
 
     def commit_step(self):
         self._fire(self.step_model, "commit")
-        for seq, _, q_len in self.runs:
+        for seq, end in self.ends.items():
             self._fire(self.slots[seq], "commit")
-            end = self.pos[seq] + q_len
             self.pos[seq] = end
             if end > self.high_water[seq]:
                 self.high_water[seq] = end
-        self.runs = None
+        self.runs = self.ends = None
 
     def step(self, ids):
         self.declare_step(ids)
