@@ -88,7 +88,11 @@ class Model:
         return d
 
     def declare(self, ids, blocks):
-        """Segments [(seq, q_start, q_len, pos_start, block)] or Refused, rules in contract order."""
+        """Segments [(seq, q_start, q_len, pos_start, block)] or Refused, rules in contract order.
+
+        Each maximal run of one id is a span; a sequence's spans take consecutive
+        positions in token order.
+        """
         if any(not 0 <= s < MAX_SEQS for s in ids):
             raise Refused(kv.UnknownSequenceError)
         if any(self.state[s] == "free" for s in ids):
@@ -99,17 +103,29 @@ class Model:
                 runs[-1][2] += 1
             else:
                 runs.append([s, i, 1])
-        if len({r[0] for r in runs}) != len(runs):
+        if any(sum(r[0] == b for r in runs) != 1 for b in blocks):
             raise Refused(kv.OwnerRunError)
-        if any(n > MAX_WRITE for _, _, n in runs):
+        totals = Counter(ids)
+        if any(n > MAX_WRITE for n in totals.values()):
             raise Refused(kv.CapacityError)
-        if any(self.pos[s] + n > CAPACITY for s, _, n in runs):
+        if any(self.pos[s] + n > CAPACITY for s, n in totals.items()):
             raise Refused(kv.CapacityError)
         if len(ids) > MAX_STEP:
             raise Refused(kv.CapacityError)
-        if any(b not in {r[0] for r in runs} for b in blocks):
-            raise Refused(kv.OwnerRunError)
-        return [(s, q0, n, self.pos[s], s in blocks) for s, q0, n in runs]
+        cursor = {s: self.pos[s] for s in totals}
+        segments = []
+        for s, q0, n in runs:
+            segments.append((s, q0, n, cursor[s], s in blocks))
+            cursor[s] += n
+        return segments
+
+    def advance(self, segments, commit):
+        """Commit (pos and hw to each sequence's end) or a prepared abort (hw only)."""
+        for s, _, n, p0, _ in segments:
+            if commit:
+                self.pos[s] = p0 + n
+                self.state[s] = "committed"
+            self.hw[s] = max(self.hw[s], p0 + n)
 
 
 def snapshot(cache):
@@ -196,6 +212,8 @@ class CacheMachine(RuleBasedStateMachine):
                                                 st.integers(1, MAX_WRITE)),
                                       min_size=1, max_size=len(live), unique_by=lambda r: r[0]),
                              label="runs")
+            if data.draw(st.booleans(), label="spans"):  # cut runs into interleaved spans
+                runs = self.interleave(data, runs)
             if data.draw(st.integers(0, 9), label="stretch") == 0:
                 runs[0] = (runs[0][0], runs[0][1] + data.draw(st.integers(1, MAX_STEP)))
         else:
@@ -245,23 +263,36 @@ class CacheMachine(RuleBasedStateMachine):
         self.check_prepared(plan, segments, width)
         if ending == "abort_prepared":
             self.cache.abort_step()
-            self.raise_high_water(segments)
+            self.model.advance(segments, commit=False)
             return
         self.write_and_attend(plan, segments, width)
         if ending == "abort_written":
             self.cache.abort_step()
-            self.raise_high_water(segments)
+            self.model.advance(segments, commit=False)
             return
         self.cache.commit_step()
         COUNTS["steps committed"] += 1
-        for s, _, n, p0, _ in segments:
-            self.model.pos[s] = p0 + n
-            self.model.hw[s] = max(self.model.hw[s], p0 + n)
-            self.model.state[s] = "committed"
+        if len(segments) > len({g[0] for g in segments}):
+            COUNTS["committed steps with a sequence in several spans"] += 1
+        self.model.advance(segments, commit=True)
 
-    def raise_high_water(self, segments):
-        for s, _, n, p0, _ in segments:
-            self.model.hw[s] = max(self.model.hw[s], p0 + n)
+    @staticmethod
+    def interleave(data, runs):
+        """Cut each (seq, n) run into spans and shuffle them, keeping each sequence's order."""
+        pieces = []
+        for seq, n in runs:
+            cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=2), label="cuts")) \
+                if n > 1 else []
+            bounds = [0] + cuts + [n]
+            pieces.append([(seq, b - a) for a, b in zip(bounds, bounds[1:])])
+        order = data.draw(st.permutations([i for i, p in enumerate(pieces) for _ in p]),
+                          label="interleaving")
+        taken = [0] * len(pieces)
+        spans = []
+        for i in order:
+            spans.append(pieces[i][taken[i]])
+            taken[i] += 1
+        return spans
 
     def check_declared(self, plan, segments, n_tokens):
         assert plan.n_tokens == n_tokens and plan.width is None

@@ -66,11 +66,16 @@ def test_cache_full_names_the_count():
     refused(c, kv.CacheFullError, lambda: c.seq_clone(0), "3")
 
 
-def test_owner_run_error_names_the_sequence_and_its_runs():
+def test_owner_run_error_names_the_block_owner_and_its_runs():
     c = make()
     a, b = c.seq_new(), c.seq_new()
-    refused(c, kv.OwnerRunError, lambda: c.declare_step([a, b, b, a]), "sequence 0",
-            "(0, 1)", "(3, 4)")
+    refused(c, kv.OwnerRunError, lambda: c.declare_step([a, b, b, a], blocks=[a]),
+            "block owner 0", "(0, 1)", "(3, 4)")
+    refused(c, kv.OwnerRunError, lambda: c.declare_step([b, b], blocks=[a]),
+            "sequence 0, which has no run")
+    c.declare_step([a, b, b, a], blocks=[b])      # spans are fine; only a block is one run
+    assert [(g.seq, g.q_len, g.block) for g in c.plan.segments] == \
+        [(a, 1, False), (b, 2, True), (a, 1, False)]
 
 
 def test_declare_refusal_order_names_the_first_broken_rule():
@@ -78,10 +83,13 @@ def test_declare_refusal_order_names_the_first_broken_rule():
     a, b = c.seq_new(), c.seq_new()
     run(c, [a] * 4)
     run(c, [a] * 3)
-    # a in two runs AND too long AND over capacity: the run rule is checked first
-    refused(c, kv.OwnerRunError, lambda: c.declare_step([a] * 5 + [b] + [a]))
+    # a is a block owner in two runs AND writes too much AND passes capacity
+    refused(c, kv.OwnerRunError, lambda: c.declare_step([a] * 5 + [b] + [a], blocks=[a]))
+    # spans count together: 3 + 2 tokens of a pass max_write 4, then capacity
+    refused(c, kv.CapacityError, lambda: c.declare_step([a] * 3 + [b] + [a] * 2),
+            "sequence 0 writes 5 tokens", "max_write 4")
     refused(c, kv.CapacityError, lambda: c.declare_step([a] * 5), "5 tokens", "max_write 4")
-    refused(c, kv.CapacityError, lambda: c.declare_step([a] * 2), "pos 7 + 2", "capacity 8")
+    refused(c, kv.CapacityError, lambda: c.declare_step([a, b, a]), "pos 7 + 2", "capacity 8")
 
 
 def test_more_tokens_than_max_step():
@@ -99,7 +107,8 @@ def test_bad_seq_ids_and_blocks():
     refused(c, kv.ShapeError, lambda: c.declare_step(np.array([[a]])))
     refused(c, kv.ShapeError, lambda: c.declare_step(np.array([0.0])))
     b = c.seq_new()
-    refused(c, kv.OwnerRunError, lambda: c.declare_step([a], blocks=[b]), "[1]")
+    refused(c, kv.OwnerRunError, lambda: c.declare_step([a], blocks=[b]), "sequence 1",
+            "no run")
 
 
 def test_step_protocol_out_of_order():

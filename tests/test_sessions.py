@@ -113,7 +113,10 @@ def test_refused_batch_rewinds_nothing():
     (lambda a, b: [(a, 1, [1]), (a, 3, [4])], "gap"),
     (lambda a, b: [(a, 2, [1])], "gap"),
     (lambda a, b: [(a, 0, [1]), (b, 1, [2])], "gap"),  # a's queued rewind must not run
-    (lambda a, b: [(a, 1, [1]), (b, 0, [2]), (a, 2, [3])], "not adjacent"),
+    (lambda a, b: [(a, 1, [1]), (b, 0, [2]), (a, 1, [3])], "overlapping"),
+    (lambda a, b: [(a, 1, [1]), (b, 0, [2]), (a, 3, [3])], "gap"),
+    (lambda a, b: [(a, 1, [1], 1)], "produce_output must be True or False"),
+    (lambda a, b: [(a, 1, [1], True, 0)], "must be"),
     (lambda a, b: [(a, 1, list(range(10)))], "max_session_tokens 10"),
     (lambda a, b: [(a, 1, list(range(6))), (a, 7, list(range(4)))], "max_session_tokens 10"),
     (lambda a, b: [(a, 1, [1]), (99, 0, [2])], "unknown session 99"),
