@@ -50,6 +50,7 @@ class _Warp:
         self.index = index
         self.lanes = lanes
         self.threads = [None] * lanes     # each lane's BlockThread, as the block makes them
+        self.exited = [False] * lanes     # lanes whose thread has returned from the kernel
         self.cond = threading.Condition(threading.Lock())
         self.round = _Round(lanes)
 
@@ -72,7 +73,8 @@ class _Warp:
                         rnd.error = f"warp {self.index}: {_name(op)}: {e}"
                 self._close(rnd)
             while not rnd.done:
-                if not self.cond.wait(POLL_S) and not rnd.done:
+                self.cond.wait(POLL_S)
+                if not rnd.done:
                     self._check_missing(rnd)
         if rnd.error is not None:
             raise WarpError(rnd.error)
@@ -89,34 +91,41 @@ class _Warp:
         if threading.current_thread().abort:
             rnd.error = f"warp {self.index}: launch aborted while waiting in {_name(rnd.op)}"
         for lane, t in enumerate(self.threads):
-            if rnd.arrived[lane] or t is None or t.ident is None:   # not started yet
+            if rnd.arrived[lane] or t is None:
                 continue
-            if not t.is_alive() or t.syncthreads_blocked:
-                state = "exited" if not t.is_alive() else "waits at syncthreads"
+            if self.exited[lane] or t.syncthreads_blocked:
+                state = "exited" if self.exited[lane] else "waits at syncthreads"
                 rnd.error = (f"warp {self.index}: lane {lane} {state} while the others "
                              f"wait in {_name(rnd.op)}: every lane of the warp must make "
                              f"the call")
         if rnd.error is not None:
             self._close(rnd)
 
+    def leave(self, lane: int):
+        """Lane `lane` returned from the kernel: waiting lanes re-check who can still come."""
+        with self.cond:
+            self.exited[lane] = True
+            self.cond.notify_all()
+
 
 def _join_warps_on_creation() -> None:
-    """Make every simulator thread a lane of its block's warp as the block creates it.
+    """Make every simulator thread a lane of its block's warp, from creation to exit.
 
     The block's `BlockManager` creates its `BlockThread`s one by one, in the
     launching thread; each now also enters itself, by lane, in its warp (made on
-    first need, kept in the manager's `_kvnumba_warps`) and keeps that warp at hand.
-    So a lane finds its warp without a lookup or a lock, and waiting lanes can tell
-    a lane that has not arrived *yet* from one that never will: the simulator keeps
-    its list of a block's threads to itself, and `threading.enumerate()` forgets
-    finished ones.
+    first need, kept in the manager's `_kvnumba_warps`) and keeps that warp at hand,
+    and tells it when it returns from the kernel. So a lane finds its warp without
+    a lookup or a lock, and waiting lanes can tell a lane that has not arrived *yet*
+    (perhaps not even started) from one that never will: the simulator keeps its
+    list of a block's threads to itself, and a thread's own state does not tell
+    "starting" from "finished".
     """
     from numba.cuda.simulator import kernel
 
     cls = kernel.BlockThread
     if getattr(cls, "_kvnumba_joins_warps", False):
         return
-    init = cls.__init__
+    init, run = cls.__init__, cls.run
 
     def __init__(self, f, manager, *args, **kwargs):
         init(self, f, manager, *args, **kwargs)
@@ -130,7 +139,14 @@ def _join_warps_on_creation() -> None:
         warp.threads[self.thread_id % WARP_SIZE] = self
         self._kvnumba_warp = warp
 
+    def run_then_leave(self):
+        try:
+            run(self)
+        finally:
+            self._kvnumba_warp.leave(self.thread_id % WARP_SIZE)
+
     cls.__init__ = __init__
+    cls.run = run_then_leave
     cls._kvnumba_joins_warps = True
 
 
