@@ -421,9 +421,10 @@ def cp_async_commit(typingctx):
 
 @intrinsic
 def cp_async_wait(typingctx, n):
-    """`cp_async_wait(n)`: wait until at most `n` (a compile-time constant) of this thread's
-    committed groups are pending: `cp.async.wait_group n`; `cp_async_wait(0)` waits
-    for all."""
+    """`cp_async_wait(n)`: wait until at most `n` of this thread's committed groups are
+    pending: `cp.async.wait_group n`; `cp_async_wait(0)` waits for all. `n` is an
+    immediate: a literal, or a global or closure integer (compute `STAGES - 2` and
+    the like outside the kernel)."""
     if not isinstance(n, types.IntegerLiteral):
         raise TypingError(f"cp_async_wait: n must be a compile-time integer, got {n}")
     pending = n.literal_value
