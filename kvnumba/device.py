@@ -3,7 +3,9 @@
 Import this module before anything imports `numba.cuda`: Numba reads
 `NUMBA_ENABLE_CUDASIM` when it is first configured. `KVNUMBA_DEVICE=gpu|simulator`
 forces a choice; otherwise a GPU is used when the CUDA driver reports one, else
-the simulator, with a one-line notice on stderr.
+the simulator, with a one-line notice on stderr. `KVNUMBA_DEVICE=compile` is
+compile-only: numba.cuda in GPU mode without a GPU, so kernels can be compiled to
+PTX / SASS (`python -m bench.sass`) but nothing can be launched.
 """
 from __future__ import annotations
 
@@ -37,8 +39,11 @@ def _driver_gpu_count() -> int:
 
 def _choose() -> str:
     forced = os.environ.get("KVNUMBA_DEVICE", "").strip().lower()
-    if forced not in ("", "gpu", "simulator"):
-        raise DeviceError(f"KVNUMBA_DEVICE={forced!r}: must be 'gpu' or 'simulator'")
+    if forced not in ("", "gpu", "simulator", "compile"):
+        raise DeviceError(f"KVNUMBA_DEVICE={forced!r}: must be 'gpu', 'simulator' or "
+                          f"'compile'")
+    if forced == "compile":
+        return "compile"
     if forced == "simulator" or (not forced and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"):
         return "simulator"
     if _driver_gpu_count() > 0:

@@ -26,6 +26,17 @@ def test_forced_simulator_is_silent_and_enables_numba_cudasim():
     assert r.stdout.split() == ["simulator", "1"] and "no CUDA GPU" not in r.stderr
 
 
+def test_compile_only_kind_puts_numba_in_gpu_mode_without_the_simulator():
+    """`KVNUMBA_DEVICE=compile` (no GPU needed): numba.cuda in GPU mode, and `ptx` binds
+    the PTX intrinsics rather than the simulator's functions."""
+    r = python("import kvnumba, numba.core.config as c; from kvnumba.kernels import ptx; "
+               "print(kvnumba.device.KIND, kvnumba.device.SIMULATOR, c.ENABLE_CUDASIM, "
+               "type(ptx.mma_f16_f32).__name__)", KVNUMBA_DEVICE="compile")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["compile", "False", "0", "_Intrinsic"]
+    assert "no CUDA GPU" not in r.stderr
+
+
 def test_unknown_device_name_is_refused():
     r = python("import kvnumba", KVNUMBA_DEVICE="tpu")
     assert r.returncode != 0 and "DeviceError" in r.stderr and "'tpu'" in r.stderr
