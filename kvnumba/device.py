@@ -73,6 +73,37 @@ else:
 from numba import cuda  # noqa: E402  (must follow the choice above)
 
 
+def _package_versions() -> str:
+    from importlib import metadata
+    found = []
+    for name in ("numpy", "numba", "numba-cuda"):
+        try:
+            found.append(f"{name} {metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
+
+
+def _load_cuda_target() -> None:
+    """Load numba-cuda's GPU target now, so an install that cannot work fails at import
+    with the versions and the fix, not deep inside the first kernel compile.
+
+    Seen: numba-cuda 0.30.4 registers `np.row_stack`, which NumPy 2.5 removed.
+    """
+    from numba.cuda.descriptor import cuda_target
+    try:
+        cuda_target.target_context.refresh()
+    except (AttributeError, ImportError) as exc:
+        raise DeviceError(f"numba-cuda cannot load its GPU target with this install "
+                          f"({_package_versions()}): {type(exc).__name__}: {exc}. kvnumba "
+                          f"needs NumPy < 2.5 with numba-cuda 0.30: pip install "
+                          f"'numpy>=1.24,<2.5'") from exc
+
+
+if not SIMULATOR:
+    _load_cuda_target()
+
+
 def _serialise_simulator_shared_arrays() -> None:
     """Make the simulator's `cuda.shared.array` allocation atomic.
 

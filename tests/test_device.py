@@ -42,6 +42,17 @@ def test_unknown_device_name_is_refused():
     assert r.returncode != 0 and "DeviceError" in r.stderr and "'tpu'" in r.stderr
 
 
+def test_a_numba_cuda_that_cannot_load_is_a_device_error_naming_versions_and_fix():
+    """NumPy 2.5 removed `np.row_stack`, which numba-cuda 0.30 registers for the GPU target:
+    import must fail at once with the versions and the fix, not in the first compile."""
+    r = python("import numpy; del numpy.row_stack; import kvnumba", KVNUMBA_DEVICE="compile")
+    assert r.returncode != 0 and "DeviceError" in r.stderr
+    for text in ("numpy " + np.__version__, "numba-cuda", "row_stack", "numpy>=1.24,<2.5"):
+        assert text in r.stderr, (text, r.stderr[-600:])
+    ok = python("import kvnumba; print(kvnumba.device.KIND)", KVNUMBA_DEVICE="compile")
+    assert ok.returncode == 0 and ok.stdout.strip() == "compile", ok.stderr
+
+
 @pytest.mark.skipif(not device.SIMULATOR, reason="only meaningful on a machine without a GPU")
 def test_gpu_requested_without_one_is_a_clear_error():
     r = python("import kvnumba", KVNUMBA_DEVICE="gpu")
