@@ -15,7 +15,7 @@ read it (packed GQA). For its rows the block walks one key range in tiles of
      over K;
   d. each thread rescales and accumulates its `OWN` (row, dim) output elements.
 
-Every query's visible keys form one interval `[lo, hi)` (see `_key_range`), and
+Every query's visible keys form one interval `[lo, hi)` (see `masks.key_range`), and
 these intervals only move forward with the token, so a row tile needs exactly the
 keys `[lo(first row), hi(last row))`: tiles outside the causal / window mask are
 never loaded.
@@ -43,6 +43,7 @@ import numpy as np
 
 from ..device import cuda
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START
+from .masks import key_range, store_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -87,33 +88,6 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 @cuda.jit(device=True)
-def _key_range(i, q_len, pos_start, block, window):
-    """`[lo, hi)`: the keys query `i` of a segment sees (one interval, moving forward with `i`).
-
-    Causal: `lo(p) <= j <= p`, `lo(p) = max(0, p - W + 1)` (0 without a window): FlashAttention's
-    `window_size=(W - 1, 0)`, Hugging Face's `sliding_window=W`.
-    Block: the whole block `[pos_start, pos_start + q_len)` plus history `j >= lo(p)`.
-    """
-    p = pos_start + i
-    lo = 0
-    if window > 0:
-        lo = max(0, p - window + 1)
-    if block:
-        return min(lo, pos_start), pos_start + q_len
-    return lo, p + 1
-
-
-@cuda.jit(device=True)
-def _store_row(row0, c, ring_rows):
-    """Storage row of key `key0 + c`, given `row0`, the row of `key0` (no division per key)."""
-    row = row0 + c
-    if ring_rows > 0:
-        while row >= ring_rows:
-            row -= ring_rows
-    return row
-
-
-@cuda.jit(device=True)
 def _stage_keys(tile, store, row0, n_keys, col, kv_head, head_dim, dpad, ring_rows, tid,
                 threads):
     """Copy `n_keys` keys from storage row `row0` on (wrapping a ring) into `tile` as float32.
@@ -124,7 +98,7 @@ def _stage_keys(tile, store, row0, n_keys, col, kv_head, head_dim, dpad, ring_ro
         c = e // dpad
         d = e - c * dpad
         if d < head_dim:
-            tile[c, d] = float32(store[_store_row(row0, c, ring_rows), col, kv_head, d])
+            tile[c, d] = float32(store[store_row(row0, c, ring_rows), col, kv_head, d])
 
 
 @lru_cache(maxsize=None)
@@ -158,8 +132,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         n_rows = min(BR, group * q_len - first_row)
         if n_rows <= 0:
             return
-        span_lo, _hi = _key_range(first_row // group, q_len, pos_start, block, window)
-        _lo, span_hi = _key_range((first_row + n_rows - 1) // group, q_len, pos_start,
+        span_lo, _hi = key_range(first_row // group, q_len, pos_start, block, window)
+        _lo, span_hi = key_range((first_row + n_rows - 1) // group, q_len, pos_start,
                                   block, window)
         key_lo = span_lo + split * chunk
         key_hi = min(span_hi, key_lo + chunk)
@@ -184,7 +158,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 q_tile[r, d] = float32(q[q_start + row // group, kv_head * group + row % group,
                                          d]) * scale
         if tid < n_rows:
-            lo, hi = _key_range((first_row + tid) // group, q_len, pos_start, block, window)
+            lo, hi = key_range((first_row + tid) // group, q_len, pos_start, block, window)
             row_lo[tid] = lo
             row_hi[tid] = hi
         run_max = NEG_INF                # this thread's row (tid < n_rows): running max, sum
@@ -305,12 +279,12 @@ def _combine_kernel(seq_info, part_acc, part_ml, out, max_q_len, group, block_ro
     block = (seq_info[seg, FLAGS] & FLAG_BLOCK) != 0
     token = seq_info[seg, Q_START] + i
     width, n_heads, head_dim = out.shape
-    lo, hi = _key_range(i, q_len, pos_start, block, window)
+    lo, hi = key_range(i, q_len, pos_start, block, window)
     for e in range(tid, n_heads * head_dim, COMBINE_THREADS):
         head = e // head_dim
         d = e - head * head_dim
         first_row = ((i * group + head % group) // block_rows) * block_rows
-        span_lo, _hi = _key_range(first_row // group, q_len, pos_start, block, window)
+        span_lo, _hi = key_range(first_row // group, q_len, pos_start, block, window)
         split_first = (lo - span_lo) // chunk
         split_last = (hi - 1 - span_lo) // chunk
         best = NEG_INF
