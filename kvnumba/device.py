@@ -102,6 +102,11 @@ def _load_cuda_target() -> None:
 
 if not SIMULATOR:
     _load_cuda_target()
+    if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
+        # a decode step of a few sequences is a small grid by design; Numba would warn on
+        # every such launch, and a warning costs host time on the hot path
+        from numba.cuda.core import config as _cuda_config
+        _cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 
 def _serialise_simulator_shared_arrays() -> None:
@@ -164,6 +169,14 @@ def as_device(array, stream=0):
 def is_array(array) -> bool:
     """True for what the data path accepts: NumPy arrays and device arrays."""
     return isinstance(array, np.ndarray) or on_device(array)
+
+
+def aligned(array, alignment: int) -> bool:
+    """Whether a device array's data starts at a multiple of `alignment` bytes."""
+    if SIMULATOR:
+        return array._ary.ctypes.data % alignment == 0
+    pointer = array.device_ctypes_pointer.value
+    return pointer is None or pointer % alignment == 0
 
 
 def check_array(name: str, array, shape: tuple | None, dtypes) -> None:

@@ -1,8 +1,12 @@
 """K/V storage of every layer, and its growth (DESIGN §4).
 
-Each layer holds K and V as `[rows, n_cols, n_kv_heads, head_dim]` device arrays.
-Flat layers start at `min(initial_rows, capacity)` rows and grow by whole rows;
-ring layers hold `R = min(capacity, W + M - 1)` rows, allocated once.
+Layers with the same row count share one allocation, a *group*
+`[n_layers, 2, rows, n_cols, n_kv_heads, head_dim]` (index 1: 0 = K, 1 = V): all
+flat layers form one group, and the ring layers of each distinct `R` another. A
+layer's K and V are C-contiguous views `[rows, n_cols, n_kv_heads, head_dim]` of its
+group, so a clone copies a whole group in one launch. Flat layers start at
+`min(initial_rows, capacity)` rows and grow together by whole rows; ring layers hold
+`R = min(capacity, W + M - 1)` rows, allocated once.
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ from .plan import grown_rows, layer_rows
 
 
 class Pool:
-    """The storage of one cache. `ring_rows[layer]` is R, or 0 for a flat layer."""
+    """The storage of one cache. `ring_rows[layer]` is R, or 0 for a flat layer;
+    `k[layer]`, `v[layer]` its views."""
 
     def __init__(self, config: CacheConfig, n_cols: int, stream=0):
         self.config = config
@@ -23,17 +28,25 @@ class Pool:
                                     config.capacity)
         self.flat_rows = min(config.initial_rows, config.capacity)
         self.flat_layers = [i for i, rows in enumerate(self.ring_rows) if rows == 0]
-        self.k, self.v = [], []
-        for rows in self.ring_rows:
-            k, v = self._allocate(int(rows) or self.flat_rows)
-            self.k.append(k)
-            self.v.append(v)
+        # group key: 0 for the flat layers, R for ring layers of R rows
+        self.members = {}
+        for layer, rows in enumerate(self.ring_rows):
+            self.members.setdefault(int(rows), []).append(layer)
+        self.groups = {}
+        self.k = [None] * config.n_layers
+        self.v = [None] * config.n_layers
+        for key, layers in self.members.items():
+            self._install(key, self._allocate(len(layers), key or self.flat_rows))
 
-    def _allocate(self, rows: int):
-        shape = (rows, self.n_cols, self.config.n_kv_heads, self.config.head_dim)
-        dtype = self.config.np_dtype
-        return (cuda.device_array(shape, dtype=dtype, stream=self.stream),
-                cuda.device_array(shape, dtype=dtype, stream=self.stream))
+    def _allocate(self, n_layers: int, rows: int):
+        """One group's storage: `[n_layers, 2, rows, n_cols, n_kv_heads, head_dim]`."""
+        shape = (n_layers, 2, rows, self.n_cols, self.config.n_kv_heads, self.config.head_dim)
+        return cuda.device_array(shape, dtype=self.config.np_dtype, stream=self.stream)
+
+    def _install(self, key: int, group) -> None:
+        self.groups[key] = group
+        for i, layer in enumerate(self.members[key]):
+            self.k[layer], self.v[layer] = group[i, 0], group[i, 1]
 
     def rows(self, layer: int) -> int:
         """Rows layer `layer` has now."""
@@ -41,12 +54,12 @@ class Pool:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in zip(self.k, self.v))
+        return sum(g.nbytes for g in self.groups.values())
 
     def ensure_row(self, needed_row: int, live_rows: int) -> None:
         """Grow every flat layer so row `needed_row` exists, keeping rows `[0, live_rows)`.
 
-        Transactional: all new arrays are allocated before any is swapped in, so a
+        Transactional: the new group is allocated before anything is swapped in, so a
         failed allocation leaves the old storage in use and raises `CapacityError`.
         """
         new_rows = grown_rows(self.flat_rows, needed_row, self.config.capacity)
@@ -54,17 +67,19 @@ class Pool:
             return
         with allocating(f"growing flat layers from {self.flat_rows} to {new_rows} rows (the "
                         f"old storage is kept)"):
-            fresh = {layer: self._allocate(new_rows) for layer in self.flat_layers}
+            fresh = self._allocate(len(self.flat_layers), new_rows)
+        old = self.groups[0]
         keep = min(live_rows, self.flat_rows)
-        for layer, (k, v) in fresh.items():
-            if keep:  # rows are the outermost axis: the live prefix is one contiguous copy
-                k[:keep].copy_to_device(self.k[layer][:keep], stream=self.stream)
-                v[:keep].copy_to_device(self.v[layer][:keep], stream=self.stream)
-            self.k[layer], self.v[layer] = k, v
+        if keep:  # rows are outermost within each (layer, K/V): one contiguous copy each
+            for i in range(len(self.flat_layers)):
+                for kv in range(2):
+                    fresh[i, kv, :keep].copy_to_device(old[i, kv, :keep], stream=self.stream)
+        self._install(0, fresh)
         self.flat_rows = new_rows
 
     def copy_sequence(self, src_col: int, dst_col: int, keep: int, high_water: int) -> None:
-        """Device copy for a clone: flat rows `[0, keep)`, ring rows still held (at most R)."""
-        for layer, ring in enumerate(self.ring_rows):
-            n_rows = keep if ring == 0 else min(int(ring), high_water)
-            copy_column(self.k[layer], self.v[layer], src_col, dst_col, n_rows, self.stream)
+        """Device copy for a clone: flat rows `[0, keep)`, ring rows still held (at most R);
+        one launch per group."""
+        for key, group in self.groups.items():
+            n_rows = keep if key == 0 else min(key, high_water)
+            copy_column(group, src_col, dst_col, n_rows, self.stream)

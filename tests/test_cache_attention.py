@@ -18,11 +18,10 @@ def nan_storage(monkeypatch):
     """Every array the pool allocates starts as NaN."""
     real = pool_module.Pool._allocate
 
-    def poisoned(self, rows):
-        k, v = real(self, rows)
-        for a in (k, v):
-            a.copy_to_device(np.full(a.shape, np.nan, a.dtype))
-        return k, v
+    def poisoned(self, n_layers, rows):
+        group = real(self, n_layers, rows)
+        group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
+        return group
 
     monkeypatch.setattr(pool_module.Pool, "_allocate", poisoned)
 

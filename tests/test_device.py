@@ -153,14 +153,14 @@ def test_attention_launch_is_repeatable_on_the_device():
     rng = np.random.default_rng(3)
     k = cuda.to_device(rng.standard_normal((4, 2, 1, 4)).astype(np.float32))
     q = cuda.to_device(rng.standard_normal((2, 2, 4)).astype(np.float32))
-    info = cuda.to_device(np.array([[0, 2, 0, 0, 0]], np.int32))
+    tables = cuda.to_device(np.array([0, 2, 0, 0, 0, 0], np.int32))  # one segment, served
     ws = attention.AttentionWorkspace()
     runs = []
     for _ in range(30):
         out = cuda.device_array((2, 2, 4), np.float32)
-        attention.attend(q, k, k, info, out, n_segments=1, n_tokens=2, max_q_len=2,
-                         max_kv_len=2, ring_rows=0, window=0, scale=0.5, softcap=0.0,
-                         workspace=ws)
+        attention.attend(q, k, k, tables, out, seq_info_off=0, segments_off=5, n_segments=1,
+                         max_q_len=2, max_kv_len=2, ring_rows=0, window=0, scale=0.5,
+                         softcap=0.0, workspace=ws)
         runs.append(out.copy_to_host())
     for r in runs[1:]:
         np.testing.assert_array_equal(r, runs[0])

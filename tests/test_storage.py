@@ -120,7 +120,7 @@ def test_failed_growth_keeps_the_old_storage_and_the_step_declared(monkeypatch):
     before = storage(c)
     arrays = [c.layer_data(i) for i in range(2)]
 
-    def failing(self, rows):
+    def failing(self, n_layers, rows):
         raise MemoryError("simulated out of device memory")
 
     monkeypatch.setattr(pool_module.Pool, "_allocate", failing)
@@ -217,3 +217,83 @@ def test_write_refusals_launch_nothing(bad):
         np.testing.assert_array_equal(k0, k1)
         np.testing.assert_array_equal(v0, v1)
     assert c.pos(s) == 2
+
+
+# ---------------------------------------------------------------- wide and element-wise paths
+def written_rows(cache, seq, layer):
+    _, k, v = cache.sequence_kv(seq, layer)
+    return k, v
+
+
+@pytest.mark.parametrize("storage_dtype,input_dtype,head_dim,strided", [
+    ("float16", np.float16, 8, False),    # 16-byte vectors
+    ("float32", np.float32, 4, False),    # 16-byte vectors
+    ("float16", np.float16, 3, False),    # 6-byte runs: element-wise
+    ("float16", np.float32, 8, False),    # a conversion: element-wise
+    ("float32", np.float16, 4, False),
+    ("float16", np.float16, 8, True),     # a strided device view: element-wise
+])
+def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtype, head_dim,
+                                                       strided):
+    from kvnumba.device import cuda
+    from kvnumba.kernels.write import wide_ok
+    rng = np.random.default_rng(9)
+    cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=2)], n_kv_heads=1,
+                         head_dim=head_dim, capacity=16, max_seqs=2, max_write=4, max_step=8,
+                         dtype=storage_dtype, initial_rows=4)
+    c = kv.BatchedSequenceCache(cfg)
+    a, b = c.seq_new(), c.seq_new()
+    history = {a: [], b: []}
+    for ids in ([a, a, b], [b, a, b, b], [a, b]):        # the ring (R = 5) wraps for b
+        c.declare_step(ids)
+        plan = c.prepare_step(len(ids) + 1)                 # one padding token
+        for layer in range(2):
+            wide = rng.standard_normal((plan.width, 1, 2 * head_dim)).astype(input_dtype)
+            k = wide[:, :, ::2] if strided else wide[:, :, :head_dim]
+            k_dev = cuda.to_device(np.ascontiguousarray(wide))[:, :, ::2] if strided \
+                else cuda.to_device(np.ascontiguousarray(k))
+            store = c.layer_data(layer)[0]
+            expect_wide = np.dtype(input_dtype) == store.dtype and \
+                head_dim * store.dtype.itemsize % 16 == 0 and not strided
+            assert wide_ok(store, k_dev) == expect_wide
+            c.write(layer, k_dev, k_dev)
+            if layer == 0:
+                for t, s in enumerate(ids):
+                    history[s].append(np.asarray(k[t]).astype(storage_dtype))
+        c.commit_step()
+    for s in (a, b):
+        k, v = written_rows(c, s, 0)
+        want = np.stack(history[s])
+        assert k.tobytes() == want.tobytes() and v.tobytes() == want.tobytes()
+        positions, k_ring, _ = c.sequence_kv(s, 1)
+        assert len(positions) and np.isfinite(k_ring.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype,head_dim", [("float16", 8), ("float16", 3), ("float32", 4)])
+def test_clone_copies_every_group_in_one_launch_each(dtype, head_dim, monkeypatch):
+    from kvnumba.kernels import copy as copy_module
+    rng = np.random.default_rng(10)
+    layers = [kv.flat(), kv.ring(window=3), kv.flat(), kv.ring(window=5), kv.ring(window=3)]
+    cfg = kv.CacheConfig(layers=layers, n_kv_heads=2, head_dim=head_dim, capacity=32,
+                         max_seqs=3, max_write=4, max_step=8, dtype=dtype, initial_rows=4)
+    c = kv.BatchedSequenceCache(cfg)
+    a = c.seq_new()
+    for n in (4, 4, 3):
+        c.declare_step([a] * n)
+        plan = c.prepare_step()
+        for layer in range(len(layers)):
+            k = rng.standard_normal((plan.width, 2, head_dim)).astype(dtype)
+            c.write(layer, k, -k)
+        c.commit_step()
+    launches = []
+    real = copy_module.copy_column
+    monkeypatch.setattr("kvnumba.pool.copy_column",
+                        lambda *args, **kw: launches.append(args[0].shape) or real(*args, **kw))
+    b = c.seq_clone(a, upto=9)
+    assert sorted(s[0] for s in launches) == [1, 2, 2]     # ring R=8 alone; R=6 and flat pairs
+    for layer in range(len(layers)):
+        pa, ka, va = c.sequence_kv(a, layer)
+        pb, kb, vb = c.sequence_kv(b, layer)
+        keep = np.isin(pa, pb)
+        assert np.array_equal(pa[keep], pb)
+        assert kb.tobytes() == ka[keep].tobytes() and vb.tobytes() == va[keep].tobytes()

@@ -30,7 +30,6 @@ Two paths, chosen per call on the host from `max_q_len`:
 * prefill: `PREFILL_TILES` (tall row tiles), one block per (segment, row tile,
   kv head) over the whole key range, writing `out` directly.
 
-`_zero_rows_kernel` writes zeros into the padding rows `[n_tokens, width)`.
 Softmax and accumulation are float32; storage, q and out may each be float16 or
 float32 (one compiled specialisation per combination, made on first use).
 """
@@ -42,8 +41,8 @@ from functools import lru_cache
 import numpy as np
 
 from ..device import cuda
-from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START
-from .masks import key_range, store_row
+from .launch import Specialised
+from .masks import key_range, read_segment, store_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -73,7 +72,7 @@ DECODE_MAX_Q_LEN = 4
 TARGET_BLOCKS = 264
 DECODE_MIN_CHUNK = 256
 MAX_SPLITS = 64
-#: threads per block of the combine and padding kernels
+#: threads per block of the combine kernel
 COMBINE_THREADS = 128
 
 NEG_INF = float32(-math.inf)
@@ -115,20 +114,17 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
     assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad
 
     @cuda.jit
-    def attention(q, k_store, v_store, seq_info, out, part_acc, part_ml,
-                  n_row_tiles, n_splits, chunk, group, ring_rows, window, scale, softcap):
+    def attention(q, k_store, v_store, tables, seq_info_off, segments_off, out, part_acc,
+                  part_ml, n_row_tiles, n_splits, chunk, group, ring_rows, window, scale,
+                  softcap):
         tid = cuda.threadIdx.x
         kv_head = cuda.blockIdx.y
         split = cuda.blockIdx.x % n_splits
         row_tile = cuda.blockIdx.x // n_splits
-        seg = row_tile // n_row_tiles
+        seg = tables[segments_off + row_tile // n_row_tiles]
         first_row = (row_tile % n_row_tiles) * BR
 
-        q_start = seq_info[seg, Q_START]
-        q_len = seq_info[seg, Q_LEN]
-        col = seq_info[seg, COL]
-        pos_start = seq_info[seg, POS_START]
-        block = (seq_info[seg, FLAGS] & FLAG_BLOCK) != 0
+        q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_rows = min(BR, group * q_len - first_row)
         if n_rows <= 0:
             return
@@ -259,25 +255,23 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             part_ml[base] = run_max
             part_ml[base + 1] = run_sum
 
-    return attention
+    return Specialised(attention)
 
 
 @cuda.jit
-def _combine_kernel(seq_info, part_acc, part_ml, out, max_q_len, group, block_rows, chunk,
-                    window):
+def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, max_q_len,
+                    group, block_rows, chunk, window):
     """Merge split-K partials of one query token (all heads): log-sum-exp weighted sum.
 
     Row tile and split geometry must match the attention launch that wrote them.
     """
     tid = cuda.threadIdx.x
-    seg = cuda.blockIdx.x // max_q_len
+    seg = tables[segments_off + cuda.blockIdx.x // max_q_len]
     i = cuda.blockIdx.x % max_q_len
-    q_len = seq_info[seg, Q_LEN]
+    q_start, q_len, _col, pos_start, block = read_segment(tables, seq_info_off, seg)
     if i >= q_len:
         return
-    pos_start = seq_info[seg, POS_START]
-    block = (seq_info[seg, FLAGS] & FLAG_BLOCK) != 0
-    token = seq_info[seg, Q_START] + i
+    token = q_start + i
     width, n_heads, head_dim = out.shape
     lo, hi = key_range(i, q_len, pos_start, block, window)
     for e in range(tid, n_heads * head_dim, COMBINE_THREADS):
@@ -300,14 +294,7 @@ def _combine_kernel(seq_info, part_acc, part_ml, out, max_q_len, group, block_ro
         out[token, head, d] = value / total
 
 
-@cuda.jit
-def _zero_rows_kernel(out, first_token):
-    """Zero one padding row `out[first_token + blockIdx.x]` (all heads)."""
-    token = first_token + cuda.blockIdx.x
-    n_heads, head_dim = out.shape[1], out.shape[2]
-    for e in range(cuda.threadIdx.x, n_heads * head_dim, COMBINE_THREADS):
-        head = e // head_dim
-        out[token, head, e - head * head_dim] = float32(0.0)
+_combine = Specialised(_combine_kernel)
 
 
 class AttentionWorkspace:
@@ -385,15 +372,17 @@ def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, hea
                 grid=(n_segments * n_row_tiles * n_splits, n_kv_heads), threads=threads)
 
 
-def attend(q, k_store, v_store, seq_info, out, *, n_segments, n_tokens, max_q_len, max_kv_len,
-           ring_rows, window, scale, softcap, workspace, stream=0, path=None, kv_chunk=None):
-    """Attention of every segment's queries over its own column's keys; writes and returns `out`.
+def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_segments,
+           max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace, stream=0,
+           path=None, kv_chunk=None):
+    """Attention of the served segments' queries over their own columns' keys, into `out`.
 
     q: [width, n_q_heads, head_dim] device array (float16/float32); out: same shape,
-    float16/float32. k_store/v_store: [rows, n_cols, n_kv_heads, head_dim].
-    seq_info: int32 device [>= n_segments, 5] (fields in `kvnumba.plan`).
-    n_tokens <= width; rows [n_tokens, width) of out are zeroed.
-    max_q_len / max_kv_len: largest q_len / pos_start + q_len over the segments.
+    float16/float32 (only the served segments' rows are written).
+    k_store/v_store: [rows, n_cols, n_kv_heads, head_dim]. tables: the step's int32
+    device tables: segment `s`'s fields (`kvnumba.plan`) at `seq_info_off + s *
+    SEQ_INFO_FIELDS`, the served segments' indices at `segments_off .. + n_segments`.
+    max_q_len / max_kv_len: largest q_len / pos_start + q_len over them.
     ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
     softcap: 0.0 = off. All launches on `stream`; no host synchronisation, no copies,
     no device allocation once `workspace` is warm.
@@ -402,10 +391,7 @@ def attend(q, k_store, v_store, seq_info, out, *, n_segments, n_tokens, max_q_le
     width, n_q_heads, head_dim = q.shape
     n_kv_heads = k_store.shape[2]
     assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
-    assert 0 <= n_tokens <= width
-    if n_tokens < width:
-        _zero_rows_kernel[width - n_tokens, COMBINE_THREADS, stream](out, n_tokens)
-    if n_segments == 0 or n_tokens == 0:
+    if n_segments == 0:
         return out
     plan = launch_plan(n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,
                        n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
@@ -418,12 +404,12 @@ def attend(q, k_store, v_store, seq_info, out, *, n_segments, n_tokens, max_q_le
         part_acc = part_ml = workspace.dummy
     kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
                                plan["key_lanes"], plan["threads"])
-    kernel[plan["grid"], plan["threads"], stream](
-        q, k_store, v_store, seq_info, out, part_acc, part_ml,
-        plan["n_row_tiles"], n_splits, plan["chunk"], plan["group"], int(ring_rows),
-        int(window), np.float32(scale), np.float32(softcap))
+    kernel(plan["grid"], plan["threads"], stream,
+           q, k_store, v_store, tables, int(seq_info_off), int(segments_off), out, part_acc,
+           part_ml, plan["n_row_tiles"], n_splits, plan["chunk"], plan["group"],
+           int(ring_rows), int(window), np.float32(scale), np.float32(softcap))
     if n_splits > 1:
-        _combine_kernel[n_segments * max_q_len, COMBINE_THREADS, stream](
-            seq_info, part_acc, part_ml, out, max_q_len, plan["group"], plan["block_rows"],
-            plan["chunk"], int(window))
+        _combine(n_segments * max_q_len, COMBINE_THREADS, stream,
+                 tables, int(seq_info_off), int(segments_off), part_acc, part_ml, out,
+                 max_q_len, plan["group"], plan["block_rows"], plan["chunk"], int(window))
     return out

@@ -1,12 +1,22 @@
-"""Device functions every attention path shares: which keys a query sees, where a key lives.
+"""Device functions every attention path shares: a segment's fields, which keys a query
+sees, where a key lives.
 
-Visibility is one interval per query, `[lo, hi)`, moving forward with the query's
+Segments are read from the step's flat int32 tables (`read_segment`). Visibility is one interval per query, `[lo, hi)`, moving forward with the query's
 position (see `key_range`); a ring layer keeps position `p` in storage row
 `p % ring_rows` (see `store_row`).
 """
 from __future__ import annotations
 
 from ..device import cuda
+from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+
+
+@cuda.jit(device=True)
+def read_segment(tables, seq_info_off, seg):
+    """`(q_start, q_len, col, pos_start, block)` of segment `seg` of the step's tables."""
+    base = seq_info_off + seg * SEQ_INFO_FIELDS
+    return (tables[base + Q_START], tables[base + Q_LEN], tables[base + COL],
+            tables[base + POS_START], (tables[base + FLAGS] & FLAG_BLOCK) != 0)
 
 
 @cuda.jit(device=True)
