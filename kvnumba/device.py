@@ -100,6 +100,20 @@ def _load_cuda_target() -> None:
                           f"'numpy>=1.24,<2.5'") from exc
 
 
+def _compile_only() -> None:
+    """Compile-only mode has no device, but Numba asks the current device for its compute
+    capability when it compiles a device function called from a kernel: answer sm_90,
+    the architecture `python -m bench.sass` reports on."""
+    from numba.cuda import dispatcher
+
+    class Sm90:
+        compute_capability = (9, 0)
+
+    dispatcher.get_current_device = Sm90
+
+
+if KIND == "compile":
+    _compile_only()
 if not SIMULATOR:
     _load_cuda_target()
     if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
