@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     print()
 
     if kernels.gpu_available():
-        kernel_result = kernels.run(quick=args.quick)
+        kernel_result = kernels.run(kernels.QUICK if args.quick else kernels.FULL)
         print(kernels.report(kernel_result), flush=True)
     else:
         kernel_result = dict(skipped=True, reason=kernels.SKIP_MESSAGE)

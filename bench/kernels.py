@@ -1,70 +1,92 @@
-"""Kernel benchmarks (CUDA GPU only; on the simulator they are skipped, exit 0).
+"""Kernel benchmarks: write, clone, decode and prefill attention, on a CUDA GPU.
 
-Cases (float16 storage, 8 kv heads, head_dim 128):
+Every figure is a ratio against a ceiling or a peer measured in the same run:
 
-* write:   a prefill step (4 x 1024 tokens) and a decode step (256 x 1 token):
-           GB/s of K+V bytes written, and the ratio against a device-to-device
-           copy of the same byte count measured in the same run.
-* clone:   `seq_clone` of a 4096-token prefix over 4 flat layers: GB/s of K+V
-           bytes copied, ratio against the d2d copy.
-* decode attention: B in {1, 32, 128} sequences x history in {512, 4096, 16384},
-           32 q heads: achieved GB/s of K/V read (FlashInfer's metric) and its
-           fraction of the d2d copy's memory traffic (read + write) bandwidth.
-* prefill attention: 4 x 1024, 1 x 4096 and 4 x 512 after 4096 cached tokens:
-           TFLOP/s (4 * visible (q, k) pairs * head_dim * n_q_heads) and the
-           fraction of the FP32 CUDA-core peak.
-* peer: where PyTorch is installed, `scaled_dot_product_attention` on the same
-  data (one call per sequence, and one batched call since every case's segments
-  have equal lengths), with the max |difference| of the outputs as a check.
+* the roofline is one large (1 GiB) device-to-device copy: its read+write traffic
+  bandwidth. Write and clone report their own read+write traffic as a fraction of it;
+  decode attention reports the K/V bytes it reads (FlashInfer's metric) as a fraction.
+* prefill reports TFLOP/s (4 * head_dim * n_q_heads per visible (query, key) pair)
+  and its fraction of a large float16 `torch.matmul` measured in the same run.
+* peers, where PyTorch with CUDA is installed: `scaled_dot_product_attention`
+  (batched, and one call per sequence) and FlashAttention varlen
+  (`torch.ops.aten._flash_attention_forward` with `cu_seqlens`), on the same data,
+  with the largest |difference| of the outputs as a check.
 
+Cases (float16 storage, 8 kv heads, 32 q heads, head_dim 128): the write of a
+4 x 1024 prefill step and of a 256 x 1 decode step; a clone of 4096 positions over 4
+layers (64 MiB); decode of B in {1, 32, 128} sequences x {512, 4096, 16384} keys;
+a skewed decode batch (64 sequences, `geomspace(32, 32768)` keys) on a flat and on a
+ring layer (window 4096); prefill 4 x 1024, 1 x 4096, 4 x 512 after 4096 cached
+tokens; a mixed step (4 x 1024 chunks plus 64 decode tokens) against its parts.
+
+GPU ms are CUDA events around back-to-back calls (median of repeats); host µs is
+the wall time the Python call takes to return (what a serving loop pays per call);
+wall µs (host included) is call + synchronise, for the single-sequence decode.
 Every cache is built through the public API on one stream (PyTorch's, when
-PyTorch is present, so both libraries' work is timed by the same CUDA events).
-Times are the median over repeats of (events around `iters` back-to-back calls)
-/ iters, after warm-up; small cases therefore include host launch overhead
-when it exceeds the GPU time.
+PyTorch is present, so both libraries' work is timed by the same events).
 
-    python -m bench.kernels [--quick]
+    python -m bench.kernels [--quick | --smoke]
+
+`--smoke` runs every case at toy sizes, also on Numba's CUDA simulator (no GPU
+needed, no timings), to check that the benchmark itself works.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
 import sys
+import time
 import traceback
-import warnings
 
 import numpy as np
 
 import kvnumba as kv
 import kvnumba.device as kv_device
 
-SKIP_MESSAGE = "no CUDA GPU: kernel benchmarks skipped"
-
-N_KV_HEADS = 8
-N_Q_HEADS = 32
-HEAD_DIM = 128
-DTYPE = "float16"
-ITEM = 2  # bytes per float16
-
-DECODE_BATCHES = (1, 32, 128)
-DECODE_HISTORIES = (512, 4096, 16384)
-PREFILL_CASES = (  # (name, sequences, chunk tokens, cached history before the chunk)
-    ("4x1024", 4, 1024, 0),
-    ("1x4096", 1, 4096, 0),
-    ("4x512@4096", 4, 512, 4096),
-)
-CLONE_TOKENS = 4096
-CLONE_LAYERS = 4
-WRITE_PREFILL = (4, 1024)   # sequences x tokens of the prefill-sized write
-WRITE_DECODE = 256          # sequences x 1 token of the decode write
-COPY_MIB = (1024, 256)      # the reference d2d copy (full run, quick run)
-
-#: FP32 lanes per SM by compute capability major (8.0 has 64, 8.6/8.9 have 128)
-_FP32_PER_SM = {6: 64, 7: 64, 8: 128, 9: 128, 10: 128, 11: 128, 12: 128}
+SKIP_MESSAGE = "no CUDA GPU: kernel benchmarks skipped (--smoke runs them at toy sizes)"
 
 
-# ---------------------------------------------------------------------------- setup
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """One run's shapes and case sizes."""
+
+    n_kv_heads: int = 8
+    n_q_heads: int = 32
+    head_dim: int = 128
+    dtype: str = "float16"
+    copy_mib: int = 1024
+    write_prefill: tuple = (4, 1024)          # sequences x tokens
+    write_decode: int = 256                   # sequences x 1 token
+    clone: tuple = (4096, 4)                  # positions x layers
+    decode_batches: tuple = (1, 32, 128)
+    decode_histories: tuple = (512, 4096, 16384)
+    skewed: tuple = (64, 32, 32768)           # sequences, shortest, longest
+    ring_window: int = 4096
+    prefill: tuple = (("4x1024", 4, 1024, 0), ("1x4096", 1, 4096, 0),
+                      ("4x512@4096", 4, 512, 4096))
+    mixed: tuple = (4, 1024, 64, 4096)        # chunks x tokens, decode tokens at history
+    matmul: int = 8192
+    warmup: int = 5
+    iters: int = 20
+    repeats: int = 7
+
+
+FULL = Sizes()
+QUICK = dataclasses.replace(FULL, copy_mib=256, decode_batches=(1, 32),
+                            decode_histories=(512, 4096), warmup=2, iters=5, repeats=3)
+SMOKE = Sizes(n_kv_heads=1, n_q_heads=2, head_dim=16, copy_mib=1, write_prefill=(2, 4),
+              write_decode=3, clone=(6, 2), decode_batches=(1, 2), decode_histories=(5,),
+              skewed=(3, 2, 9), ring_window=4, prefill=(("2x5", 2, 5, 0), ("1x5@3", 1, 5, 3)),
+              mixed=(1, 5, 2, 3), matmul=64, warmup=0, iters=1, repeats=1)
+
+#: targets on an H200-class GPU, as ratios measured in one run
+TARGETS = dict(decode_of_copy=0.8, decode_vs_sdpa=0.9, skewed_vs_flash=2.0, write_of_copy=0.8,
+               clone_of_copy=0.8, single_decode_wall_us=40.0, prefill_tflops=100.0,
+               prefill_vs_flash=0.33)
+
+
 def gpu_available() -> bool:
     return not kv_device.SIMULATOR
 
@@ -76,17 +98,6 @@ def device_name() -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
-def fp32_peak_tflops():
-    """SMs x FP32 lanes x 2 (FMA) x boost clock, or None if the driver won't say."""
-    try:
-        dev = kv_device.cuda.get_current_device()
-        major, minor = dev.compute_capability
-        lanes = 64 if (major, minor) == (8, 0) else _FP32_PER_SM.get(major, 128)
-        return dev.MULTIPROCESSOR_COUNT * lanes * 2 * dev.CLOCK_RATE * 1e3 / 1e12
-    except Exception:  # noqa: BLE001 (an attribute the driver no longer reports)
-        return None
-
-
 def _torch():
     try:
         import torch
@@ -95,36 +106,25 @@ def _torch():
     return torch if torch.cuda.is_available() else None
 
 
-class Bench:
-    """Shared state: the stream, the timer, torch (or None), reference copy timings."""
+def _ratio(a, b):
+    return None if not a or not b else a / b
 
-    def __init__(self, quick: bool):
-        self.quick = quick
+
+class Bench:
+    """Shared state: sizes, the stream, timers, torch (or None) and the roofline."""
+
+    def __init__(self, sizes: Sizes):
+        self.sizes = sizes
         self.cuda = kv_device.cuda
-        self.torch = _torch()
+        self.timed = gpu_available()
+        self.torch = _torch() if self.timed else None
         if self.torch is not None:
             self.torch_stream = self.torch.cuda.Stream()
             self.stream = self.cuda.external_stream(self.torch_stream.cuda_stream)
         else:
-            self.torch_stream = None
             self.stream = self.cuda.stream()
-        self.warmup = 2 if quick else 5
-        self.iters = 5 if quick else 20
-        self.repeats = 3 if quick else 7
         self.rng = np.random.default_rng(0)
-        self._copy_ms = {}
-        self.gqa_native = self._probe_gqa() if self.torch is not None else None
-
-    def _probe_gqa(self) -> bool:
-        """Does this PyTorch's SDPA take `enable_gqa` (2.5+)?"""
-        torch = self.torch
-        q = torch.zeros(1, N_Q_HEADS, 1, HEAD_DIM, dtype=torch.float16, device="cuda")
-        k = torch.zeros(1, N_KV_HEADS, 1, HEAD_DIM, dtype=torch.float16, device="cuda")
-        try:
-            torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
-        except TypeError:
-            return False
-        return True
+        self.copy_traffic_gbps = None
 
     def context(self):
         """Make PyTorch's current stream the cache's stream (a no-op without PyTorch)."""
@@ -132,37 +132,75 @@ class Bench:
             return contextlib.nullcontext()
         return self.torch.cuda.stream(self.torch_stream)
 
-    def time_ms(self, fn, iters=None) -> float:
-        """Median ms per call of `fn` (which enqueues work on the stream)."""
-        cuda, stream = self.cuda, self.stream
-        iters = iters or self.iters
-        for _ in range(self.warmup):
+    # -------------------------------------------------------------- timers
+    def gpu_ms(self, fn, iters=None):
+        """Median GPU ms per call of `fn` (CUDA events around back-to-back calls); None on the
+        simulator, which runs the calls once and times nothing."""
+        s = self.sizes
+        iters = iters or s.iters
+        if not self.timed:
             fn()
-        stream.synchronize()
+            return None
+        for _ in range(s.warmup):
+            fn()
+        self.stream.synchronize()
         samples = []
-        for _ in range(self.repeats):
-            start, end = cuda.event(timing=True), cuda.event(timing=True)
-            start.record(stream)
+        for _ in range(s.repeats):
+            start, end = self.cuda.event(timing=True), self.cuda.event(timing=True)
+            start.record(self.stream)
             for _ in range(iters):
                 fn()
-            end.record(stream)
+            end.record(self.stream)
             end.synchronize()
             samples.append(start.elapsed_time(end) / iters)
         return statistics.median(samples)
 
-    def copy_ms(self, nbytes: int) -> float:
-        """ms of one device-to-device copy of `nbytes` contiguous bytes (cached per size)."""
-        if nbytes not in self._copy_ms:
-            src = self.cuda.device_array(nbytes, dtype=np.uint8, stream=self.stream)
-            dst = self.cuda.device_array(nbytes, dtype=np.uint8, stream=self.stream)
-            self._copy_ms[nbytes] = self.time_ms(
-                lambda: dst.copy_to_device(src, stream=self.stream))
-            del src, dst
-        return self._copy_ms[nbytes]
+    def host_us(self, fn, *, wait: bool = False):
+        """Median µs for `fn` to return (`wait`: and for the stream to drain: wall time,
+        host included). The stream is drained before each sample."""
+        if not self.timed:
+            return None
+        samples = []
+        for _ in range(max(5, self.sizes.iters)):
+            self.stream.synchronize()
+            start = time.perf_counter()
+            fn()
+            if wait:
+                self.stream.synchronize()
+            samples.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(samples)
 
+    def copy_roofline(self) -> dict:
+        """One large device-to-device copy: the read+write traffic bandwidth every
+        bandwidth figure is compared with."""
+        nbytes = self.sizes.copy_mib << 20
+        src = self.cuda.device_array(nbytes, dtype=np.uint8, stream=self.stream)
+        dst = self.cuda.device_array(nbytes, dtype=np.uint8, stream=self.stream)
+        ms = self.gpu_ms(lambda: dst.copy_to_device(src, stream=self.stream))
+        del src, dst
+        self.release()
+        self.copy_traffic_gbps = None if ms is None else 2 * nbytes / ms / 1e6
+        return dict(bytes=nbytes, ms=ms, traffic_gbps=self.copy_traffic_gbps)
+
+    def matmul_tflops(self):
+        """A large float16 `torch.matmul`: the dense tensor-core rate prefill is compared with."""
+        if self.torch is None:
+            return None
+        n = self.sizes.matmul
+        a = self.torch.randn(n, n, device="cuda", dtype=self.torch.float16)
+        b = self.torch.randn(n, n, device="cuda", dtype=self.torch.float16)
+        ms = self.gpu_ms(lambda: self.torch.matmul(a, b), iters=max(2, self.sizes.iters // 4))
+        del a, b
+        return 2 * n ** 3 / ms / 1e9
+
+    def of_copy(self, traffic_bytes, ms):
+        """Fraction of the roofline that `traffic_bytes` moved in `ms` reach."""
+        return _ratio(None if ms is None else traffic_bytes / ms / 1e6, self.copy_traffic_gbps)
+
+    # -------------------------------------------------------------- data
     def random(self, shape, scale=1.0):
-        host = (self.rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16)
-        return self.cuda.to_device(host, stream=self.stream)
+        host = (self.rng.standard_normal(shape, dtype=np.float32) * scale)
+        return self.cuda.to_device(host.astype(self.sizes.dtype), stream=self.stream)
 
     def release(self):
         """Free what dropped references left behind (between cases)."""
@@ -172,292 +210,384 @@ class Bench:
         if self.torch is not None:
             self.torch.cuda.empty_cache()
 
-    # -------------------------------------------------------------- torch peer
-    def sdpa(self, q, k, v, **kw):
-        """`scaled_dot_product_attention` with GQA (native when available, else expanded)."""
-        F = self.torch.nn.functional
-        if self.gqa_native:
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
-        return F.scaled_dot_product_attention(q, k, v, **kw)
+    def cache(self, *, layers, capacity, max_seqs, max_write, max_step, initial_rows=None):
+        s = self.sizes
+        config = kv.CacheConfig(layers=layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
+                                capacity=capacity, max_seqs=max_seqs, max_write=max_write,
+                                max_step=max_step, dtype=s.dtype,
+                                initial_rows=initial_rows or capacity)
+        return kv.BatchedSequenceCache(config, stream=self.stream)
 
-    def torch_kv(self, k_store, v_store, cols, kv_len):
-        """`[n, n_kv, kv_len, d]` contiguous torch copies of columns `cols`, rows `[0, kv_len)`
-        (heads expanded to the q heads when PyTorch has no native GQA)."""
+    def kv_source(self, tokens):
+        """Random K and V of `tokens` plus spare rows; fills take shifted slices of them."""
+        s = self.sizes
+        shape = (tokens + max(64, tokens // 4), s.n_kv_heads, s.head_dim)
+        return self.random(shape), self.random(shape)
+
+    def fill(self, cache, seqs, targets, k_src, v_src):
+        """Advance each sequence of `seqs` to its target (an int, or one per sequence),
+        writing K/V on every layer, within max_write per sequence and max_step per step."""
+        config = cache.config
+        targets = np.broadcast_to(np.asarray(targets), (len(seqs),))
+        spare = k_src.shape[0] - config.max_step
+        while True:
+            parts, used = [], 0
+            for seq, target in zip(seqs, targets):
+                n = min(int(target) - cache.pos(seq), config.max_write, config.max_step - used)
+                if n > 0:
+                    parts.append(np.full(n, seq, dtype=np.int64))
+                    used += n
+                if used == config.max_step:
+                    break
+            if not parts:
+                return
+            cache.declare_step(np.concatenate(parts))
+            cache.prepare_step()
+            off = int(self.rng.integers(0, spare + 1))
+            for layer in range(config.n_layers):
+                cache.write(layer, k_src[off:off + used], v_src[off:off + used])
+            cache.commit_step()
+
+    def q_out(self, tokens):
+        s = self.sizes
+        q = self.random((tokens, s.n_q_heads, s.head_dim))
+        out = self.cuda.device_array((tokens, s.n_q_heads, s.head_dim), dtype=s.dtype,
+                                     stream=self.stream)
+        return q, out
+
+
+# ---------------------------------------------------------------------------- peers
+class Peers:
+    """PyTorch's attention on the cache's own data: SDPA and FlashAttention varlen."""
+
+    def __init__(self, bench: Bench):
+        self.bench = bench
+        self.torch = bench.torch
+        self.sizes = bench.sizes
+
+    def packed_kv(self, cache, layer, seqs, lengths):
+        """`[sum(lengths), n_kv_heads, d]` K and V of each sequence's positions in order
+        (ring layers: the last `lengths` positions, unwrapped), and `cu_seqlens_k`."""
         torch = self.torch
-        out = []
-        for store in (k_store, v_store):
-            t = torch.as_tensor(store, device="cuda")[:kv_len, list(cols)]  # [L, n, h, d]
-            t = t.permute(1, 2, 0, 3).contiguous()
-            if not self.gqa_native:
-                t = t.repeat_interleave(N_Q_HEADS // N_KV_HEADS, dim=1)
-            out.append(t)
-        return out
+        ring = cache.config.layers[layer].window
+        k_store, v_store = (torch.as_tensor(a, device="cuda") for a in cache.layer_data(layer))
+        rows_total = k_store.shape[0]
+        parts_k, parts_v = [], []
+        for seq, length in zip(seqs, lengths):
+            end = cache.pos(seq)
+            positions = torch.arange(end - length, end, device="cuda")
+            rows = positions % rows_total if ring else positions
+            parts_k.append(k_store[rows, seq])
+            parts_v.append(v_store[rows, seq])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32, device="cuda")
+        cu[1:] = torch.cumsum(torch.as_tensor(lengths, device="cuda"), 0)
+        return torch.cat(parts_k), torch.cat(parts_v), cu
 
+    def flash_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, window=None):
+        """`(ms, out)` of FlashAttention varlen through `torch.ops.aten`, or (None, None)."""
+        torch = self.torch
+        kw = dict(scale=None)
+        if window:
+            kw.update(window_size_left=window - 1, window_size_right=0)
+        op = torch.ops.aten._flash_attention_forward
 
-def _cache(bench, *, layers, capacity, max_seqs, max_write, max_step):
-    config = kv.CacheConfig(layers=[kv.flat() for _ in range(layers)], n_kv_heads=N_KV_HEADS,
-                            head_dim=HEAD_DIM, capacity=capacity, max_seqs=max_seqs,
-                            max_write=max_write, max_step=max_step, dtype=DTYPE,
-                            initial_rows=capacity)
-    return kv.BatchedSequenceCache(config, stream=bench.stream)
+        def call():
+            return op(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, **kw)[0]
 
+        try:
+            out = call()
+        except (RuntimeError, TypeError) as exc:  # an old PyTorch, or no flash kernels
+            print(f"  (FlashAttention varlen unavailable: {exc})", file=sys.stderr)
+            return None, None
+        return self.bench.gpu_ms(call), out
 
-def _fill(bench, cache, seqs, target, k_src, v_src):
-    """Advance every sequence of `seqs` to `target` positions, writing K/V on every layer,
-    in steps of at most max_write tokens per sequence and max_step per step."""
-    config = cache.config
-    spare = k_src.shape[0] - config.max_step
-    while True:
-        parts, used = [], 0
-        for seq in seqs:
-            n = min(target - cache.pos(seq), config.max_write, config.max_step - used)
-            if n > 0:
-                parts.append(np.full(n, seq, dtype=np.int64))
-                used += n
-            if used == config.max_step:
-                break
-        if not parts:
-            return
-        cache.declare_step(np.concatenate(parts))
-        cache.prepare_step()
-        off = int(bench.rng.integers(0, spare + 1))
-        for layer in range(config.n_layers):
-            cache.write(layer, k_src[off:off + used], v_src[off:off + used])
-        cache.commit_step()
+    def sdpa(self, q, k, v, **kw):
+        """SDPA with native GQA (PyTorch 2.5+)."""
+        return self.torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                                                    **kw)
 
-
-def _kv_source(bench, tokens):
-    """Random K and V of `tokens + spare` tokens; fills take shifted slices of them."""
-    shape = (tokens + max(64, tokens // 4), N_KV_HEADS, HEAD_DIM)
-    return bench.random(shape), bench.random(shape)
+    def max_diff(self, ours, theirs):
+        got = self.torch.as_tensor(ours, device="cuda").float()
+        return (got - theirs.float()).abs().max().item()
 
 
 # ---------------------------------------------------------------------------- cases
 def bench_write(bench) -> list:
-    rows = []
-    n_pre, len_pre = WRITE_PREFILL
-    n_seqs = max(n_pre, WRITE_DECODE)
-    cache = _cache(bench, layers=1, capacity=len_pre, max_seqs=n_seqs, max_write=len_pre,
-                   max_step=max(n_pre * len_pre, WRITE_DECODE))
+    s = bench.sizes
+    n_pre, len_pre = s.write_prefill
+    n_seqs = max(n_pre, s.write_decode)
+    max_step = max(n_pre * len_pre, s.write_decode)
+    cache = bench.cache(layers=[kv.flat()], capacity=len_pre, max_seqs=n_seqs,
+                        max_write=len_pre, max_step=max_step)
     for _ in range(n_seqs):
         cache.seq_new()
-    k_src, v_src = _kv_source(bench, cache.config.max_step)
+    k_src, v_src = bench.kv_source(max_step)
+    rows = []
     for name, ids in ((f"prefill {n_pre}x{len_pre}", np.repeat(np.arange(n_pre), len_pre)),
-                      (f"decode {WRITE_DECODE}x1", np.arange(WRITE_DECODE))):
+                      (f"decode {s.write_decode}x1", np.arange(s.write_decode))):
         n = ids.size
         cache.declare_step(ids)
         cache.prepare_step()
         k, v = k_src[:n], v_src[:n]
-        ms = bench.time_ms(lambda: cache.write(0, k, v))
+        ms = bench.gpu_ms(lambda: cache.write(0, k, v))
+        host = bench.host_us(lambda: cache.write(0, k, v))
         cache.abort_step()
-        nbytes = 2 * n * N_KV_HEADS * HEAD_DIM * ITEM
-        copy = bench.copy_ms(nbytes)
-        rows.append(dict(case=name, tokens=n, bytes=nbytes, ms=ms, gbps=nbytes / ms / 1e6,
-                         copy_ms=copy, copy_gbps=nbytes / copy / 1e6, vs_copy=copy / ms))
+        nbytes = 2 * n * s.n_kv_heads * s.head_dim * np.dtype(s.dtype).itemsize
+        rows.append(dict(case=name, bytes=nbytes, ms=ms, host_us=host,
+                         of_copy=bench.of_copy(2 * nbytes, ms)))   # read inputs + write rows
     del cache, k_src, v_src
     bench.release()
     return rows
 
 
 def bench_clone(bench) -> list:
-    cache = _cache(bench, layers=CLONE_LAYERS, capacity=CLONE_TOKENS, max_seqs=2,
-                   max_write=CLONE_TOKENS, max_step=CLONE_TOKENS)
-    k_src, v_src = _kv_source(bench, CLONE_TOKENS)
+    s = bench.sizes
+    tokens, layers = s.clone
+    cache = bench.cache(layers=[kv.flat()] * layers, capacity=tokens, max_seqs=2,
+                        max_write=tokens, max_step=tokens)
+    k_src, v_src = bench.kv_source(tokens)
     src = cache.seq_new()
-    _fill(bench, cache, [src], CLONE_TOKENS, k_src, v_src)
+    bench.fill(cache, [src], tokens, k_src, v_src)
 
     def clone():
         cache.seq_rm(cache.seq_clone(src))
 
-    ms = bench.time_ms(clone)
-    nbytes = CLONE_LAYERS * 2 * CLONE_TOKENS * N_KV_HEADS * HEAD_DIM * ITEM
-    copy = bench.copy_ms(nbytes)
+    ms = bench.gpu_ms(clone)
+    host = bench.host_us(clone)
+    nbytes = layers * 2 * tokens * s.n_kv_heads * s.head_dim * np.dtype(s.dtype).itemsize
     del cache, k_src, v_src
     bench.release()
-    return [dict(case=f"clone {CLONE_TOKENS} tok x {CLONE_LAYERS} layers", bytes=nbytes, ms=ms,
-                 gbps=nbytes / ms / 1e6, copy_ms=copy, copy_gbps=nbytes / copy / 1e6,
-                 vs_copy=copy / ms)]
+    return [dict(case=f"clone {tokens} positions x {layers} layers", bytes=nbytes, ms=ms,
+                 host_us=host, of_copy=bench.of_copy(2 * nbytes, ms))]
 
 
-def _peer_decode(bench, cache, q, out, batch, kv_len) -> dict:
-    """SDPA on the same batch: batched (equal lengths) and one call per sequence."""
-    torch = bench.torch
-    k_store, v_store = cache.layer_data(0)
-    bench.stream.synchronize()
-    kt, vt = bench.torch_kv(k_store, v_store, range(batch), kv_len)
-    qt = torch.as_tensor(q, device="cuda").unsqueeze(2)            # [B, 32, 1, d]
-    # the query is the last position: it sees every key, so no mask (is_causal would
-    # align the mask top-left and hide all but the first key)
-    batched_ms = bench.time_ms(lambda: bench.sdpa(qt, kt, vt))
-    q_each = [qt[i:i + 1] for i in range(batch)]
-    k_each = [kt[i:i + 1] for i in range(batch)]
-    v_each = [vt[i:i + 1] for i in range(batch)]
+def _decode_row(bench, peers, cache, seqs, lengths, layer=0) -> dict:
+    """Time one decode step's attention (the step's own token already written)."""
+    s = bench.sizes
+    batch = len(seqs)
+    cache.declare_step(np.asarray(seqs))
+    cache.prepare_step()
+    k_src = bench.random((batch, s.n_kv_heads, s.head_dim))
+    cache.write(layer, k_src, k_src)
+    q, out = bench.q_out(batch)
+    ms = bench.gpu_ms(lambda: cache.attend(layer, q, out=out))
+    host = bench.host_us(lambda: cache.attend(layer, q, out=out))
+    keys = int(np.sum(lengths)) + batch                     # history plus the new token
+    nbytes = keys * 2 * s.n_kv_heads * s.head_dim * np.dtype(s.dtype).itemsize
+    row = dict(batch=batch, keys=keys, ms=ms, host_us=host, bytes=nbytes,
+               of_copy=bench.of_copy(nbytes, ms))
+    if peers is not None:
+        window = cache.config.layers[layer].window
+        torch = peers.torch
+        cache.commit_step()          # the peers read the committed columns
+        seen = [min(n + 1, window) if window else n + 1 for n in lengths]
+        k, v, cu_k = peers.packed_kv(cache, layer, seqs, seen)
+        qt = torch.as_tensor(q, device="cuda")
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        flash_ms, flash_out = peers.flash_varlen(qt, k, v, cu_q, cu_k, 1, max(seen), window)
+        row.update(flash_ms=flash_ms, vs_flash=_ratio(flash_ms, ms))
+        if flash_out is not None:
+            row["max_abs_diff"] = peers.max_diff(out, flash_out)
+        if not window and len(set(lengths)) == 1:   # equal lengths: SDPA batched and looped
+            length = seen[0]
+            kt = k.view(batch, length, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            vt = v.view(batch, length, s.n_kv_heads, s.head_dim).transpose(1, 2)
+            qb = qt.unsqueeze(2)
+            row["sdpa_ms"] = bench.gpu_ms(lambda: peers.sdpa(qb, kt, vt))
+            each = [(qb[i:i + 1], kt[i:i + 1], vt[i:i + 1]) for i in range(batch)]
+            row["sdpa_loop_ms"] = bench.gpu_ms(
+                lambda: [peers.sdpa(*args) for args in each], iters=max(2, s.iters // 4))
+            row.update(vs_sdpa=_ratio(row["sdpa_ms"], ms),
+                       vs_sdpa_loop=_ratio(row["sdpa_loop_ms"], ms))
+        return row
+    cache.abort_step()
+    return row
 
-    def looped():
-        for i in range(batch):
-            bench.sdpa(q_each[i], k_each[i], v_each[i])
 
-    loop_ms = bench.time_ms(looped, iters=max(2, bench.iters // 4))
-    ref = bench.sdpa(qt, kt, vt).squeeze(2)
-    diff = (torch.as_tensor(out, device="cuda").float() - ref.float()).abs().max().item()
-    return dict(sdpa_ms=batched_ms, sdpa_loop_ms=loop_ms, max_abs_diff=diff)
-
-
-def bench_decode(bench, copy_traffic_gbps) -> list:
-    batches = DECODE_BATCHES[:2] if bench.quick else DECODE_BATCHES
-    histories = DECODE_HISTORIES[:2] if bench.quick else DECODE_HISTORIES
-    n_seqs = max(batches)
-    capacity = max(histories) + 64
-    max_write = 4096
-    max_step = max_write * 4
-    cache = _cache(bench, layers=1, capacity=capacity, max_seqs=n_seqs, max_write=max_write,
-                   max_step=max_step)
+def bench_decode(bench, peers) -> list:
+    s = bench.sizes
+    n_seqs = max(s.decode_batches)
+    capacity = max(s.decode_histories) + 64
+    cache = bench.cache(layers=[kv.flat()], capacity=capacity, max_seqs=n_seqs,
+                        max_write=min(4096, capacity), max_step=4 * min(4096, capacity))
     seqs = [cache.seq_new() for _ in range(n_seqs)]
-    k_src, v_src = _kv_source(bench, max_step)
-    q_all = bench.random((n_seqs, N_Q_HEADS, HEAD_DIM))
-    out_all = bench.cuda.device_array((n_seqs, N_Q_HEADS, HEAD_DIM), dtype=np.float16,
-                                      stream=bench.stream)
+    k_src, v_src = bench.kv_source(cache.config.max_step)
     rows = []
-    for history in sorted(histories):
-        _fill(bench, cache, seqs, history, k_src, v_src)
-        for batch in batches:
-            row = dict(batch=batch, history=history)
-            try:
-                cache.declare_step(np.arange(batch))
-                cache.prepare_step()
-                cache.write(0, k_src[:batch], v_src[:batch])  # the decode token itself
-                q, out = q_all[:batch], out_all[:batch]
-                ms = bench.time_ms(lambda: cache.attend(0, q, out=out))
-                kv_len = history + 1
-                nbytes = batch * kv_len * 2 * N_KV_HEADS * HEAD_DIM * ITEM
-                gbps = nbytes / ms / 1e6
-                row.update(ms=ms, bytes=nbytes, gbps=gbps, frac_copy=gbps / copy_traffic_gbps)
-                if bench.torch is not None:
-                    peer = _peer_decode(bench, cache, q, out, batch, kv_len)
-                    row.update(peer, vs_sdpa=peer["sdpa_ms"] / ms,
-                               vs_sdpa_loop=peer["sdpa_loop_ms"] / ms)
-            except Exception as exc:  # noqa: BLE001 (report the case, keep benchmarking)
-                row["error"] = _error(exc)
-            finally:
-                if cache.step_state != kv.StepState.IDLE:
-                    cache.abort_step()  # positions stay at `history`
-                bench.release()
-            rows.append(row)
-    del cache, k_src, v_src, q_all, out_all
+    for history in sorted(s.decode_histories):
+        for seq in seqs:
+            if cache.pos(seq) > history:
+                cache.rewind(seq, history)
+        bench.fill(cache, seqs, history, k_src, v_src)
+        for batch in s.decode_batches:
+            rows.append(_guarded(bench, cache, dict(case=f"{batch} x {history}"),
+                                 lambda: _decode_row(bench, peers, cache, seqs[:batch],
+                                                     [history] * batch)))
+            for seq in seqs[:batch]:     # a committed peer step: back to the history
+                if cache.pos(seq) > history:
+                    cache.rewind(seq, history)
+    single = rows[0] if rows and rows[0].get("batch") == 1 else None
+    if single is not None and bench.timed:  # one attend, host included
+        cache.declare_step([seqs[0]])
+        cache.prepare_step()
+        cache.write(0, k_src[:1], v_src[:1])
+        q, out = bench.q_out(1)
+        single["wall_us"] = bench.host_us(lambda: cache.attend(0, q, out=out), wait=True)
+        cache.abort_step()
+    del cache, k_src, v_src
     bench.release()
     return rows
 
 
-def _prefill_flops(n_seqs, q_len, history) -> int:
+def bench_skewed(bench, peers) -> list:
+    s = bench.sizes
+    n, shortest, longest = s.skewed
+    lengths = np.geomspace(shortest, longest, n).astype(np.int64)
+    rows = []
+    for name, layer in (("flat", kv.flat()), (f"ring {s.ring_window}", kv.ring(s.ring_window))):
+        max_write = 64 if layer.is_ring else 4096
+        max_write = min(max_write, longest)
+        cache = bench.cache(layers=[layer], capacity=longest + 64, max_seqs=n,
+                            max_write=max_write, max_step=max(4 * max_write, n))
+        seqs = [cache.seq_new() for _ in range(n)]
+        k_src, v_src = bench.kv_source(cache.config.max_step)
+        bench.fill(cache, seqs, lengths, k_src, v_src)
+        window = layer.window
+        seen = np.minimum(lengths, window - 1) if window else lengths   # history each reads
+        rows.append(_guarded(bench, cache, dict(case=f"skewed {n} seqs, {name}"),
+                             lambda: _decode_row(bench, peers, cache, seqs, seen)))
+        del cache, k_src, v_src
+        bench.release()
+    return rows
+
+
+def _prefill_flops(sizes, n_seqs, q_len, history) -> int:
     """4 * d * n_q_heads per visible (query, key) pair; query i sees history + i + 1 keys."""
     pairs = q_len * history + q_len * (q_len + 1) // 2
-    return 4 * HEAD_DIM * N_Q_HEADS * n_seqs * pairs
+    return 4 * sizes.head_dim * sizes.n_q_heads * n_seqs * pairs
 
 
-def _peer_prefill(bench, cache, q, out, seqs, q_len, history) -> dict:
-    torch = bench.torch
-    k_store, v_store = cache.layer_data(0)
-    bench.stream.synchronize()
-    kv_len = history + q_len
-    kt, vt = bench.torch_kv(k_store, v_store, seqs, kv_len)                 # [n, h, L, d]
+def _prefill_row(bench, peers, cache, seqs, q_len, history, matmul) -> dict:
+    s = bench.sizes
     n = len(seqs)
-    qt = torch.as_tensor(q, device="cuda").view(n, q_len, N_Q_HEADS, HEAD_DIM)
-    qt = qt.permute(0, 2, 1, 3).contiguous()                                 # [n, 32, q, d]
-    if history == 0:
-        kw = dict(is_causal=True)
-    else:  # bottom-right causal: query i (position history + i) sees keys j <= history + i
-        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device="cuda").tril(diagonal=history)
-        kw = dict(attn_mask=mask)
-    batched_ms = bench.time_ms(lambda: bench.sdpa(qt, kt, vt, **kw), iters=max(2, bench.iters // 2))
-    each = [(qt[i:i + 1], kt[i:i + 1], vt[i:i + 1]) for i in range(n)]
+    tokens = n * q_len
+    cache.declare_step(np.repeat(np.asarray(seqs), q_len))
+    cache.prepare_step()
+    k_new = bench.random((tokens, s.n_kv_heads, s.head_dim))
+    cache.write(0, k_new, k_new)
+    q, out = bench.q_out(tokens)
+    ms = bench.gpu_ms(lambda: cache.attend(0, q, out=out), iters=max(2, s.iters // 2))
+    host = bench.host_us(lambda: cache.attend(0, q, out=out))
+    tflops = None if ms is None else _prefill_flops(s, n, q_len, history) / ms / 1e9
+    row = dict(ms=ms, host_us=host, tflops=tflops, of_matmul=_ratio(tflops, matmul))
+    if peers is not None:
+        torch = peers.torch
+        cache.commit_step()
+        k, v, cu_k = peers.packed_kv(cache, 0, seqs, [history + q_len] * n)
+        qt = torch.as_tensor(q, device="cuda")
+        cu_q = torch.arange(0, tokens + 1, q_len, dtype=torch.int32, device="cuda")
+        flash_ms, flash_out = peers.flash_varlen(qt, k, v, cu_q, cu_k, q_len, history + q_len)
+        row.update(flash_ms=flash_ms, vs_flash=_ratio(flash_ms, ms))
+        if flash_out is not None:
+            row["max_abs_diff"] = peers.max_diff(out, flash_out)
+        return row
+    cache.abort_step()
+    return row
 
-    def looped():
-        for qi, ki, vi in each:
-            bench.sdpa(qi, ki, vi, **kw)
 
-    loop_ms = bench.time_ms(looped, iters=max(2, bench.iters // 2))
-    ref = bench.sdpa(qt, kt, vt, **kw).permute(0, 2, 1, 3).reshape(n * q_len, N_Q_HEADS, HEAD_DIM)
-    got = torch.as_tensor(out, device="cuda")[:n * q_len]
-    diff = (got.float() - ref.float()).abs().max().item()
-    return dict(sdpa_ms=batched_ms, sdpa_loop_ms=loop_ms, max_abs_diff=diff)
-
-
-def bench_prefill(bench, peak_tflops) -> list:
-    max_tokens = max(n * q for _, n, q, _ in PREFILL_CASES)
-    max_q = max(q for _, _, q, _ in PREFILL_CASES)
-    capacity = max(h + q for _, _, q, h in PREFILL_CASES)
-    n_seqs = sum(n for _, n, _, _ in PREFILL_CASES)
-    cache = _cache(bench, layers=1, capacity=capacity, max_seqs=n_seqs, max_write=max_q,
-                   max_step=max_tokens)
-    k_src, v_src = _kv_source(bench, max_tokens)
-    q_all = bench.random((max_tokens, N_Q_HEADS, HEAD_DIM))
-    out_all = bench.cuda.device_array((max_tokens, N_Q_HEADS, HEAD_DIM), dtype=np.float16,
-                                      stream=bench.stream)
+def bench_prefill(bench, peers, matmul) -> list:
+    s = bench.sizes
+    max_tokens = max(n * q for _, n, q, _ in s.prefill)
+    max_q = max(q for _, _, q, _ in s.prefill)
+    capacity = max(h + q for _, _, q, h in s.prefill)
+    n_seqs = sum(n for _, n, _, _ in s.prefill)
+    cache = bench.cache(layers=[kv.flat()], capacity=capacity, max_seqs=n_seqs,
+                        max_write=max_q, max_step=max_tokens)
+    k_src, v_src = bench.kv_source(max_tokens)
     rows = []
-    for name, n, q_len, history in PREFILL_CASES:
+    for name, n, q_len, history in s.prefill:
         seqs = [cache.seq_new() for _ in range(n)]
-        row = dict(case=name, sequences=n, q_len=q_len, history=history)
-        try:
-            _fill(bench, cache, seqs, history, k_src, v_src)
-            tokens = n * q_len
-            cache.declare_step(np.repeat(np.array(seqs), q_len))
-            cache.prepare_step()
-            cache.write(0, k_src[:tokens], v_src[:tokens])
-            q, out = q_all[:tokens], out_all[:tokens]
-            ms = bench.time_ms(lambda: cache.attend(0, q, out=out), iters=max(2, bench.iters // 2))
-            flops = _prefill_flops(n, q_len, history)
-            tflops = flops / ms / 1e9
-            row.update(ms=ms, flops=flops, tflops=tflops,
-                       frac_fp32_peak=None if not peak_tflops else tflops / peak_tflops)
-            if bench.torch is not None:
-                peer = _peer_prefill(bench, cache, q, out, seqs, q_len, history)
-                row.update(peer, vs_sdpa=peer["sdpa_ms"] / ms,
-                           vs_sdpa_loop=peer["sdpa_loop_ms"] / ms)
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = _error(exc)
-        finally:
-            if cache.step_state != kv.StepState.IDLE:
-                cache.abort_step()
-            bench.release()
-        rows.append(row)
-    del cache, k_src, v_src, q_all, out_all
+        bench.fill(cache, seqs, history, k_src, v_src)
+        rows.append(_guarded(bench, cache, dict(case=name),
+                             lambda: _prefill_row(bench, peers, cache, seqs, q_len, history,
+                                                  matmul)))
+    del cache, k_src, v_src
     bench.release()
     return rows
 
 
-def _error(exc) -> str:
-    traceback.print_exception(exc, file=sys.stderr)
-    return f"{type(exc).__name__}: {exc}"
+def bench_mixed(bench) -> list:
+    """A step of prefill chunks plus decode tokens, against each part alone."""
+    s = bench.sizes
+    chunks, chunk, n_decode, history = s.mixed
+    cache = bench.cache(layers=[kv.flat()], capacity=history + chunk + 8,
+                        max_seqs=chunks + n_decode, max_write=chunk,
+                        max_step=chunks * chunk + n_decode)
+    prefill = [cache.seq_new() for _ in range(chunks)]
+    decode = [cache.seq_new() for _ in range(n_decode)]
+    k_src, v_src = bench.kv_source(cache.config.max_step)
+    bench.fill(cache, decode, history, k_src, v_src)
+    parts = {"prefill alone": np.repeat(prefill, chunk), "decode alone": np.asarray(decode),
+             "mixed": np.concatenate([np.repeat(prefill, chunk), decode])}
+    row = dict(case=f"{chunks} x {chunk} chunks + {n_decode} decode tokens at {history}")
+    for name, ids in parts.items():
+        cache.declare_step(ids)
+        cache.prepare_step()
+        cache.write(0, k_src[:ids.size], v_src[:ids.size])
+        q, out = bench.q_out(ids.size)
+        row[name] = bench.gpu_ms(lambda: cache.attend(0, q, out=out),
+                                 iters=max(2, s.iters // 2))
+        cache.abort_step()
+    parts_ms = (row["prefill alone"] or 0) + (row["decode alone"] or 0)
+    row["vs_parts"] = _ratio(parts_ms, row["mixed"])
+    del cache, k_src, v_src
+    bench.release()
+    return [row]
+
+
+def _guarded(bench, cache, row, fn) -> dict:
+    """`row` updated with `fn()`'s figures, or with the error; the step is closed after."""
+    try:
+        row.update(fn())
+    except Exception as exc:  # noqa: BLE001 (report the case, keep benchmarking)
+        traceback.print_exception(exc, file=sys.stderr)
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        if cache.step_state != kv.StepState.IDLE:
+            cache.abort_step()
+        bench.release()
+    return row
 
 
 # ---------------------------------------------------------------------------- run / report
-def run(quick: bool = False, verbose: bool = False) -> dict:
-    """All kernel cases on the GPU; `{"skipped": True, ...}` without one."""
-    if not gpu_available():
+SECTIONS = ("write", "clone", "decode", "skewed", "prefill", "mixed")
+
+
+def run(sizes: Sizes = FULL, verbose: bool = False) -> dict:
+    """Every case; on the simulator only at toy sizes (`SMOKE`), without timings."""
+    if not gpu_available() and sizes is not SMOKE:
         return dict(skipped=True, reason=SKIP_MESSAGE)
-    warnings.filterwarnings("ignore", module="numba")  # low-occupancy notes on small launches
-    bench = Bench(quick)
-    result = dict(skipped=False, device=device_name(), quick=quick,
-                  torch=None if bench.torch is None else bench.torch.__version__)
+    bench = Bench(sizes)
+    peers = Peers(bench) if bench.torch is not None else None
+    result = dict(skipped=False, device=device_name(), sizes=dataclasses.asdict(sizes),
+                  torch=None if bench.torch is None else bench.torch.__version__,
+                  targets=TARGETS)
     with bench.context():
-        big = COPY_MIB[1 if quick else 0] << 20
-        copy = bench.copy_ms(big)
-        result["copy"] = dict(bytes=big, ms=copy, gbps=big / copy / 1e6,
-                              traffic_gbps=2 * big / copy / 1e6)
-        result["fp32_peak_tflops"] = fp32_peak_tflops()
-        sections = (("write", lambda: bench_write(bench)),
-                    ("clone", lambda: bench_clone(bench)),
-                    ("decode", lambda: bench_decode(bench, result["copy"]["traffic_gbps"])),
-                    ("prefill", lambda: bench_prefill(bench, result["fp32_peak_tflops"])))
-        for key, fn in sections:
+        result["copy"] = bench.copy_roofline()
+        result["matmul_tflops"] = bench.matmul_tflops()
+        cases = dict(write=lambda: bench_write(bench), clone=lambda: bench_clone(bench),
+                     decode=lambda: bench_decode(bench, peers),
+                     skewed=lambda: bench_skewed(bench, peers),
+                     prefill=lambda: bench_prefill(bench, peers, result["matmul_tflops"]),
+                     mixed=lambda: bench_mixed(bench))
+        for key in SECTIONS:
             try:
-                result[key] = fn()
+                result[key] = cases[key]()
             except Exception as exc:  # noqa: BLE001 (one broken section must not hide the rest)
-                result[key] = [dict(error=_error(exc))]
+                traceback.print_exception(exc, file=sys.stderr)
+                result[key] = [dict(error=f"{type(exc).__name__}: {exc}")]
                 bench.release()
             if verbose:
                 print(report_section(result, key), flush=True)
-    result["gqa_native_sdpa"] = bench.gqa_native
     return result
 
 
@@ -466,85 +596,125 @@ def _f(value, fmt):
 
 
 def report_header(result) -> str:
+    s = result["sizes"]
     c = result["copy"]
-    peak = result.get("fp32_peak_tflops")
-    return (f"kernels on {result['device']} (float16, {N_KV_HEADS} kv heads, head_dim {HEAD_DIM}"
-            f"; PyTorch {result['torch'] or 'not installed'})\n"
-            f"  d2d copy of {c['bytes'] >> 20} MiB: {c['gbps']:.0f} GB/s copied = "
-            f"{c['traffic_gbps']:.0f} GB/s read+write; FP32 CUDA-core peak "
-            f"{_f(peak, '.1f')} TFLOP/s\n"
-            f"  times: CUDA events around back-to-back calls, median (host launch overhead "
-            f"included when it exceeds the GPU time)")
+    return (f"kernels on {result['device']} ({s['dtype']}, {s['n_kv_heads']} kv heads, "
+            f"{s['n_q_heads']} q heads, head_dim {s['head_dim']}; PyTorch "
+            f"{result['torch'] or 'not installed'})\n"
+            f"  roofline: d2d copy of {c['bytes'] >> 20} MiB = "
+            f"{_f(c['traffic_gbps'], '.0f')} GB/s read+write; fp16 torch.matmul "
+            f"{_f(result['matmul_tflops'], '.0f')} TFLOP/s\n"
+            f"  GPU µs: CUDA events around back-to-back calls (median); host µs: time for "
+            f"the call to return")
+
+
+#: per section: (title, field, width, format, scale); format None: the text as it is
+_COLUMNS = {
+    "write": [("case", "case", 30, None, 1), ("MiB", "bytes", 7, ".1f", 2 ** -20),
+              ("GPU µs", "ms", 9, ".1f", 1e3), ("host µs", "host_us", 8, ".1f", 1),
+              ("of copy", "of_copy", 8, ".0%", 1)],
+    "decode": [("case", "case", 30, None, 1), ("GPU µs", "ms", 9, ".1f", 1e3),
+               ("host µs", "host_us", 8, ".1f", 1), ("wall µs", "wall_us", 8, ".1f", 1),
+               ("of copy", "of_copy", 8, ".0%", 1), ("x sdpa", "vs_sdpa", 7, ".2f", 1),
+               ("x loop", "vs_sdpa_loop", 7, ".2f", 1), ("x flash", "vs_flash", 8, ".2f", 1),
+               ("max|d|", "max_abs_diff", 8, ".1e", 1)],
+    "prefill": [("case", "case", 30, None, 1), ("GPU µs", "ms", 9, ".1f", 1e3),
+                ("host µs", "host_us", 8, ".1f", 1), ("TFLOP/s", "tflops", 8, ".1f", 1),
+                ("of mm", "of_matmul", 7, ".0%", 1), ("x flash", "vs_flash", 8, ".2f", 1),
+                ("max|d|", "max_abs_diff", 8, ".1e", 1)],
+    "mixed": [("case", "case", 40, None, 1), ("mixed µs", "mixed", 9, ".1f", 1e3),
+              ("prefill µs", "prefill alone", 10, ".1f", 1e3),
+              ("decode µs", "decode alone", 10, ".1f", 1e3), ("x parts", "vs_parts", 8, ".2f", 1)],
+}
+_COLUMNS["clone"] = _COLUMNS["write"]
+_COLUMNS["skewed"] = _COLUMNS["decode"]
+_TITLES = {
+    "write": "write: read+write traffic as a fraction of the roofline",
+    "clone": "clone: read+write traffic as a fraction of the roofline",
+    "decode": "decode attention: K/V bytes read as a fraction of the roofline; x peer = "
+              "peer time / kvnumba time",
+    "skewed": "decode attention, skewed batch (geomspace lengths)",
+    "prefill": "prefill attention (causal): TFLOP/s, fraction of the fp16 matmul rate",
+    "mixed": "mixed step vs its prefill part alone + its decode part alone",
+}
+
+
+def _cell(value, width, fmt, scale) -> str:
+    if fmt is None:
+        return format(str(value), f"<{width}")
+    return format("-" if value is None else format(value * scale, fmt), f">{width}")
 
 
 def report_section(result, key) -> str:
-    rows = result.get(key, [])
-    lines = []
-    if key in ("write", "clone"):
-        lines.append(f"{key}: GB/s of K+V bytes moved vs a d2d copy of the same bytes")
-        lines.append(f"  {'case':<30} {'MiB':>8} {'µs':>9} {'GB/s':>8} {'copy GB/s':>10} "
-                     f"{'vs copy':>8}")
-        for r in rows:
-            if "error" in r:
-                lines.append(f"  {r.get('case', key):<30} ERROR {r['error']}")
-                continue
-            lines.append(f"  {r['case']:<30} {r['bytes'] / 2**20:>8.1f} {r['ms'] * 1e3:>9.1f} "
-                         f"{r['gbps']:>8.0f} {r['copy_gbps']:>10.0f} {r['vs_copy']:>7.2f}x")
-    elif key == "decode":
-        lines.append(f"decode attention ({N_Q_HEADS} q heads): K/V bytes read / time; "
-                     f"fraction of d2d copy traffic; x sdpa = sdpa time / kvnumba time")
-        lines.append(f"  {'B':>4} {'history':>8} {'µs':>9} {'GB/s':>8} {'of copy':>8} "
-                     f"{'sdpa µs':>9} {'x sdpa':>7} {'loop µs':>9} {'x loop':>7} {'max|d|':>8}")
-        for r in rows:
-            if "error" in r:
-                lines.append(f"  {r.get('batch', '-'):>4} {r.get('history', '-'):>8} "
-                             f"ERROR {r['error']}")
-                continue
-            lines.append(f"  {r['batch']:>4} {r['history']:>8} {r['ms'] * 1e3:>9.1f} "
-                         f"{r['gbps']:>8.0f} {r['frac_copy']:>7.0%} "
-                         f"{_f(_us(r, 'sdpa_ms'), '9.1f'):>9} {_f(r.get('vs_sdpa'), '6.2f'):>6}x "
-                         f"{_f(_us(r, 'sdpa_loop_ms'), '9.1f'):>9} "
-                         f"{_f(r.get('vs_sdpa_loop'), '6.2f'):>6}x "
-                         f"{_f(r.get('max_abs_diff'), '8.1e'):>8}")
-    elif key == "prefill":
-        lines.append(f"prefill attention ({N_Q_HEADS} q heads, causal): TFLOP/s "
-                     f"(4 * visible pairs * d * heads) and fraction of the FP32 peak")
-        lines.append(f"  {'case':<12} {'µs':>10} {'TFLOP/s':>8} {'of FP32':>8} {'sdpa µs':>10} "
-                     f"{'x sdpa':>7} {'loop µs':>10} {'x loop':>7} {'max|d|':>8}")
-        for r in rows:
-            if "error" in r:
-                lines.append(f"  {r.get('case', '-'):<12} ERROR {r['error']}")
-                continue
-            frac = r.get("frac_fp32_peak")
-            lines.append(f"  {r['case']:<12} {r['ms'] * 1e3:>10.1f} {r['tflops']:>8.2f} "
-                         f"{'-' if frac is None else format(frac, '.0%'):>8} "
-                         f"{_f(_us(r, 'sdpa_ms'), '10.1f'):>10} {_f(r.get('vs_sdpa'), '6.2f'):>6}x "
-                         f"{_f(_us(r, 'sdpa_loop_ms'), '10.1f'):>10} "
-                         f"{_f(r.get('vs_sdpa_loop'), '6.2f'):>6}x "
-                         f"{_f(r.get('max_abs_diff'), '8.1e'):>8}")
+    columns = _COLUMNS[key]
+    header = " ".join(format(title, f"<{w}" if fmt is None else f">{w}")
+                      for title, _, w, fmt, _ in columns)
+    lines = [_TITLES[key], "  " + header]
+    for row in result.get(key, []):
+        if "error" in row:
+            lines.append(f"  {row.get('case', key)} ERROR {row['error']}")
+            continue
+        lines.append("  " + " ".join(_cell(row.get(field), w, fmt, scale)
+                                     for _, field, w, fmt, scale in columns))
     return "\n".join(lines)
 
 
-def _us(row, key):
-    return None if row.get(key) is None else row[key] * 1e3
+def report_targets(result) -> str:
+    """Each target: the figure it is judged on, and met / missed."""
+    t = result["targets"]
+    rows = {r.get("case"): r for key in ("decode", "skewed", "prefill")
+            for r in result.get(key, [])}
+    checks = []
+
+    def check(name, value, target, higher=True):
+        if value is None:
+            checks.append(f"  {name}: not measured")
+            return
+        ok = value >= target if higher else value <= target
+        checks.append(f"  {name}: {value:.3g} (target {'>=' if higher else '<='} {target:g}: "
+                      f"{'met' if ok else 'MISSED'})")
+
+    big = rows.get("128 x 4096", {})
+    check("decode 128 x 4096, fraction of roofline", big.get("of_copy"), t["decode_of_copy"])
+    check("decode 128 x 4096, x sdpa", big.get("vs_sdpa"), t["decode_vs_sdpa"])
+    skewed = next((r for k, r in rows.items() if k and k.startswith("skewed") and "flat" in k), {})
+    check("skewed flat, fraction of roofline", skewed.get("of_copy"), t["decode_of_copy"])
+    check("skewed flat, x flash varlen", skewed.get("vs_flash"), t["skewed_vs_flash"])
+    write = result.get("write", [{}])[0]
+    check("write prefill, fraction of roofline", write.get("of_copy"), t["write_of_copy"])
+    clone = result.get("clone", [{}])[0]
+    check("clone, fraction of roofline", clone.get("of_copy"), t["clone_of_copy"])
+    single = rows.get("1 x 512", {})
+    check("decode 1 x 512, wall µs", single.get("wall_us"), t["single_decode_wall_us"],
+          higher=False)
+    for name in ("4x1024", "4x512@4096"):
+        check(f"prefill {name}, TFLOP/s", rows.get(name, {}).get("tflops"), t["prefill_tflops"])
+        check(f"prefill {name}, x flash varlen", rows.get(name, {}).get("vs_flash"),
+              t["prefill_vs_flash"])
+    mixed = result.get("mixed", [{}])[0]
+    check("mixed step, (prefill + decode) / mixed", mixed.get("vs_parts"), 1.0)
+    return "targets (H200-class GPU):\n" + "\n".join(checks)
 
 
 def report(result) -> str:
     if result.get("skipped"):
         return result["reason"]
-    return "\n".join([report_header(result)] +
-                     [report_section(result, k) for k in ("write", "clone", "decode", "prefill")])
+    return "\n".join([report_header(result)] + [report_section(result, k) for k in SECTIONS]
+                     + [report_targets(result)])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
+    size.add_argument("--smoke", action="store_true",
+                      help="toy sizes, no timings: checks the benchmark runs (simulator too)")
     args = parser.parse_args(argv)
-    if not gpu_available():
+    sizes = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if not gpu_available() and not args.smoke:
         print(SKIP_MESSAGE)
         return 0
-    result = run(quick=args.quick)
-    print(report(result))
+    print(report(run(sizes)))
     return 0
 
 

@@ -34,6 +34,16 @@ def test_mixed_step_fits_the_config():
         assert set(ids.tolist()) == set(range(batch))
 
 
+def test_kernel_bench_smoke_runs_every_case():
+    """At toy sizes every case runs through the public API (on the simulator: no timings)."""
+    result = kernels.run(kernels.SMOKE)
+    for key in kernels.SECTIONS:
+        rows = result[key]
+        assert rows and all("error" not in r for r in rows), (key, rows)
+    text = kernels.report(result)
+    assert "skewed 3 seqs, ring 4" in text and "targets" in text
+
+
 def test_kernel_bench_skips_without_a_gpu():
     env = dict(os.environ, KVNUMBA_DEVICE="simulator")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
