@@ -14,7 +14,8 @@ from statemachines import CLONE_SOURCE_STATES
 
 from .args import as_finite, as_ids, as_int, describe, is_int
 from .config import CacheConfig
-from .device import allocating, as_device, check_array, check_out, cuda, dtype_of, on_device
+from .device import (allocating, announce, as_device, check_array, check_out, cuda, dtype_of,
+                     on_device)
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
 from .kernels.attention import AttentionWorkspace, attend as attend_kernel
@@ -52,6 +53,7 @@ class BatchedSequenceCache:
     def __init__(self, config: CacheConfig, stream=None, *, scratch_column: bool = True):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        announce()
         self.config = config
         self.stream = stream if stream is not None else cuda.default_stream()
         n = config.max_seqs

@@ -11,6 +11,7 @@ import numpy as np
 
 from .args import describe, is_int
 from .errors import ConfigError
+from .plan import layer_rows
 
 #: storage dtypes the kernels support, by name
 DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -127,3 +128,20 @@ class CacheConfig:
     @property
     def n_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one position in one column over all layers, K and V."""
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.np_dtype.itemsize
+
+    def nbytes_at(self, rows: int, columns: int | None = None) -> int:
+        """Storage bytes when flat layers hold `rows` rows (ring layers always hold their R).
+
+        `columns`: storage columns, by default `max_seqs + 1` (a `BatchedSequenceCache`:
+        the last is scratch); a `SequenceCache` has 1. Flat growth grows every column at
+        once, so this is the cost of the longest sequence times every column.
+        """
+        columns = self.max_seqs + 1 if columns is None else columns
+        per_row = columns * 2 * self.n_kv_heads * self.head_dim * self.np_dtype.itemsize
+        ring = layer_rows([s.window for s in self.layers], self.max_write, self.capacity)
+        return per_row * int(np.where(ring > 0, ring, rows).sum())

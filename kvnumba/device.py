@@ -3,7 +3,7 @@
 Import this module before anything imports `numba.cuda`: Numba reads
 `NUMBA_ENABLE_CUDASIM` when it is first configured. `KVNUMBA_DEVICE=gpu|simulator`
 forces a choice; otherwise a GPU is used when the CUDA driver reports one, else
-the simulator, with a one-line notice on stderr. `KVNUMBA_DEVICE=compile` is
+the simulator, with a one-line notice on stderr when the first cache is built. `KVNUMBA_DEVICE=compile` is
 compile-only: numba.cuda in GPU mode without a GPU, so kernels can be compiled to
 PTX / SASS (`python -m bench.sass`) but nothing can be launched.
 """
@@ -50,13 +50,23 @@ def _choose() -> str:
         return "gpu"
     if forced == "gpu":
         raise DeviceError("KVNUMBA_DEVICE=gpu, but the CUDA driver reports no GPU")
-    print("kvnumba: no CUDA GPU found; running kernels on Numba's CUDA simulator "
-          "(correctness only, small sizes)", file=sys.stderr)
+    global _NOTICE
+    _NOTICE = ("kvnumba: no CUDA GPU found; running kernels on Numba's CUDA simulator "
+               "(correctness only, small sizes)")
     return "simulator"
 
 
+_NOTICE = None   # said once, when the first cache is built (not for `--help` and the like)
 KIND = _choose()
 SIMULATOR = KIND == "simulator"
+
+
+def announce() -> None:
+    """Print the one-line notice of an automatic fallback to the simulator, once."""
+    global _NOTICE
+    if _NOTICE is not None:
+        print(_NOTICE, file=sys.stderr)
+        _NOTICE = None
 
 if "numba.cuda" in sys.modules:  # too late to choose: it must already be in the right mode
     import numba.core.config

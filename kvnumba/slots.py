@@ -17,7 +17,17 @@ from statemachines import (REFUSED, RESTORES, SLOT_LIFECYCLE, STEP_PROTOCOL, Mac
 from .errors import FreeSequenceError, SlotStateError, StepProtocolError
 
 
-class SlotState(IntEnum):
+class _Named(IntEnum):
+    """An IntEnum that prints as its name (`PREPARED`, not `2`)."""
+
+    def __str__(self):
+        return self.name
+
+    def __format__(self, spec):
+        return format(self.name, spec)
+
+
+class SlotState(_Named):
     """A sequence slot's lifecycle state (the order of `SLOT_LIFECYCLE.states`)."""
 
     FREE = 0
@@ -27,7 +37,7 @@ class SlotState(IntEnum):
     REWOUND = 4
 
 
-class StepState(IntEnum):
+class StepState(_Named):
     """Where the step protocol stands (the order of `STEP_PROTOCOL.states`)."""
 
     IDLE = 0

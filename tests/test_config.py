@@ -49,3 +49,21 @@ def test_ring_window_refused_at_once(window):
 
 def test_config_error_is_a_value_error():
     assert issubclass(kv.ConfigError, ValueError) and issubclass(kv.ConfigError, kv.KVCacheError)
+
+
+def test_sizing_is_bytes_of_each_layer_times_columns():
+    c = make(dtype="float16")       # flat + ring(4), 2 kv heads, d 8, 4 seqs, max_write 4
+    assert c.bytes_per_token == 2 * 2 * 2 * 8 * 2
+    per_row = 5 * 2 * 2 * 8 * 2     # 5 columns (4 + scratch), K and V
+    assert c.nbytes_at(16) == per_row * (16 + 7)          # ring R = 4 + 4 - 1
+    assert c.nbytes_at(64, columns=1) == per_row // 5 * (64 + 7)
+    cache = kv.BatchedSequenceCache(c)
+    assert cache.nbytes == c.nbytes_at(16)                # initial_rows 16
+
+
+def test_flat_growth_grows_every_column():
+    """The documented example: 2 flat layers x 8 kv heads x 128 x fp16 x 33 columns."""
+    c = kv.CacheConfig(layers=[kv.flat(), kv.flat()], n_kv_heads=8, head_dim=128,
+                       capacity=4096, max_seqs=32, dtype="float16", initial_rows=256)
+    assert c.nbytes_at(256) == 69_206_016          # 69 MB at start
+    assert c.nbytes_at(2048) == 553_648_128        # 554 MB once one sequence reached 2048

@@ -60,9 +60,13 @@ def test_gpu_requested_without_one_is_a_clear_error():
 
 
 @pytest.mark.skipif(not device.SIMULATOR, reason="only meaningful on a machine without a GPU")
-def test_auto_choice_prints_one_notice_line():
+def test_auto_choice_prints_one_notice_line_when_the_first_cache_is_built():
     r = python("import kvnumba; print(kvnumba.device.KIND)")
     assert r.returncode == 0 and r.stdout.strip() == "simulator"
+    assert "kvnumba:" not in r.stderr          # an import (or a --help) says nothing
+    r = python("import kvnumba as kv; c = kv.CacheConfig(); kv.BatchedSequenceCache(c); "
+               "kv.BatchedSequenceCache(c)")
+    assert r.returncode == 0, r.stderr
     assert len([line for line in r.stderr.splitlines() if "kvnumba:" in line]) == 1
 
 

@@ -86,3 +86,9 @@ def test_mermaid_lists_every_edge():
     edges = [line for line in text.splitlines() if ": " in line]
     # 11 plain (source, event) edges plus abort's three restore targets
     assert len(edges) == 11 + 3
+
+
+def test_states_print_as_names():
+    import kvnumba as kv
+    assert str(kv.StepState.PREPARED) == "PREPARED" and f"{kv.SlotState.FREE:>6}" == "  FREE"
+    assert kv.StepState.IDLE == 0 and repr(kv.SlotState.REWOUND) == "<SlotState.REWOUND: 4>"
