@@ -1,5 +1,11 @@
-"""`python -m bench [--quick]`: the control-plane bench, the kernel bench (on a GPU),
-and a JSON record of every figure in `bench/results/<date>-<device>.json`."""
+"""Run kvnumba's benchmarks: the control plane, the kernels, and a JSON record.
+
+    python -m bench [--quick | --smoke] [--results DIR]      (or: kvnumba-bench ...)
+
+The control-plane bench runs anywhere; the kernel bench needs a CUDA GPU (`--smoke`
+runs its cases at toy sizes, on the simulator too). Every figure goes to
+`DIR/<date>-<device>.json` (default `./bench-results`, under the current directory).
+"""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +21,7 @@ import kvnumba.device as kv_device
 
 from . import control, kernels
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("bench-results")   # relative: under the directory it runs from
 PACKAGES = ("numpy", "numba", "numba-cuda", "transitions", "torch")
 
 
@@ -36,32 +42,33 @@ def record_path(date: str, device: str, folder: Path = RESULTS) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short run")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="short run")
+    size.add_argument("--smoke", action="store_true",
+                      help="kernel cases at toy sizes, no timings (runs on the simulator too)")
     parser.add_argument("--results", type=Path, default=RESULTS,
-                        help=f"folder for the JSON record (default {RESULTS})")
+                        help=f"folder for the JSON record (default ./{RESULTS})")
     args = parser.parse_args(argv)
 
     now = datetime.datetime.now().astimezone()
     device = kernels.device_name()
+    mode = " [quick]" if args.quick else " [smoke]" if args.smoke else ""
     print(f"kvnumba benchmarks on {device} ({kv_device.KIND}), {now:%Y-%m-%d %H:%M %Z}"
-          f"{' [quick]' if args.quick else ''}\n", flush=True)
+          f"{mode}\n", flush=True)
 
     print("\n".join(control.header_lines(kv_device.SIMULATOR)), flush=True)
     print(control.HEADER, flush=True)
-    control_result = control.run(quick=args.quick, verbose=True)
+    control_result = control.run(quick=args.quick or args.smoke, verbose=True)
     print(control.report(control_result).splitlines()[-1], flush=True)
     print()
 
-    if kernels.gpu_available():
-        kernel_result = kernels.run(kernels.QUICK if args.quick else kernels.FULL)
-        print(kernels.report(kernel_result), flush=True)
-    else:
-        kernel_result = dict(skipped=True, reason=kernels.SKIP_MESSAGE)
-        print(kernels.SKIP_MESSAGE)
+    sizes = kernels.SMOKE if args.smoke else kernels.QUICK if args.quick else kernels.FULL
+    kernel_result = kernels.run(sizes)
+    print(kernels.report(kernel_result), flush=True)
 
     record = dict(date=now.isoformat(timespec="seconds"), device=device,
                   device_kind=kv_device.KIND, platform=platform.platform(),
-                  argv=sys.argv[1:], quick=args.quick, versions=versions(),
+                  argv=sys.argv[1:], quick=args.quick, smoke=args.smoke, versions=versions(),
                   control=control_result, kernels=kernel_result)
     args.results.mkdir(parents=True, exist_ok=True)
     path = record_path(now.date().isoformat(), device, args.results)

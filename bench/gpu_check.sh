@@ -1,32 +1,30 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine: the test suite on the GPU, then every
-# benchmark; logs and the JSON record go under $OUT (what the device tool returns).
+# One run of everything that needs a CUDA GPU: the test suite on the GPU, then every
+# benchmark. Logs and the JSON record of the figures go to the folder given as the
+# first argument (default ./gpu-check).
 #
-# The GPU image lacks `transitions`: carry it as a wheel. Here, once:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --implementation cp -d .whl transitions==0.9.3
-# then run on the device:  bash bench/gpu_check.sh   (carry: [".whl"], timeout_s ~540)
+#   bash bench/gpu_check.sh [OUTPUT_DIR]
+#
+# Run it from the repository root with kvnumba's dependencies importable (an
+# installed checkout, or PYTHONPATH pointing at wheels unpacked with
+# `pip install --target DIR ...` and at the checkout). It needs the test extra
+# (pytest, hypothesis); PyTorch with CUDA adds the SDPA / FlashAttention peers.
 set -uo pipefail
-OUT=${OUT:-/tmp/kvnumba-gpu}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 KVNUMBA_DEVICE=gpu PYTHONPATH="$PWD"
-if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH="/tmp/site:$PWD"
-fi
+out=${1:-gpu-check}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 KVNUMBA_DEVICE=gpu
 {
     date -u +"%Y-%m-%d %H:%M UTC"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
-    python3 -c "import numba, numpy, transitions; from importlib.metadata import version; \
+    python3 -c "import numba, numpy; from importlib.metadata import version as v; \
 print('python', __import__('sys').version.split()[0], 'numpy', numpy.__version__, \
-'numba', numba.__version__, 'numba-cuda', version('numba-cuda'), \
-'transitions', version('transitions'))"
-} > "$OUT/device.txt" 2>&1
-cat "$OUT/device.txt"
-timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests > "$OUT/tests.txt" 2>&1
-echo "tests: exit $? ($(tail -n 1 "$OUT/tests.txt"))"
-timeout 180 python3 -m bench --results "$OUT" > "$OUT/bench.txt" 2>&1
+'numba', numba.__version__, 'numba-cuda', v('numba-cuda'), 'transitions', v('transitions'))"
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
+        2>/dev/null || echo "torch: not installed (no peers)"
+} > "$out/device.txt" 2>&1
+cat "$out/device.txt"
+timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests > "$out/tests.txt" 2>&1
+echo "tests: exit $? ($(tail -n 1 "$out/tests.txt"))"
+timeout 240 python3 -m bench --results "$out" > "$out/bench.txt" 2>&1
 echo "bench: exit $?"
-cat "$OUT/bench.txt"
+cat "$out/bench.txt"
