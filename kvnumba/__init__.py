@@ -1,8 +1,9 @@
 """kvnumba: a batched-sequence KV cache for LLM serving, with Numba CUDA kernels.
 
 Many sequences share one cache, each owning a column of every layer's storage.
-`BatchedSequenceCache` offers the BatchControl face (DESIGN.md §7); every slot's
-lifecycle is validated through the machines declared in `statemachines`.
+`BatchedSequenceCache` offers the BatchControl face (contract §7); every slot's
+lifecycle is validated through the machines declared in `statemachines`. The code
+cites the sections of the contract, docs/contract.md, as "contract §n".
 """
 from . import device  # first: chooses GPU or simulator before numba.cuda is imported
 from .batched import BatchedSequenceCache

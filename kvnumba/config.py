@@ -1,4 +1,4 @@
-"""Cache configuration (DESIGN §3): `CacheConfig`, and `flat()` / `ring()` layer specs.
+"""Cache configuration (contract §3): `CacheConfig`, and `flat()` / `ring()` layer specs.
 
 Validation happens at construction; every refusal is a `ConfigError` naming the
 field and the rule it broke.

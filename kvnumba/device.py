@@ -1,4 +1,4 @@
-"""Where the kernels run (DESIGN §11): a CUDA GPU, or Numba's CUDA simulator.
+"""Where the kernels run (contract §11): a CUDA GPU, or Numba's CUDA simulator.
 
 Import this module before anything imports `numba.cuda`: Numba reads
 `NUMBA_ENABLE_CUDASIM` when it is first configured. `KVNUMBA_DEVICE=gpu|simulator`

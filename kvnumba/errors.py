@@ -1,4 +1,4 @@
-"""Typed errors of kvnumba (DESIGN §9).
+"""Typed errors of kvnumba (contract §9).
 
 Every refusal raises one of these and leaves the cache exactly as it was:
 slot states, positions, high-waters, the open step and the bytes of every live row.

@@ -1,4 +1,4 @@
-"""Position, row and floor arithmetic, and the step plan (DESIGN §4, §5, §7).
+"""Position, row and floor arithmetic, and the step plan (contract §4, §5, §7).
 
 Pure functions over integers and NumPy arrays: nothing here touches a device,
 a slot state or a cache object.

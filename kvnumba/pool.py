@@ -1,4 +1,4 @@
-"""K/V storage of every layer, and its growth (DESIGN §4).
+"""K/V storage of every layer, and its growth (contract §4).
 
 Layers with the same row count share one allocation, a *group*
 `[n_layers, 2, rows, n_cols, n_kv_heads, head_dim]` (index 1: 0 = K, 1 = V): all

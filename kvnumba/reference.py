@@ -1,7 +1,7 @@
 """A NumPy oracle: dense float64 attention with explicit masks, and the demo model without a cache.
 
 Nothing here touches a device or a cache object. The masks are written out from
-the definitions of DESIGN §2 and §7, position by position:
+the definitions of contract §2 and §7, position by position:
 
 * causal, window `W` (None for a flat layer): the query at position `p` sees the
   keys `max(0, p - W + 1) <= j <= p` (FlashAttention's `window_size=(W - 1, 0)`,

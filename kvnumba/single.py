@@ -1,4 +1,4 @@
-"""The single-sequence cache and its BatchControl face (DESIGN §10).
+"""The single-sequence cache and its BatchControl face (contract §10).
 
 `SequenceCache` holds exactly one sequence. It is built on the same machinery as
 the batched cache — a `BatchedSequenceCache` with one column and *no* scratch
@@ -28,7 +28,7 @@ class SequenceCache:
 
     Storage per layer: K and V `[rows, 1, n_kv_heads, head_dim]` (no scratch
     column). A fresh cache holds its sequence CLAIMED and empty. The sequence
-    follows the declared slot lifecycle of DESIGN §6: `rewind` needs history
+    follows the declared slot lifecycle of contract §6: `rewind` needs history
     (COMMITTED or REWOUND), the step verbs follow the step protocol, and every
     refusal is typed and changes nothing.
 
@@ -182,7 +182,7 @@ class SequenceCache:
 
 
 class SequenceBatchControl:
-    """The BatchControl face (DESIGN §7) over a `SequenceCache`: one sequence, id 0.
+    """The BatchControl face (contract §7) over a `SequenceCache`: one sequence, id 0.
 
     `seq_new` claims the sequence (`CacheFullError` while it is in use), `seq_rm`
     clears and frees it, `seq_clone` always raises `CloneRefusedError`; every other

@@ -1,4 +1,4 @@
-"""The two machines kvnumba validates (DESIGN §6), declared once as data."""
+"""The two machines kvnumba validates (contract §6), declared once as data."""
 from .spec import RESTORE, MachineSpec, Transition
 
 SLOT_LIFECYCLE = MachineSpec(

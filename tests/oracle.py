@@ -1,6 +1,6 @@
 """Independent references for the tests: nothing here imports kvnumba.
 
-- `ring_rows`, `floor`: DESIGN §4/§5 arithmetic, written out again.
+- `ring_rows`, `floor`: contract §4/§5 arithmetic, written out again.
 - `dense_attention`: float64 attention from dense per-sequence histories and explicit masks.
 """
 import numpy as np
@@ -22,7 +22,7 @@ def floor(high_water, windows, max_write, capacity):
 
 
 def visible(p, key, pos_start, q_len, window, block):
-    """Does the query at position p see the key at position `key`? (DESIGN §2, §7)"""
+    """Does the query at position p see the key at position `key`? (contract §2, §7)"""
     lo = max(0, p - window + 1) if window else 0
     if block:
         in_block = pos_start <= key < pos_start + q_len

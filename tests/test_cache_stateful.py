@@ -1,6 +1,6 @@
 """Hypothesis stateful test: every BatchControl verb, legal and illegal, against a model.
 
-The model below is written from DESIGN.md, not from kvnumba: slot states, pos,
+The model below is written from the contract (docs/contract.md), not from kvnumba: slot states, pos,
 high-water and floors as plain Python, the StepPlan tables rebuilt token by
 token, full per-position K/V histories per sequence and layer, and attention
 from those histories (tests/oracle.py). Every refusal must raise the predicted
@@ -34,7 +34,7 @@ class Refused(Exception):
 
 
 class Model:
-    """DESIGN §5-§7 by hand. `hist[seq][layer]` maps position -> (k, v) last written there."""
+    """contract §5-§7 by hand. `hist[seq][layer]` maps position -> (k, v) last written there."""
 
     def __init__(self):
         self.state = ["free"] * MAX_SEQS

@@ -1,4 +1,4 @@
-"""Device selection (DESIGN §11) and array interop."""
+"""Device selection (contract §11) and array interop."""
 import subprocess
 import sys
 

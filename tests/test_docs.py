@@ -49,6 +49,23 @@ def test_docs_have_runnable_blocks():
     assert len(_runnable_blocks()) >= 4
 
 
+def test_runnable_docs_blocks_need_only_kvnumba():
+    """The blocks run with kvnumba alone installed: no test-only imports."""
+    for param in _runnable_blocks():
+        assert "pytest" not in param.values[0], param.id
+
+
+def test_every_contract_section_the_code_cites_exists():
+    sections = set(re.findall(r"^## (\d+)\. ", (DOCS / "contract.md").read_text(), re.M))
+    cited = set()
+    for path in list(ROOT.glob("kvnumba/**/*.py")) + list(ROOT.glob("statemachines/*.py")) + \
+            list(ROOT.glob("tests/*.py")) + list(ROOT.glob("bench/*.py")):
+        for match in re.finditer(r"contract §(\d+)(?:[-/]§(\d+)|(?:, §(\d+))*)",
+                                 path.read_text()):
+            cited.update(re.findall(r"§(\d+)", match.group(0)))
+    assert cited and cited <= sections, sorted(cited - sections)
+
+
 @pytest.mark.parametrize("code", _runnable_blocks())
 def test_runnable_docs_block(code, request):
     _run(code, request.node.callspec.id)

@@ -1,4 +1,4 @@
-"""The floor vectors of DESIGN §5, one test each, through the public cache."""
+"""The floor vectors of contract §5, one test each, through the public cache."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""SessionTable (DESIGN §10) over a BatchedSequenceCache and over a SequenceBatchControl."""
+"""SessionTable (contract §10) over a BatchedSequenceCache and over a SequenceBatchControl."""
 import numpy as np
 import pytest
 

@@ -1,4 +1,4 @@
-"""SequenceCache and SequenceBatchControl (DESIGN §10)."""
+"""SequenceCache and SequenceBatchControl (contract §10)."""
 import math
 
 import numpy as np

@@ -38,7 +38,7 @@ def test_table_agrees_with_transitions_on_every_pair(spec):
 
 
 def test_slot_lifecycle_is_the_contract():
-    """DESIGN §6, written out by hand."""
+    """contract §6, written out by hand."""
     expected = {
         ("free", "seq_new"): "claimed",
         ("free", "clone_into"): "committed",

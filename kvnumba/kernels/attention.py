@@ -1,4 +1,4 @@
-"""Variable-length attention over each segment's own history (DESIGN §8).
+"""Variable-length attention over each segment's own history (contract §8).
 
 One kernel body does the work: a block takes a tile of *rows* of one segment and
 one kv head, where a row is a (query token, query head of the kv head's GQA group)
