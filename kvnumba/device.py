@@ -3,9 +3,10 @@
 Import this module before anything imports `numba.cuda`: Numba reads
 `NUMBA_ENABLE_CUDASIM` when it is first configured. `KVNUMBA_DEVICE=gpu|simulator`
 forces a choice; otherwise a GPU is used when the CUDA driver reports one, else
-the simulator, with a one-line notice on stderr when the first cache is built. `KVNUMBA_DEVICE=compile` is
-compile-only: numba.cuda in GPU mode without a GPU, so kernels can be compiled to
-PTX / SASS (`python -m bench.sass`) but nothing can be launched.
+the simulator, with a one-line notice on stderr when the first cache is built.
+`KVNUMBA_DEVICE=compile` is compile-only: numba.cuda in GPU mode without a GPU, so
+kernels can be compiled to PTX / SASS (`python -m bench.sass`) but nothing can be
+launched.
 """
 from __future__ import annotations
 

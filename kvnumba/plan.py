@@ -88,7 +88,8 @@ def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Segment:
-    """One span of a step: tokens `[q_start, q_start + q_len)` of `seq` at positions from `pos_start`."""
+    """One span of a step: tokens `[q_start, q_start + q_len)` of `seq`, at positions from
+    `pos_start`."""
 
     seq: int
     q_start: int

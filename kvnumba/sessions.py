@@ -1,4 +1,4 @@
-"""`SessionTable`: sessions mapped onto sequences through the BatchControl face alone (contract §10).
+"""`SessionTable`: sessions mapped onto sequences through BatchControl alone (contract §10).
 
 A session is what a serving loop calls a conversation; a sequence is a cache
 column. The table hands out session ids (from 1, monotonic, never reused), keeps

@@ -1,9 +1,10 @@
 """Device functions every attention path shares: a segment's fields, which keys a query
 sees, where a key lives.
 
-Segments are read from the step's flat int32 tables (`read_segment`). Visibility is one interval per query, `[lo, hi)`, moving forward with the query's
-position (see `key_range`); a ring layer keeps position `p` in storage row
-`p % ring_rows` (see `store_row`).
+Segments are read from the step's flat int32 tables (`read_segment`). Visibility is
+one interval per query, `[lo, hi)`, moving forward with the query's position (see
+`key_range`); a ring layer keeps position `p` in storage row `p % ring_rows` (see
+`store_row`).
 """
 from __future__ import annotations
 
