@@ -7,9 +7,9 @@ Each kernel (always `intrinsics_probe` below, which uses every `kvnumba.kernels.
 function, plus any `@cuda.jit` kernel named as `module:function` with a Numba
 signature, e.g. `kvnumba.kernels.copy:_copy_column "void(float16[:, :, :, ::1],
 float16[:, :, :, ::1], int64, int64, int64)"`, or made by a kernel factory named
-with literal arguments, `module:factory(128, 64, 64, "float16")`) is compiled to PTX by numba-cuda in
-GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is), assembled by
-`ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
+with literal arguments, `module:factory(128, 64, 64, "float16")`) is compiled to PTX
+by numba-cuda in GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is),
+assembled by `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
 registers, spill stores / loads, stack frame (local memory), static shared
 memory, and counts of the SASS instructions that matter to the fast kernels.
 
