@@ -1,0 +1,420 @@
+"""Prefill attention on tensor cores, FlashAttention-2 style, for 16-bit K/V storage.
+
+Same semantics as `attention` (visible keys from `masks.key_range`, ring rows from
+`masks.store_row`, scale then optional softcap, float32 softmax and accumulation),
+for segments long enough to fill tensor-core tiles.
+
+A block takes `block_rows` query *rows* of one segment and one kv head, packed GQA
+as in `attention`: row `r` of the segment is (token `r // group`, q head
+`kv_head * group + r % group`), so each K/V tile serves the whole group. Warp `w`
+owns the block's rows `16 w .. 16 w + 15`. Per key tile of `block_keys` keys:
+
+  S = Q K^T   mma.m16n8k16, Q fragments in registers (loaded once), K^T by ldmatrix;
+  online softmax on the S accumulators (quad shuffles), P packed to 16 bits in place;
+  O += P V    P as the A operand, V by ldmatrix .trans; O in float32 registers.
+
+K and V tiles go through shared memory by cp.async, each 16-byte chunk computing its
+own storage row (a ring may wrap inside a tile). One K buffer and one V buffer,
+overlapped: V(j) loads while S(j) and its softmax run, K(j+1) while O += P V(j).
+
+Fragment bookkeeping (m16n8k16, lane = 4 g + t, see `ptx`): a lane holds, of its
+warp's 16 rows, rows `g` ("a") and `g + 8` ("b"):
+
+  S n8 tile n (keys 8n .. 8n+7):  s[4n], s[4n+1] = row a, keys 8n+2t, 8n+2t+1;
+                                  s[4n+2], s[4n+3] = row b, the same keys.
+  P for keys 16k .. 16k+15 is the A operand of P V: its rows g / g+8, columns 2t, 2t+1
+  are S tile 2k, its columns 2t+8, 2t+9 are S tile 2k+1, so the packed pairs
+  p[2n] = (s[4n], s[4n+1]), p[2n+1] = (s[4n+2], s[4n+3]) give a0..a3 = p[4k .. 4k+3].
+  O n8 tile n (dims 8n .. 8n+7):  o[4n .. 4n+3], rows a, a, b, b as S.
+
+Storage 16-bit types: "float16" (`mma.f32.f16`) or "bfloat16" (`mma.f32.bf16`, the
+storage holding bfloat16 bit patterns, e.g. as uint16), a compile-time choice of the
+kernel factory with the tile shape and head_dim.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from ..device import cuda, dtype_of
+from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from . import ptx
+from .masks import key_range, store_row
+
+from numba import float32, int32, uint16, uint32  # noqa: E402  (after kvnumba.device)
+
+#: (block_rows, block_keys) for padded head dims up to the key. Shared memory,
+#: max(block_rows, 2 block_keys) rows of dpad + 8 16-bit values, stays within the
+#: 48 KiB static limit. Per thread, registers hold dpad / 4 Q words, dpad / 2 O floats,
+#: block_keys / 2 S floats and block_keys / 4 P words: at head_dim 256 only 16-key
+#: tiles keep that under 255 registers without spilling (sm_90).
+TILES = {64: (64, 64), 128: (64, 64), 256: (64, 16)}
+Q_OUT_TYPES = ("float16", "float32")
+STORAGE_TYPES = ("float16", "bfloat16")
+MAX_HEAD_DIM = 256
+LOG2E = float32(math.log2(math.e))
+NEG_INF = float32(-math.inf)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """head_dim rounded up to whole k16 fragments."""
+    return _ceil_div(head_dim, 16) * 16
+
+
+def _type_name(dtype) -> str:
+    """A dtype's name; a name stays as it is ("bfloat16" needs no NumPy dtype)."""
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def supports(head_dim, storage_dtype) -> bool:
+    """Can this path serve a layer? head_dim a multiple of 8 (16-byte chunks) up to 256,
+    storage float16 or bfloat16 (a dtype, or its name). float32 storage is not served."""
+    return (_type_name(storage_dtype) in STORAGE_TYPES and 8 <= head_dim <= MAX_HEAD_DIM
+            and head_dim % 8 == 0)
+
+
+def tile_shape(head_dim: int) -> tuple[int, int]:
+    """(block_rows, block_keys) the GPU uses for `head_dim`."""
+    dpad = padded_head_dim(head_dim)
+    return TILES[next(d for d in sorted(TILES) if dpad <= d)]
+
+
+@lru_cache(maxsize=None)
+def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
+                    capped: bool):
+    """The prefill kernel for one head_dim, tile shape, 16-bit storage type, and with
+    (`capped`) or without a softcap."""
+    BR, BK = block_rows, block_keys
+    DP = padded_head_dim(head_dim)
+    PITCH = DP + 8          # shared row pitch: 8 rows of an ldmatrix fall 16 bytes apart
+    WARPS = BR // 16
+    THREADS = 32 * WARPS
+    KT = BK // 8            # n8 tiles of S (keys)
+    DK = DP // 16           # k16 chunks of the head dim (Q fragments, K^T)
+    DT = DP // 8            # n8 tiles of O (dims)
+    Q_WORDS, S_FLOATS, P_WORDS, O_FLOATS = 4 * DK, 4 * KT, 2 * KT, 4 * DT   # per lane
+    CHUNKS = head_dim // 8  # 16-byte chunks per key row
+    PAIRS = DP // 2         # 16-bit pairs per staged Q row
+    # one buffer: Q first (rows 0 .. BR), then K (rows 0 .. BK) and V (rows BK .. 2 BK)
+    SMEM = max(BR, 2 * BK) * PITCH
+    V_BASE = BK * PITCH
+    assert BR % 16 == 0 and BK % 16 == 0 and head_dim % 8 == 0 and storage in STORAGE_TYPES
+    mma = ptx.mma_f16_f32 if storage == "float16" else ptx.mma_bf16_f32
+    pack = ptx.f32x2_to_f16x2 if storage == "float16" else ptx.f32x2_to_bf16x2
+
+    @cuda.jit(device=True)
+    def stage_keys(tile, base, store, row0, n_keys, col, kv_head, ring_rows, tid):
+        """cp.async BK keys, the first in storage row `row0`, into tile rows from `base`.
+        Keys past `n_keys` repeat the last one (finite, and masked); each 16-byte chunk
+        finds its own row, so a ring may wrap inside the tile."""
+        n_cols, n_kv_heads = store.shape[1], store.shape[2]
+        head = (col * n_kv_heads + kv_head) * head_dim     # the key's offset in a row
+        for chunk in range(tid, BK * CHUNKS, THREADS):
+            key = chunk // CHUNKS
+            part = chunk - key * CHUNKS
+            row = store_row(row0, min(key, n_keys - 1), ring_rows)
+            ptx.cp_async_16(tile, base + key * PITCH + part * 8, store,
+                            row * (n_cols * n_kv_heads * head_dim) + head + part * 8)
+
+    @cuda.jit(device=True)
+    def stage_queries(tile, q, q_start, first_row, n_rows, group, kv_head, tid):
+        """Q rows `first_row ..` as 16-bit pairs in tile rows 0 .. BR; zero past the
+        segment's rows and past head_dim (padding columns must not meet NaN)."""
+        for e in range(tid, BR * PAIRS, THREADS):
+            r = e // PAIRS
+            d = (e - r * PAIRS) * 2
+            lo = float32(0.0)
+            hi = float32(0.0)
+            if r < n_rows and d < head_dim:
+                row = first_row + r
+                token = q_start + row // group
+                head = kv_head * group + row % group
+                lo = float32(q[token, head, d])
+                hi = float32(q[token, head, d + 1])
+            word = pack(lo, hi)
+            tile[r * PITCH + d] = uint16(word & 0xFFFF)
+            tile[r * PITCH + d + 1] = uint16(word >> 16)
+        if DP > head_dim:       # K/V rows past the Q rows: zero their padding columns too
+            for e in range(tid, (SMEM // PITCH - BR) * (DP - head_dim), THREADS):
+                r = BR + e // (DP - head_dim)
+                tile[r * PITCH + head_dim + e % (DP - head_dim)] = uint16(0)
+
+    @cuda.jit(device=True)
+    def quad_max(x):
+        """Max over the 4 lanes holding one accumulator row (lanes 4g .. 4g+3)."""
+        x = max(x, ptx.shfl_xor(x, 1))
+        return max(x, ptx.shfl_xor(x, 2))
+
+    @cuda.jit(device=True)
+    def quad_sum(x):
+        x += ptx.shfl_xor(x, 1)
+        return x + ptx.shfl_xor(x, 2)
+
+    @cuda.jit(device=True)
+    def scores(s, qf, tile, k_lane):
+        """s = Q K^T for the warp's 16 rows and the tile's BK keys (unscaled)."""
+        for i in range(S_FLOATS):
+            s[i] = 0.0
+        for kp in range(BK // 16):          # keys 16 kp .. 16 kp + 15: two n8 tiles
+            for kc in range(DK):            # dims 16 kc .. 16 kc + 15
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(tile, k_lane + kp * 16 * PITCH + kc * 16)
+                for h in range(2):
+                    n = 2 * kp + h
+                    d0, d1, d2, d3 = mma(qf[4 * kc], qf[4 * kc + 1], qf[4 * kc + 2],
+                                         qf[4 * kc + 3], b0 if h == 0 else b2,
+                                         b1 if h == 0 else b3,
+                                         s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
+                    s[4 * n] = d0
+                    s[4 * n + 1] = d1
+                    s[4 * n + 2] = d2
+                    s[4 * n + 3] = d3
+
+    @cuda.jit(device=True)
+    def accumulate(o, pf, tile, a_lane):
+        """o += P V for the warp's 16 rows: P from the packed pairs, V rows by .trans."""
+        for kk in range(BK // 16):          # keys 16 kk .. 16 kk + 15: A = p[4 kk .. 4 kk + 3]
+            for dc in range(DK):            # dims 16 dc .. 16 dc + 15: two n8 tiles of O
+                b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(tile, V_BASE + a_lane
+                                                       + kk * 16 * PITCH + dc * 16)
+                for h in range(2):
+                    n = 2 * dc + h
+                    d0, d1, d2, d3 = mma(pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2],
+                                         pf[4 * kk + 3], b0 if h == 0 else b2,
+                                         b1 if h == 0 else b3,
+                                         o[4 * n], o[4 * n + 1], o[4 * n + 2], o[4 * n + 3])
+                    o[4 * n] = d0
+                    o[4 * n + 1] = d1
+                    o[4 * n + 2] = d2
+                    o[4 * n + 3] = d3
+
+    @cuda.jit(device=True)
+    def logits(s, scale_log2, cap_log2):
+        """Scores to base-2 logits: `log2(e) * scale * s`, or with a softcap
+        `log2(e) * softcap * tanh(scale * s / softcap)`."""
+        if capped:
+            inner = scale_log2 / cap_log2
+            for i in range(S_FLOATS):
+                s[i] = cap_log2 * math.tanh(s[i] * inner)
+        else:
+            for i in range(S_FLOATS):
+                s[i] *= scale_log2
+
+    @cuda.jit(device=True)
+    def mask(s, lo_a, hi_a, lo_b, hi_b):
+        """-inf where the key is outside the row's visible interval; bounds are relative
+        to the lane's first key of the tile (`s[4n + i]` holds key `8n + i % 2` on)."""
+        for n in range(KT):
+            for i in range(4):
+                key = 8 * n + i % 2
+                if i < 2:
+                    hidden = key < lo_a or key >= hi_a
+                else:
+                    hidden = key < lo_b or key >= hi_b
+                if hidden:
+                    s[4 * n + i] = NEG_INF
+
+    @cuda.jit(device=True)
+    def softmax_step(s, pf, o, m_a, m_b, l_a, l_b):
+        """Online softmax over one tile's logits: new running max (quad-wide), P packed
+        into `pf`, O and the lane's partial sums rescaled; returns (m_a, m_b, l_a, l_b)."""
+        x_a = NEG_INF
+        x_b = NEG_INF
+        for n in range(KT):
+            x_a = max(x_a, max(s[4 * n], s[4 * n + 1]))
+            x_b = max(x_b, max(s[4 * n + 2], s[4 * n + 3]))
+        new_a = max(m_a, quad_max(x_a))
+        new_b = max(m_b, quad_max(x_b))
+        # a row with no visible key yet subtracts 0: exp2(-inf - 0) = 0, never NaN
+        base_a = new_a if new_a != NEG_INF else float32(0.0)
+        base_b = new_b if new_b != NEG_INF else float32(0.0)
+        alpha_a = math.exp2(m_a - base_a)
+        alpha_b = math.exp2(m_b - base_b)
+        l_a *= alpha_a
+        l_b *= alpha_b
+        for n in range(KT):
+            p0 = math.exp2(s[4 * n] - base_a)
+            p1 = math.exp2(s[4 * n + 1] - base_a)
+            p2 = math.exp2(s[4 * n + 2] - base_b)
+            p3 = math.exp2(s[4 * n + 3] - base_b)
+            l_a += p0 + p1
+            l_b += p2 + p3
+            pf[2 * n] = pack(p0, p1)
+            pf[2 * n + 1] = pack(p2, p3)
+        for n in range(DT):
+            o[4 * n] *= alpha_a
+            o[4 * n + 1] *= alpha_a
+            o[4 * n + 2] *= alpha_b
+            o[4 * n + 3] *= alpha_b
+        return new_a, new_b, l_a, l_b
+
+    @cuda.jit(device=True)
+    def store_rows(out, o, row, n_end, l, t, q_start, group, kv_head, first_reg):
+        """Write one accumulator row (`first_reg` 0: row a, 2: row b), normalised by its
+        sum `l`, if it is a real row (every real row sees a key: l > 0)."""
+        if row < n_end:
+            inv_l = float32(1.0) / l
+            token = q_start + row // group
+            head = kv_head * group + row % group
+            for n in range(DT):
+                d = 8 * n + 2 * t
+                if d < head_dim:
+                    out[token, head, d] = o[4 * n + first_reg] * inv_l
+                    out[token, head, d + 1] = o[4 * n + first_reg + 1] * inv_l
+
+    @cuda.jit
+    def prefill(q, k_store, v_store, tables, out, seq_info_off, segments_off, n_row_tiles,
+                group, ring_rows, window, scale, softcap):
+        tid = cuda.threadIdx.x
+        lane = ptx.lane_id()
+        warp = tid // 32
+        g = lane // 4
+        t = lane % 4
+        kv_head = cuda.blockIdx.x
+        seg = tables[segments_off + cuda.blockIdx.y]
+        first_row = (n_row_tiles - 1 - cuda.blockIdx.z) * BR   # the longest row tiles first
+        info = seq_info_off + seg * SEQ_INFO_FIELDS
+        q_start = tables[info + Q_START]
+        q_len = tables[info + Q_LEN]
+        col = tables[info + COL]
+        pos_start = tables[info + POS_START]
+        block = (tables[info + FLAGS] & FLAG_BLOCK) != 0
+        n_end = group * q_len                   # the segment's rows
+        n_rows = min(BR, n_end - first_row)
+        if n_rows <= 0:
+            return
+        # Long-lived integers are kept as int32 (registers). The block loads keys
+        # [key_lo, key_hi), the union of its rows' intervals, in tiles j = 0 .. n_tiles.
+        key_lo = int32(key_range(first_row // group, q_len, pos_start, block, window)[0])
+        key_hi = key_range((first_row + n_rows - 1) // group, q_len, pos_start, block,
+                           window)[1]
+        n_tiles = int32((key_hi - key_lo + BK - 1) // BK)
+        # this warp's rows [warp_row, warp_end): it computes on tiles [j_first, j_end)
+        # (its first row's lo, its last row's hi) and masks none in [j_full, j_part)
+        # (visible to all its rows: past its last row's lo, before its first row's hi)
+        warp_row = first_row + 16 * warp
+        warp_end = min(warp_row + 16, first_row + n_rows)
+        lo_first, hi_first = key_range(warp_row // group, q_len, pos_start, block, window)
+        lo_last, hi_last = key_range((warp_end - 1) // group, q_len, pos_start, block, window)
+        j_first = int32((lo_first - key_lo) // BK)
+        j_end = int32((hi_last - key_lo + BK - 1) // BK if warp_row < warp_end else 0)
+        j_full = int32((lo_last - key_lo + BK - 1) // BK)
+        j_part = int32((hi_first - key_lo) // BK)
+        # this lane's rows a, b (clamped to the last real row: no key_range past q_len),
+        # their intervals relative to the lane's first key of tile 0, key_lo + 2t
+        row_a = warp_row + g
+        row_b = warp_row + g + 8
+        lo_a, hi_a = key_range(min(row_a, n_end - 1) // group, q_len, pos_start, block, window)
+        lo_b, hi_b = key_range(min(row_b, n_end - 1) // group, q_len, pos_start, block, window)
+        lo_a = int32(lo_a - key_lo - 2 * t)
+        hi_a = int32(hi_a - key_lo - 2 * t)
+        lo_b = int32(lo_b - key_lo - 2 * t)
+        hi_b = int32(hi_b - key_lo - 2 * t)
+
+        tile = cuda.shared.array(SMEM, uint16)
+        stage_queries(tile, q, q_start, first_row, n_rows, group, kv_head, tid)
+        cuda.syncthreads()
+        # A-operand lane address: row lane % 16, columns 8 (lane // 16) on (V .trans too)
+        a_lane = (lane % 16) * PITCH + (lane // 16) * 8
+        # K^T (B, non-trans): key lane % 8 + 8 (lane // 16), dims 8 (lane // 8 % 2) on
+        k_lane = (lane % 8 + 8 * (lane // 16)) * PITCH + (lane // 8 % 2) * 8
+        qf = cuda.local.array(Q_WORDS, uint32)
+        for kc in range(DK):
+            a0, a1, a2, a3 = ptx.ldmatrix_x4(tile, 16 * warp * PITCH + a_lane + kc * 16)
+            qf[4 * kc] = a0
+            qf[4 * kc + 1] = a1
+            qf[4 * kc + 2] = a2
+            qf[4 * kc + 3] = a3
+        cuda.syncthreads()              # Q is in registers: the buffer takes K and V
+
+        s = cuda.local.array(S_FLOATS, float32)
+        pf = cuda.local.array(P_WORDS, uint32)
+        o = cuda.local.array(O_FLOATS, float32)
+        for i in range(O_FLOATS):
+            o[i] = 0.0
+        m_a = NEG_INF                   # running max (base-2 logits) of rows a, b
+        m_b = NEG_INF
+        l_a = float32(0.0)              # this lane's part of the running sums
+        l_b = float32(0.0)
+        scale_log2 = scale * LOG2E
+        cap_log2 = softcap * LOG2E
+
+        row0 = int32(key_lo % ring_rows if ring_rows > 0 else key_lo)   # storage row of key0
+        stage_keys(tile, 0, k_store, row0, min(BK, key_hi - key_lo), col, kv_head, ring_rows,
+                   tid)
+        ptx.cp_async_commit()
+        for j in range(n_tiles):
+            n_keys = min(BK, key_hi - key_lo - j * BK)
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()          # K(j) is in; every warp is done with V(j - 1)
+            stage_keys(tile, V_BASE, v_store, row0, n_keys, col, kv_head, ring_rows, tid)
+            ptx.cp_async_commit()
+            active = j_first <= j < j_end     # warp-uniform
+            if active:
+                scores(s, qf, tile, k_lane)
+                logits(s, scale_log2, cap_log2)
+                if j < j_full or j >= j_part:
+                    mask(s, lo_a - j * BK, hi_a - j * BK, lo_b - j * BK, hi_b - j * BK)
+                m_a, m_b, l_a, l_b = softmax_step(s, pf, o, m_a, m_b, l_a, l_b)
+            ptx.cp_async_wait(0)
+            cuda.syncthreads()          # V(j) is in; every warp is done with K(j)
+            row0 = int32(store_row(row0, BK, ring_rows))
+            if j + 1 < n_tiles:
+                stage_keys(tile, 0, k_store, row0, min(BK, key_hi - key_lo - (j + 1) * BK),
+                           col, kv_head, ring_rows, tid)
+                ptx.cp_async_commit()
+            if active:
+                accumulate(o, pf, tile, a_lane)
+
+        store_rows(out, o, row_a, n_end, quad_sum(l_a), t, q_start, group, kv_head, 0)
+        store_rows(out, o, row_b, n_end, quad_sum(l_b), t, q_start, group, kv_head, 2)
+
+    return prefill
+
+
+def storage_type(k_store, storage_dtype=None) -> str:
+    """The 16-bit type K/V storage holds, "float16" or "bfloat16": `storage_dtype` if
+    given ("bfloat16" for bit patterns held in uint16), else `k_store`'s dtype."""
+    name = _type_name(storage_dtype if storage_dtype is not None else dtype_of(k_store))
+    if name not in STORAGE_TYPES:
+        raise ValueError(f"prefill: storage {name!r} not in {STORAGE_TYPES}")
+    return name
+
+
+def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, max_q_len,
+        out, ring_rows, window, scale, softcap, stream=0, storage_dtype=None, tile=None):
+    """Attention of the listed segments' queries over their own column's keys, into `out`.
+
+    q, out: [width, n_q_heads, head_dim] device arrays, float16 or float32; only the
+    listed segments' rows of `out` are written. k_store, v_store: [rows, n_cols,
+    n_kv_heads, head_dim] 16-bit (see `storage_type`), C-contiguous. tables: flat int32
+    device array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`;
+    the segments served are `tables[segments_off + i]`, `i < n_segments`, none longer
+    than `max_q_len`. ring_rows: 0 (flat) or R (position p in row p % R); window: 0
+    (none) or W; softcap 0.0 = off. One launch on `stream`: no synchronisation, no
+    allocation. `tile`: (block_rows, block_keys), multiples of 16, instead of
+    `tile_shape(head_dim)`.
+    """
+    if n_segments == 0 or max_q_len == 0:
+        return out
+    head_dim = q.shape[2]
+    n_q_heads, n_kv_heads = q.shape[1], k_store.shape[2]
+    group = n_q_heads // n_kv_heads
+    storage = storage_type(k_store, storage_dtype)
+    if not supports(head_dim, storage):
+        raise ValueError(f"prefill: head_dim {head_dim} with {storage} storage is not served")
+    for name, array in (("q", q), ("out", out)):
+        if _type_name(dtype_of(array)) not in Q_OUT_TYPES:
+            raise ValueError(f"prefill: {name} dtype {dtype_of(array)} not in {Q_OUT_TYPES}")
+    block_rows, block_keys = tile or tile_shape(head_dim)
+    kernel = _prefill_kernel(head_dim, block_rows, block_keys, storage, softcap > 0)
+    n_row_tiles = _ceil_div(group * max_q_len, block_rows)
+    kernel[(n_kv_heads, n_segments, n_row_tiles), 32 * (block_rows // 16), stream](
+        q, k_store, v_store, tables, out, seq_info_off, segments_off, n_row_tiles, group,
+        int(ring_rows), int(window), np.float32(scale), np.float32(softcap))
+    return out
