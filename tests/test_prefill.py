@@ -150,8 +150,9 @@ def test_supports_16_bit_storage_and_head_dims_in_16_byte_chunks():
 def test_gpu_tiles_fit_48_kib_of_shared_memory():
     for head_dim in (64, 80, 96, 128, 256):
         rows, keys = prefill.tile_shape(head_dim)
-        pitch = prefill.padded_head_dim(head_dim) + 8
-        assert max(rows, 2 * keys) * pitch * 2 <= 48 * 1024
+        q_rows, buffer_rows = prefill.shared_rows(head_dim, rows, keys)
+        assert buffer_rows >= max(rows, q_rows + 2 * keys)     # Q, and K and V after it
+        assert buffer_rows * (prefill.padded_head_dim(head_dim) + 8) * 2 <= 48 * 1024
         assert rows % 16 == 0 and keys % 16 == 0
 
 

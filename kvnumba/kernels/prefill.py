@@ -9,13 +9,23 @@ as in `attention`: row `r` of the segment is (token `r // group`, q head
 `kv_head * group + r % group`), so each K/V tile serves the whole group. Warp `w`
 owns the block's rows `16 w .. 16 w + 15`. Per key tile of `block_keys` keys:
 
-  S = Q K^T   mma.m16n8k16, Q fragments in registers (loaded once), K^T by ldmatrix;
+  S = Q K^T   mma.m16n8k16, Q fragments loaded once into registers by ldmatrix (above
+              head_dim 128: kept in shared memory, loaded per tile), K^T by ldmatrix;
   online softmax on the S accumulators (quad shuffles), P packed to 16 bits in place;
   O += P V    P as the A operand, V by ldmatrix .trans; O in float32 registers.
 
 K and V tiles go through shared memory by cp.async, each 16-byte chunk computing its
 own storage row (a ring may wrap inside a tile). One K buffer and one V buffer,
 overlapped: V(j) loads while S(j) and its softmax run, K(j+1) while O += P V(j).
+Shared rows are padded by 16 bytes, so the 8 rows an ldmatrix reads hit 8 different
+bank groups.
+
+Masking: each row sees one key interval (`key_range`), moving forward with the row.
+A block loads only keys [lo(first row), hi(last row)), the union of its rows'
+intervals. A warp computes only on key tiles that meet [lo(its first row), hi(its
+last row)), and masks (-inf before the softmax, per row and key) only tiles not
+inside every one of its rows' intervals. A row that sees no key of a tile gets
+P = 0 there: its running max stays -inf until it sees one, and exp2 then subtracts 0.
 
 Fragment bookkeeping (m16n8k16, lane = 4 g + t, see `ptx`): a lane holds, of its
 warp's 16 rows, rows `g` ("a") and `g + 8` ("b"):
@@ -45,12 +55,13 @@ from .masks import key_range, store_row
 
 from numba import float32, int32, uint16, uint32  # noqa: E402  (after kvnumba.device)
 
-#: (block_rows, block_keys) for padded head dims up to the key. Shared memory,
-#: max(block_rows, 2 block_keys) rows of dpad + 8 16-bit values, stays within the
-#: 48 KiB static limit. Per thread, registers hold dpad / 4 Q words, dpad / 2 O floats,
-#: block_keys / 2 S floats and block_keys / 4 P words: at head_dim 256 only 16-key
-#: tiles keep that under 255 registers without spilling (sm_90).
-TILES = {64: (64, 64), 128: (64, 64), 256: (64, 16)}
+#: (block_rows, block_keys) for padded head dims up to the key; shared memory (see
+#: `shared_rows`) stays within the 48 KiB static limit. Per thread, registers hold
+#: dpad / 2 O floats, block_keys / 2 S floats, block_keys / 4 P words and, up to
+#: Q_REGISTERS_MAX_DIM, dpad / 4 Q words; above it Q stays in shared memory (with Q
+#: in registers head_dim 256 needs all 255 registers on sm_90).
+TILES = {64: (64, 64), 128: (64, 64), 256: (48, 16)}
+Q_REGISTERS_MAX_DIM = 128
 Q_OUT_TYPES = ("float16", "float32")
 STORAGE_TYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
@@ -79,6 +90,15 @@ def supports(head_dim, storage_dtype) -> bool:
             and head_dim % 8 == 0)
 
 
+def shared_rows(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, int]:
+    """(q_rows, rows): the one shared buffer, `rows` rows of padded_head_dim + 8 16-bit
+    values. Q is staged in rows 0 .. block_rows; K follows in rows q_rows .. q_rows +
+    block_keys, V after it. q_rows is 0 when Q moves to registers (K and V then take
+    its rows), block_rows when it stays."""
+    q_rows = 0 if padded_head_dim(head_dim) <= Q_REGISTERS_MAX_DIM else block_rows
+    return q_rows, max(block_rows, q_rows + 2 * block_keys)
+
+
 def tile_shape(head_dim: int) -> tuple[int, int]:
     """(block_rows, block_keys) the GPU uses for `head_dim`."""
     dpad = padded_head_dim(head_dim)
@@ -100,27 +120,30 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     DT = DP // 8            # n8 tiles of O (dims)
     Q_WORDS, S_FLOATS, P_WORDS, O_FLOATS = 4 * DK, 4 * KT, 2 * KT, 4 * DT   # per lane
     CHUNKS = head_dim // 8  # 16-byte chunks per key row
+    # cp.async staging: thread tid < STAGERS copies chunk tid % CHUNKS of keys
+    # tid // CHUNKS, + KEY_STEP, ...: one chunk column per thread, one address offset
+    KEY_STEP = THREADS // CHUNKS
+    STAGERS = KEY_STEP * CHUNKS
     PAIRS = DP // 2         # 16-bit pairs per staged Q row
-    # one buffer: Q first (rows 0 .. BR), then K (rows 0 .. BK) and V (rows BK .. 2 BK)
-    SMEM = max(BR, 2 * BK) * PITCH
-    V_BASE = BK * PITCH
+    Q_ROWS, ROWS = shared_rows(head_dim, BR, BK)
+    Q_IN_REGISTERS = Q_ROWS == 0
+    SMEM = ROWS * PITCH
+    K_BASE = Q_ROWS * PITCH
+    V_BASE = (Q_ROWS + BK) * PITCH
     assert BR % 16 == 0 and BK % 16 == 0 and head_dim % 8 == 0 and storage in STORAGE_TYPES
     mma = ptx.mma_f16_f32 if storage == "float16" else ptx.mma_bf16_f32
     pack = ptx.f32x2_to_f16x2 if storage == "float16" else ptx.f32x2_to_bf16x2
 
     @cuda.jit(device=True)
-    def stage_keys(tile, base, store, row0, n_keys, col, kv_head, ring_rows, tid):
-        """cp.async BK keys, the first in storage row `row0`, into tile rows from `base`.
-        Keys past `n_keys` repeat the last one (finite, and masked); each 16-byte chunk
-        finds its own row, so a ring may wrap inside the tile."""
-        n_cols, n_kv_heads = store.shape[1], store.shape[2]
-        head = (col * n_kv_heads + kv_head) * head_dim     # the key's offset in a row
-        for chunk in range(tid, BK * CHUNKS, THREADS):
-            key = chunk // CHUNKS
-            part = chunk - key * CHUNKS
+    def stage_keys(tile, base, store, row0, n_keys, ring_rows, first_key, dim, offset):
+        """cp.async BK keys, the first in storage row `row0`, into tile rows from `base`:
+        this thread's keys `first_key`, + KEY_STEP, ..., 8 dims from `dim`, at `offset`
+        in a storage row. Keys past `n_keys` repeat the last one (finite, and masked);
+        each key finds its own row, so a ring may wrap inside the tile."""
+        row_stride = store.shape[1] * store.shape[2] * head_dim
+        for key in range(first_key, BK, KEY_STEP):
             row = store_row(row0, min(key, n_keys - 1), ring_rows)
-            ptx.cp_async_16(tile, base + key * PITCH + part * 8, store,
-                            row * (n_cols * n_kv_heads * head_dim) + head + part * 8)
+            ptx.cp_async_16(tile, base + key * PITCH + dim, store, row * row_stride + offset)
 
     @cuda.jit(device=True)
     def stage_queries(tile, q, q_start, first_row, n_rows, group, kv_head, tid):
@@ -141,7 +164,7 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             tile[r * PITCH + d] = uint16(word & 0xFFFF)
             tile[r * PITCH + d + 1] = uint16(word >> 16)
         if DP > head_dim:       # K/V rows past the Q rows: zero their padding columns too
-            for e in range(tid, (SMEM // PITCH - BR) * (DP - head_dim), THREADS):
+            for e in range(tid, (ROWS - BR) * (DP - head_dim), THREADS):
                 r = BR + e // (DP - head_dim)
                 tile[r * PITCH + head_dim + e % (DP - head_dim)] = uint16(0)
 
@@ -157,17 +180,26 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         return x + ptx.shfl_xor(x, 2)
 
     @cuda.jit(device=True)
-    def scores(s, qf, tile, k_lane):
+    def q_operand(qf, tile, q_lane, kc):
+        """The A operand of Q for dims 16 kc .. 16 kc + 15: from registers, or from the
+        warp's Q rows in shared memory."""
+        if Q_IN_REGISTERS:
+            return qf[4 * kc], qf[4 * kc + 1], qf[4 * kc + 2], qf[4 * kc + 3]
+        return ptx.ldmatrix_x4(tile, q_lane + kc * 16)
+
+    @cuda.jit(device=True)
+    def scores(s, qf, tile, q_lane, k_lane):
         """s = Q K^T for the warp's 16 rows and the tile's BK keys (unscaled)."""
         for i in range(S_FLOATS):
             s[i] = 0.0
-        for kp in range(BK // 16):          # keys 16 kp .. 16 kp + 15: two n8 tiles
-            for kc in range(DK):            # dims 16 kc .. 16 kc + 15
-                b0, b1, b2, b3 = ptx.ldmatrix_x4(tile, k_lane + kp * 16 * PITCH + kc * 16)
+        for kc in range(DK):                # dims 16 kc .. 16 kc + 15
+            a0, a1, a2, a3 = q_operand(qf, tile, q_lane, kc)
+            for kp in range(BK // 16):      # keys 16 kp .. 16 kp + 15: two n8 tiles
+                b0, b1, b2, b3 = ptx.ldmatrix_x4(tile, K_BASE + k_lane + kp * 16 * PITCH
+                                                 + kc * 16)
                 for h in range(2):
                     n = 2 * kp + h
-                    d0, d1, d2, d3 = mma(qf[4 * kc], qf[4 * kc + 1], qf[4 * kc + 2],
-                                         qf[4 * kc + 3], b0 if h == 0 else b2,
+                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0 if h == 0 else b2,
                                          b1 if h == 0 else b3,
                                          s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
                     s[4 * n] = d0
@@ -323,14 +355,16 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         a_lane = (lane % 16) * PITCH + (lane // 16) * 8
         # K^T (B, non-trans): key lane % 8 + 8 (lane // 16), dims 8 (lane // 8 % 2) on
         k_lane = (lane % 8 + 8 * (lane // 16)) * PITCH + (lane // 8 % 2) * 8
+        q_lane = 16 * warp * PITCH + a_lane     # the warp's Q rows
         qf = cuda.local.array(Q_WORDS, uint32)
-        for kc in range(DK):
-            a0, a1, a2, a3 = ptx.ldmatrix_x4(tile, 16 * warp * PITCH + a_lane + kc * 16)
-            qf[4 * kc] = a0
-            qf[4 * kc + 1] = a1
-            qf[4 * kc + 2] = a2
-            qf[4 * kc + 3] = a3
-        cuda.syncthreads()              # Q is in registers: the buffer takes K and V
+        if Q_IN_REGISTERS:
+            for kc in range(DK):
+                a0, a1, a2, a3 = ptx.ldmatrix_x4(tile, q_lane + kc * 16)
+                qf[4 * kc] = a0
+                qf[4 * kc + 1] = a1
+                qf[4 * kc + 2] = a2
+                qf[4 * kc + 3] = a3
+            cuda.syncthreads()          # Q is in registers: K and V take its rows
 
         s = cuda.local.array(S_FLOATS, float32)
         pf = cuda.local.array(P_WORDS, uint32)
@@ -344,19 +378,23 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         scale_log2 = scale * LOG2E
         cap_log2 = softcap * LOG2E
 
+        # staging: this thread's first key, its 8 dims and their offset in a storage row
+        first_key = int32(tid // CHUNKS if tid < STAGERS else BK)
+        dim = int32(tid % CHUNKS * 8)
+        offset = int32((col * k_store.shape[2] + kv_head) * head_dim + dim)
         row0 = int32(key_lo % ring_rows if ring_rows > 0 else key_lo)   # storage row of key0
-        stage_keys(tile, 0, k_store, row0, min(BK, key_hi - key_lo), col, kv_head, ring_rows,
-                   tid)
+        stage_keys(tile, K_BASE, k_store, row0, min(BK, key_hi - key_lo), ring_rows, first_key,
+                   dim, offset)
         ptx.cp_async_commit()
         for j in range(n_tiles):
             n_keys = min(BK, key_hi - key_lo - j * BK)
             ptx.cp_async_wait(0)
             cuda.syncthreads()          # K(j) is in; every warp is done with V(j - 1)
-            stage_keys(tile, V_BASE, v_store, row0, n_keys, col, kv_head, ring_rows, tid)
+            stage_keys(tile, V_BASE, v_store, row0, n_keys, ring_rows, first_key, dim, offset)
             ptx.cp_async_commit()
             active = j_first <= j < j_end     # warp-uniform
             if active:
-                scores(s, qf, tile, k_lane)
+                scores(s, qf, tile, q_lane, k_lane)
                 logits(s, scale_log2, cap_log2)
                 if j < j_full or j >= j_part:
                     mask(s, lo_a - j * BK, hi_a - j * BK, lo_b - j * BK, hi_b - j * BK)
@@ -365,8 +403,8 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             cuda.syncthreads()          # V(j) is in; every warp is done with K(j)
             row0 = int32(store_row(row0, BK, ring_rows))
             if j + 1 < n_tiles:
-                stage_keys(tile, 0, k_store, row0, min(BK, key_hi - key_lo - (j + 1) * BK),
-                           col, kv_head, ring_rows, tid)
+                stage_keys(tile, K_BASE, k_store, row0, min(BK, key_hi - key_lo - (j + 1) * BK),
+                           ring_rows, first_key, dim, offset)
                 ptx.cp_async_commit()
             if active:
                 accumulate(o, pf, tile, a_lane)
