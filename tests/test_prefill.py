@@ -20,6 +20,26 @@ TWO_WARPS = (32, 16)
 only_gpu = pytest.mark.skipif(device.SIMULATOR, reason="full-size shapes need a GPU")
 
 
+class _StaleShared:
+    """`numpy` for `kvnumba.device`, whose simulator shared arrays then start as all-ones
+    bytes (NaN as float16 and bfloat16), as stale shared memory may on a GPU."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype):
+        array = np.empty(shape, dtype)
+        array.view(np.uint8)[...] = 0xFF
+        return array
+
+
+@pytest.fixture
+def stale_shared_memory(monkeypatch):
+    if device.SIMULATOR:
+        monkeypatch.setattr(device, "np", _StaleShared())
+
+
 def bf16_bits(x):
     """uint16 bfloat16 bit patterns of float32 `x`, rounded to nearest even."""
     bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
@@ -187,7 +207,7 @@ def test_sliding_window_smaller_and_larger_than_a_key_tile(window):
     check(c, run(c))
 
 
-def test_ring_layer_after_wraps_with_a_wrap_inside_a_key_tile():
+def test_ring_layer_after_wraps_with_a_wrap_inside_a_key_tile(stale_shared_memory):
     rng = np.random.default_rng(3)
     window, q_len = 8, 9
     ring = window + q_len - 1                       # 16 rows: positions 40.. wrap at 48
@@ -209,7 +229,7 @@ def test_softcap():
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_gqa_groups(group):
+def test_gqa_groups(group, stale_shared_memory):
     rng = np.random.default_rng(10 + group)
     c = make_case(rng, [(5, 4, False), (3, 0, False)], n_kv_heads=1, group=group)
     check(c, run(c))
@@ -279,7 +299,7 @@ def test_random_steps_over_tile_shapes(seed):
     check(c, run(c, tile=tile))
 
 
-def test_default_gpu_tile_on_a_small_case():
+def test_default_gpu_tile_on_a_small_case(stale_shared_memory):
     """The GPU's own tile shape for head_dim 64 (64 rows x 64 keys, 4 warps)."""
     rng = np.random.default_rng(12)
     c = make_case(rng, [(20, 3, False)], n_kv_heads=1, group=2, head_dim=64)

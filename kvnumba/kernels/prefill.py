@@ -1,8 +1,8 @@
 """Prefill attention on tensor cores, FlashAttention-2 style, for 16-bit K/V storage.
 
-Same semantics as `attention` (visible keys from `masks.key_range`, ring rows from
-`masks.store_row`, scale then optional softcap, float32 softmax and accumulation),
-for segments long enough to fill tensor-core tiles.
+Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
+ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and
+accumulation), for segments long enough to fill tensor-core tiles; scale > 0.
 
 A block takes `block_rows` query *rows* of one segment and one kv head, packed GQA
 as in `attention`: row `r` of the segment is (token `r // group`, q head
@@ -51,9 +51,9 @@ import numpy as np
 from ..device import cuda, dtype_of
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from . import ptx
-from .masks import key_range, store_row
+from .masks import key_range
 
-from numba import float32, int32, uint16, uint32  # noqa: E402  (after kvnumba.device)
+from numba import float32, int32, int64, uint16, uint32  # noqa: E402  (after kvnumba.device)
 
 #: (block_rows, block_keys) for padded head dims up to the key; shared memory (see
 #: `shared_rows`) stays within the 48 KiB static limit. Per thread, registers hold
@@ -67,6 +67,7 @@ STORAGE_TYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
 LOG2E = float32(math.log2(math.e))
 NEG_INF = float32(-math.inf)
+FLAT_RING = 2 ** 31 - 1     # the ring size staging takes for a flat layer: never wraps
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -120,11 +121,12 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     DT = DP // 8            # n8 tiles of O (dims)
     Q_WORDS, S_FLOATS, P_WORDS, O_FLOATS = 4 * DK, 4 * KT, 2 * KT, 4 * DT   # per lane
     CHUNKS = head_dim // 8  # 16-byte chunks per key row
-    # cp.async staging: thread tid < STAGERS copies chunk tid % CHUNKS of keys
-    # tid // CHUNKS, + KEY_STEP, ...: one chunk column per thread, one address offset
+    # cp.async staging: thread tid < STAGERS copies the 16-byte column tid % CHUNKS of
+    # keys tid // CHUNKS + i KEY_STEP, i < KEY_PASSES: one address offset per thread
     KEY_STEP = THREADS // CHUNKS
     STAGERS = KEY_STEP * CHUNKS
-    PAIRS = DP // 2         # 16-bit pairs per staged Q row
+    KEY_PASSES = _ceil_div(BK, KEY_STEP)
+    Q_CHUNKS = DP // 8      # 8-value chunks of a staged Q row (padding included)
     Q_ROWS, ROWS = shared_rows(head_dim, BR, BK)
     Q_IN_REGISTERS = Q_ROWS == 0
     SMEM = ROWS * PITCH
@@ -135,34 +137,54 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     pack = ptx.f32x2_to_f16x2 if storage == "float16" else ptx.f32x2_to_bf16x2
 
     @cuda.jit(device=True)
-    def stage_keys(tile, base, store, row0, n_keys, ring_rows, first_key, dim, offset):
-        """cp.async BK keys, the first in storage row `row0`, into tile rows from `base`:
-        this thread's keys `first_key`, + KEY_STEP, ..., 8 dims from `dim`, at `offset`
-        in a storage row. Keys past `n_keys` repeat the last one (finite, and masked);
-        each key finds its own row, so a ring may wrap inside the tile."""
-        row_stride = store.shape[1] * store.shape[2] * head_dim
-        for key in range(first_key, BK, KEY_STEP):
-            row = store_row(row0, min(key, n_keys - 1), ring_rows)
-            ptx.cp_async_16(tile, base + key * PITCH + dim, store, row * row_stride + offset)
+    def wrap(row, ring):
+        """`row`, below 2 `ring`, as a row of a ring of `ring` rows."""
+        return int32(row - ring) if row >= ring else row
+
+    @cuda.jit(device=True)
+    def stage_keys(tile, base, store, row0, n_keys, ring, first_key, dim, offset):
+        """cp.async keys 0 .. n_keys of a tile, key 0 in storage row `row0`, into tile rows
+        from `base`: this thread's keys first_key + i KEY_STEP, 8 dims from `dim`, at
+        `offset` in a storage row. Each key finds its own row, so a ring (`ring` rows;
+        FLAT_RING: none) may wrap inside the tile. One wrap per step is enough: a tile
+        holds at most its rows' visible keys, which a ring holds whole, so n_keys <=
+        ring; the min keeps even an inconsistent table inside the storage."""
+        row_stride = int64(int32(store.shape[1] * store.shape[2] * head_dim))
+        last_row = int32(ring - 1)
+        row = wrap(int32(row0 + first_key), ring)
+        for i in range(KEY_PASSES):
+            key = first_key + i * KEY_STEP
+            if key < n_keys:
+                ptx.cp_async_16(tile, base + key * PITCH + dim, store,
+                                int64(min(row, last_row)) * row_stride + offset)
+            row = wrap(int32(row + KEY_STEP), ring)
+
+    @cuda.jit(device=True)
+    def split_row(row, group):
+        """(row // group, row % group) of a packed row (token, head in the group) by
+        unsigned 32-bit division: rows are never negative."""
+        token = uint32(row) // uint32(group)
+        return int32(token), int32(uint32(row) - uint32(token) * uint32(group))
 
     @cuda.jit(device=True)
     def stage_queries(tile, q, q_start, first_row, n_rows, group, kv_head, tid):
-        """Q rows `first_row ..` as 16-bit pairs in tile rows 0 .. BR; zero past the
-        segment's rows and past head_dim (padding columns must not meet NaN)."""
-        for e in range(tid, BR * PAIRS, THREADS):
-            r = e // PAIRS
-            d = (e - r * PAIRS) * 2
-            lo = float32(0.0)
-            hi = float32(0.0)
-            if r < n_rows and d < head_dim:
-                row = first_row + r
-                token = q_start + row // group
-                head = kv_head * group + row % group
-                lo = float32(q[token, head, d])
-                hi = float32(q[token, head, d + 1])
-            word = pack(lo, hi)
-            tile[r * PITCH + d] = uint16(word & 0xFFFF)
-            tile[r * PITCH + d + 1] = uint16(word >> 16)
+        """Q rows `first_row ..` in the 16-bit type in tile rows 0 .. BR, 8 values per
+        step; zero past the segment's rows and past head_dim (padding columns must
+        not meet NaN)."""
+        for e in range(tid, BR * Q_CHUNKS, THREADS):
+            r = e // Q_CHUNKS
+            d = (e - r * Q_CHUNKS) * 8
+            real = r < n_rows and d < head_dim
+            token, head = split_row(first_row + r if real else 0, group)
+            for i in range(0, 8, 2):
+                lo = float32(0.0)
+                hi = float32(0.0)
+                if real:
+                    lo = float32(q[q_start + token, kv_head * group + head, d + i])
+                    hi = float32(q[q_start + token, kv_head * group + head, d + i + 1])
+                word = pack(lo, hi)
+                tile[r * PITCH + d + i] = uint16(word & 0xFFFF)
+                tile[r * PITCH + d + i + 1] = uint16(word >> 16)
         if DP > head_dim:       # K/V rows past the Q rows: zero their padding columns too
             for e in range(tid, (ROWS - BR) * (DP - head_dim), THREADS):
                 r = BR + e // (DP - head_dim)
@@ -226,16 +248,13 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
                     o[4 * n + 3] = d3
 
     @cuda.jit(device=True)
-    def logits(s, scale_log2, cap_log2):
-        """Scores to base-2 logits: `log2(e) * scale * s`, or with a softcap
-        `log2(e) * softcap * tanh(scale * s / softcap)`."""
-        if capped:
-            inner = scale_log2 / cap_log2
-            for i in range(S_FLOATS):
-                s[i] = cap_log2 * math.tanh(s[i] * inner)
-        else:
-            for i in range(S_FLOATS):
-                s[i] *= scale_log2
+    def softcap_scores(s, scale, softcap):
+        """The softcap in units of unscaled scores: `softcap / scale * tanh(scale * s /
+        softcap)`, so that `scale * s` is the capped score."""
+        outer = softcap / scale
+        inner = scale / softcap
+        for i in range(S_FLOATS):
+            s[i] = outer * math.tanh(s[i] * inner)
 
     @cuda.jit(device=True)
     def mask(s, lo_a, hi_a, lo_b, hi_b):
@@ -252,9 +271,11 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
                     s[4 * n + i] = NEG_INF
 
     @cuda.jit(device=True)
-    def softmax_step(s, pf, o, m_a, m_b, l_a, l_b):
-        """Online softmax over one tile's logits: new running max (quad-wide), P packed
-        into `pf`, O and the lane's partial sums rescaled; returns (m_a, m_b, l_a, l_b)."""
+    def softmax_step(s, pf, o, m_a, m_b, l_a, l_b, scale_log2):
+        """Online softmax over one tile's unscaled scores (scale > 0: the max commutes
+        with scaling, and `exp(scale s - scale m) = exp2(s scale_log2 - m scale_log2)`
+        is one FFMA and one ex2): new running max (quad-wide), P packed into `pf`, O and
+        the lane's partial sums rescaled; returns (m_a, m_b, l_a, l_b)."""
         x_a = NEG_INF
         x_b = NEG_INF
         for n in range(KT):
@@ -263,17 +284,17 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         new_a = max(m_a, quad_max(x_a))
         new_b = max(m_b, quad_max(x_b))
         # a row with no visible key yet subtracts 0: exp2(-inf - 0) = 0, never NaN
-        base_a = new_a if new_a != NEG_INF else float32(0.0)
-        base_b = new_b if new_b != NEG_INF else float32(0.0)
-        alpha_a = math.exp2(m_a - base_a)
-        alpha_b = math.exp2(m_b - base_b)
+        base_a = new_a * scale_log2 if new_a != NEG_INF else float32(0.0)
+        base_b = new_b * scale_log2 if new_b != NEG_INF else float32(0.0)
+        alpha_a = math.exp2(m_a * scale_log2 - base_a)
+        alpha_b = math.exp2(m_b * scale_log2 - base_b)
         l_a *= alpha_a
         l_b *= alpha_b
         for n in range(KT):
-            p0 = math.exp2(s[4 * n] - base_a)
-            p1 = math.exp2(s[4 * n + 1] - base_a)
-            p2 = math.exp2(s[4 * n + 2] - base_b)
-            p3 = math.exp2(s[4 * n + 3] - base_b)
+            p0 = math.exp2(s[4 * n] * scale_log2 - base_a)
+            p1 = math.exp2(s[4 * n + 1] * scale_log2 - base_a)
+            p2 = math.exp2(s[4 * n + 2] * scale_log2 - base_b)
+            p3 = math.exp2(s[4 * n + 3] * scale_log2 - base_b)
             l_a += p0 + p1
             l_b += p2 + p3
             pf[2 * n] = pack(p0, p1)
@@ -291,8 +312,9 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         sum `l`, if it is a real row (every real row sees a key: l > 0)."""
         if row < n_end:
             inv_l = float32(1.0) / l
-            token = q_start + row // group
-            head = kv_head * group + row % group
+            token, head = split_row(row, group)
+            token += q_start
+            head += kv_head * group
             for n in range(DT):
                 d = 8 * n + 2 * t
                 if d < head_dim:
@@ -322,17 +344,20 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             return
         # Long-lived integers are kept as int32 (registers). The block loads keys
         # [key_lo, key_hi), the union of its rows' intervals, in tiles j = 0 .. n_tiles.
-        key_lo = int32(key_range(first_row // group, q_len, pos_start, block, window)[0])
-        key_hi = key_range((first_row + n_rows - 1) // group, q_len, pos_start, block,
-                           window)[1]
+        key_lo = int32(key_range(split_row(first_row, group)[0], q_len, pos_start, block,
+                                 window)[0])
+        key_hi = key_range(split_row(first_row + n_rows - 1, group)[0], q_len, pos_start,
+                           block, window)[1]
         n_tiles = int32((key_hi - key_lo + BK - 1) // BK)
         # this warp's rows [warp_row, warp_end): it computes on tiles [j_first, j_end)
         # (its first row's lo, its last row's hi) and masks none in [j_full, j_part)
         # (visible to all its rows: past its last row's lo, before its first row's hi)
         warp_row = first_row + 16 * warp
         warp_end = min(warp_row + 16, first_row + n_rows)
-        lo_first, hi_first = key_range(warp_row // group, q_len, pos_start, block, window)
-        lo_last, hi_last = key_range((warp_end - 1) // group, q_len, pos_start, block, window)
+        lo_first, hi_first = key_range(split_row(warp_row, group)[0], q_len, pos_start, block,
+                                       window)
+        lo_last, hi_last = key_range(split_row(warp_end - 1, group)[0], q_len, pos_start,
+                                     block, window)
         j_first = int32((lo_first - key_lo) // BK)
         j_end = int32((hi_last - key_lo + BK - 1) // BK if warp_row < warp_end else 0)
         j_full = int32((lo_last - key_lo + BK - 1) // BK)
@@ -341,8 +366,10 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         # their intervals relative to the lane's first key of tile 0, key_lo + 2t
         row_a = warp_row + g
         row_b = warp_row + g + 8
-        lo_a, hi_a = key_range(min(row_a, n_end - 1) // group, q_len, pos_start, block, window)
-        lo_b, hi_b = key_range(min(row_b, n_end - 1) // group, q_len, pos_start, block, window)
+        lo_a, hi_a = key_range(split_row(min(row_a, n_end - 1), group)[0], q_len, pos_start,
+                               block, window)
+        lo_b, hi_b = key_range(split_row(min(row_b, n_end - 1), group)[0], q_len, pos_start,
+                               block, window)
         lo_a = int32(lo_a - key_lo - 2 * t)
         hi_a = int32(hi_a - key_lo - 2 * t)
         lo_b = int32(lo_b - key_lo - 2 * t)
@@ -365,46 +392,56 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
                 qf[4 * kc + 2] = a2
                 qf[4 * kc + 3] = a3
             cuda.syncthreads()          # Q is in registers: K and V take its rows
+        # The mma read every row of a K and V tile. V rows past the tile's keys get
+        # P = 0 but must not be NaN (0 * NaN); K rows there are masked, and zeroed too
+        # so that no NaN enters an mma. Past the first tile's keys both are zeroed;
+        # later tiles only leave an earlier tile's (finite) rows there
+        for e in range(tid + min(BK, key_hi - key_lo) * PITCH, BK * PITCH, THREADS):
+            tile[K_BASE + e] = uint16(0)
+            tile[V_BASE + e] = uint16(0)
 
         s = cuda.local.array(S_FLOATS, float32)
         pf = cuda.local.array(P_WORDS, uint32)
         o = cuda.local.array(O_FLOATS, float32)
         for i in range(O_FLOATS):
             o[i] = 0.0
-        m_a = NEG_INF                   # running max (base-2 logits) of rows a, b
+        m_a = NEG_INF                   # running max (unscaled scores) of rows a, b
         m_b = NEG_INF
         l_a = float32(0.0)              # this lane's part of the running sums
         l_b = float32(0.0)
         scale_log2 = scale * LOG2E
-        cap_log2 = softcap * LOG2E
 
         # staging: this thread's first key, its 8 dims and their offset in a storage row
         first_key = int32(tid // CHUNKS if tid < STAGERS else BK)
         dim = int32(tid % CHUNKS * 8)
         offset = int32((col * k_store.shape[2] + kv_head) * head_dim + dim)
-        row0 = int32(key_lo % ring_rows if ring_rows > 0 else key_lo)   # storage row of key0
-        stage_keys(tile, K_BASE, k_store, row0, min(BK, key_hi - key_lo), ring_rows, first_key,
-                   dim, offset)
+        ring = int32(ring_rows) if ring_rows > 0 else FLAT_RING
+        row0 = int32(key_lo % ring)     # storage row of the tile's first key
+        stage_keys(tile, K_BASE, k_store, row0, int32(min(BK, key_hi - key_lo)), ring,
+                   first_key, dim, offset)
         ptx.cp_async_commit()
         for j in range(n_tiles):
-            n_keys = min(BK, key_hi - key_lo - j * BK)
+            keys_left = int32(key_hi - key_lo - j * BK)
+            n_keys = int32(min(BK, keys_left))
             ptx.cp_async_wait(0)
             cuda.syncthreads()          # K(j) is in; every warp is done with V(j - 1)
-            stage_keys(tile, V_BASE, v_store, row0, n_keys, ring_rows, first_key, dim, offset)
+            stage_keys(tile, V_BASE, v_store, row0, n_keys, ring, first_key, dim, offset)
             ptx.cp_async_commit()
             active = j_first <= j < j_end     # warp-uniform
             if active:
                 scores(s, qf, tile, q_lane, k_lane)
-                logits(s, scale_log2, cap_log2)
+                if capped:
+                    softcap_scores(s, scale, softcap)
                 if j < j_full or j >= j_part:
                     mask(s, lo_a - j * BK, hi_a - j * BK, lo_b - j * BK, hi_b - j * BK)
-                m_a, m_b, l_a, l_b = softmax_step(s, pf, o, m_a, m_b, l_a, l_b)
+                m_a, m_b, l_a, l_b = softmax_step(s, pf, o, m_a, m_b, l_a, l_b,
+                                                  scale_log2)
             ptx.cp_async_wait(0)
             cuda.syncthreads()          # V(j) is in; every warp is done with K(j)
-            row0 = int32(store_row(row0, BK, ring_rows))
-            if j + 1 < n_tiles:
-                stage_keys(tile, K_BASE, k_store, row0, min(BK, key_hi - key_lo - (j + 1) * BK),
-                           ring_rows, first_key, dim, offset)
+            if j + 1 < n_tiles:         # then the ring holds more than BK keys: one wrap
+                row0 = wrap(int32(row0 + BK), ring)
+                stage_keys(tile, K_BASE, k_store, row0, int32(min(BK, keys_left - BK)), ring,
+                           first_key, dim, offset)
                 ptx.cp_async_commit()
             if active:
                 accumulate(o, pf, tile, a_lane)
@@ -440,6 +477,8 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     """
     if n_segments == 0 or max_q_len == 0:
         return out
+    if not scale > 0:
+        raise ValueError(f"prefill: scale {scale} must be positive")
     head_dim = q.shape[2]
     n_q_heads, n_kv_heads = q.shape[1], k_store.shape[2]
     group = n_q_heads // n_kv_heads
