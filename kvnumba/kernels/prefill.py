@@ -299,11 +299,12 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             l_b += p2 + p3
             pf[2 * n] = pack(p0, p1)
             pf[2 * n + 1] = pack(p2, p3)
-        for n in range(DT):
-            o[4 * n] *= alpha_a
-            o[4 * n + 1] *= alpha_a
-            o[4 * n + 2] *= alpha_b
-            o[4 * n + 3] *= alpha_b
+        if alpha_a != 1 or alpha_b != 1:    # once the maxima settle, most tiles skip it
+            for n in range(DT):
+                o[4 * n] *= alpha_a
+                o[4 * n + 1] *= alpha_a
+                o[4 * n + 2] *= alpha_b
+                o[4 * n + 3] *= alpha_b
         return new_a, new_b, l_a, l_b
 
     @cuda.jit(device=True)
