@@ -299,17 +299,21 @@ def test_random_steps_over_tile_shapes(seed):
     check(c, run(c, tile=tile))
 
 
-def test_default_gpu_tile_on_a_small_case(stale_shared_memory):
-    """The GPU's own tile shape for head_dim 64 (64 rows x 64 keys, 4 warps)."""
+def test_gpu_tile_shape_over_several_key_tiles(stale_shared_memory):
+    """The GPU's own tiles for head_dim 64 (64 rows x 64 keys, 4 warps): windowed ring
+    layer after wraps, a chunk far into its history, a draft block."""
     rng = np.random.default_rng(12)
-    c = make_case(rng, [(20, 3, False)], n_kv_heads=1, group=2, head_dim=64)
+    c = make_case(rng, [(40, 0, False), (30, 200, False), (16, 40, True)], n_kv_heads=1,
+                  group=2, head_dim=64, window=70, ring_rows=70 + 40 - 1)
     check(c, run(c, tile=None))
 
 
 @only_gpu
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_long_causal_prefill_with_gpu_tiles(head_dim):
+@pytest.mark.parametrize("head_dim,window,softcap", [(64, 0, 0.0), (128, 0, 0.0),
+                                                     (128, 100, 0.0), (256, 0, 30.0)])
+def test_long_segments_with_gpu_tiles(head_dim, window, softcap):
     rng = np.random.default_rng(13)
-    c = make_case(rng, [(300, 0, False), (200, 150, False)], n_kv_heads=2, group=4,
-                  head_dim=head_dim)
+    segments = [(300, 0, False), (200, 500 if window else 150, False), (64, 40, True)]
+    c = make_case(rng, segments, n_kv_heads=2, group=4, head_dim=head_dim, window=window,
+                  ring_rows=window + 300 - 1 if window else 0, softcap=softcap)
     check(c, run(c, tile=None))
