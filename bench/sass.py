@@ -6,9 +6,10 @@
 Each kernel (always `intrinsics_probe` below, which uses every `kvnumba.kernels.ptx`
 function, plus any `@cuda.jit` kernel named as `module:function` with a Numba
 signature, e.g. `kvnumba.kernels.copy:_copy_column "void(float16[:, :, :, ::1],
-float16[:, :, :, ::1], int64, int64, int64)"`) is compiled to PTX by numba-cuda in
-GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is), assembled by
-`ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
+float16[:, :, :, ::1], int64, int64, int64)"`, or made by a kernel factory named
+with literal arguments, `module:factory(128, 64, 64, "float16")`) is compiled to PTX
+by numba-cuda in GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is),
+assembled by `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
 registers, spill stores / loads, stack frame (local memory), static shared
 memory, and counts of the SASS instructions that matter to the fast kernels.
 
@@ -23,6 +24,7 @@ import os
 os.environ.setdefault("KVNUMBA_DEVICE", "compile")  # before kvnumba chooses a device
 
 import argparse  # noqa: E402
+import ast  # noqa: E402
 import importlib  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
@@ -30,7 +32,9 @@ import site  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -129,12 +133,29 @@ def find_tool(name: str, explicit: str | None = None) -> str:
 
 
 def load_kernel(spec: str):
-    """The Python function of the kernel `module:function`."""
+    """The Python function of the kernel `module:function`, or of the kernel that
+    `module:factory(literal, ...)` returns."""
     module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION")
+    name, paren, call = name.partition("(")
+    if not sep or not module or not name or (paren and not call.endswith(")")):
+        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
     kernel = getattr(importlib.import_module(module), name)
+    if paren:
+        kernel = kernel(*ast.literal_eval(f"({call[:-1]},)"))
     return getattr(kernel, "py_func", kernel)
+
+
+@contextmanager
+def _compiling_for_cc():
+    """numba-cuda compiles the device functions a kernel calls for the current device's
+    compute capability; without a GPU there is none: take CC for it meanwhile."""
+    from numba.cuda import dispatcher
+    current = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = current
 
 
 def parse_ptxas(text: str) -> dict:
@@ -159,7 +180,8 @@ def count_instructions(sass: str) -> dict:
 
 def analyse(pyfunc, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
     """Compile `pyfunc` for sm_90, assemble and disassemble it; its figures."""
-    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC)
+    with _compiling_for_cc():
+        text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC)
     source = folder / f"{pyfunc.__name__}.ptx"
     cubin = source.with_suffix(".cubin")
     source.write_text(text)

@@ -323,6 +323,30 @@ def test_ldmatrix_x4_gives_each_lane_its_fragment(layout, trans):
     np.testing.assert_array_equal(registers, ldmatrix_expected(tile, row_starts, trans))
 
 
+@cuda.jit
+def reload_matrices(rounds, registers):
+    """The same ldmatrix address once per round, the tile rewritten in between: each
+    load must see the tile as it is then (not merged, not hoisted out of the loop)."""
+    lane = cuda.threadIdx.x
+    tile = cuda.shared.array(256, np.uint16)
+    for k in range(rounds):
+        for e in range(lane, 256, 32):
+            tile[e] = k * 256 + e
+        cuda.syncthreads()
+        r = ptx.ldmatrix_x4(tile, lane * 8)
+        registers[k, lane] = r[0]
+        cuda.syncthreads()
+
+
+def test_ldmatrix_reads_the_tile_as_it_is_at_each_call():
+    rounds = 3
+    (registers,) = run(reload_matrices, 1, 32, rounds, np.zeros((rounds, 32), np.uint32))
+    for k in range(rounds):
+        tile = (k * 256 + np.arange(256)).astype(np.uint16)
+        want = ldmatrix_expected(tile, np.arange(32) * 8, trans=False)[:, 0]
+        np.testing.assert_array_equal(registers[k], want)
+
+
 # --- mma.m16n8k16 ------------------------------------------------------------------------
 # The PTX tables, per lane (g, t = groupID, threadID_in_group), each register pair
 # (row, col) of its first element, the second one column (A, C) or row (B) further.

@@ -84,3 +84,13 @@ def test_command_line_reports_a_missing_tool_without_compiling(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--ptxas=" in proc.stderr and "not an executable" in proc.stderr
+
+
+def test_kernel_named_by_its_factory_and_literal_arguments():
+    from kvnumba.kernels import prefill
+
+    kernel = prefill._prefill_kernel(16, 16, 16, "float16", False)
+    got = sass.load_kernel('kvnumba.kernels.prefill:_prefill_kernel(16, 16, 16, "float16", False)')
+    assert got is getattr(kernel, "py_func", kernel)
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        sass.load_kernel("kvnumba.kernels.prefill:_prefill_kernel(16, 16")

@@ -115,13 +115,13 @@ def _check_numbers(name, *values):
 
 # --- 16-byte global memory access --------------------------------------------------------
 
-def _load_v4(name, ptx, doc):
+def _load_v4(name, ptx, doc, constraints="=r,=r,=r,=r,l"):
     def load(typingctx, array, index):
         _check_array(name, array, index)
 
         def codegen(context, builder, sig, args):
             address = _address(context, builder, sig, args, GLOBAL)
-            words = _asm(builder, f"{ptx} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,l",
+            words = _asm(builder, f"{ptx} {{$0, $1, $2, $3}}, [$4];", constraints,
                          [I32] * 4, [address])
             return context.make_tuple(builder, sig.return_type, words)
 
@@ -140,7 +140,7 @@ ld_nc_v4 = _load_v4("ld_nc_v4", "ld.global.nc.v4.u32", """
 ld_v4 = _load_v4("ld_v4", "ld.global.v4.u32", """
     `ld_v4(array, index) -> (u0, u1, u2, u3)` uint32: as `ld_nc_v4`, through the
     coherent path (`ld.global.v4.u32`), for data the kernel also writes.
-    """)
+    """, constraints="=r,=r,=r,=r,l,~{memory}")  # reads memory: not merged or moved past stores
 
 
 @intrinsic
@@ -364,8 +364,10 @@ def _ldmatrix(name, ptx, doc):
 
         def codegen(context, builder, sig, args):
             address = _address(context, builder, sig, args, SHARED)
-            regs = _asm(builder, f"{ptx} {{$0, $1, $2, $3}}, [$4];", "=r,=r,=r,=r,r",
-                        [I32] * 4, [address], convergent=True)
+            # the memory clobber: shared tiles change (cp.async, stores) between loads
+            # of one address; without it LLVM merges them or hoists them out of loops
+            regs = _asm(builder, f"{ptx} {{$0, $1, $2, $3}}, [$4];",
+                        "=r,=r,=r,=r,r,~{memory}", [I32] * 4, [address], convergent=True)
             return context.make_tuple(builder, sig.return_type, regs)
 
         return U32X4(shared_array, index), codegen

@@ -1,0 +1,319 @@
+"""The tensor-core prefill kernel (kvnumba.kernels.prefill) against float64 attention.
+
+Storage, histories and the flat step table are built by hand here; storage is NaN
+wherever no query of a segment may look, and so is every row of `out` the kernel must
+not write. The reference (`oracle.dense_attention`) works from dense histories and
+explicit masks. On the simulator the tiles are tiny (16 rows x 16 keys) and the key
+counts small: every warp-wide instruction costs about a millisecond there.
+"""
+import numpy as np
+import pytest
+
+from kvnumba import device
+from kvnumba.device import cuda
+from kvnumba.kernels import prefill
+from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from oracle import dense_attention, visible
+
+SMALL = (16, 16)                # (block_rows, block_keys): one warp, one k16 step of keys
+TWO_WARPS = (32, 16)
+only_gpu = pytest.mark.skipif(device.SIMULATOR, reason="full-size shapes need a GPU")
+
+
+class _StaleShared:
+    """`numpy` for `kvnumba.device`, whose simulator shared arrays then start as all-ones
+    bytes (NaN as float16 and bfloat16), as stale shared memory may on a GPU."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype):
+        array = np.empty(shape, dtype)
+        array.view(np.uint8)[...] = 0xFF
+        return array
+
+
+@pytest.fixture
+def stale_shared_memory(monkeypatch):
+    if device.SIMULATOR:
+        monkeypatch.setattr(device, "np", _StaleShared())
+
+
+def bf16_bits(x):
+    """uint16 bfloat16 bit patterns of float32 `x`, rounded to nearest even."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_values(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+class Case:
+    """Hand-built inputs of one launch and what it must produce."""
+
+
+def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16, window=0,
+              ring_rows=0, q_dtype=np.float16, out_dtype=np.float16, softcap=0.0,
+              storage="float16"):
+    """segments: (q_len, pos_start, block) per segment of the step table; `served`: the
+    indices the kernel is given (default all). Each segment has its own column; a gap
+    token of NaN queries sits before each segment on the token axis."""
+    c = Case()
+    c.window, c.ring_rows, c.softcap, c.storage = window, ring_rows, softcap, storage
+    c.scale = 1.0 / np.sqrt(head_dim)
+    c.served = list(range(len(segments))) if served is None else list(served)
+    n_q_heads = n_kv_heads * group
+    n_cols = len(segments) + 1
+    cols = rng.permutation(n_cols)[:len(segments)]
+    rows = ring_rows or max(p + n for n, p, _ in segments) + 2
+    shape = (rows, n_cols, n_kv_heads, head_dim)
+    k_store = np.full(shape, np.nan, np.float32)
+    v_store = np.full(shape, np.nan, np.float32)
+    q_start, info, c.segments = 0, [], []
+    for (q_len, pos_start, block), col in zip(segments, cols):
+        kv_len = pos_start + q_len
+        keys = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(np.float32)
+        values = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(np.float32)
+        if storage == "bfloat16":
+            keys, values = bf16_values(bf16_bits(keys)), bf16_values(bf16_bits(values))
+        else:
+            keys, values = keys.astype(np.float16), values.astype(np.float16)
+        seen = [j for j in range(kv_len) if any(
+            visible(pos_start + i, j, pos_start, q_len, window, block) for i in range(q_len))]
+        stored = [j % ring_rows if ring_rows else j for j in seen]
+        assert len(set(stored)) == len(stored), "test bug: ring too small"
+        k_store[stored, col] = keys[seen]
+        v_store[stored, col] = values[seen]
+        q_start += 1                                    # a gap token nobody owns
+        info.append((q_start, q_len, col, pos_start, FLAG_BLOCK if block else 0))
+        c.segments.append((q_start, q_len, pos_start, block, keys, values))
+        q_start += q_len
+    width = q_start + 2
+    c.q = np.full((width, n_q_heads, head_dim), np.nan, np.float32)
+    for seg in c.segments:
+        c.q[seg[0]:seg[0] + seg[1]] = rng.standard_normal((seg[1], n_q_heads, head_dim))
+    c.q = c.q.astype(q_dtype)
+    if storage == "bfloat16":
+        c.k_store, c.v_store = bf16_bits(k_store), bf16_bits(v_store)
+    else:
+        c.k_store, c.v_store = k_store.astype(np.float16), v_store.astype(np.float16)
+    # one flat table: junk, the segment table at seq_info_off, junk, the served list
+    c.seq_info_off = 3
+    c.segments_off = c.seq_info_off + len(segments) * SEQ_INFO_FIELDS + 2
+    tables = rng.integers(-1000, 1000, c.segments_off + len(c.served) + 3).astype(np.int32)
+    for s, fields in enumerate(info):
+        base = c.seq_info_off + s * SEQ_INFO_FIELDS
+        for field, value in zip((Q_START, Q_LEN, COL, POS_START, FLAGS), fields):
+            tables[base + field] = value
+    tables[c.segments_off:c.segments_off + len(c.served)] = c.served
+    c.tables = tables
+    c.out = np.full(c.q.shape, np.nan, out_dtype)
+    c.max_q_len = max(segments[s][0] for s in c.served)
+    return c
+
+
+def run(c, tile=SMALL, served_order=None):
+    """Launch on the device; the host copy of `out` afterwards."""
+    tables = c.tables.copy()
+    if served_order is not None:
+        tables[c.segments_off:c.segments_off + len(served_order)] = served_order
+    out = cuda.to_device(c.out)
+    prefill.run(cuda.to_device(c.q), cuda.to_device(c.k_store), cuda.to_device(c.v_store),
+                cuda.to_device(tables), seq_info_off=c.seq_info_off,
+                segments_off=c.segments_off, n_segments=len(c.served),
+                max_q_len=c.max_q_len, out=out, ring_rows=c.ring_rows, window=c.window,
+                scale=c.scale, softcap=c.softcap, storage_dtype=c.storage, tile=tile)
+    cuda.synchronize()
+    return out.copy_to_host()
+
+
+def reference(c):
+    """float64 output rows of the served segments: {token: [n_q_heads, head_dim]}."""
+    want = {}
+    for s in c.served:
+        q_start, q_len, pos_start, block, keys, values = c.segments[s]
+        got = dense_attention(c.q[q_start:q_start + q_len].astype(np.float64), keys, values,
+                              pos_start, c.window, block, c.scale, c.softcap or None)
+        for i in range(q_len):
+            want[q_start + i] = got[i]
+    return want
+
+
+def check(c, got, tol=2e-3):
+    want = reference(c)
+    tokens = sorted(want)
+    untouched = np.ones(len(got), bool)
+    untouched[tokens] = False
+    assert np.array_equal(got[untouched].view(np.uint8), c.out[untouched].view(np.uint8)), \
+        "rows outside the served segments were written"
+    got_rows = got[tokens].astype(np.float64)
+    want_rows = np.stack([want[t] for t in tokens])
+    assert np.isfinite(got_rows).all(), "NaN/Inf in the served rows"
+    err = np.linalg.norm(got_rows - want_rows) / np.linalg.norm(want_rows)
+    assert err <= tol, f"relative L2 error {err:.2e} > {tol:.0e}"
+
+
+# ---------------------------------------------------------------- supports / shapes
+
+def test_supports_16_bit_storage_and_head_dims_in_16_byte_chunks():
+    for head_dim in (8, 16, 24, 64, 80, 96, 128, 256):
+        assert prefill.supports(head_dim, np.float16)
+        assert prefill.supports(head_dim, "bfloat16")
+    for head_dim in (4, 12, 60, 264, 512):
+        assert not prefill.supports(head_dim, np.float16)
+    assert not prefill.supports(128, np.float32)
+    assert not prefill.supports(128, "float32")
+
+
+def test_gpu_tiles_fit_48_kib_of_shared_memory():
+    for head_dim in (64, 80, 96, 128, 256):
+        rows, keys = prefill.tile_shape(head_dim)
+        q_rows, buffer_rows = prefill.shared_rows(head_dim, rows, keys)
+        assert buffer_rows >= max(rows, q_rows + 2 * keys)     # Q, and K and V after it
+        assert buffer_rows * (prefill.padded_head_dim(head_dim) + 8) * 2 <= 48 * 1024
+        assert rows % 16 == 0 and keys % 16 == 0
+
+
+@pytest.mark.parametrize("head_dim,storage,q_dtype,message", [
+    (12, np.float16, np.float16, "head_dim 12"),
+    (16, np.float32, np.float16, "storage 'float32'"),
+    (16, np.float16, np.uint16, "q dtype uint16"),
+])
+def test_run_refuses_what_it_cannot_serve_before_any_launch(head_dim, storage, q_dtype,
+                                                            message):
+    q = np.zeros((4, 2, head_dim), q_dtype)
+    store = np.zeros((8, 1, 1, head_dim), storage)
+    with pytest.raises(ValueError, match=message):
+        prefill.run(q, store, store, np.zeros(8, np.int32), seq_info_off=0, segments_off=5,
+                    n_segments=1, max_q_len=4, out=np.zeros((4, 2, head_dim), np.float16),
+                    ring_rows=0, window=0, scale=1.0, softcap=0.0)
+
+
+# ---------------------------------------------------------------- scenarios
+
+def test_causal_chunks_over_several_row_and_key_tiles():
+    rng = np.random.default_rng(1)
+    # 5 tokens from 0; a chunk after 19 tokens of history; 3 row tiles x 3 key tiles
+    c = make_case(rng, [(5, 0, False), (6, 19, False), (23, 9, False)])
+    check(c, run(c))
+
+
+@pytest.mark.parametrize("window", [3, 21])
+def test_sliding_window_smaller_and_larger_than_a_key_tile(window):
+    rng = np.random.default_rng(window)
+    c = make_case(rng, [(9, 0, False), (11, 30, False)], window=window)
+    check(c, run(c))
+
+
+def test_ring_layer_after_wraps_with_a_wrap_inside_a_key_tile(stale_shared_memory):
+    rng = np.random.default_rng(3)
+    window, q_len = 8, 9
+    ring = window + q_len - 1                       # 16 rows: positions 40.. wrap at 48
+    c = make_case(rng, [(q_len, 40, False), (5, 23, False)], window=window, ring_rows=ring)
+    check(c, run(c))
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_draft_blocks_see_the_whole_block(window):
+    rng = np.random.default_rng(4 + window)
+    c = make_case(rng, [(7, 12, True), (6, 0, False), (5, 3, True)], window=window)
+    check(c, run(c))
+
+
+def test_softcap():
+    rng = np.random.default_rng(5)
+    c = make_case(rng, [(8, 10, False), (6, 0, True)], softcap=2.0)
+    check(c, run(c))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gqa_groups(group, stale_shared_memory):
+    rng = np.random.default_rng(10 + group)
+    c = make_case(rng, [(5, 4, False), (3, 0, False)], n_kv_heads=1, group=group)
+    check(c, run(c))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256, 24])
+def test_head_dims(head_dim):
+    rng = np.random.default_rng(head_dim)
+    c = make_case(rng, [(5, 3, False)], n_kv_heads=1, group=2, head_dim=head_dim)
+    check(c, run(c))
+
+
+@pytest.mark.parametrize("q_dtype,out_dtype", [(np.float32, np.float32),
+                                               (np.float16, np.float32),
+                                               (np.float32, np.float16)])
+def test_q_and_out_types(q_dtype, out_dtype):
+    rng = np.random.default_rng(7)
+    c = make_case(rng, [(6, 5, False), (4, 0, True)], q_dtype=q_dtype, out_dtype=out_dtype)
+    check(c, run(c))
+
+
+def test_bfloat16_storage_as_bit_patterns():
+    rng = np.random.default_rng(8)
+    c = make_case(rng, [(7, 6, False), (5, 0, True)], storage="bfloat16",
+                  q_dtype=np.float32, out_dtype=np.float32)
+    check(c, run(c), tol=1e-2)
+
+
+def test_warps_of_a_tile_skip_and_mask_on_their_own():
+    """Two warps of 16 rows, group 1: warp 1's rows start 16 tokens later, so with a
+    window of 5 the warps share no key tile; the last row tile has an empty warp."""
+    rng = np.random.default_rng(9)
+    c = make_case(rng, [(40, 2, False), (10, 0, False)], n_kv_heads=1, group=1, window=5)
+    check(c, run(c, tile=TWO_WARPS))
+
+
+def test_served_segments_only_and_alone_equals_in_a_list():
+    """Segments 1 and 3 of four are served (the others belong to other paths); the
+    same segment served alone or with others, in any order, gives the same bits."""
+    rng = np.random.default_rng(11)
+    segments = [(1, 7, False), (9, 4, False), (2, 0, False), (6, 0, True)]
+    c = make_case(rng, segments, served=[1, 3])
+    both = run(c)
+    check(c, both)
+    swapped = run(c, served_order=[3, 1])
+    assert np.array_equal(both.view(np.uint8), swapped.view(np.uint8))
+    alone = make_case(np.random.default_rng(11), segments, served=[1])
+    one = run(alone)
+    rows = slice(alone.segments[1][0], alone.segments[1][0] + 9)
+    assert np.array_equal(one[rows].view(np.uint8), both[rows].view(np.uint8))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_steps_over_tile_shapes(seed):
+    """Random segments (decode-sized to several tiles, chunks, blocks), windows with and
+    without a ring, GQA groups and tile shapes of 1 to 3 warps and 16 or 32 keys."""
+    rng = np.random.default_rng(100 + seed)
+    window = int(rng.choice([0, 3, 9, 20]))
+    segments = [(int(rng.integers(1, 25)), int(rng.integers(0, 40)), bool(rng.random() < 0.3))
+                for _ in range(int(rng.integers(1, 4)))]
+    max_q_len = max(n for n, _, _ in segments)
+    ring = window + max_q_len - 1 if window and rng.random() < 0.6 else 0
+    tile = [SMALL, TWO_WARPS, (16, 32), (48, 32)][seed % 4]
+    c = make_case(rng, segments, n_kv_heads=int(rng.integers(1, 3)),
+                  group=int(rng.choice([1, 2, 4])), window=window, ring_rows=ring,
+                  softcap=float(rng.choice([0.0, 3.0])))
+    check(c, run(c, tile=tile))
+
+
+def test_gpu_tile_shape_over_several_key_tiles(stale_shared_memory):
+    """The GPU's own tiles for head_dim 64 (64 rows x 64 keys, 4 warps): windowed ring
+    layer after wraps, a chunk far into its history, a draft block."""
+    rng = np.random.default_rng(12)
+    c = make_case(rng, [(40, 0, False), (30, 200, False), (16, 40, True)], n_kv_heads=1,
+                  group=2, head_dim=64, window=70, ring_rows=70 + 40 - 1)
+    check(c, run(c, tile=None))
+
+
+@only_gpu
+@pytest.mark.parametrize("head_dim,window,softcap", [(64, 0, 0.0), (128, 0, 0.0),
+                                                     (128, 100, 0.0), (256, 0, 30.0)])
+def test_long_segments_with_gpu_tiles(head_dim, window, softcap):
+    rng = np.random.default_rng(13)
+    segments = [(300, 0, False), (200, 500 if window else 150, False), (64, 40, True)]
+    c = make_case(rng, segments, n_kv_heads=2, group=4, head_dim=head_dim, window=window,
+                  ring_rows=window + 300 - 1 if window else 0, softcap=softcap)
+    check(c, run(c, tile=None))
