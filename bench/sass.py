@@ -32,9 +32,7 @@ import site  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -145,19 +143,6 @@ def load_kernel(spec: str):
     return getattr(kernel, "py_func", kernel)
 
 
-@contextmanager
-def _compiling_for_cc():
-    """numba-cuda compiles the device functions a kernel calls for the current device's
-    compute capability; without a GPU there is none: take CC for it meanwhile."""
-    from numba.cuda import dispatcher
-    current = dispatcher.get_current_device
-    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
-    try:
-        yield
-    finally:
-        dispatcher.get_current_device = current
-
-
 def parse_ptxas(text: str) -> dict:
     """Registers, spills, stack and shared bytes from `ptxas -v` of one entry function."""
     def number(pattern):
@@ -180,8 +165,7 @@ def count_instructions(sass: str) -> dict:
 
 def analyse(pyfunc, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
     """Compile `pyfunc` for sm_90, assemble and disassemble it; its figures."""
-    with _compiling_for_cc():
-        text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC)
+    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC)
     source = folder / f"{pyfunc.__name__}.ptx"
     cubin = source.with_suffix(".cubin")
     source.write_text(text)
