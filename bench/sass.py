@@ -6,7 +6,9 @@
 Each kernel (always `intrinsics_probe` below, which uses every `kvnumba.kernels.ptx`
 function, plus any `@cuda.jit` kernel named as `module:function` with a Numba
 signature, e.g. `kvnumba.kernels.copy:_copy_column "void(float16[:, :, :, ::1],
-float16[:, :, :, ::1], int64, int64, int64)"`) is compiled to PTX by numba-cuda in
+float16[:, :, :, ::1], int64, int64, int64)"`, or the kernel a factory makes for
+literal arguments, `module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128,
+'float16', 4)`) is compiled to PTX by numba-cuda in
 GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is), assembled by
 `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
 registers, spill stores / loads, stack frame (local memory), static shared
@@ -23,6 +25,7 @@ import os
 os.environ.setdefault("KVNUMBA_DEVICE", "compile")  # before kvnumba chooses a device
 
 import argparse  # noqa: E402
+import ast  # noqa: E402
 import importlib  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
@@ -57,6 +60,8 @@ INSTRUCTIONS = {
     "DMUL": lambda op: op.startswith("DMUL"),
     "DFMA": lambda op: op.startswith("DFMA"),
 }
+#: "factory(128, 'float16', 4)" -> "factory", "128, 'float16', 4"
+FACTORY_CALL = re.compile(r"(\w+)\((.*)\)")
 #: "/*0150*/   @!P0 LDSM.16.M88.4 R4, [R23] ;" -> "LDSM.16.M88.4"
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -129,11 +134,15 @@ def find_tool(name: str, explicit: str | None = None) -> str:
 
 
 def load_kernel(spec: str):
-    """The Python function of the kernel `module:function`."""
+    """The Python function of the kernel `module:function`, or of the kernel that a
+    factory returns for literal arguments: `module:factory(128, 'float16', 4)`."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
-        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION")
-    kernel = getattr(importlib.import_module(module), name)
+        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
+    call = FACTORY_CALL.fullmatch(name)
+    kernel = getattr(importlib.import_module(module), call[1] if call else name)
+    if call:
+        kernel = kernel(*ast.literal_eval(f"[{call[2]}]"))
     return getattr(kernel, "py_func", kernel)
 
 
@@ -155,6 +164,20 @@ def count_instructions(sass: str) -> dict:
     opcodes = SASS_LINE.findall(sass)
     return {kind: sum(1 for op in opcodes if matches(op))
             for kind, matches in INSTRUCTIONS.items()}
+
+
+def compile_device_functions_for(cc: tuple) -> None:
+    """Let kernels that call `@cuda.jit(device=True)` functions compile without a GPU.
+
+    numba-cuda compiles such a function for the current device's compute capability;
+    compile-only mode has no device, so it is told `cc` instead.
+    """
+    from numba.cuda import dispatcher
+
+    class Device:
+        compute_capability = cc
+
+    dispatcher.get_current_device = lambda: Device
 
 
 def analyse(pyfunc, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
@@ -202,6 +225,7 @@ def main(argv=None) -> int:
     except ToolMissing as e:
         print(f"bench.sass: {e}", file=sys.stderr)
         return 2
+    compile_device_functions_for(CC)
     kernels = [("bench.sass:intrinsics_probe", intrinsics_probe.py_func, PROBE_SIGNATURE)]
     kernels += [(spec, load_kernel(spec), sig)
                 for spec, sig in zip(args.kernels[::2], args.kernels[1::2])]
