@@ -15,6 +15,7 @@ sys.setswitchinterval(1e-4)
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from kvnumba import device  # noqa: E402
 from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import decode as dec  # noqa: E402
 from kvnumba.kernels.attention import DECODE_MAX_Q_LEN  # noqa: E402
@@ -433,6 +434,23 @@ def test_storage_query_and_output_dtypes(store, q_dtype, out_dtype):
     case = make_case(rng, [(2, 75), (1, 4)], group=2, dtype=store, q_dtype=q_dtype,
                      out_dtype=out_dtype)
     check(case, run(case)[0])
+
+
+@pytest.mark.skipif(device.SIMULATOR, reason="model-sized shapes need a CUDA GPU (the "
+                                              "simulator runs every thread in Python)")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_model_shapes_on_a_gpu(dtype):
+    """head_dim 128, 8 kv heads, 32 q heads; 24 sequences from 1 to 6000 keys, some
+    drafting 4-token blocks, on a ring layer and a flat one."""
+    rng = np.random.default_rng(9)
+    lengths = np.geomspace(1, 6000, 24).astype(int)
+    segments = [(4, n, True) if k % 5 == 0 else (1 + k % 3, n) for k, n in enumerate(lengths)]
+    for window, ring_rows in ((0, 0), (1000, 1007)):
+        case = make_case(rng, segments, n_kv_heads=8, group=4, head_dim=128, dtype=dtype,
+                         window=window, ring_rows=ring_rows)
+        got, plan = run(case, target_blocks=528, min_chunk=dec.MIN_CHUNK)
+        assert plan.n_combine > 0
+        check(case, got)
 
 
 def test_warm_workspace_allocates_nothing(monkeypatch):
