@@ -134,8 +134,8 @@ def find_tool(name: str, explicit: str | None = None) -> str:
 
 
 def load_kernel(spec: str):
-    """The Python function of the kernel `module:function`, or of the kernel that a
-    factory returns for literal arguments: `module:factory(128, 'float16', 4)`."""
+    """The kernel `module:function`, or the kernel that a factory returns for literal
+    arguments: `module:factory(128, 'float16', 4)`."""
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
@@ -143,7 +143,7 @@ def load_kernel(spec: str):
     kernel = getattr(importlib.import_module(module), call[1] if call else name)
     if call:
         kernel = kernel(*ast.literal_eval(f"[{call[2]}]"))
-    return getattr(kernel, "py_func", kernel)
+    return kernel
 
 
 def parse_ptxas(text: str) -> dict:
@@ -180,9 +180,12 @@ def compile_device_functions_for(cc: tuple) -> None:
     dispatcher.get_current_device = lambda: Device
 
 
-def analyse(pyfunc, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
-    """Compile `pyfunc` for sm_90, assemble and disassemble it; its figures."""
-    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC)
+def analyse(kernel, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
+    """Compile `kernel` (a `@cuda.jit` kernel, with its launch bounds, or a Python
+    function) for sm_90, assemble and disassemble it; its figures."""
+    pyfunc = getattr(kernel, "py_func", kernel)
+    bounds = getattr(kernel, "targetoptions", {}).get("launch_bounds")
+    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC, launch_bounds=bounds)
     source = folder / f"{pyfunc.__name__}.ptx"
     cubin = source.with_suffix(".cubin")
     source.write_text(text)
@@ -226,16 +229,16 @@ def main(argv=None) -> int:
         print(f"bench.sass: {e}", file=sys.stderr)
         return 2
     compile_device_functions_for(CC)
-    kernels = [("bench.sass:intrinsics_probe", intrinsics_probe.py_func, PROBE_SIGNATURE)]
+    kernels = [("bench.sass:intrinsics_probe", intrinsics_probe, PROBE_SIGNATURE)]
     kernels += [(spec, load_kernel(spec), sig)
                 for spec, sig in zip(args.kernels[::2], args.kernels[1::2])]
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         print(f"sm_90 static report ({ARCH}; ptxas {tools[0]}; nvdisasm {tools[1]})")
-        for name, pyfunc, signature in kernels:
+        for name, kernel, signature in kernels:
             try:
-                figures = analyse(pyfunc, signature, *tools, folder)
+                figures = analyse(kernel, signature, *tools, folder)
             except Exception as e:  # a compiler, a library or a tool is missing or failed
                 print(f"bench.sass: {name}: {type(e).__name__}: {str(e).strip()}", file=sys.stderr)
                 if re.search(r"nvvm|nvrtc", str(e), re.IGNORECASE):

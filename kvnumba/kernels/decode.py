@@ -20,9 +20,11 @@ stream K and V at the chip's bandwidth with few instructions per key.
 * Lanes: a key row (`head_dim * itemsize` bytes) is split into 16-byte pieces over
   `lanes` lanes, loaded with `ld.global.nc.v4` straight from storage (two pieces
   per lane past 32 lanes), so a warp takes `32 / lanes` keys per step and each
-  lane `UNROLL` keys per trip; the K and V loads of the next trip are in flight
-  while a lane computes on this one's. A lane keeps its slice of every row's query
-  and accumulator in registers as float32.
+  lane `UNROLL` keys per trip. Loads run a phase ahead: the next trip's K is
+  loaded once this trip's scores are made, its V once this trip's V is
+  accumulated, so a lane computes with one to two trips of loads in flight. A
+  lane keeps its slice of every row's query and accumulator in registers as
+  float32.
 * Scores: a lane's partial dot products meet over the key's lanes in butterfly
   rounds (`shfl_xor`) that also split the rows, so each lane ends with whole
   scores of a few *held* rows, runs their online softmax (float32, base 2,
@@ -44,7 +46,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..device import cuda
+from ..device import SIMULATOR, cuda
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from . import ptx
 from .attention import DECODE_MAX_Q_LEN, AttentionWorkspace
@@ -75,12 +77,18 @@ MAX_HEAD_DIM = 256
 WARP = 32
 WARPS = 4
 THREADS = WARPS * WARP
-#: keys per lane per trip: its K and V loads of a trip are in flight together
-UNROLL = 2
-#: registers per lane for the big arrays: each row's query and accumulator slices,
-#: and the K and V words of this trip and the next (96 = 4 rows at head_dim 128
-#: float16, about 150 registers in all: three 4-warp blocks per SM)
+#: keys per lane per trip: UNROLL to 2 x UNROLL 16-byte loads of a lane in flight
+UNROLL = 4
+#: registers per lane for the big arrays, each row's query and accumulator slices
+#: and the K and V words of a trip, and a cap on rows per block (scores and
+#: probabilities grow with rows too): 4 rows at head_dim 128 float16 take 168
+#: registers in all
 REGISTER_BUDGET = 96
+MAX_ROWS = 4
+#: blocks of THREADS the kernel must fit per SM: ptxas keeps it to 168 registers
+BLOCKS_PER_SM = 3
+#: (the simulator takes no launch bounds)
+LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 COMBINE_THREADS = 128
 
 #: a row's reference max moves only when a score passes it by this much (base 2):
@@ -140,7 +148,7 @@ class Geometry:
     vec: elements per 16-byte load; pieces: loads per key row; lanes: lanes per key
     (a power of two, idle lanes when `pieces` is not); per_lane: loads per lane
     per key; elements: key elements per lane; key_slots: keys a warp takes at once;
-    max_rows: rows per block within REGISTER_BUDGET (a power of two).
+    max_rows: rows per block within REGISTER_BUDGET and MAX_ROWS (a power of two).
     """
 
     vec: int
@@ -158,8 +166,8 @@ class Geometry:
         lanes = min(WARP, 1 << (pieces - 1).bit_length())
         per_lane = -(-pieces // lanes)
         elements = vec * per_lane
-        words = 2 * 2 * UNROLL * per_lane * 4      # K and V, this trip and the next
-        rows = max(1, (REGISTER_BUDGET - words) // (2 * elements))
+        words = 2 * UNROLL * per_lane * 4          # K and V words of a trip
+        rows = max(1, min(MAX_ROWS, (REGISTER_BUDGET - words) // (2 * elements)))
         return cls(vec, pieces, lanes, per_lane, elements, WARP // lanes,
                    1 << (rows.bit_length() - 1))
 
@@ -300,6 +308,29 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
     # Every loop over a compile-time range is unrolled, so the local arrays (indexed
     # by those loops only) live in registers.
     @cuda.jit(device=True, inline="always")
+    def _load_keys(store, words, t, geometry):
+        """Load this lane's pieces of its UNROLL keys of trip `t` from `store` (K or V)
+        into `words`. `geometry`: (store_lo, wrap, last, lane_first, row_stride,
+        lane_offset, sub) as `decode` computes them."""
+        store_lo, wrap, last, lane_first, row_stride, lane_offset, sub = geometry
+        for u in range(UNROLL):
+            # keys past the chunk re-read its last key (held, finite) and are masked
+            row = int32(store_lo + min(int32(lane_first + t * BLOCK_KEYS + u * KEY_SLOTS),
+                                       last))
+            if row >= wrap:
+                row = int32(row - wrap)
+            at = row * row_stride + lane_offset
+            for c in range(PER_LANE):
+                if not IDLE_PIECES or c * LANES + sub < PIECES:
+                    w0, w1, w2, w3 = ptx.ld_nc_v4(store, at + c * LANES * VEC)
+                else:
+                    w0 = w1 = w2 = w3 = uint32(0)
+                words[u, c, 0] = w0
+                words[u, c, 1] = w1
+                words[u, c, 2] = w2
+                words[u, c, 3] = w3
+
+    @cuda.jit(device=True, inline="always")
     def _split_rows(score, sub):
         """Sum `score[u, r]` over the LANES lanes of a key, splitting the rows as it goes.
 
@@ -337,7 +368,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
                 prob[u, r] = ptx.shfl_idx(prob[u, r % HELD], source)
             alpha[r] = ptx.shfl_idx(alpha[r % HELD], source)
 
-    @cuda.jit
+    @cuda.jit(**LAUNCH_BOUNDS)
     def decode(q, k_store, v_store, tables, out, part_acc, part_ml, seq_info_off, work_off,
                max_q_len, group, n_row_groups, ring_rows, window, scale, softcap):
         tid = cuda.threadIdx.x
@@ -409,104 +440,82 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
         for r in range(ROWS):
             for e in range(ELEMENTS):
                 acc[r, e] = ZERO
-        k_next = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
-        v_next = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
         k_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
         v_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
         values = cuda.local.array((UNROLL, ELEMENTS), float32)
         score = cuda.local.array((UNROLL, ROWS), float32)   # then probabilities
         alpha = cuda.local.array(ROWS, float32)
 
+        # Loads run one phase ahead: the next trip's K is loaded once this trip's
+        # scores are made, its V once this trip's V is accumulated.
+        geometry = (store_lo, wrap, last, lane_first, row_stride, lane_offset, sub)
+        _load_keys(k_store, k_words, 0, geometry)
+        _load_keys(v_store, v_words, 0, geometry)
         trips = (key_hi - key_lo + BLOCK_KEYS - 1) // BLOCK_KEYS
-        # trip t loads the keys of trip t and computes on those of trip t - 1
-        for t in range(trips + 1):
+        for t in range(trips):
+            # this lane's partial dot products of every row with its keys
             for u in range(UNROLL):
                 for c in range(PER_LANE):
-                    for w in range(4):
-                        k_words[u, c, w] = k_next[u, c, w]
-                        v_words[u, c, w] = v_next[u, c, w]
-            if t < trips:
-                for u in range(UNROLL):
-                    # keys past the chunk re-read its last key (held, finite) and are masked
-                    row = int32(store_lo + min(int32(lane_first + t * BLOCK_KEYS
-                                                     + u * KEY_SLOTS), last))
-                    if row >= wrap:
-                        row = int32(row - wrap)
-                    at = row * row_stride + lane_offset
-                    for c in range(PER_LANE):
-                        if not IDLE_PIECES or c * LANES + sub < PIECES:
-                            k0, k1, k2, k3 = ptx.ld_nc_v4(k_store, at + c * LANES * VEC)
-                            v0, v1, v2, v3 = ptx.ld_nc_v4(v_store, at + c * LANES * VEC)
-                        else:
-                            k0 = k1 = k2 = k3 = v0 = v1 = v2 = v3 = uint32(0)
-                        k_next[u, c, 0] = k0
-                        k_next[u, c, 1] = k1
-                        k_next[u, c, 2] = k2
-                        k_next[u, c, 3] = k3
-                        v_next[u, c, 0] = v0
-                        v_next[u, c, 1] = v1
-                        v_next[u, c, 2] = v2
-                        v_next[u, c, 3] = v3
-            if t > 0:
-                # this lane's partial dot products of every row with its keys
-                for u in range(UNROLL):
-                    for c in range(PER_LANE):
-                        kf = widen(k_words[u, c, 0], k_words[u, c, 1], k_words[u, c, 2],
-                                   k_words[u, c, 3])
-                        for e in range(VEC):
-                            values[u, c * VEC + e] = kf[e]
-                for u in range(UNROLL):
-                    for r in range(ROWS):
-                        score[u, r] = ZERO
-                for e in range(ELEMENTS):
-                    for r in range(ROWS):
-                        for u in range(UNROLL):
-                            score[u, r] += qr[r, e] * values[u, e]
-                # summed over the key's lanes, each lane ending with its held rows
-                _split_rows(score, sub)
-                # online softmax of the held rows, against a reference max that only
-                # moves when a score passes it by RESCALE_SLACK (p <= 2**RESCALE_SLACK)
-                first_off = int32(lane_first + (t - 1) * BLOCK_KEYS)
-                for j in range(HELD):
-                    best = NEG_INF
-                    for u in range(UNROLL):
-                        s = _cap(score[u, j], softcap) if CAPPED else score[u, j]
-                        # one unsigned compare: off - lo < span  <=>  lo <= off < lo + span
-                        if uint32(first_off + u * KEY_SLOTS - held_lo[j]) >= held_span[j]:
-                            s = NEG_INF
-                        score[u, j] = s
-                        best = max(best, s)
-                    ref = run_max[j]
-                    alpha[j] = float32(1.0)
-                    if best > ref + float32(RESCALE_SLACK):   # also: first visible key
-                        alpha[j] = ptx.exp2_approx(ref - best)
-                        ref = best
-                    base = ref if ref != NEG_INF else ZERO   # no visible key yet: p = 0
-                    total = run_sum[j] * alpha[j]
-                    for u in range(UNROLL):
-                        score[u, j] = ptx.exp2_approx(score[u, j] - base)
-                        total += score[u, j]
-                    run_max[j] = ref
-                    run_sum[j] = total
-                # every lane gets every row's probabilities and rescale factor
-                _gather_rows(score, alpha, lane)
-                rescale = False
+                    kf = widen(k_words[u, c, 0], k_words[u, c, 1], k_words[u, c, 2],
+                               k_words[u, c, 3])
+                    for e in range(VEC):
+                        values[u, c * VEC + e] = kf[e]
+            for u in range(UNROLL):
                 for r in range(ROWS):
-                    rescale = rescale or alpha[r] != float32(1.0)
-                if rescale:
-                    for r in range(ROWS):
-                        for e in range(ELEMENTS):
-                            acc[r, e] *= alpha[r]
+                    score[u, r] = ZERO
+            for e in range(ELEMENTS):
+                for r in range(ROWS):
+                    for u in range(UNROLL):
+                        score[u, r] += qr[r, e] * values[u, e]
+            if t + 1 < trips:
+                _load_keys(k_store, k_words, t + 1, geometry)
+            # summed over the key's lanes, each lane ending with its held rows
+            _split_rows(score, sub)
+            # online softmax of the held rows, against a reference max that only
+            # moves when a score passes it by RESCALE_SLACK (p <= 2**RESCALE_SLACK)
+            first_off = int32(lane_first + t * BLOCK_KEYS)
+            for j in range(HELD):
+                best = NEG_INF
                 for u in range(UNROLL):
-                    for c in range(PER_LANE):
-                        vf = widen(v_words[u, c, 0], v_words[u, c, 1], v_words[u, c, 2],
-                                   v_words[u, c, 3])
-                        for e in range(VEC):
-                            values[u, c * VEC + e] = vf[e]
-                for e in range(ELEMENTS):
-                    for r in range(ROWS):
-                        for u in range(UNROLL):
-                            acc[r, e] += score[u, r] * values[u, e]
+                    s = _cap(score[u, j], softcap) if CAPPED else score[u, j]
+                    # one unsigned compare: off - lo < span  <=>  lo <= off < lo + span
+                    if uint32(first_off + u * KEY_SLOTS - held_lo[j]) >= held_span[j]:
+                        s = NEG_INF
+                    score[u, j] = s
+                    best = max(best, s)
+                ref = run_max[j]
+                alpha[j] = float32(1.0)
+                if best > ref + float32(RESCALE_SLACK):   # also: first visible key
+                    alpha[j] = ptx.exp2_approx(ref - best)
+                    ref = best
+                base = ref if ref != NEG_INF else ZERO   # no visible key yet: p = 0
+                total = run_sum[j] * alpha[j]
+                for u in range(UNROLL):
+                    score[u, j] = ptx.exp2_approx(score[u, j] - base)
+                    total += score[u, j]
+                run_max[j] = ref
+                run_sum[j] = total
+            # every lane gets every row's probabilities and rescale factor
+            _gather_rows(score, alpha, lane)
+            rescale = False
+            for r in range(ROWS):
+                rescale = rescale or alpha[r] != float32(1.0)
+            if rescale:
+                for r in range(ROWS):
+                    for e in range(ELEMENTS):
+                        acc[r, e] *= alpha[r]
+            for u in range(UNROLL):
+                for c in range(PER_LANE):
+                    vf = widen(v_words[u, c, 0], v_words[u, c, 1], v_words[u, c, 2],
+                               v_words[u, c, 3])
+                    for e in range(VEC):
+                        values[u, c * VEC + e] = vf[e]
+            for e in range(ELEMENTS):
+                for r in range(ROWS):
+                    for u in range(UNROLL):
+                        acc[r, e] += score[u, r] * values[u, e]
+            if t + 1 < trips:
+                _load_keys(v_store, v_words, t + 1, geometry)
 
         # merge the (warp, key slot) states of the block, then write out or the partial
         slot_max = cuda.shared.array((SLOTS, ROWS), float32)
