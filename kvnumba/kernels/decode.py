@@ -624,7 +624,7 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
     """
     if n_items == 0:
         return out
-    width, n_q_heads, head_dim = q.shape
+    _, n_q_heads, head_dim = q.shape
     n_kv_heads = k_store.shape[2]
     storage = np.dtype(k_store.dtype)
     if not supports(head_dim, storage) or v_store.dtype != storage:
@@ -638,7 +638,7 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
                                                n_parts * max_q_len * n_q_heads * 2, stream)
     else:
         part_acc = part_ml = workspace.dummy
-    kernel = _decode_kernel(head_dim, storage.name, rows, softcap > 0)
+    kernel = _decode_kernel(head_dim, storage.name, rows, bool(softcap > 0))
     kernel[n_items * n_kv_heads * n_row_groups, THREADS, stream](
         q, k_store, v_store, tables, out, part_acc, part_ml, int(seq_info_off),
         int(work_off), int(max_q_len), group, n_row_groups, int(ring_rows), int(window),
