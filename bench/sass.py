@@ -6,10 +6,11 @@
 Each kernel (always `intrinsics_probe` below, which uses every `kvnumba.kernels.ptx`
 function, plus any `@cuda.jit` kernel named as `module:function` with a Numba
 signature, e.g. `kvnumba.kernels.copy:_copy_column "void(float16[:, :, :, ::1],
-float16[:, :, :, ::1], int64, int64, int64)"`, or made by a kernel factory named
-with literal arguments, `module:factory(128, 64, 64, "float16")`) is compiled to PTX
-by numba-cuda in GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is),
-assembled by `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
+float16[:, :, :, ::1], int64, int64, int64)"`, or the kernel a factory makes for
+literal arguments, `module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128,
+'float16', 4)`) is compiled to PTX by numba-cuda in
+GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is), assembled by
+`ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
 registers, spill stores / loads, stack frame (local memory), static shared
 memory, and counts of the SASS instructions that matter to the fast kernels.
 
@@ -59,6 +60,8 @@ INSTRUCTIONS = {
     "DMUL": lambda op: op.startswith("DMUL"),
     "DFMA": lambda op: op.startswith("DFMA"),
 }
+#: "factory(128, 'float16', 4)" -> "factory", "128, 'float16', 4"
+FACTORY_CALL = re.compile(r"(\w+)\((.*)\)")
 #: "/*0150*/   @!P0 LDSM.16.M88.4 R4, [R23] ;" -> "LDSM.16.M88.4"
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)")
 
@@ -131,16 +134,16 @@ def find_tool(name: str, explicit: str | None = None) -> str:
 
 
 def load_kernel(spec: str):
-    """The Python function of the kernel `module:function`, or of the kernel that
-    `module:factory(literal, ...)` returns."""
+    """The kernel `module:function`, or the kernel that a factory returns for literal
+    arguments: `module:factory(128, 'float16', 4)`."""
     module, sep, name = spec.partition(":")
-    name, paren, call = name.partition("(")
-    if not sep or not module or not name or (paren and not call.endswith(")")):
+    if not sep or not module or not name:
         raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
-    kernel = getattr(importlib.import_module(module), name)
-    if paren:
-        kernel = kernel(*ast.literal_eval(f"({call[:-1]},)"))
-    return getattr(kernel, "py_func", kernel)
+    call = FACTORY_CALL.fullmatch(name)
+    kernel = getattr(importlib.import_module(module), call[1] if call else name)
+    if call:
+        kernel = kernel(*ast.literal_eval(f"[{call[2]}]"))
+    return getattr(kernel, "dispatcher", kernel)   # a `launch.Specialised`: its dispatcher
 
 
 def parse_ptxas(text: str) -> dict:
@@ -163,9 +166,12 @@ def count_instructions(sass: str) -> dict:
             for kind, matches in INSTRUCTIONS.items()}
 
 
-def analyse(pyfunc, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
-    """Compile `pyfunc` for sm_90, assemble and disassemble it; its figures."""
-    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC)
+def analyse(kernel, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
+    """Compile `kernel` (a `@cuda.jit` kernel, with its launch bounds, or a Python
+    function) for sm_90, assemble and disassemble it; its figures."""
+    pyfunc = getattr(kernel, "py_func", kernel)
+    bounds = getattr(kernel, "targetoptions", {}).get("launch_bounds")
+    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC, launch_bounds=bounds)
     source = folder / f"{pyfunc.__name__}.ptx"
     cubin = source.with_suffix(".cubin")
     source.write_text(text)
@@ -208,16 +214,16 @@ def main(argv=None) -> int:
     except ToolMissing as e:
         print(f"bench.sass: {e}", file=sys.stderr)
         return 2
-    kernels = [("bench.sass:intrinsics_probe", intrinsics_probe.py_func, PROBE_SIGNATURE)]
+    kernels = [("bench.sass:intrinsics_probe", intrinsics_probe, PROBE_SIGNATURE)]
     kernels += [(spec, load_kernel(spec), sig)
                 for spec, sig in zip(args.kernels[::2], args.kernels[1::2])]
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         print(f"sm_90 static report ({ARCH}; ptxas {tools[0]}; nvdisasm {tools[1]})")
-        for name, pyfunc, signature in kernels:
+        for name, kernel, signature in kernels:
             try:
-                figures = analyse(pyfunc, signature, *tools, folder)
+                figures = analyse(kernel, signature, *tools, folder)
             except Exception as e:  # a compiler, a library or a tool is missing or failed
                 print(f"bench.sass: {name}: {type(e).__name__}: {str(e).strip()}", file=sys.stderr)
                 if re.search(r"nvvm|nvrtc", str(e), re.IGNORECASE):

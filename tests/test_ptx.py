@@ -219,6 +219,28 @@ def test_bitcasts_keep_every_bit():
     np.testing.assert_array_equal(as_word, floats.view(np.uint32))
 
 
+@cuda.jit
+def exp2s(xs, ys):
+    i = cuda.grid(1)
+    if i < xs.size:
+        ys[i] = ptx.exp2_approx(xs[i])
+
+
+def test_exp2_approx_is_close_to_exp2_and_flushes_what_is_not_normal():
+    rng = np.random.default_rng(RNG_SEED)
+    xs = np.concatenate([rng.uniform(-130, 128, 48), [0.0, 1.0, -1.0, 0.5, -125.9, -126.5,
+                                                      -200.0, 1e-40]]).astype(np.float32)
+    specials = np.array([-np.inf, np.inf, np.nan], np.float32)
+    xs = np.concatenate([xs, specials])
+    (ys,) = run(exp2s, 1, 64, xs, np.full(xs.size, -1.0, np.float32))[1:]
+    want = np.exp2(xs.astype(np.float64))
+    normal = np.isfinite(want) & (want >= 2.0 ** -126) & (want < 2.0 ** 128)
+    np.testing.assert_allclose(ys[normal], want[normal], rtol=2.0 ** -21)
+    assert (ys[want < 2.0 ** -126] == 0).all()             # flushed, -inf included
+    assert ys[-2] == np.inf and np.isnan(ys[-1])
+    assert ys[np.flatnonzero(xs == 1e-40)[0]] == 1.0         # a subnormal argument is 0
+
+
 # --- shuffles ----------------------------------------------------------------------------
 
 XOR_MASKS = np.array([0, 1, 2, 4, 8, 16, 31, 13], np.int32)

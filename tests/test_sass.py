@@ -55,6 +55,15 @@ def test_sass_instructions_are_counted_by_kind_predicated_or_not():
                       "SHFL": 2, "LDL": 1, "STL": 1, "DADD": 1, "DMUL": 0, "DFMA": 1}
 
 
+def test_a_factory_kernel_is_named_by_its_literal_arguments():
+    from kvnumba.kernels import decode
+    kernel = decode._decode_kernel(16, "float16", 1, False)
+    got = sass.load_kernel("kvnumba.kernels.decode:_decode_kernel(16, 'float16', 1, False)")
+    assert got is kernel
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        sass.load_kernel("_decode_kernel(16)")
+
+
 def test_tool_named_explicitly_must_exist(tmp_path):
     with pytest.raises(sass.ToolMissing, match="--ptxas="):
         sass.find_tool("ptxas", str(tmp_path / "ptxas"))

@@ -1,5 +1,5 @@
 """Inline PTX for the fast attention kernels: 16-byte memory access, f16 / bf16
-packing, warp shuffles, tensor-core `mma`, `ldmatrix` and `cp.async`.
+packing, a fast exp2, warp shuffles, tensor-core `mma`, `ldmatrix` and `cp.async`.
 
 Every public name is a device function for `@cuda.jit` kernels. On Numba's CUDA
 simulator (`kvnumba.device.SIMULATOR`) the same names are bound to `ptxsim`'s
@@ -245,6 +245,23 @@ f32_as_u32 = _bitcast("f32_as_u32", types.float32, types.uint32,
                       "`f32_as_u32(f) -> u` uint32: the bits of `f` (taken as float32).")
 
 
+@intrinsic
+def exp2_approx(typingctx, x):
+    """`exp2_approx(x) -> float32`: 2**x in one special-function-unit instruction,
+    `ex2.approx.ftz.f32` (`math.exp2` adds range handling around it). Relative error
+    about 2**-22; subnormal arguments and results are flushed to zero, so
+    `exp2_approx(-inf) == 0` and `exp2_approx(x) == 0` for `x < -126`. `x` is taken
+    as float32."""
+    _check_numbers("exp2_approx", x)
+
+    def codegen(context, builder, sig, args):
+        (value,) = _cast(context, builder, args, sig.args, types.float32)
+        (result,) = _asm(builder, "ex2.approx.ftz.f32 $0, $1;", "=f,f", [F32], [value])
+        return result
+
+    return types.float32(x), codegen
+
+
 # --- warp shuffles -----------------------------------------------------------------------
 # Numba's own `cuda.shfl_*_sync` refuse uint32; these take any 32-bit integer or float32
 # value, shuffle its bits with `shfl.sync.<mode>.b32` and return the same type.
@@ -440,7 +457,7 @@ def cp_async_wait(typingctx, n):
 
 if SIMULATOR:
     from .ptxsim import (  # noqa: E402,F401,F811  (same names, simulated)
-        bf16x2_to_f32, cp_async_16, cp_async_commit, cp_async_wait, f16x2_to_f32,
+        bf16x2_to_f32, cp_async_16, cp_async_commit, cp_async_wait, exp2_approx, f16x2_to_f32,
         f32_as_u32, f32x2_to_bf16x2, f32x2_to_f16x2, ld_nc_v4, ld_v4, ldmatrix_x4,
         ldmatrix_x4_trans, lane_id, mma_bf16_f32, mma_f16_f32, shfl_idx, shfl_xor, st_v4,
         u32_as_f32)

@@ -119,6 +119,16 @@ def f32_as_u32(f):
     return np.float32(f).view(np.uint32)
 
 
+def exp2_approx(x):
+    """float32 2**x, correctly rounded, subnormal arguments and results flushed to zero."""
+    x = np.float32(x)
+    if abs(x) < np.finfo(np.float32).tiny:
+        x = np.float32(0.0)
+    with np.errstate(over="ignore"):
+        y = np.exp2(x)
+    return y if y >= np.finfo(np.float32).tiny or np.isnan(y) else np.float32(0.0)
+
+
 # --- warp shuffles -----------------------------------------------------------------------
 
 def _shuffle(values):

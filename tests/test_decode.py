@@ -1,0 +1,505 @@
+"""Decode attention (kvnumba.kernels.decode): its planner, and its kernels against an
+independent float64 reference.
+
+Storage, histories and the flat `tables` array are built by hand here, so nothing of
+the kernels' indexing is reused: storage rows a segment must not read hold NaN, and
+rows of `out` that no served segment owns hold a sentinel that must survive. The
+reference works from dense per-sequence histories and explicit boolean masks.
+"""
+import os
+import sys
+
+os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
+sys.setswitchinterval(1e-4)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from kvnumba import device  # noqa: E402
+from kvnumba.device import cuda  # noqa: E402
+from kvnumba.kernels import decode as dec  # noqa: E402
+from kvnumba.kernels.attention import DECODE_MAX_Q_LEN  # noqa: E402
+from kvnumba.kernels.masks import key_range  # noqa: E402
+from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
+                          SEQ_INFO_FIELDS)
+
+SENTINEL = -3.5          # exactly representable in float16 and float32
+
+
+# ---------------------------------------------------------------- the reference
+
+def visible_mask(p, kv_len, pos_start, q_len, block, window):
+    """Boolean mask over key positions [0, kv_len) for the query at position p."""
+    j = np.arange(kv_len)
+    in_window = (j >= p - window + 1) if window else np.ones(kv_len, bool)
+    if block:
+        in_block = (j >= pos_start) & (j < pos_start + q_len)
+        return in_block | ((j < pos_start) & in_window)
+    return (j <= p) & in_window
+
+
+def seen_positions(q_len, pos_start, block, window):
+    """Every key position some query of the segment sees."""
+    kv_len = pos_start + q_len
+    seen = np.zeros(kv_len, bool)
+    for i in range(q_len):
+        seen |= visible_mask(pos_start + i, kv_len, pos_start, q_len, block, window)
+    return np.flatnonzero(seen)
+
+
+def reference(case):
+    """float64 attention of every served segment's queries: {token: [n_q_heads, head_dim]}."""
+    want = {}
+    group = case.q.shape[1] // case.n_kv_heads
+    for seg in case.served:
+        q_start, q_len, pos_start, block = case.segments[seg]
+        keys, values = case.hist_k[seg], case.hist_v[seg]
+        kv_len = pos_start + q_len
+        for i in range(q_len):
+            mask = visible_mask(pos_start + i, kv_len, pos_start, q_len, block, case.window)
+            rows = []
+            for h in range(case.q.shape[1]):
+                s = case.scale * (keys[:, h // group] @ case.q[q_start + i, h].astype(np.float64))
+                if case.softcap > 0:
+                    s = case.softcap * np.tanh(s / case.softcap)
+                s = np.where(mask, s, -np.inf)
+                w = np.exp(s - s.max())
+                rows.append((w / w.sum()) @ values[:, h // group])
+            want[q_start + i] = np.array(rows)
+    return want
+
+
+# ---------------------------------------------------------------- hand-built inputs
+
+class Case:
+    pass
+
+
+def make_case(rng, segments, *, n_kv_heads=1, group=1, head_dim=16, window=0, ring_rows=0,
+              dtype=np.float16, q_dtype=None, out_dtype=None, softcap=0.0, qk_scale=1.0,
+              key_growth=0.0, others=((2, 0), (1, 3))):
+    """segments: (q_len, pos_start[, block]) served by decode. `others`: (q_len, pos_start)
+    segments of the same step that other paths serve. The segment table mixes both in a
+    shuffled order, tokens are laid out in that order behind one foreign token, and one
+    padding token closes the step. `key_growth`: key p is scaled by 1 + key_growth * p."""
+    c = Case()
+    c.n_kv_heads, c.window, c.ring_rows, c.softcap = n_kv_heads, window, ring_rows, softcap
+    c.scale = qk_scale / np.sqrt(head_dim)
+    specs = [tuple(s) + (False,) * (3 - len(s)) for s in segments]
+    specs += [(n, p, False) for n, p in others]
+    order = rng.permutation(len(specs))          # table index -> spec
+    c.served = sorted(int(np.flatnonzero(order == k)[0]) for k in range(len(segments)))
+    n_seg = len(specs)
+    cols = rng.permutation(n_seg + 1)[:n_seg]    # one column is no one's
+    kv_lens = [p + n for n, p, _ in specs]
+    rows = ring_rows if ring_rows else max(kv_lens) + 2
+    k_store = np.full((rows, n_seg + 1, n_kv_heads, head_dim), np.nan, dtype)
+    v_store = np.full_like(k_store, np.nan)
+    c.info = np.zeros((n_seg, SEQ_INFO_FIELDS), np.int32)
+    c.segments, c.hist_k, c.hist_v = [], [], []
+    q_start = 1                                  # token 0 belongs to another path
+    for seg, k in enumerate(order):
+        q_len, pos_start, block = specs[k]
+        kv_len = pos_start + q_len
+        growth = 1.0 + key_growth * np.arange(kv_len)[:, None, None]
+        hk = (rng.standard_normal((kv_len, n_kv_heads, head_dim)) * growth).astype(dtype)
+        hv = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(dtype)
+        if seg in c.served:                      # storage holds exactly what is visible
+            seen = seen_positions(q_len, pos_start, block, window)
+            where = seen % ring_rows if ring_rows else seen
+            assert len(set(where)) == len(seen), "test bug: ring too small for the window"
+            k_store[where, cols[seg]] = hk[seen]
+            v_store[where, cols[seg]] = hv[seen]
+        c.hist_k.append(hk.astype(np.float64))
+        c.hist_v.append(hv.astype(np.float64))
+        c.segments.append((q_start, q_len, pos_start, bool(block)))
+        c.info[seg, [Q_START, Q_LEN, COL, POS_START]] = q_start, q_len, cols[seg], pos_start
+        c.info[seg, FLAGS] = FLAG_BLOCK if block else 0
+        q_start += q_len
+    width = q_start + 1
+    c.q = rng.standard_normal((width, n_kv_heads * group, head_dim)).astype(q_dtype or dtype)
+    c.owned = sorted(c.segments[s][0] + i for s in c.served for i in range(c.segments[s][1]))
+    c.q[np.setdiff1d(np.arange(width), c.owned)] = np.nan   # never read by this path
+    c.k_store, c.v_store = k_store, v_store
+    c.out_dtype = out_dtype or q_dtype or dtype
+    return c
+
+
+def pack_tables(rng, case, plan):
+    """The step's flat int32 `tables`: segment, work and combine tables behind and
+    between unrelated words, as a caller packs them; returns (tables, offsets)."""
+    parts, offsets = [], {}
+    for name, table in (("seq_info_off", case.info), ("work_off", plan.work),
+                        ("combine_off", plan.combine)):
+        parts.append(rng.integers(-99, 99, rng.integers(1, 5)).astype(np.int32))
+        offsets[name] = sum(p.size for p in parts)
+        parts.append(np.ascontiguousarray(table, np.int32).reshape(-1))
+    return np.concatenate(parts), offsets
+
+
+def run(case, *, target_blocks=64, min_chunk=1, workspace=None, seed=0):
+    """plan + run on the device (out holds SENTINEL first); returns (out on the host, plan)."""
+    rng = np.random.default_rng(seed)
+    plan = dec.plan(case.info, case.served, window=case.window, n_kv_heads=case.n_kv_heads,
+                    target_blocks=target_blocks, min_chunk=min_chunk)
+    tables, offsets = pack_tables(rng, case, plan)
+    out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
+    dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
+            cuda.to_device(tables), **offsets, n_items=plan.n_items, n_combine=plan.n_combine,
+            n_parts=plan.n_parts, max_q_len=plan.max_q_len, out=out,
+            workspace=workspace or dec.DecodeWorkspace(), ring_rows=case.ring_rows,
+            window=case.window, scale=case.scale, softcap=case.softcap)
+    cuda.synchronize()
+    return out.copy_to_host(), plan
+
+
+def check(case, got):
+    """Served rows match the reference; every other row of `out` is untouched."""
+    others = np.setdiff1d(np.arange(len(got)), case.owned)
+    assert (got[others] == SENTINEL).all(), "a row no served segment owns was written"
+    want = reference(case)
+    tokens = sorted(want)
+    got_rows = got[tokens].astype(np.float64)
+    want_rows = np.array([want[t] for t in tokens])
+    assert np.isfinite(got_rows).all(), "NaN/Inf in a served row"
+    low = np.float16 in (case.q.dtype, case.k_store.dtype, np.dtype(case.out_dtype))
+    tol = 2e-3 if low else 1e-4
+    err = np.linalg.norm(got_rows - want_rows) / np.linalg.norm(want_rows)
+    assert err < tol, f"relative L2 error {err:.2e} >= {tol:.0e}"
+
+
+def decode_segments(*kv_lens):
+    """One query per segment, at position kv_len - 1."""
+    return [(1, n - 1) for n in kv_lens]
+
+
+# ---------------------------------------------------------------- what the path serves
+
+def test_supports_whole_16_byte_rows_of_model_head_dims():
+    for head_dim in (16, 64, 128, 256):
+        assert dec.supports(head_dim, np.float16)
+    for head_dim in (64, 128, 256):
+        assert dec.supports(head_dim, np.float32)
+    assert dec.supports(48, np.float16) and dec.supports(48, np.float32)   # idle lanes
+    assert not dec.supports(100, np.float16)          # 200-byte rows
+    assert not dec.supports(4, np.float32) and not dec.supports(20, np.float32)
+    assert not dec.supports(512, np.float16)          # past the largest head_dim
+    assert not dec.supports(128, np.float64)          # no widening rule
+
+
+# ---------------------------------------------------------------- the planner
+
+def union_of(info, seg, window):
+    """[lo, hi) of the keys any query of segment `seg` sees, from the masks."""
+    seen = seen_positions(int(info[seg, Q_LEN]), int(info[seg, POS_START]),
+                          bool(info[seg, FLAGS] & FLAG_BLOCK), window)
+    return int(seen[0]), int(seen[-1]) + 1
+
+
+def table_of(rows):
+    """A host segment table of (q_len, pos_start, block) rows, tokens back to back."""
+    info = np.zeros((len(rows), SEQ_INFO_FIELDS), np.int32)
+    info[:, Q_LEN] = [r[0] for r in rows]
+    info[:, Q_START] = np.cumsum(info[:, Q_LEN]) - info[:, Q_LEN]
+    info[:, POS_START] = [r[1] for r in rows]
+    info[:, COL] = np.arange(len(rows))
+    info[:, FLAGS] = [FLAG_BLOCK if len(r) > 2 and r[2] else 0 for r in rows]
+    return info
+
+
+def check_plan(plan, info, segments, window, n_kv_heads, target_blocks, min_chunk):
+    """Coverage, slots, the chunk rule and the block bound, from first principles."""
+    work, combine = plan.work, plan.combine
+    assert work.dtype == np.int32 and combine.dtype == np.int32
+    assert work.shape[1] == dec.WORK_FIELDS and combine.shape[1] == dec.COMBINE_FIELDS
+    chunk = plan.chunk
+    assert chunk % dec.KEY_TILE == 0 and chunk >= min_chunk
+    keys = {}
+    for seg in segments:
+        lo, hi = union_of(info, seg, window)
+        keys[seg] = hi - lo
+        mine = work[work[:, dec.WORK_SEG] == seg]
+        mine = mine[np.argsort(mine[:, dec.WORK_KEY_LO])]
+        # the chunks tile [lo, hi) exactly, each at most `chunk` keys, all but the last full
+        assert mine[0, dec.WORK_KEY_LO] == lo and mine[-1, dec.WORK_KEY_HI] == hi
+        np.testing.assert_array_equal(mine[1:, dec.WORK_KEY_LO], mine[:-1, dec.WORK_KEY_HI])
+        lengths = mine[:, dec.WORK_KEY_HI] - mine[:, dec.WORK_KEY_LO]
+        assert (lengths > 0).all() and (lengths[:-1] == chunk).all() and lengths[-1] <= chunk
+        rows = combine[combine[:, dec.COMBINE_SEG] == seg]
+        if len(mine) == 1:
+            assert mine[0, dec.WORK_PART] == -1 and len(rows) == 0
+        else:
+            (row,) = rows
+            assert row[dec.COMBINE_PARTS] == len(mine)
+            np.testing.assert_array_equal(mine[:, dec.WORK_PART],
+                                          row[dec.COMBINE_PART] + np.arange(len(mine)))
+    assert len(work) == sum(-(-n // chunk) for n in keys.values())
+    slots = work[work[:, dec.WORK_PART] >= 0, dec.WORK_PART]
+    np.testing.assert_array_equal(np.sort(slots), np.arange(plan.n_parts))
+    assert plan.max_q_len == max(int(info[s, Q_LEN]) for s in segments)
+
+    def blocks(c):
+        return n_kv_heads * sum(-(-n // c) for n in keys.values())
+
+    one_each = n_kv_heads * len(segments) > target_blocks
+    if one_each:
+        assert len(work) == len(segments)
+    else:
+        assert blocks(chunk) <= target_blocks
+        smaller = chunk - dec.KEY_TILE
+        if smaller >= max(min_chunk, 1):              # the smallest tile multiple that fits
+            assert blocks(smaller) > target_blocks
+    return keys
+
+
+def test_plan_balances_a_skewed_batch():
+    """64 sequences of 32 .. 32768 keys: the long ones are cut, no block walks them whole."""
+    kv_lens = np.geomspace(32, 32768, 64).astype(int)
+    info = table_of([(1, n - 1) for n in kv_lens])
+    segments = np.arange(64)
+    plan = dec.plan(info, segments, window=0, n_kv_heads=8, target_blocks=1056)
+    check_plan(plan, info, segments, 0, 8, 1056, dec.MIN_CHUNK)
+    lengths = plan.work[:, dec.WORK_KEY_HI] - plan.work[:, dec.WORK_KEY_LO]
+    assert lengths.max() <= plan.chunk <= 32768 // 8
+    assert plan.n_items * 8 <= 1056
+    assert (plan.work[:, dec.WORK_SEG] == 63).sum() >= 8
+
+
+@pytest.mark.parametrize("window", [0, 7, 300])
+def test_plan_tiles_every_key_range_exactly(window):
+    rng = np.random.default_rng(window)
+    rows = [(int(rng.integers(1, DECODE_MAX_Q_LEN + 1)), int(rng.integers(0, 2000)),
+             bool(rng.integers(0, 2))) for _ in range(40)]
+    info = table_of(rows)
+    segments = rng.permutation(40)[:30]
+    for target, min_chunk in ((10, 1), (200, 1), (2000, 64), (120, 300)):
+        plan = dec.plan(info, segments, window=window, n_kv_heads=2, target_blocks=target,
+                        min_chunk=min_chunk)
+        check_plan(plan, info, segments, window, 2, target, min_chunk)
+
+
+def test_plan_one_chunk_each_when_the_target_is_too_small():
+    info = table_of([(1, 5000), (2, 10), (4, 700, True)])
+    plan = dec.plan(info, [0, 1, 2], window=0, n_kv_heads=4, target_blocks=8)
+    check_plan(plan, info, [0, 1, 2], 0, 4, 8, dec.MIN_CHUNK)
+    assert plan.n_combine == 0 and plan.n_parts == 0 and plan.chunk >= 5001
+
+
+def test_plan_of_nothing_and_refusals():
+    info = table_of([(1, 9), (5, 0)])
+    empty = dec.plan(info, [], window=0, n_kv_heads=1, target_blocks=10)
+    assert empty.n_items == empty.n_combine == empty.n_parts == 0
+    with pytest.raises(ValueError, match="queries"):
+        dec.plan(info, [0, 1], window=0, n_kv_heads=1, target_blocks=10)
+
+
+@cuda.jit
+def _device_key_ranges(args, out):
+    k = cuda.grid(1)
+    if k < args.shape[0]:
+        lo, hi = key_range(args[k, 0], args[k, 1], args[k, 2], args[k, 3] != 0, args[k, 4])
+        out[k, 0] = lo
+        out[k, 1] = hi
+
+
+def test_key_range_host_twin_agrees_with_the_device():
+    grid = np.array([(i, n, p, b, w) for n in range(1, 5) for i in range(n)
+                     for p in (0, 1, 3, 9, 40) for b in (0, 1) for w in (0, 1, 2, 5, 64)],
+                    np.int64)
+    got = np.zeros((len(grid), 2), np.int64)
+    d_out = cuda.to_device(got)
+    _device_key_ranges[-(-len(grid) // 128), 128](cuda.to_device(grid), d_out)
+    got = d_out.copy_to_host()
+    for w in (0, 1, 2, 5, 64):
+        rows = grid[:, 4] == w
+        g = grid[rows]
+        lo, hi = dec.key_range_host(g[:, 0], g[:, 1], g[:, 2], g[:, 3] != 0, w)
+        np.testing.assert_array_equal(lo, got[rows, 0])
+        np.testing.assert_array_equal(hi, got[rows, 1])
+    # and both are what the masks see
+    for (i, n, p, b, w), (lo, hi) in zip(grid, got):
+        seen = np.flatnonzero(visible_mask(p + i, p + n, p, n, b, w))
+        assert (lo, hi) == (seen[0], seen[-1] + 1)
+
+
+# ---------------------------------------------------------------- the kernels
+
+def test_skewed_lengths_from_one_key_to_many_chunks():
+    """1 key .. 5 chunks of 64 in one step; chunk ends on tile edges (64, 128 keys) and
+    one key past them."""
+    rng = np.random.default_rng(1)
+    case = make_case(rng, decode_segments(1, 2, 63, 64, 65, 128, 300), group=2)
+    got, plan = run(case, target_blocks=20)
+    assert plan.chunk == dec.KEY_TILE and plan.n_combine == 3
+    check(case, got)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_gqa_groups(group):
+    rng = np.random.default_rng(10 + group)
+    case = make_case(rng, [(1, 70), (2, 20)], group=group, n_kv_heads=2 if group < 4 else 1)
+    got, plan = run(case)
+    assert plan.n_combine == 1
+    check(case, got)
+
+
+def test_queries_and_draft_blocks():
+    """q_len 1..4, plain and bidirectional, split and not."""
+    rng = np.random.default_rng(2)
+    segments = [(1, 9), (2, 30, True), (3, 70), (4, 80, True), (4, 3), (2, 0, True)]
+    case = make_case(rng, segments, group=2)
+    got, plan = run(case)
+    assert plan.n_combine == 2
+    check(case, got)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_rows_beyond_one_row_group(dtype):
+    """group 4 x 3 queries = 12 rows, more than one block holds."""
+    rng = np.random.default_rng(3)
+    case = make_case(rng, [(3, 90), (1, 6)], group=4, dtype=dtype)
+    assert dec.block_rows(12, 16, dtype) < 12
+    check(case, run(case)[0])
+
+
+@pytest.mark.parametrize("window, max_write, positions", [
+    (20, 4, [(1, 104), (4, 230), (2, 61, True)]),     # one chunk, rows wrapped many times
+    (100, 4, [(1, 350), (3, 409, True)]),             # a window over two chunks
+])
+def test_ring_layers_after_several_wraps(window, max_write, positions):
+    rng = np.random.default_rng(window)
+    ring_rows = window + max_write - 1
+    case = make_case(rng, positions, group=2, window=window, ring_rows=ring_rows)
+    got, plan = run(case)
+    assert max(p for _, p, *_ in positions) > 3 * ring_rows
+    assert (plan.n_combine > 0) == (window > plan.chunk)
+    check(case, got)
+
+
+@pytest.mark.parametrize("window", [1, 5, 70])
+def test_windows_on_flat_layers(window):
+    """Windows narrower than a chunk and than a block trip, and one over two chunks."""
+    rng = np.random.default_rng(20 + window)
+    case = make_case(rng, [(1, 140), (3, 60), (4, 90, True), (2, 0)], window=window)
+    check(case, run(case)[0])
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(16, np.float32), (48, np.float16),
+                                             (48, np.float32), (64, np.float16),
+                                             (128, np.float16), (256, np.float16),
+                                             (256, np.float32)])
+def test_head_dims(head_dim, dtype):
+    rng = np.random.default_rng(head_dim)
+    case = make_case(rng, [(1, 8), (2, 3, True)], group=2, head_dim=head_dim, dtype=dtype,
+                     others=((1, 0),))
+    check(case, run(case)[0])
+
+
+def test_softcap():
+    rng = np.random.default_rng(4)
+    case = make_case(rng, [(1, 100), (3, 12)], group=2, softcap=2.0, qk_scale=4.0)
+    uncapped = Case()
+    uncapped.__dict__.update(case.__dict__, softcap=0.0)
+    want, free = reference(case), reference(uncapped)
+    assert max(np.abs(want[t] - free[t]).max() for t in want) > 1e-2   # the cap matters
+    got, plan = run(case)
+    assert plan.n_combine == 1
+    check(case, got)
+
+
+@pytest.mark.parametrize("head_dim, position, min_chunk", [(16, 500, 1024), (128, 150, 1)])
+def test_scores_that_keep_growing_rescale_each_row_on_its_own(head_dim, position, min_chunk):
+    """Keys growing along the history push each row's max past its reference many
+    times, at different keys for different rows, over several trips of one block."""
+    rng = np.random.default_rng(head_dim)
+    case = make_case(rng, [(2, position), (1, 3)], group=4, head_dim=head_dim, qk_scale=4.0,
+                     key_growth=0.05, dtype=np.float32)
+    (long,) = [seg for seg in case.served if case.segments[seg][2] == position]
+    q_start, q_len, pos_start, _ = case.segments[long]
+    for i in range(q_len):       # every row's max climbs far past the first keys' max
+        visible = case.hist_k[long][:pos_start + i + 1, 0]
+        scores = case.scale * visible @ case.q[q_start + i].T.astype(np.float64)
+        climb = (scores.max(axis=0) - scores[:16].max(axis=0)) / np.log(2)
+        assert (climb > 4 * dec.RESCALE_SLACK).all()
+    got, plan = run(case, min_chunk=min_chunk)
+    assert plan.n_combine == (head_dim == 128)
+    check(case, got)
+
+
+@pytest.mark.parametrize("store, q_dtype, out_dtype", [
+    (np.float16, np.float32, np.float32), (np.float32, np.float16, np.float16),
+    (np.float32, np.float32, np.float16), (np.float32, np.float32, np.float32)])
+def test_storage_query_and_output_dtypes(store, q_dtype, out_dtype):
+    rng = np.random.default_rng(5)
+    case = make_case(rng, [(2, 75), (1, 4)], group=2, dtype=store, q_dtype=q_dtype,
+                     out_dtype=out_dtype)
+    check(case, run(case)[0])
+
+
+@pytest.mark.skipif(device.SIMULATOR, reason="model-sized shapes need a CUDA GPU (the "
+                                              "simulator runs every thread in Python)")
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_model_shapes_on_a_gpu(dtype):
+    """head_dim 128, 8 kv heads, 32 q heads; 24 sequences from 1 to 6000 keys, some
+    drafting 4-token blocks, on a ring layer and a flat one."""
+    rng = np.random.default_rng(9)
+    lengths = np.geomspace(1, 6000, 24).astype(int)
+    segments = [(4, n, True) if k % 5 == 0 else (1 + k % 3, n) for k, n in enumerate(lengths)]
+    for window, ring_rows in ((0, 0), (1000, 1007)):
+        case = make_case(rng, segments, n_kv_heads=8, group=4, head_dim=128, dtype=dtype,
+                         window=window, ring_rows=ring_rows)
+        got, plan = run(case, target_blocks=528, min_chunk=dec.MIN_CHUNK)
+        assert plan.n_combine > 0
+        check(case, got)
+
+
+def test_warm_workspace_allocates_nothing(monkeypatch):
+    """After one call, the same and a smaller step run with no device allocation."""
+    rng = np.random.default_rng(6)
+    case = make_case(rng, [(1, 150), (2, 70)], group=2)
+    workspace = dec.DecodeWorkspace()
+    check(case, run(case, workspace=workspace)[0])
+    buffers = workspace.part_acc, workspace.part_ml
+    plan = dec.plan(case.info, case.served[:1], window=0, n_kv_heads=1, target_blocks=64,
+                    min_chunk=1)
+    tables, offsets = pack_tables(rng, case, plan)
+    args = [cuda.to_device(a) for a in (case.q, case.k_store, case.v_store, tables)]
+    out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
+
+    def refuse(*a, **k):
+        raise AssertionError("device allocation in a warm call")
+    monkeypatch.setattr(cuda, "device_array", refuse)
+    monkeypatch.setattr(cuda, "to_device", refuse)
+    dec.run(*args, **offsets, n_items=plan.n_items, n_combine=plan.n_combine,
+            n_parts=plan.n_parts, max_q_len=plan.max_q_len, out=out, workspace=workspace,
+            ring_rows=0, window=0, scale=case.scale, softcap=0.0)
+    monkeypatch.undo()
+    assert workspace.part_acc is buffers[0] and workspace.part_ml is buffers[1]
+    served = Case()
+    served.__dict__.update(case.__dict__, served=case.served[:1])
+    q_start, q_len = case.segments[case.served[0]][:2]
+    served.owned = list(range(q_start, q_start + q_len))
+    check(served, out.copy_to_host())
+
+
+def test_nothing_to_serve_launches_nothing():
+    rng = np.random.default_rng(7)
+    case = make_case(rng, [(1, 4)])
+    plan = dec.plan(case.info, [], window=0, n_kv_heads=1, target_blocks=8)
+    out = cuda.to_device(np.full(case.q.shape, SENTINEL, np.float16))
+    dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
+            cuda.to_device(case.info.reshape(-1)), seq_info_off=0, work_off=0, n_items=0,
+            combine_off=0, n_combine=0, n_parts=0, max_q_len=plan.max_q_len, out=out,
+            workspace=dec.DecodeWorkspace(), ring_rows=0, window=0, scale=1.0, softcap=0.0)
+    assert (out.copy_to_host() == SENTINEL).all()
+
+
+def test_storage_the_path_does_not_serve_is_refused():
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [(1, 4)], head_dim=16, dtype=np.float32)
+    k_store = case.k_store[..., :12].copy()                 # head_dim 12: not served
+    q = case.q[..., :12].copy()
+    with pytest.raises(ValueError, match="supports"):
+        dec.run(q, k_store, k_store, case.info.reshape(-1), seq_info_off=0, work_off=0,
+                n_items=1, combine_off=0, n_combine=0, n_parts=0, max_q_len=1, out=q.copy(),
+                workspace=None, ring_rows=0, window=0, scale=1.0, softcap=0.0)
