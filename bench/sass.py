@@ -137,9 +137,9 @@ def load_kernel(spec: str):
     """The kernel `module:function`, or the kernel that a factory returns for literal
     arguments: `module:factory(128, 'float16', 4)`."""
     module, sep, name = spec.partition(":")
-    if not sep or not module or not name:
-        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
     call = FACTORY_CALL.fullmatch(name)
+    if not sep or not module or not name or ("(" in name and not call):
+        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
     kernel = getattr(importlib.import_module(module), call[1] if call else name)
     if call:
         kernel = kernel(*ast.literal_eval(f"[{call[2]}]"))

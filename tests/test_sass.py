@@ -62,6 +62,8 @@ def test_a_factory_kernel_is_named_by_its_literal_arguments():
     assert got is kernel
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         sass.load_kernel("_decode_kernel(16)")
+    with pytest.raises(ValueError, match="MODULE:FACTORY"):
+        sass.load_kernel("kvnumba.kernels.decode:_decode_kernel(16, 'float16'")
 
 
 def test_tool_named_explicitly_must_exist(tmp_path):
@@ -93,13 +95,3 @@ def test_command_line_reports_a_missing_tool_without_compiling(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--ptxas=" in proc.stderr and "not an executable" in proc.stderr
-
-
-def test_kernel_named_by_its_factory_and_literal_arguments():
-    from kvnumba.kernels import prefill
-
-    kernel = prefill._prefill_kernel(16, 16, 16, "float16", False)
-    got = sass.load_kernel('kvnumba.kernels.prefill:_prefill_kernel(16, 16, 16, "float16", False)')
-    assert got is getattr(kernel, "py_func", kernel)
-    with pytest.raises(ValueError, match="MODULE:FACTORY"):
-        sass.load_kernel("kvnumba.kernels.prefill:_prefill_kernel(16, 16")
