@@ -137,11 +137,10 @@ def pack_tables(rng, case, plan):
     return np.concatenate(parts), offsets
 
 
-def run(case, *, target_blocks=64, min_chunk=1, workspace=None, seed=0):
+def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0):
     """plan + run on the device (out holds SENTINEL first); returns (out on the host, plan)."""
     rng = np.random.default_rng(seed)
-    plan = dec.plan(case.info, case.served, window=case.window, n_kv_heads=case.n_kv_heads,
-                    target_blocks=target_blocks, min_chunk=min_chunk)
+    plan = dec.plan(case.info, case.served, window=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
     dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
@@ -207,13 +206,12 @@ def table_of(rows):
     return info
 
 
-def check_plan(plan, info, segments, window, n_kv_heads, target_blocks, min_chunk):
-    """Coverage, slots, the chunk rule and the block bound, from first principles."""
+def check_plan(plan, info, segments, window, chunk):
+    """Coverage, slots and the chunk rule, from first principles."""
     work, combine = plan.work, plan.combine
     assert work.dtype == np.int32 and combine.dtype == np.int32
     assert work.shape[1] == dec.WORK_FIELDS and combine.shape[1] == dec.COMBINE_FIELDS
-    chunk = plan.chunk
-    assert chunk % dec.KEY_TILE == 0 and chunk >= min_chunk
+    assert plan.chunk == chunk
     keys = {}
     for seg in segments:
         lo, hi = union_of(info, seg, window)
@@ -237,19 +235,13 @@ def check_plan(plan, info, segments, window, n_kv_heads, target_blocks, min_chun
     slots = work[work[:, dec.WORK_PART] >= 0, dec.WORK_PART]
     np.testing.assert_array_equal(np.sort(slots), np.arange(plan.n_parts))
     assert plan.max_q_len == max(int(info[s, Q_LEN]) for s in segments)
-
-    def blocks(c):
-        return n_kv_heads * sum(-(-n // c) for n in keys.values())
-
-    one_each = n_kv_heads * len(segments) > target_blocks
-    if one_each:
-        assert len(work) == len(segments)
-    else:
-        assert blocks(chunk) <= target_blocks
-        smaller = chunk - dec.KEY_TILE
-        if smaller >= max(min_chunk, 1):              # the smallest tile multiple that fits
-            assert blocks(smaller) > target_blocks
     return keys
+
+
+def chunks_of(plan, seg):
+    """Segment `seg`'s chunks: sorted (key_lo, key_hi) pairs."""
+    mine = plan.work[plan.work[:, dec.WORK_SEG] == seg]
+    return sorted(map(tuple, mine[:, [dec.WORK_KEY_LO, dec.WORK_KEY_HI]].tolist()))
 
 
 def test_plan_balances_a_skewed_batch():
@@ -257,12 +249,12 @@ def test_plan_balances_a_skewed_batch():
     kv_lens = np.geomspace(32, 32768, 64).astype(int)
     info = table_of([(1, n - 1) for n in kv_lens])
     segments = np.arange(64)
-    plan = dec.plan(info, segments, window=0, n_kv_heads=8, target_blocks=1056)
-    check_plan(plan, info, segments, 0, 8, 1056, dec.MIN_CHUNK)
+    plan = dec.plan(info, segments, window=0)
+    keys = check_plan(plan, info, segments, 0, dec.CHUNK)
     lengths = plan.work[:, dec.WORK_KEY_HI] - plan.work[:, dec.WORK_KEY_LO]
-    assert lengths.max() <= plan.chunk <= 32768 // 8
-    assert plan.n_items * 8 <= 1056
-    assert (plan.work[:, dec.WORK_SEG] == 63).sum() >= 8
+    assert lengths.max() == dec.CHUNK and plan.n_items == sum(-(-n // dec.CHUNK)
+                                                               for n in keys.values())
+    assert (plan.work[:, dec.WORK_SEG] == 63).sum() == 32768 // dec.CHUNK
 
 
 @pytest.mark.parametrize("window", [0, 7, 300])
@@ -272,25 +264,27 @@ def test_plan_tiles_every_key_range_exactly(window):
              bool(rng.integers(0, 2))) for _ in range(40)]
     info = table_of(rows)
     segments = rng.permutation(40)[:30]
-    for target, min_chunk in ((10, 1), (200, 1), (2000, 64), (120, 300)):
-        plan = dec.plan(info, segments, window=window, n_kv_heads=2, target_blocks=target,
-                        min_chunk=min_chunk)
-        check_plan(plan, info, segments, window, 2, target, min_chunk)
+    for chunk in (dec.KEY_TILE, 3 * dec.KEY_TILE, dec.CHUNK, 2048):
+        check_plan(dec.plan(info, segments, window=window, chunk=chunk), info, segments,
+                   window, chunk)
 
 
-def test_plan_one_chunk_each_when_the_target_is_too_small():
-    info = table_of([(1, 5000), (2, 10), (4, 700, True)])
-    plan = dec.plan(info, [0, 1, 2], window=0, n_kv_heads=4, target_blocks=8)
-    check_plan(plan, info, [0, 1, 2], 0, 4, 8, dec.MIN_CHUNK)
-    assert plan.n_combine == 0 and plan.n_parts == 0 and plan.chunk >= 5001
+def test_a_segments_chunks_do_not_depend_on_the_rest_of_the_step():
+    info = table_of([(1, 5000), (2, 10), (4, 700, True), (1, 90000)])
+    alone = dec.plan(info, [0], window=0)
+    together = dec.plan(info, [3, 1, 0, 2], window=0)
+    assert chunks_of(alone, 0) == chunks_of(together, 0)
+    assert len(chunks_of(together, 1)) == 1 and together.chunk == alone.chunk
 
 
 def test_plan_of_nothing_and_refusals():
     info = table_of([(1, 9), (5, 0)])
-    empty = dec.plan(info, [], window=0, n_kv_heads=1, target_blocks=10)
+    empty = dec.plan(info, [], window=0)
     assert empty.n_items == empty.n_combine == empty.n_parts == 0
     with pytest.raises(ValueError, match="queries"):
-        dec.plan(info, [0, 1], window=0, n_kv_heads=1, target_blocks=10)
+        dec.plan(info, [0, 1], window=0)
+    with pytest.raises(ValueError, match="multiple of"):
+        dec.plan(info, [0], window=0, chunk=dec.KEY_TILE + 1)
 
 
 @cuda.jit
@@ -329,8 +323,8 @@ def test_skewed_lengths_from_one_key_to_many_chunks():
     one key past them."""
     rng = np.random.default_rng(1)
     case = make_case(rng, decode_segments(1, 2, 63, 64, 65, 128, 300), group=2)
-    got, plan = run(case, target_blocks=20)
-    assert plan.chunk == dec.KEY_TILE and plan.n_combine == 3
+    got, plan = run(case, chunk=dec.KEY_TILE)
+    assert plan.n_combine == 3
     check(case, got)
 
 
@@ -407,8 +401,8 @@ def test_softcap():
     check(case, got)
 
 
-@pytest.mark.parametrize("head_dim, position, min_chunk", [(16, 500, 1024), (128, 150, 1)])
-def test_scores_that_keep_growing_rescale_each_row_on_its_own(head_dim, position, min_chunk):
+@pytest.mark.parametrize("head_dim, position, chunk", [(16, 500, 1024), (128, 150, 64)])
+def test_scores_that_keep_growing_rescale_each_row_on_its_own(head_dim, position, chunk):
     """Keys growing along the history push each row's max past its reference many
     times, at different keys for different rows, over several trips of one block."""
     rng = np.random.default_rng(head_dim)
@@ -421,7 +415,7 @@ def test_scores_that_keep_growing_rescale_each_row_on_its_own(head_dim, position
         scores = case.scale * visible @ case.q[q_start + i].T.astype(np.float64)
         climb = (scores.max(axis=0) - scores[:16].max(axis=0)) / np.log(2)
         assert (climb > 4 * dec.RESCALE_SLACK).all()
-    got, plan = run(case, min_chunk=min_chunk)
+    got, plan = run(case, chunk=chunk)
     assert plan.n_combine == (head_dim == 128)
     check(case, got)
 
@@ -448,7 +442,7 @@ def test_model_shapes_on_a_gpu(dtype):
     for window, ring_rows in ((0, 0), (1000, 1007)):
         case = make_case(rng, segments, n_kv_heads=8, group=4, head_dim=128, dtype=dtype,
                          window=window, ring_rows=ring_rows)
-        got, plan = run(case, target_blocks=528, min_chunk=dec.MIN_CHUNK)
+        got, plan = run(case, chunk=dec.CHUNK)
         assert plan.n_combine > 0
         check(case, got)
 
@@ -460,8 +454,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
     workspace = dec.DecodeWorkspace()
     check(case, run(case, workspace=workspace)[0])
     buffers = workspace.part_acc, workspace.part_ml
-    plan = dec.plan(case.info, case.served[:1], window=0, n_kv_heads=1, target_blocks=64,
-                    min_chunk=1)
+    plan = dec.plan(case.info, case.served[:1], window=0, chunk=dec.KEY_TILE)
     tables, offsets = pack_tables(rng, case, plan)
     args = [cuda.to_device(a) for a in (case.q, case.k_store, case.v_store, tables)]
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
@@ -485,7 +478,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
 def test_nothing_to_serve_launches_nothing():
     rng = np.random.default_rng(7)
     case = make_case(rng, [(1, 4)])
-    plan = dec.plan(case.info, [], window=0, n_kv_heads=1, target_blocks=8)
+    plan = dec.plan(case.info, [], window=0)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, np.float16))
     dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
             cuda.to_device(case.info.reshape(-1)), seq_info_off=0, work_off=0, n_items=0,

@@ -5,10 +5,10 @@ history once per step and do little arithmetic with it, so the kernel is shaped 
 stream K and V at the chip's bandwidth with few instructions per key.
 
 * Work (`plan`, host): each served segment's key range, the union of its queries'
-  visible intervals, is cut into chunks of ONE common length: the smallest
-  multiple of `KEY_TILE` keys (at least `min_chunk`) whose chunks, times the kv
-  heads, stay within `target_blocks`. Long sequences get many chunks, short ones
-  one. The work table lists (segment, key chunk, partial slot); a segment of
+  visible intervals, is cut into chunks of `CHUNK` keys, one block each (per kv head
+  and row group). Long sequences get many chunks, short ones one, so a skewed batch
+  is balanced; the length is fixed, so a segment's arithmetic never depends on what
+  else shares its step. The work table lists (segment, key chunk, partial slot); a segment of
   several chunks writes unnormalised partials that `_combine_kernel` merges
   (log-sum-exp) into `out`, a single chunk writes `out` itself.
 * Blocks: one per (work item, kv head, row group), `WARPS` warps, row groups
@@ -69,8 +69,9 @@ COMBINE_FIELDS = 3
 
 #: chunks are whole multiples of this many keys (whole block trips for head_dim >= 64)
 KEY_TILE = 64
-#: plan's default shortest chunk: a block's fixed costs stay small against its loads
-MIN_CHUNK = 256
+#: keys per chunk (a block's work): few enough that a long sequence spreads over many
+#: blocks, enough that a block's fixed costs stay small against its loads
+CHUNK = 256
 #: the largest head_dim served (as the generic kernel)
 MAX_HEAD_DIM = 256
 
@@ -214,42 +215,22 @@ class DecodePlan:
         return len(self.combine)
 
 
-def _chunk_length(keys: np.ndarray, n_kv_heads: int, target_blocks: int,
-                  min_chunk: int) -> int:
-    """The smallest multiple of KEY_TILE, at least `min_chunk`, with
-    `n_kv_heads * sum(ceil(keys / chunk)) <= target_blocks`; the longest range (one
-    chunk each) when even that exceeds the target."""
-    def blocks(tiles):
-        return n_kv_heads * int(np.sum(-(-keys // (tiles * KEY_TILE))))
-
-    low = max(1, -(-min_chunk // KEY_TILE))
-    high = max(low, -(-int(keys.max()) // KEY_TILE))   # one chunk each
-    if blocks(high) > target_blocks:
-        return high * KEY_TILE
-    while low < high:                                   # blocks() never grows with tiles
-        mid = (low + high) // 2
-        if blocks(mid) <= target_blocks:
-            high = mid
-        else:
-            low = mid + 1
-    return low * KEY_TILE
-
-
-def plan(seq_info, segments, *, window: int, n_kv_heads: int, target_blocks: int,
-         min_chunk: int = MIN_CHUNK) -> DecodePlan:
-    """Cut the served segments' key ranges into balanced chunks (host only, vectorised).
+def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
+    """Cut the served segments' key ranges into chunks of `chunk` keys (host only,
+    vectorised).
 
     seq_info: host [n_segments, SEQ_INFO_FIELDS] int32 segment table; segments: the
     indices of the segments this path serves (each `Q_LEN <= DECODE_MAX_Q_LEN`).
-    window: the layer's W (0: none). target_blocks: blocks (chunks x kv heads) to
-    aim for; min_chunk: the shortest chunk worth a block (keys).
+    window: the layer's W (0: none). chunk: a multiple of KEY_TILE.
 
-    The chunk length is the smallest multiple of KEY_TILE, at least `min_chunk`,
-    with `n_kv_heads * sum(ceil(keys_i / chunk)) <= target_blocks` (a binary
-    search over tiles); when one chunk per segment already exceeds the target,
-    every segment gets one chunk. A target of a couple of waves of resident blocks
-    (e.g. 4-8 per SM) leaves room to cut the long sequences of a skewed batch finely.
+    Every block walks at most `chunk` keys, so a skewed batch's long sequences are
+    spread over many blocks while short ones take one. The length is fixed rather
+    than fitted to the step's total keys: a segment's chunks, and so the order in
+    which its scores are summed, then never depend on what else is in the step, and
+    its output is the same bits alone or in any batch.
     """
+    if chunk <= 0 or chunk % KEY_TILE:
+        raise ValueError(f"decode: chunk {chunk} must be a positive multiple of {KEY_TILE}")
     info = np.asarray(seq_info)
     segments = np.asarray(segments, np.int64).reshape(-1)
     if segments.size == 0:
@@ -265,8 +246,6 @@ def plan(seq_info, segments, *, window: int, n_kv_heads: int, target_blocks: int
     span_lo, _ = key_range_host(0, q_len, pos_start, block, window)
     _, span_hi = key_range_host(q_len - 1, q_len, pos_start, block, window)
     keys = span_hi - span_lo
-    chunk = _chunk_length(keys, n_kv_heads, target_blocks, min_chunk)
-
     n_chunks = -(-keys // chunk)
     owner = np.repeat(np.arange(segments.size), n_chunks)         # item -> served segment
     first_item = np.cumsum(n_chunks) - n_chunks
