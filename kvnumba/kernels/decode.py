@@ -50,6 +50,7 @@ from ..device import SIMULATOR, cuda
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from . import ptx
 from .attention import DECODE_MAX_Q_LEN, AttentionWorkspace
+from .launch import Specialised
 from .masks import key_range
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
@@ -540,7 +541,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
                         part_ml[2 * at] = best
                         part_ml[2 * at + 1] = total
 
-    return decode
+    return Specialised(decode)
 
 
 @cuda.jit
@@ -577,6 +578,7 @@ def _combine_kernel(tables, part_acc, part_ml, out, seq_info_off, combine_off, m
 
 # --- launch -----------------------------------------------------------------------------
 
+_combine = Specialised(_combine_kernel)
 DecodeWorkspace = AttentionWorkspace
 """Partial buffers for `run`, grown to powers of two and reused: the generic
 kernel's `AttentionWorkspace` (a warm one allocates nothing)."""
@@ -618,12 +620,12 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
     else:
         part_acc = part_ml = workspace.dummy
     kernel = _decode_kernel(head_dim, storage.name, rows, bool(softcap > 0))
-    kernel[n_items * n_kv_heads * n_row_groups, THREADS, stream](
-        q, k_store, v_store, tables, out, part_acc, part_ml, int(seq_info_off),
-        int(work_off), int(max_q_len), group, n_row_groups, int(ring_rows), int(window),
-        np.float32(scale), np.float32(softcap))
+    kernel(n_items * n_kv_heads * n_row_groups, THREADS, stream,
+           q, k_store, v_store, tables, out, part_acc, part_ml, int(seq_info_off),
+           int(work_off), int(max_q_len), group, n_row_groups, int(ring_rows), int(window),
+           np.float32(scale), np.float32(softcap))
     if n_combine > 0:
-        _combine_kernel[(n_combine, max_q_len), COMBINE_THREADS, stream](
-            tables, part_acc, part_ml, out, int(seq_info_off), int(combine_off),
-            int(max_q_len))
+        _combine((n_combine, max_q_len), COMBINE_THREADS, stream,
+                 tables, part_acc, part_ml, out, int(seq_info_off), int(combine_off),
+                 int(max_q_len))
     return out

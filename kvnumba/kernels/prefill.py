@@ -51,6 +51,7 @@ import numpy as np
 from ..device import cuda, dtype_of
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from . import ptx
+from .launch import Specialised
 from .masks import key_range
 
 from numba import float32, int32, int64, uint16, uint32  # noqa: E402  (after kvnumba.device)
@@ -450,7 +451,7 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         store_rows(out, o, row_a, n_end, quad_sum(l_a), t, q_start, group, kv_head, 0)
         store_rows(out, o, row_b, n_end, quad_sum(l_b), t, q_start, group, kv_head, 2)
 
-    return prefill
+    return Specialised(prefill)
 
 
 def storage_type(k_store, storage_dtype=None) -> str:
@@ -492,7 +493,8 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     block_rows, block_keys = tile or tile_shape(head_dim)
     kernel = _prefill_kernel(head_dim, block_rows, block_keys, storage, softcap > 0)
     n_row_tiles = _ceil_div(group * max_q_len, block_rows)
-    kernel[(n_kv_heads, n_segments, n_row_tiles), 32 * (block_rows // 16), stream](
-        q, k_store, v_store, tables, out, seq_info_off, segments_off, n_row_tiles, group,
-        int(ring_rows), int(window), np.float32(scale), np.float32(softcap))
+    kernel((n_kv_heads, n_segments, n_row_tiles), 32 * (block_rows // 16), stream,
+           q, k_store, v_store, tables, out, int(seq_info_off), int(segments_off),
+           n_row_tiles, group, int(ring_rows), int(window), np.float32(scale),
+           np.float32(softcap))
     return out
