@@ -18,22 +18,14 @@ from .device import (allocating, announce, as_device, check_array, check_out, cu
                      on_device)
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
-from .kernels.attention import AttentionWorkspace, attend as attend_kernel
 from .kernels.padding import zero_rows
 from .kernels.write import write_kv
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
                    StepTables, frozen, held_positions, ring_floor, span_offsets)
+from .paths import AttentionPaths, tables_size
 from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
-
-_TABLE_FIELDS_PER_TOKEN = 2 + SEQ_INFO_FIELDS + 1   # column, position; a segment; its index
-
-
-def tables_size(max_step: int) -> int:
-    """int32 entries of a step's staged tables at most (a step has at most one segment per
-    token)."""
-    return _TABLE_FIELDS_PER_TOKEN * max_step
 
 _IO_DTYPES = (np.float16, np.float32)
 _max = np.maximum.reduce
@@ -64,8 +56,8 @@ class BatchedSequenceCache:
                         f"max_step {config.max_step})"):
             self._slots = SlotTable(n)
             self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
-            self._staging = Staging(tables_size(config.max_step), self.stream)
-            self._workspace = AttentionWorkspace()
+            self._staging = Staging(tables_size(config), self.stream)
+            self._paths = AttentionPaths(config)
             # read-only ramps reused by every decode step (no per-step allocation); a step
             # whose every token is its own run of a distinct sequence has at most this many
             ramp = min(config.max_step, n)
@@ -78,7 +70,7 @@ class BatchedSequenceCache:
         self._runs = None      # (span seqs, span lengths) of the open step, in token order
         self._seq_ends = None  # (its sequences, the position each reaches) for commit / abort
         self._written = np.zeros(config.n_layers, dtype=bool)  # layers the step has written
-        self._offsets = None   # where the prepared step's sections start in the staged tables
+        self._routes = None    # the prepared step's attention paths (`paths.StepPaths`)
         # every ring layer's floor is hw - M once hw > R: the smallest R binds first
         rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
         self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
@@ -275,9 +267,11 @@ class BatchedSequenceCache:
             seq_cols[:n] = np.repeat(run_seqs, run_lens)
             positions[:n] = np.arange(n) + np.repeat(info[:, POS_START] - info[:, Q_START],
                                                      run_lens)
-        self._offsets = dict(zip(("seq_cols", "positions", "seq_info", "segments"),
-                                 self._staging.upload(seq_cols, positions, info,
-                                                      self._arange_segments(len(info)))))
+        routes, sections = self._paths.plan(info)
+        names = ("seq_cols", "positions", "seq_info", *sections)
+        offsets = self._staging.upload(seq_cols, positions, info, *sections.values())
+        routes.offsets = dict(zip(names, offsets))
+        self._routes = routes
         plan.width, plan.seq_cols, plan.positions = width, frozen(seq_cols), frozen(positions)
         self._written[:] = False
         self._step.apply("prepare", nxt_step)
@@ -307,10 +301,6 @@ class BatchedSequenceCache:
             hw[seqs] = np.maximum(hw[seqs], ends)
         self._close(nxt_step, "abort")
 
-    def _arange_segments(self, n: int) -> np.ndarray:
-        """The indices `0 .. n - 1` of every segment, for a path that serves them all."""
-        return self._arange[:n] if n <= self._arange.size else np.arange(n)
-
     def check_declarable(self, seqs: np.ndarray) -> None:
         """Raise what `declare_step` would raise first for sequences `seqs` (an int64 array of
         valid ids): an open step, then a free or busy sequence. Changes nothing."""
@@ -319,7 +309,7 @@ class BatchedSequenceCache:
 
     def _close(self, nxt_step, event):
         self._step.apply(event, nxt_step)
-        self._tables = self._plan = None
+        self._tables = self._plan = self._routes = None
         self._runs = self._seq_ends = None
 
     # ------------------------------------------------------------------ data path
@@ -394,14 +384,12 @@ class BatchedSequenceCache:
                                         stream=self.stream)
         else:
             dev_out = as_device(out, self.stream)
-        window = self.config.layers[layer].window or 0
         zero_rows(dev_out, plan.n_tokens, self.stream)
-        attend_kernel(as_device(q, self.stream), self._pool.k[layer], self._pool.v[layer],
-                      self._staging.device, dev_out, seq_info_off=self._offsets["seq_info"],
-                      segments_off=self._offsets["segments"], n_segments=len(plan.seq_info),
-                      max_q_len=plan.max_q_len, max_kv_len=plan.max_kv_len,
-                      ring_rows=int(self._pool.ring_rows[layer]), window=window, scale=scale,
-                      softcap=softcap, workspace=self._workspace, stream=self.stream)
+        self._paths.run(self._routes, as_device(q, self.stream), self._pool.k[layer],
+                        self._pool.v[layer], self._staging.device, dev_out,
+                        ring_rows=int(self._pool.ring_rows[layer]),
+                        window=self.config.layers[layer].window or 0, scale=scale,
+                        softcap=softcap, stream=self.stream)
         if host_out:
             out[...] = dev_out.copy_to_host(stream=self.stream)
             return out

@@ -4,9 +4,10 @@
 columns and positions first, then the segment table and the attention plans);
 they are packed back to back into a pinned host buffer and the used prefix goes to
 the device in one host-to-device copy. Kernels get the device buffer and the element
-offset of each section they read. The device buffer is allocated once, at its
-largest, so its address never changes (a captured CUDA graph keeps reading the
-current step's tables).
+offset of each section they read. The buffers are sized for the cache's usual steps
+and keep their address (a captured CUDA graph keeps reading the current step's
+tables); a step whose tables do not fit (many long sequences split into many decode
+chunks) grows them first, after waiting for the stream.
 
 Two pinned host buffers alternate; before one is refilled, the event recorded
 after its last upload is waited on, which only blocks when the device is more than
@@ -16,8 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .device import SIMULATOR, cuda, host_buffer, upload_prefix
-from .errors import CapacityError
+from .device import SIMULATOR, allocating, cuda, host_buffer, upload_prefix
 
 
 class Staging:
@@ -25,15 +25,23 @@ class Staging:
 
     def __init__(self, size: int, stream):
         self.stream = stream
-        self.size = size
-        self.device = cuda.device_array(size, dtype=np.int32, stream=stream)
-        self._hosts = [host_buffer(size, np.int32) for _ in range(2)]
+        self._allocate(size)
         self._events = [None, None]
         self._turn = 0
+
+    def _allocate(self, size: int) -> None:
+        with allocating(f"step tables of {size} int32 entries"):
+            device = cuda.device_array(size, dtype=np.int32, stream=self.stream)
+            hosts = [host_buffer(size, np.int32) for _ in range(2)]
+        self.size, self.device, self._hosts = size, device, hosts
 
     def upload(self, *sections: np.ndarray) -> list:
         """Pack `sections` (int32-convertible arrays) back to back, copy them to the device
         in one transfer, and return each section's element offset."""
+        needed = sum(section.size for section in sections)
+        if needed > self.size:  # rare: the last uploads must land before the buffers go
+            self.stream.synchronize()
+            self._allocate(max(needed, 2 * self.size))
         turn = self._turn
         self._turn ^= 1
         if self._events[turn] is not None:
@@ -43,11 +51,8 @@ class Staging:
         end = 0
         for section in sections:
             offsets.append(end)
-            n = section.size
-            if end + n > self.size:  # sized from the config's bounds: never expected
-                raise CapacityError(f"step tables need more than {self.size} int32 entries")
-            host[end:end + n] = section.ravel()
-            end += n
+            host[end:end + section.size] = section.ravel()
+            end += section.size
         upload_prefix(self.device, host, end, self.stream)
         if not SIMULATOR:
             if self._events[turn] is None:

@@ -21,10 +21,15 @@ instead is reported (`WarpError` in the kernel) rather than left to hang.
 from __future__ import annotations
 
 import threading
+import time
 
 WARP_SIZE = 32
 #: a waiting lane checks this often (s) that the missing lanes can still arrive
 POLL_S = 0.05
+#: a missing lane must wait at syncthreads this long (s) before the warp reports it: the
+#: simulator releases a barrier's threads one by one, so a lane just released can still
+#: look blocked for a while on a loaded machine
+STUCK_S = 2.0
 
 class WarpError(RuntimeError):
     """The lanes of a warp did not all make the same warp-wide call."""
@@ -33,9 +38,10 @@ class WarpError(RuntimeError):
 class _Round:
     """One warp-wide call: the op, each lane's value, and the outcome once all arrived."""
 
-    __slots__ = ("op", "values", "arrived", "count", "done", "result", "error")
+    __slots__ = ("op", "values", "arrived", "count", "done", "result", "error", "stuck_since")
 
     def __init__(self, lanes: int):
+        self.stuck_since = None
         self.op = None
         self.values = [None] * lanes
         self.arrived = [False] * lanes
@@ -87,17 +93,28 @@ class _Warp:
         self.cond.notify_all()
 
     def _check_missing(self, rnd):
-        """Fail the round if the launch is aborting or a missing lane can never arrive."""
+        """Fail the round if the launch is aborting or a missing lane can never arrive: it
+        has exited, or it has waited at syncthreads for STUCK_S (the others wait here)."""
         if threading.current_thread().abort:
             rnd.error = f"warp {self.index}: launch aborted while waiting in {_name(rnd.op)}"
+        at_barrier = None
         for lane, t in enumerate(self.threads):
             if rnd.arrived[lane] or t is None:
                 continue
-            if self.exited[lane] or t.syncthreads_blocked:
-                state = "exited" if self.exited[lane] else "waits at syncthreads"
-                rnd.error = (f"warp {self.index}: lane {lane} {state} while the others "
-                             f"wait in {_name(rnd.op)}: every lane of the warp must make "
-                             f"the call")
+            if self.exited[lane]:
+                rnd.error = (f"warp {self.index}: lane {lane} exited while the others wait "
+                             f"in {_name(rnd.op)}: every lane of the warp must make the call")
+            elif t.syncthreads_blocked and at_barrier is None:
+                at_barrier = lane
+        now = time.monotonic()
+        if at_barrier is None:
+            rnd.stuck_since = None
+        elif rnd.stuck_since is None:
+            rnd.stuck_since = now
+        elif now - rnd.stuck_since >= STUCK_S and rnd.error is None:
+            rnd.error = (f"warp {self.index}: lane {at_barrier} waits at syncthreads while "
+                         f"the others wait in {_name(rnd.op)}: every lane of the warp must "
+                         f"make the call")
         if rnd.error is not None:
             self._close(rnd)
 

@@ -1,0 +1,141 @@
+"""Which attention kernel serves which segments of a step: planned in `prepare_step`,
+launched in `attend` (a FlashInfer-style plan / run split).
+
+A step's segments fall in two groups by length (contract §8): *decode* segments
+(`q_len <= DECODE_MAX_Q_LEN`: a token, or a short speculative draft) and *prefill*
+segments. Each group runs on its own path, over its own list of segments, so a
+step launches at most two attention kernels (plus the decode path's combine) and a
+segment's output never depends on what shares its step:
+
+| group   | fast path (when it serves the storage)                | otherwise                 |
+|---------|-------------------------------------------------------|---------------------------|
+| decode  | `kernels.decode`: 16-byte loads, balanced key chunks   | `kernels.attention`, split-K in chunks of `decode.CHUNK` keys |
+| prefill | `kernels.prefill`: tensor cores (16-bit storage, scale > 0) | `kernels.attention` (CUDA cores, exact float32) |
+
+`plan` turns the host segment table into int32 sections for the step's one upload:
+the two segment lists, and for the decode path one work / combine table per
+distinct layer window (the window decides which keys a chunk covers). `run` then
+launches with nothing left to plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .kernels import attention as generic, decode, prefill
+from .kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
+from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS
+
+_max = np.maximum.reduce
+
+
+@dataclass(frozen=True)
+class Group:
+    """The segments one path serves in a step: how many, their longest q_len and the
+    furthest position + 1 they reach (the generic kernel sizes its grid from these)."""
+
+    n: int
+    max_q_len: int
+    max_kv_len: int
+
+
+_NONE = Group(0, 0, 0)
+
+
+class StepPaths:
+    """A prepared step's routing: the two groups, the decode plans by window, and (after
+    the upload) where each section starts in the staged tables."""
+
+    __slots__ = ("decode", "prefill", "decode_plans", "offsets")
+
+    def __init__(self, decode_group, prefill_group, decode_plans):
+        self.decode = decode_group
+        self.prefill = prefill_group
+        self.decode_plans = decode_plans
+        self.offsets = None
+
+
+class AttentionPaths:
+    """The attention paths of one cache (chosen once from its config) and their workspace."""
+
+    def __init__(self, config):
+        self.storage = config.np_dtype
+        self.decode_fast = decode.supports(config.head_dim, self.storage)
+        self.prefill_fast = prefill.supports(config.head_dim, self.storage)
+        self.windows = sorted({spec.window or 0 for spec in config.layers})
+        self.workspace = AttentionWorkspace()
+
+    # ------------------------------------------------------------------ host, per step
+    def plan(self, seq_info: np.ndarray):
+        """`(StepPaths, sections)`: the routing of the step whose segment table is
+        `seq_info`, and the int32 arrays to upload, by name, in upload order."""
+        q_len = seq_info[:, Q_LEN]
+        is_decode = q_len <= DECODE_MAX_Q_LEN
+        decode_segs = np.flatnonzero(is_decode).astype(np.int32)
+        if decode_segs.size == q_len.size:       # a pure decode step: no prefill group
+            prefill_segs = decode_segs[:0]
+        else:
+            prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
+        sections = {"decode_segments": decode_segs, "prefill_segments": prefill_segs}
+        plans = {}
+        if self.decode_fast and decode_segs.size:
+            for window in self.windows:
+                plans[window] = found = decode.plan(seq_info, decode_segs, window=window)
+                sections[f"work {window}"] = found.work
+                sections[f"combine {window}"] = found.combine
+        paths = StepPaths(_group(seq_info, decode_segs), _group(seq_info, prefill_segs), plans)
+        return paths, sections
+
+    # ------------------------------------------------------------------ device, per layer
+    def run(self, paths: StepPaths, q, k_store, v_store, tables, out, *, ring_rows, window,
+            scale, softcap, stream) -> None:
+        """Launch the step's paths for one layer: each writes its segments' rows of `out`."""
+        off = paths.offsets
+        common = dict(ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
+                      stream=stream)
+        group = paths.decode
+        if group.n and self.decode_fast:
+            found = paths.decode_plans[window]
+            decode.run(q, k_store, v_store, tables, seq_info_off=off["seq_info"],
+                       work_off=off[f"work {window}"], n_items=found.n_items,
+                       combine_off=off[f"combine {window}"], n_combine=found.n_combine,
+                       n_parts=found.n_parts, max_q_len=found.max_q_len, out=out,
+                       workspace=self.workspace, **common)
+        elif group.n:
+            generic.attend(q, k_store, v_store, tables, out, seq_info_off=off["seq_info"],
+                           segments_off=off["decode_segments"], n_segments=group.n,
+                           max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
+                           workspace=self.workspace, path="decode", kv_chunk=decode.CHUNK,
+                           **common)
+        group = paths.prefill
+        if group.n and self.prefill_fast and scale > 0:
+            prefill.run(q, k_store, v_store, tables, seq_info_off=off["seq_info"],
+                        segments_off=off["prefill_segments"], n_segments=group.n,
+                        max_q_len=group.max_q_len, out=out, **common)
+        elif group.n:
+            generic.attend(q, k_store, v_store, tables, out, seq_info_off=off["seq_info"],
+                           segments_off=off["prefill_segments"], n_segments=group.n,
+                           max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
+                           workspace=self.workspace, path="prefill", **common)
+
+
+def tables_size(config) -> int:
+    """int32 entries the staged tables of a usual step take: per token its column and
+    position, a segment (at most one per token) and its place in a path's list; per
+    layer window a decode plan of one chunk per segment plus the chunks of `max_seqs`
+    sequences at capacity. A step that needs more grows the buffer (`staging`)."""
+    per_token = 2 + SEQ_INFO_FIELDS + 1
+    chunks = config.max_step + min(config.max_step, config.max_seqs) * \
+        -(-config.capacity // decode.CHUNK)
+    windows = len({spec.window for spec in config.layers})
+    return per_token * config.max_step + windows * (decode.WORK_FIELDS * chunks +
+                                                   decode.COMBINE_FIELDS * config.max_step)
+
+
+def _group(seq_info, segments) -> Group:
+    if segments.size == 0:
+        return _NONE
+    rows = seq_info[segments]
+    return Group(int(segments.size), int(_max(rows[:, Q_LEN])),
+                 int(_max(rows[:, POS_START] + rows[:, Q_LEN])))
