@@ -37,7 +37,7 @@ from statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 BATCHES = (1, 8, 64, 256)
 KINDS = ("decode", "mixed", "spans")
 CHUNKS = (16, 32, 48, 64)        # prefill chunk lengths of a mixed step, cycled
-HEAD_DIM = 8                     # the control plane does not depend on it
+HEAD_DIM = 128                   # a model's: prepare_step plans the fast decode path
 CAPACITY = 4096                  # positions per sequence; rewound (untimed) before overflow
 MAX_WRITE = 64
 MAX_STEP = 1024

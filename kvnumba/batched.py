@@ -267,7 +267,7 @@ class BatchedSequenceCache:
             seq_cols[:n] = np.repeat(run_seqs, run_lens)
             positions[:n] = np.arange(n) + np.repeat(info[:, POS_START] - info[:, Q_START],
                                                      run_lens)
-        routes, sections = self._paths.plan(info)
+        routes, sections = self._paths.plan(info, plan.max_q_len, plan.max_kv_len)
         names = ("seq_cols", "positions", "seq_info", *sections)
         offsets = self._staging.upload(seq_cols, positions, info, *sections.values())
         routes.offsets = dict(zip(names, offsets))
@@ -484,7 +484,7 @@ class BatchedSequenceCache:
 
     def _block_ids(self, blocks):
         """`blocks` as a fresh int64 id array, or None for no blocks."""
-        if blocks is None:
+        if blocks is None or (isinstance(blocks, (tuple, list)) and not blocks):
             return None
         ids = as_ids(blocks, self._n, "declare_step blocks")
         return ids if ids.size else None

@@ -28,6 +28,7 @@ from .kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
 from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS
 
 _max = np.maximum.reduce
+_min = np.minimum.reduce
 
 
 @dataclass(frozen=True)
@@ -65,27 +66,39 @@ class AttentionPaths:
         self.prefill_fast = prefill.supports(config.head_dim, self.storage)
         self.windows = sorted({spec.window or 0 for spec in config.layers})
         self.workspace = AttentionWorkspace()
+        self._ramp = np.arange(config.max_step, dtype=np.int32)   # every segment, in order
+        self._ramp.setflags(write=False)
 
     # ------------------------------------------------------------------ host, per step
-    def plan(self, seq_info: np.ndarray):
+    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int):
         """`(StepPaths, sections)`: the routing of the step whose segment table is
-        `seq_info`, and the int32 arrays to upload, by name, in upload order."""
+        `seq_info` (its longest segment `max_q_len`, its furthest reach `max_kv_len`),
+        and the int32 arrays to upload, by name, in upload order."""
+        n = len(seq_info)
         q_len = seq_info[:, Q_LEN]
-        is_decode = q_len <= DECODE_MAX_Q_LEN
-        decode_segs = np.flatnonzero(is_decode).astype(np.int32)
-        if decode_segs.size == q_len.size:       # a pure decode step: no prefill group
-            prefill_segs = decode_segs[:0]
+        if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
+            decode_segs, prefill_segs = self._ramp[:n], self._ramp[:0]
+            decode_group, prefill_group = Group(n, max_q_len, max_kv_len), _NONE
+        elif _min(q_len) > DECODE_MAX_Q_LEN:                # a prefill step: the other
+            decode_segs, prefill_segs = self._ramp[:0], self._ramp[:n]
+            decode_group, prefill_group = _NONE, Group(n, max_q_len, max_kv_len)
         else:
+            is_decode = q_len <= DECODE_MAX_Q_LEN
+            decode_segs = np.flatnonzero(is_decode).astype(np.int32)
             prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
-        sections = {"decode_segments": decode_segs, "prefill_segments": prefill_segs}
-        plans = {}
-        if self.decode_fast and decode_segs.size:
+            decode_group = _group(seq_info, decode_segs)
+            prefill_group = _group(seq_info, prefill_segs)
+        sections, plans = {}, {}
+        if decode_group.n and self.decode_fast:     # a work list per window; no segment list
             for window in self.windows:
                 plans[window] = found = decode.plan(seq_info, decode_segs, window=window)
                 sections[f"work {window}"] = found.work
                 sections[f"combine {window}"] = found.combine
-        paths = StepPaths(_group(seq_info, decode_segs), _group(seq_info, prefill_segs), plans)
-        return paths, sections
+        elif decode_group.n:
+            sections["decode_segments"] = decode_segs
+        if prefill_group.n:
+            sections["prefill_segments"] = prefill_segs
+        return StepPaths(decode_group, prefill_group, plans), sections
 
     # ------------------------------------------------------------------ device, per layer
     def run(self, paths: StepPaths, q, k_store, v_store, tables, out, *, ring_rows, window,

@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,7 +54,7 @@ from .attention import DECODE_MAX_Q_LEN, AttentionWorkspace
 from .launch import Specialised
 from .masks import key_range
 
-from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import float32, int32, njit, uint32  # noqa: E402  (after kvnumba.device)
 
 # --- the plan's tables (int32), packed by the caller into the step's `tables` -----------
 #: work table: one row per (segment, key chunk)
@@ -97,6 +98,8 @@ COMBINE_THREADS = 128
 #: probabilities stay <= 2**RESCALE_SLACK and the accumulators are rescaled rarely
 RESCALE_SLACK = 8.0
 LOAD_BYTES = 16
+_max = np.maximum.reduce
+_min = np.minimum.reduce
 LOG2E = 1.4426950408889634
 NEG_INF = float32(-math.inf)
 INT32_MAX = 2 ** 31 - 1
@@ -183,17 +186,7 @@ def block_rows(rows: int, head_dim: int, storage_dtype) -> int:
 
 # --- host planning ----------------------------------------------------------------------
 
-def key_range_host(i, q_len, pos_start, block, window: int):
-    """NumPy twin of `masks.key_range`, elementwise over arrays: `(lo, hi)` of query `i`."""
-    p = np.asarray(pos_start, np.int64) + i
-    lo = np.maximum(0, p - window + 1) if window > 0 else np.zeros_like(p)
-    block = np.asarray(block, bool)
-    return (np.where(block, np.minimum(lo, pos_start), lo),
-            np.where(block, np.asarray(pos_start) + q_len, p + 1))
-
-
-@dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(NamedTuple):
     """One step's decode work, as int32 tables for the device.
 
     work: [n_items, WORK_FIELDS] (fields WORK_*); combine: [n_combine,
@@ -232,35 +225,62 @@ def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
     """
     if chunk <= 0 or chunk % KEY_TILE:
         raise ValueError(f"decode: chunk {chunk} must be a positive multiple of {KEY_TILE}")
-    info = np.asarray(seq_info)
-    segments = np.asarray(segments, np.int64).reshape(-1)
-    if segments.size == 0:
-        return DecodePlan(np.zeros((0, WORK_FIELDS), np.int32),
-                          np.zeros((0, COMBINE_FIELDS), np.int32), 0, KEY_TILE, 0)
-    rows = info[segments].astype(np.int64)
-    q_len, pos_start = rows[:, Q_LEN], rows[:, POS_START]
-    if q_len.min() < 1 or q_len.max() > DECODE_MAX_Q_LEN:
+    segments = np.asarray(segments, np.int32).reshape(-1)
+    work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
+                                                     segments, window, chunk)
+    if shortest < 1 or longest > DECODE_MAX_Q_LEN:
         raise ValueError(f"decode segments hold 1..{DECODE_MAX_Q_LEN} queries, got "
-                         f"{q_len.min()}..{q_len.max()}")
-    block = (rows[:, FLAGS] & FLAG_BLOCK) != 0
-    # intervals move forward with the query: the union runs from query 0's lo to the last hi
-    span_lo, _ = key_range_host(0, q_len, pos_start, block, window)
-    _, span_hi = key_range_host(q_len - 1, q_len, pos_start, block, window)
-    keys = span_hi - span_lo
-    n_chunks = -(-keys // chunk)
-    owner = np.repeat(np.arange(segments.size), n_chunks)         # item -> served segment
-    first_item = np.cumsum(n_chunks) - n_chunks
-    index = np.arange(owner.size) - first_item[owner]             # chunk within its segment
-    key_lo = span_lo[owner] + index * chunk
-    key_hi = np.minimum(key_lo + chunk, span_hi[owner])
-    split = n_chunks > 1
-    parts = np.where(split, n_chunks, 0)
-    first_part = np.cumsum(parts) - parts
-    work = np.stack([segments[owner], key_lo, key_hi,
-                     np.where(split[owner], first_part[owner] + index, -1)], axis=1)
-    combine = np.stack([segments[split], first_part[split], n_chunks[split]], axis=1)
-    return DecodePlan(work.astype(np.int32), combine.astype(np.int32), int(parts.sum()),
-                      int(chunk), int(q_len.max()))
+                         f"{shortest}..{longest}")
+    return DecodePlan(work, combine, n_parts, chunk, longest)
+
+
+@njit(cache=True)
+def _cut(seq_info, segments, window, chunk):
+    """The work and combine tables (see the module constants), the partial slots used,
+    and the shortest and longest segment (1 and 0 when there are none).
+
+    One compiled pass over the segments: a step's plan costs a few µs of host time
+    however many segments it has. A segment's queries' intervals move forward
+    (`masks.key_range`), so their union runs from the first query's lo (a draft
+    block's too: its lo never passes pos_start) to pos_start + q_len.
+    """
+    n_items = 0
+    n_split = 0
+    shortest = 1
+    longest = 0
+    for seg in segments:
+        q_len = seq_info[seg, Q_LEN]
+        shortest = min(shortest, q_len)
+        longest = max(longest, q_len)
+        pos_start = seq_info[seg, POS_START]
+        lo = max(pos_start - (window - 1), 0) if window > 0 else 0
+        chunks = (pos_start + seq_info[seg, Q_LEN] - lo + chunk - 1) // chunk
+        n_items += chunks
+        n_split += chunks > 1
+    work = np.empty((n_items, WORK_FIELDS), np.int32)
+    combine = np.empty((n_split, COMBINE_FIELDS), np.int32)
+    item = 0
+    part = 0
+    split = 0
+    for seg in segments:
+        pos_start = seq_info[seg, POS_START]
+        hi = pos_start + seq_info[seg, Q_LEN]
+        lo = max(pos_start - (window - 1), 0) if window > 0 else 0
+        chunks = (hi - lo + chunk - 1) // chunk
+        if chunks > 1:
+            combine[split, COMBINE_SEG] = seg
+            combine[split, COMBINE_PART] = part
+            combine[split, COMBINE_PARTS] = chunks
+            split += 1
+        for c in range(chunks):
+            work[item, WORK_SEG] = seg
+            work[item, WORK_KEY_LO] = lo + c * chunk
+            work[item, WORK_KEY_HI] = min(lo + (c + 1) * chunk, hi)
+            work[item, WORK_PART] = part + c if chunks > 1 else -1
+            item += 1
+        if chunks > 1:
+            part += chunks
+    return work, combine, part, shortest, longest
 
 
 # --- kernels ----------------------------------------------------------------------------
