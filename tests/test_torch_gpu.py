@@ -1,0 +1,109 @@
+"""PyTorch on a CUDA GPU: the cache on PyTorch's stream, and a decode step in a CUDA graph.
+
+Skipped without a GPU or without PyTorch built with CUDA (the simulator has no
+`__cuda_array_interface__` and no streams to capture).
+"""
+import numpy as np
+import pytest
+
+import kvnumba as kv
+from kvnumba import device
+from oracle import dense_attention
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(device.SIMULATOR or not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU and PyTorch with CUDA")
+
+H, HQ, D = 2, 8, 64
+B, HISTORY = 4, 300
+
+
+def make(stream):
+    config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=128)], n_kv_heads=H,
+                            head_dim=D, capacity=1024, max_seqs=B, max_write=64,
+                            max_step=256, dtype="float16")
+    return kv.BatchedSequenceCache(config, stream=device.cuda.external_stream(
+        stream.cuda_stream))
+
+
+def filled(cache, rng):
+    """Every sequence at HISTORY positions; returns each one's K/V per layer (host)."""
+    hist = {s: ([], []) for s in range(B)}
+    for s in range(B):
+        cache.seq_new()
+    for start in range(0, HISTORY, 64):
+        n = min(64, HISTORY - start)
+        cache.declare_step(np.repeat(np.arange(B), n))
+        cache.prepare_step()
+        for layer in range(2):
+            k = rng.standard_normal((B * n, H, D)).astype(np.float16)
+            v = rng.standard_normal((B * n, H, D)).astype(np.float16)
+            cache.write(layer, k, v)
+            if layer == 0:
+                for s in range(B):
+                    hist[s][0].append(k[s * n:(s + 1) * n])
+                    hist[s][1].append(v[s * n:(s + 1) * n])
+        cache.commit_step()
+    return {s: (np.concatenate(ks), np.concatenate(vs)) for s, (ks, vs) in hist.items()}
+
+
+def reference(hist, q, k, v):
+    """float64 decode attention of each sequence's new token over its flat-layer history."""
+    out = np.zeros(q.shape)
+    for s in range(B):
+        keys = np.concatenate([hist[s][0], k[s:s + 1]])
+        values = np.concatenate([hist[s][1], v[s:s + 1]])
+        out[s] = dense_attention(q[s:s + 1], keys, values, HISTORY, None, False,
+                                 1 / np.sqrt(D))[0]
+    return out
+
+
+def test_a_decode_step_is_captured_in_a_cuda_graph_and_replayed():
+    rng = np.random.default_rng(0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cache = make(stream)
+        hist = filled(cache, rng)
+        cache.declare_step(np.arange(B))
+        cache.prepare_step()
+        q = torch.zeros(B, HQ, D, dtype=torch.float16, device="cuda")
+        k = torch.zeros(B, H, D, dtype=torch.float16, device="cuda")
+        v = torch.zeros_like(k)
+        out = torch.zeros_like(q)
+        cache.update_and_attend(0, q, k, v, out=out)      # warm: compiled, workspace grown
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            cache.write(0, k, v)
+            cache.attend(0, q, out=out)
+        host = [rng.standard_normal(t.shape).astype(np.float16) for t in (q, k, v)]
+        for tensor, values in zip((q, k, v), host):
+            tensor.copy_(torch.from_numpy(values))
+        graph.replay()
+        stream.synchronize()
+    want = reference(hist, *host)
+    got = out.float().cpu().numpy()
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err < 2e-3, err
+
+
+def test_kernels_and_matmuls_on_torchs_stream_stay_ordered_without_a_sync():
+    """A matmul consumes attend's output on the same stream, with no synchronize between."""
+    rng = np.random.default_rng(1)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cache = make(stream)
+        hist = filled(cache, rng)
+        host = [rng.standard_normal(shape).astype(np.float16)
+                for shape in ((B, HQ, D), (B, H, D), (B, H, D))]
+        q, k, v = (torch.from_numpy(a).cuda() for a in host)
+        weight = torch.randn(D, D, dtype=torch.float16, device="cuda")
+        torch.cuda._sleep(10_000_000)          # a long kernel ahead: a missing wait would show
+        cache.declare_step(np.arange(B))
+        cache.prepare_step()
+        out = cache.update_and_attend(0, q, k, v, out=torch.empty_like(q))
+        projected = out @ weight                 # PyTorch, same stream, no synchronize
+        cache.commit_step()
+        stream.synchronize()
+    want = reference(hist, *host) @ weight.double().cpu().numpy()
+    got = projected.double().cpu().numpy()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
