@@ -596,3 +596,48 @@ def test_simulated_warp_reports_lanes_that_do_not_join_and_then_works(kernel, me
     # nothing of the failed launch is left behind: the next one is correct
     shuffle_case(np.float32, threads=32, blocks=1, masks=XOR_MASKS,
                  rng=np.random.default_rng(RNG_SEED))
+
+
+# ---------------------------------------------------------------- element <-> float32
+@cuda.jit
+def _elements_round_trip(src, widened, dst):
+    i = cuda.grid(1)
+    if i < src.size:
+        value = ptx.to_f32(src[i])
+        widened[i] = value
+        dst[i] = ptx.from_f32(value * 3.0, dst)
+
+
+def bf16_reference(values):
+    """float32 -> bfloat16 bits, round to nearest even, written independently of ptxsim."""
+    bits = values.astype(np.float32).view(np.uint32).astype(np.int64)
+    lower = bits & 0xFFFF
+    upper = bits >> 16
+    round_up = (lower > 0x8000) | ((lower == 0x8000) & (upper & 1 == 1))
+    out = (upper + round_up).astype(np.uint16)
+    nan = np.isnan(values)
+    return np.where(nan, (upper | 0x40).astype(np.uint16), out)
+
+
+@pytest.mark.parametrize("src_dtype,dst_dtype", [
+    (np.float16, np.float16), (np.float32, np.float16), (np.float16, np.float32),
+    (np.uint16, np.uint16), (np.float32, np.uint16), (np.uint16, np.float32)])
+def test_elements_widen_exactly_and_narrow_to_nearest_even(src_dtype, dst_dtype):
+    rng = np.random.default_rng(31)
+    if src_dtype == np.uint16:      # bfloat16 bit patterns, normal numbers and a few edges
+        src = np.concatenate([rng.integers(0x0080, 0x7F00, 200, dtype=np.uint16),
+                              rng.integers(0x8080, 0xFF00, 200, dtype=np.uint16),
+                              np.array([0, 0x8000, 0x7F80, 0xFF80], np.uint16)])
+        exact = (src.astype(np.uint32) << 16).view(np.float32)
+    else:
+        src = (rng.standard_normal(404) * 10).astype(src_dtype)
+        src[:4] = [0.0, -0.0, 1e-3, 65000.0]
+        exact = src.astype(np.float32)
+    widened = cuda.to_device(np.zeros(src.size, np.float32))
+    dst = cuda.to_device(np.zeros(src.size, dst_dtype))
+    run(_elements_round_trip, 4, 128, src, widened, dst)
+    assert widened.copy_to_host().tobytes() == exact.tobytes()
+    tripled = (exact * np.float32(3.0)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        want = bf16_reference(tripled) if dst_dtype == np.uint16 else tripled.astype(dst_dtype)
+    assert dst.copy_to_host().tobytes() == want.tobytes()

@@ -262,6 +262,51 @@ def exp2_approx(typingctx, x):
     return types.float32(x), codegen
 
 
+# --- one element of a K/V/q/out array <-> float32 -----------------------------------------
+# Arrays of bfloat16 hold its bit patterns as uint16 (Numba has no bfloat16 type), so the
+# element type says how to read and write a value: float16 / float32 numerically, uint16
+# as bfloat16 bits.
+
+@intrinsic
+def to_f32(typingctx, x):
+    """`to_f32(x) -> float32`, exact: a float16 or float32 element, or a uint16 element read
+    as bfloat16 bits (the top half of a float32)."""
+    if x not in (types.float16, types.float32, types.uint16):
+        raise TypingError(f"to_f32: expected a float16, float32 or uint16 (bfloat16) "
+                          f"element, got {x}")
+
+    def codegen(context, builder, sig, args):
+        (value,) = args
+        if sig.args[0] == types.uint16:
+            word = builder.shl(builder.zext(value, I32), ir.Constant(I32, 16))
+            return builder.bitcast(word, F32)
+        return context.cast(builder, value, sig.args[0], types.float32)
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def from_f32(typingctx, value, array):
+    """`from_f32(value, array)`: `value` (taken as float32) as an element of `array`, rounded
+    to nearest even: float16, float32, or bfloat16 bits for a uint16 array
+    (`cvt.rn.bf16.f32`)."""
+    _check_numbers("from_f32", value)
+    dtype = getattr(array, "dtype", None)
+    if dtype not in (types.float16, types.float32, types.uint16):
+        raise TypingError(f"from_f32: expected a float16, float32 or uint16 (bfloat16) "
+                          f"array, got {array}")
+
+    def codegen(context, builder, sig, args):
+        (f32,) = _cast(context, builder, args[:1], sig.args[:1], types.float32)
+        if dtype == types.uint16:
+            (bits,) = _asm(builder, "cvt.rn.bf16.f32 $0, $1;", "=h,f", [ir.IntType(16)],
+                           [f32])
+            return bits
+        return context.cast(builder, f32, types.float32, dtype)
+
+    return dtype(value, array), codegen
+
+
 # --- warp shuffles -----------------------------------------------------------------------
 # Numba's own `cuda.shfl_*_sync` refuse uint32; these take any 32-bit integer or float32
 # value, shuffle its bits with `shfl.sync.<mode>.b32` and return the same type.
@@ -458,6 +503,6 @@ def cp_async_wait(typingctx, n):
 if SIMULATOR:
     from .ptxsim import (  # noqa: E402,F401,F811  (same names, simulated)
         bf16x2_to_f32, cp_async_16, cp_async_commit, cp_async_wait, exp2_approx, f16x2_to_f32,
-        f32_as_u32, f32x2_to_bf16x2, f32x2_to_f16x2, ld_nc_v4, ld_v4, ldmatrix_x4,
+        f32_as_u32, f32x2_to_bf16x2, f32x2_to_f16x2, from_f32, ld_nc_v4, ld_v4, ldmatrix_x4,
         ldmatrix_x4_trans, lane_id, mma_bf16_f32, mma_f16_f32, shfl_idx, shfl_xor, st_v4,
-        u32_as_f32)
+        to_f32, u32_as_f32)

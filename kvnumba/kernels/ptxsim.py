@@ -28,12 +28,18 @@ _BF16_HALF = 0x7FFF
 
 # --- memory ------------------------------------------------------------------------------
 
-def _numpy(array) -> np.ndarray:
+def _unwrap(array) -> np.ndarray:
     """The NumPy array behind a simulator array (global, shared or local)."""
     if isinstance(array, FakeWithinKernelCUDAArray):
         array = array._item
     if isinstance(array, FakeCUDAArray):
         array = array._ary
+    return array
+
+
+def _numpy(array) -> np.ndarray:
+    """`_unwrap`, for 16-byte access: C-contiguous."""
+    array = _unwrap(array)
     if not array.flags.c_contiguous:
         raise ValueError("16-byte access needs a C-contiguous array")
     return array
@@ -107,6 +113,23 @@ def f32x2_to_bf16x2(lo, hi):
     nan = (bits & 0x7FFFFFFF) > 0x7F800000
     halves = np.where(nan, (bits >> 16) | 0x40, rounded)  # a NaN keeps its sign, made quiet
     return np.uint32(int(halves[0]) | int(halves[1]) << 16)
+
+
+def to_f32(x):
+    """float32 of a float16 / float32 element, or of a uint16 element as bfloat16 bits."""
+    if isinstance(x, np.uint16):
+        return (np.uint32(x) << np.uint32(16)).view(np.float32)
+    return np.float32(x)
+
+
+def from_f32(value, array):
+    """`value` as an element of `array`: float16 / float32, or bfloat16 bits in uint16, each
+    rounded to nearest even (NaN stays NaN)."""
+    dtype = _unwrap(array).dtype
+    if dtype == np.uint16:
+        return np.uint16(f32x2_to_bf16x2(value, 0) & 0xFFFF)
+    with np.errstate(over="ignore"):  # overflow to inf is the specified result
+        return dtype.type(np.float32(value))
 
 
 def u32_as_f32(u):
