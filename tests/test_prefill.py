@@ -124,7 +124,7 @@ def run(c, tile=SMALL, served_order=None):
                 cuda.to_device(tables), seq_info_off=c.seq_info_off,
                 segments_off=c.segments_off, n_segments=len(c.served),
                 max_q_len=c.max_q_len, out=out, ring_rows=c.ring_rows, window=c.window,
-                scale=c.scale, softcap=c.softcap, storage_dtype=c.storage, tile=tile)
+                scale=c.scale, softcap=c.softcap, tile=tile)
     cuda.synchronize()
     return out.copy_to_host()
 
@@ -179,7 +179,7 @@ def test_gpu_tiles_fit_48_kib_of_shared_memory():
 @pytest.mark.parametrize("head_dim,storage,q_dtype,message", [
     (12, np.float16, np.float16, "head_dim 12"),
     (16, np.float32, np.float16, "storage 'float32'"),
-    (16, np.float16, np.uint16, "q dtype uint16"),
+    (16, np.float16, np.int32, "q dtype int32"),
 ])
 def test_run_refuses_what_it_cannot_serve_before_any_launch(head_dim, storage, q_dtype,
                                                             message):

@@ -30,8 +30,9 @@ Two paths, chosen per call on the host from `max_q_len`:
 * prefill: `PREFILL_TILES` (tall row tiles), one block per (segment, row tile,
   kv head) over the whole key range, writing `out` directly.
 
-Softmax and accumulation are float32; storage, q and out may each be float16 or
-float32 (one compiled specialisation per combination, made on first use).
+Softmax and accumulation are float32; storage, q and out may each be float16,
+float32 or bfloat16 (held as uint16 bits; `ptx.to_f32` / `ptx.from_f32`), one compiled
+specialisation per combination, made on first use.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..device import cuda
+from . import ptx
 from .launch import Specialised
 from .masks import key_range, read_segment, store_row
 
@@ -97,7 +99,7 @@ def _stage_keys(tile, store, row0, n_keys, col, kv_head, head_dim, dpad, ring_ro
         c = e // dpad
         d = e - c * dpad
         if d < head_dim:
-            tile[c, d] = float32(store[store_row(row0, c, ring_rows), col, kv_head, d])
+            tile[c, d] = ptx.to_f32(store[store_row(row0, c, ring_rows), col, kv_head, d])
 
 
 @lru_cache(maxsize=None)
@@ -151,8 +153,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             d = e - r * dpad
             if d < head_dim:
                 row = first_row + r
-                q_tile[r, d] = float32(q[q_start + row // group, kv_head * group + row % group,
-                                         d]) * scale
+                q_tile[r, d] = ptx.to_f32(q[q_start + row // group,
+                                            kv_head * group + row % group, d]) * scale
         if tid < n_rows:
             lo, hi = key_range((first_row + tid) // group, q_len, pos_start, block, window)
             row_lo[tid] = lo
@@ -244,7 +246,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 token = q_start + row // group
                 head = kv_head * group + row % group
                 if n_splits == 1:
-                    out[token, head, d] = acc[i] / row_sum[r]
+                    out[token, head, d] = ptx.from_f32(acc[i] / row_sum[r], out)
                 else:
                     part_acc[((split * width + token) * n_heads + head) * head_dim + d] = acc[i]
         if n_splits > 1 and tid < n_rows:
@@ -291,7 +293,7 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
             weight = math.exp(part_ml[base * 2] - best)
             total += weight * part_ml[base * 2 + 1]
             value += weight * part_acc[base * head_dim + d]
-        out[token, head, d] = value / total
+        out[token, head, d] = ptx.from_f32(value / total, out)
 
 
 _combine = Specialised(_combine_kernel)

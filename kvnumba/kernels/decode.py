@@ -36,7 +36,7 @@ stream K and V at the chip's bandwidth with few instructions per key.
   partial (acc, max, sum).
 
 Specialised per head_dim, storage dtype, rows per block and softcap on / off
-(`_decode_kernel`); q and out may each be float16 or float32.
+(`_decode_kernel`); q and out may each be float16, float32 or bfloat16 (as uint16 bits).
 """
 from __future__ import annotations
 
@@ -107,8 +107,7 @@ ZERO = float32(0.0)
 
 
 # --- storage widening: 16 loaded bytes (4 uint32 words) -> float32 values ------------------
-# One entry per storage dtype; a bfloat16 store would use `ptx.bf16x2_to_f32` as float16
-# uses `f16x2_to_f32`.
+# One entry per storage dtype; bfloat16 storage holds its bit patterns as uint16.
 
 @cuda.jit(device=True)
 def _widen_float16(w0, w1, w2, w3):
@@ -124,7 +123,17 @@ def _widen_float32(w0, w1, w2, w3):
     return ptx.u32_as_f32(w0), ptx.u32_as_f32(w1), ptx.u32_as_f32(w2), ptx.u32_as_f32(w3)
 
 
-WIDEN = {np.dtype(np.float16): _widen_float16, np.dtype(np.float32): _widen_float32}
+@cuda.jit(device=True)
+def _widen_bfloat16(w0, w1, w2, w3):
+    a0, a1 = ptx.bf16x2_to_f32(w0)
+    b0, b1 = ptx.bf16x2_to_f32(w1)
+    c0, c1 = ptx.bf16x2_to_f32(w2)
+    d0, d1 = ptx.bf16x2_to_f32(w3)
+    return a0, a1, b0, b1, c0, c1, d0, d1
+
+
+WIDEN = {np.dtype(np.float16): _widen_float16, np.dtype(np.float32): _widen_float32,
+         np.dtype(np.uint16): _widen_bfloat16}
 
 
 @cuda.jit(device=True)
@@ -136,7 +145,8 @@ def _cap(score, softcap):
 def supports(head_dim: int, storage_dtype) -> bool:
     """Whether this path serves K/V storage of `head_dim` and `storage_dtype`.
 
-    It needs a storage dtype it can widen (float16, float32) and key rows that are
+    It needs a storage dtype it can widen (float16, float32, bfloat16 as uint16 bits)
+    and key rows that are
     whole 16-byte loads; it is built for the head dims models use, multiples of
     16 up to `MAX_HEAD_DIM` (those rows are whole 16-byte loads at any 2- or
     4-byte dtype). Anything else takes the generic kernel.
@@ -405,7 +415,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
             for c in range(PER_LANE):
                 piece = min(c * LANES + sub, PIECES - 1) if IDLE_PIECES else c * LANES + sub
                 for e in range(VEC):
-                    qr[r, c * VEC + e] = float32(q[token, head, piece * VEC + e]) * q_scale
+                    qr[r, c * VEC + e] = ptx.to_f32(q[token, head, piece * VEC + e]) * q_scale
 
         # the rows this lane keeps the softmax of: own + j, j < HELD (see _split_rows);
         # held row j sees the chunk's keys at offsets [lo, lo + span) from key_lo (none
@@ -553,7 +563,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
                 token = q_start + i
                 head = kv_head * group + row % group
                 if part < 0:
-                    out[token, head, dim] = value / total
+                    out[token, head, dim] = ptx.from_f32(value / total, out)
                 else:
                     at = (part * max_q_len + i) * n_heads + head
                     part_acc[at * head_dim + dim] = value
@@ -593,7 +603,7 @@ def _combine_kernel(tables, part_acc, part_ml, out, seq_info_off, combine_off, m
             weight = ptx.exp2_approx(part_ml[2 * at] - best)
             total += weight * part_ml[2 * at + 1]
             value += weight * part_acc[at * head_dim + dim]
-        out[token, head, dim] = value / total
+        out[token, head, dim] = ptx.from_f32(value / total, out)
 
 
 # --- launch -----------------------------------------------------------------------------

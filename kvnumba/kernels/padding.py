@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from ..device import cuda
+from . import ptx
 from .launch import Specialised
-
-from numba import float32  # noqa: E402  (after kvnumba.device chose the target)
 
 THREADS = 128
 
@@ -16,7 +15,7 @@ def _zero_rows(out, first_token):
     n_heads, head_dim = out.shape[1], out.shape[2]
     for e in range(cuda.threadIdx.x, n_heads * head_dim, THREADS):
         head = e // head_dim
-        out[token, head, e - head * head_dim] = float32(0.0)
+        out[token, head, e - head * head_dim] = ptx.from_f32(0.0, out)
 
 
 _zero = Specialised(_zero_rows)

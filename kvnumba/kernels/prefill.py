@@ -63,7 +63,7 @@ from numba import float32, int32, int64, uint16, uint32  # noqa: E402  (after kv
 #: in registers head_dim 256 needs all 255 registers on sm_90).
 TILES = {64: (64, 64), 128: (64, 64), 256: (48, 16)}
 Q_REGISTERS_MAX_DIM = 128
-Q_OUT_TYPES = ("float16", "float32")
+Q_OUT_TYPES = ("float16", "float32", "uint16")   # uint16: bfloat16 bits
 STORAGE_TYPES = ("float16", "bfloat16")
 MAX_HEAD_DIM = 256
 LOG2E = float32(math.log2(math.e))
@@ -87,9 +87,10 @@ def _type_name(dtype) -> str:
 
 def supports(head_dim, storage_dtype) -> bool:
     """Can this path serve a layer? head_dim a multiple of 8 (16-byte chunks) up to 256,
-    storage float16 or bfloat16 (a dtype, or its name). float32 storage is not served."""
-    return (_type_name(storage_dtype) in STORAGE_TYPES and 8 <= head_dim <= MAX_HEAD_DIM
-            and head_dim % 8 == 0)
+    storage float16 or bfloat16 (a dtype, its name, or uint16: bfloat16 bits). float32
+    storage is not served."""
+    return (_type_name(storage_dtype) in STORAGE_TYPES + ("uint16",)
+            and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
 
 
 def shared_rows(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, int]:
@@ -181,8 +182,8 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
                 lo = float32(0.0)
                 hi = float32(0.0)
                 if real:
-                    lo = float32(q[q_start + token, kv_head * group + head, d + i])
-                    hi = float32(q[q_start + token, kv_head * group + head, d + i + 1])
+                    lo = ptx.to_f32(q[q_start + token, kv_head * group + head, d + i])
+                    hi = ptx.to_f32(q[q_start + token, kv_head * group + head, d + i + 1])
                 word = pack(lo, hi)
                 tile[r * PITCH + d + i] = uint16(word & 0xFFFF)
                 tile[r * PITCH + d + i + 1] = uint16(word >> 16)
@@ -320,8 +321,9 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             for n in range(DT):
                 d = 8 * n + 2 * t
                 if d < head_dim:
-                    out[token, head, d] = o[4 * n + first_reg] * inv_l
-                    out[token, head, d + 1] = o[4 * n + first_reg + 1] * inv_l
+                    out[token, head, d] = ptx.from_f32(o[4 * n + first_reg] * inv_l, out)
+                    out[token, head, d + 1] = ptx.from_f32(o[4 * n + first_reg + 1] * inv_l,
+                                                           out)
 
     @cuda.jit
     def prefill(q, k_store, v_store, tables, out, seq_info_off, segments_off, n_row_tiles,
@@ -454,20 +456,22 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     return Specialised(prefill)
 
 
-def storage_type(k_store, storage_dtype=None) -> str:
-    """The 16-bit type K/V storage holds, "float16" or "bfloat16": `storage_dtype` if
-    given ("bfloat16" for bit patterns held in uint16), else `k_store`'s dtype."""
-    name = _type_name(storage_dtype if storage_dtype is not None else dtype_of(k_store))
+def storage_type(dtype) -> str:
+    """The 16-bit type K/V storage of `dtype` holds: "float16", or "bfloat16" (its bit
+    patterns held as uint16, as everywhere in kvnumba; the name "bfloat16" too)."""
+    name = _type_name(dtype)
+    name = "bfloat16" if name == "uint16" else name
     if name not in STORAGE_TYPES:
         raise ValueError(f"prefill: storage {name!r} not in {STORAGE_TYPES}")
     return name
 
 
 def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, max_q_len,
-        out, ring_rows, window, scale, softcap, stream=0, storage_dtype=None, tile=None):
+        out, ring_rows, window, scale, softcap, stream=0, tile=None):
     """Attention of the listed segments' queries over their own column's keys, into `out`.
 
-    q, out: [width, n_q_heads, head_dim] device arrays, float16 or float32; only the
+    q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
+    (uint16 bits); only the
     listed segments' rows of `out` are written. k_store, v_store: [rows, n_cols,
     n_kv_heads, head_dim] 16-bit (see `storage_type`), C-contiguous. tables: flat int32
     device array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`;
@@ -484,7 +488,7 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     head_dim = q.shape[2]
     n_q_heads, n_kv_heads = q.shape[1], k_store.shape[2]
     group = n_q_heads // n_kv_heads
-    storage = storage_type(k_store, storage_dtype)
+    storage = storage_type(k_store.dtype)
     if not supports(head_dim, storage):
         raise ValueError(f"prefill: head_dim {head_dim} with {storage} storage is not served")
     for name, array in (("q", q), ("out", out)):

@@ -53,7 +53,8 @@ def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows):
 
 @cuda.jit
 def _write_elements(k_store, v_store, k, v, tables, width, ring_rows):
-    """One thread per (token, head, dim) element, converting to the storage dtype."""
+    """One thread per (token, head, dim) element, converting to the storage dtype (float16,
+    float32, or bfloat16 held as uint16 bits)."""
     n_heads = k.shape[1]
     head_dim = k.shape[2]
     for idx in range(cuda.grid(1), width * n_heads * head_dim, cuda.gridsize(1)):
@@ -63,8 +64,8 @@ def _write_elements(k_store, v_store, k, v, tables, width, ring_rows):
         col = tables[token]
         if col >= 0:
             row = storage_row(tables[width + token], ring_rows)
-            k_store[row, col, head, dim] = k[token, head, dim]
-            v_store[row, col, head, dim] = v[token, head, dim]
+            k_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(k[token, head, dim]), k_store)
+            v_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(v[token, head, dim]), v_store)
 
 
 _vectors = Specialised(_write_vectors)
