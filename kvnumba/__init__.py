@@ -6,6 +6,7 @@ lifecycle is validated through the machines declared in `statemachines`. The cod
 cites the sections of the contract, docs/contract.md, as "contract §n".
 """
 from . import device  # first: chooses GPU or simulator before numba.cuda is imported
+from .device import DeviceError, torch_stream
 from .batched import BatchedSequenceCache
 from .config import CacheConfig, LayerSpec, flat, ring
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
@@ -21,9 +22,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
-    "CloneRefusedError", "ConfigError", "FreeSequenceError", "KVCacheError", "LayerSpec",
-    "OwnerRunError", "PositionError", "RingFloorError", "Segment", "SessionError",
-    "ShapeError", "SlotState", "SlotStateError", "StepPlan", "StepProtocolError",
-    "StepState", "UnknownSequenceError", "device", "flat", "ring",
-    "PackedStep", "SessionTable", "SequenceBatchControl", "SequenceCache",
+    "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "KVCacheError",
+    "LayerSpec", "OwnerRunError", "PackedStep", "PositionError", "RingFloorError", "Segment",
+    "SequenceBatchControl", "SequenceCache", "SessionError", "SessionTable", "ShapeError",
+    "SlotState", "SlotStateError", "StepPlan", "StepProtocolError", "StepState",
+    "UnknownSequenceError", "device", "flat", "ring", "torch_stream",
 ]

@@ -14,8 +14,8 @@ from statemachines import CLONE_SOURCE_STATES
 
 from .args import as_finite, as_ids, as_int, describe, is_int
 from .config import CacheConfig
-from .device import (allocating, announce, as_device, check_array, check_out, cuda, dtype_of,
-                     on_device)
+from .arrays import Result, check, check_out, device_view
+from .device import allocating, announce, cuda
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
 from .kernels.padding import zero_rows
@@ -27,7 +27,7 @@ from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
 
-_IO_DTYPES = (np.float16, np.float32)
+_IO_DTYPES = ("float16", "float32", "bfloat16")
 _max = np.maximum.reduce
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
 
@@ -320,9 +320,11 @@ class BatchedSequenceCache:
     def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
         """Attention of the prepared step's queries over their own sequences' histories.
 
-        q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`.
-        Returns `out` (q's dtype unless given): a device array for device input, a
-        NumPy array for NumPy input. Padding rows are zero. The step must have
+        q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`;
+        float16, float32 or bfloat16 (NumPy as `ml_dtypes.bfloat16`, or PyTorch).
+        Returns `out` if given, else a new array of q's kind and dtype: a tensor on q's
+        device for a PyTorch q, NumPy for NumPy, a device array for a device array.
+        Padding rows are zero. The step must have
         written `layer` first (`write` or `update_and_attend`); `scale` (default
         `1/sqrt(head_dim)`) and `softcap` (None or > 0) must be finite.
         """
@@ -352,13 +354,13 @@ class BatchedSequenceCache:
         self._require_prepared("write")
         layer = self._layer(layer, "write")
         shape = (self._tables.width, self.config.n_kv_heads, self.config.head_dim)
-        check_array("k", k, shape, _IO_DTYPES)
-        check_array("v", v, shape, _IO_DTYPES)
+        check("k", k, shape, _IO_DTYPES)
+        check("v", v, shape, _IO_DTYPES)
         return layer, k, v
 
     def _launch_write(self, layer, k, v) -> None:
-        write_kv(self._pool.k[layer], self._pool.v[layer], as_device(k, self.stream),
-                 as_device(v, self.stream), self._staging.device,
+        write_kv(self._pool.k[layer], self._pool.v[layer], device_view(k, self.stream),
+                 device_view(v, self.stream), self._staging.device,
                  int(self._pool.ring_rows[layer]), self.stream)
         self._written[layer] = True
 
@@ -377,25 +379,14 @@ class BatchedSequenceCache:
 
     def _launch_attend(self, layer, q, out, scale, softcap):
         plan = self._tables
-        q_shape = (plan.width, q.shape[1], self.config.head_dim)
-        host_out = out is not None and not on_device(out)
-        if out is None or host_out:
-            dev_out = cuda.device_array(q_shape, dtype=dtype_of(out if host_out else q),
-                                        stream=self.stream)
-        else:
-            dev_out = as_device(out, self.stream)
-        zero_rows(dev_out, plan.n_tokens, self.stream)
-        self._paths.run(self._routes, as_device(q, self.stream), self._pool.k[layer],
-                        self._pool.v[layer], self._staging.device, dev_out,
+        result = Result(q, out, (plan.width, q.shape[1], self.config.head_dim), self.stream)
+        zero_rows(result.device, plan.n_tokens, self.stream)
+        self._paths.run(self._routes, device_view(q, self.stream), self._pool.k[layer],
+                        self._pool.v[layer], self._staging.device, result.device,
                         ring_rows=int(self._pool.ring_rows[layer]),
                         window=self.config.layers[layer].window or 0, scale=scale,
                         softcap=softcap, stream=self.stream)
-        if host_out:
-            out[...] = dev_out.copy_to_host(stream=self.stream)
-            return out
-        if out is None and not on_device(q):
-            return dev_out.copy_to_host(stream=self.stream)
-        return out if out is not None else dev_out
+        return result.value()
 
     def sequence_kv(self, seq: int, layer: int):
         """`(positions, k, v)`: host copies of what `layer` still holds for `seq`, in order.
@@ -410,11 +401,10 @@ class BatchedSequenceCache:
         positions = np.arange(start, stop, dtype=np.int64)
         rows = positions % ring if ring else positions
         n_rows = int(rows.max()) + 1 if rows.size else 0
-        k_store, v_store = self._pool.k[layer], self._pool.v[layer]
-        k = k_store[:n_rows].copy_to_host(stream=self.stream)[rows, seq] if n_rows else \
-            np.zeros((0,) + k_store.shape[2:], k_store.dtype)
-        v = v_store[:n_rows].copy_to_host(stream=self.stream)[rows, seq] if n_rows else \
-            np.zeros((0,) + v_store.shape[2:], v_store.dtype)
+        host = self.config.np_dtype
+        k, v = (store[:n_rows].copy_to_host(stream=self.stream)[rows, seq].view(host)
+                if n_rows else np.zeros((0,) + store.shape[2:], host)
+                for store in (self._pool.k[layer], self._pool.v[layer]))
         return positions, k, v
 
     # ------------------------------------------------------------------ checks
@@ -435,7 +425,7 @@ class BatchedSequenceCache:
         return int(layer)
 
     def _check_q(self, q, width: int) -> int:
-        check_array("q", q, None, _IO_DTYPES)
+        check("q", q, None, _IO_DTYPES)
         shape = tuple(q.shape)
         if len(shape) != 3:
             raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got shape "
@@ -445,7 +435,7 @@ class BatchedSequenceCache:
             raise ShapeError(f"q: n_q_heads={n_q_heads} must be a positive multiple of "
                              f"n_kv_heads={n_kv_heads} (query head h reads kv head "
                              f"h // (n_q_heads // n_kv_heads))")
-        check_array("q", q, (width, n_q_heads, self.config.head_dim), _IO_DTYPES)
+        check("q", q, (width, n_q_heads, self.config.head_dim), _IO_DTYPES)
         return n_q_heads
 
     def _require_prepared(self, verb: str) -> None:

@@ -5,6 +5,7 @@ field and the rule it broke.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -13,8 +14,9 @@ from .args import describe, is_int
 from .errors import ConfigError
 from .plan import layer_rows
 
-#: storage dtypes the kernels support, by name
-DTYPES = {"float32": np.float32, "float16": np.float16}
+#: storage dtypes, by name: the dtype of the device arrays (bfloat16: its bit patterns as
+#: uint16, since Numba has no bfloat16 type)
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 #: the largest head_dim the attention kernels are built for
 MAX_HEAD_DIM = 256
 #: positions and token indices travel to the kernels as int32
@@ -81,7 +83,8 @@ class CacheConfig:
     max_seqs:     sequence columns handed out; column `max_seqs` is scratch.
     max_write:    most tokens one sequence writes in one step (`M`).
     max_step:     most tokens, padding included, in one step.
-    dtype:        storage dtype, "float32" or "float16".
+    dtype:        storage dtype, "float32", "float16" or "bfloat16" (bfloat16 needs the
+                  ml_dtypes package for its host arrays: `kvnumba[bf16]`).
     initial_rows: rows a flat layer starts with (capped at capacity); grows by whole rows.
     """
 
@@ -119,11 +122,22 @@ class CacheConfig:
         _require_int("initial_rows", self.initial_rows, 1)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
+        if self.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
+            raise ConfigError("dtype='bfloat16': host arrays of bfloat16 need the ml_dtypes "
+                              "package: pip install 'kvnumba[bf16]' (or ml_dtypes)")
 
     @property
-    def np_dtype(self):
-        """The storage dtype as a NumPy dtype."""
+    def storage_dtype(self) -> np.dtype:
+        """The dtype of the storage's device arrays (bfloat16: uint16 bit patterns)."""
         return np.dtype(DTYPES[self.dtype])
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        """The storage dtype on the host (`sequence_kv`): bfloat16 as `ml_dtypes.bfloat16`."""
+        if self.dtype != "bfloat16":
+            return self.storage_dtype
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
 
     @property
     def n_layers(self) -> int:
@@ -132,7 +146,7 @@ class CacheConfig:
     @property
     def bytes_per_token(self) -> int:
         """Bytes of one position in one column over all layers, K and V."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.np_dtype.itemsize
+        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
 
     def nbytes_at(self, rows: int, columns: int | None = None) -> int:
         """Storage bytes when flat layers hold `rows` rows (ring layers always hold their R).
@@ -142,6 +156,6 @@ class CacheConfig:
         once, so this is the cost of the longest sequence times every column.
         """
         columns = self.max_seqs + 1 if columns is None else columns
-        per_row = columns * 2 * self.n_kv_heads * self.head_dim * self.np_dtype.itemsize
+        per_row = columns * 2 * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
         ring = layer_rows([s.window for s in self.layers], self.max_write, self.capacity)
         return per_row * int(np.where(ring > 0, ring, rows).sum())

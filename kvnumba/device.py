@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .errors import CapacityError, KVCacheError, ShapeError
+from .errors import CapacityError, KVCacheError
 
 
 class DeviceError(KVCacheError):
@@ -177,60 +177,6 @@ if SIMULATOR:
     _serialise_simulator_shared_arrays()
 
 
-def on_device(array) -> bool:
-    """True for arrays already on the device (Numba, CuPy, PyTorch CUDA, the simulator's)."""
-    return hasattr(array, "__cuda_array_interface__") or hasattr(array, "copy_to_host")
-
-
-def as_device(array, stream=0):
-    """A device view of `array`: zero-copy for device arrays, one upload for host arrays."""
-    if hasattr(array, "copy_to_host"):  # a Numba device array (or the simulator's)
-        return array
-    if hasattr(array, "__cuda_array_interface__"):  # CuPy, PyTorch CUDA tensors, ...
-        return cuda.as_cuda_array(array)
-    return cuda.to_device(np.ascontiguousarray(array), stream=stream)
-
-
-def is_array(array) -> bool:
-    """True for what the data path accepts: NumPy arrays and device arrays."""
-    return isinstance(array, np.ndarray) or on_device(array)
-
-
-def aligned(array, alignment: int) -> bool:
-    """Whether a device array's data starts at a multiple of `alignment` bytes."""
-    if SIMULATOR:
-        return array._ary.ctypes.data % alignment == 0
-    pointer = array.device_ctypes_pointer.value
-    return pointer is None or pointer % alignment == 0
-
-
-def check_array(name: str, array, shape: tuple | None, dtypes) -> None:
-    """Refuse (`ShapeError`) a non-array, or an array of the wrong rank, shape or dtype,
-    before any launch. `shape=None` checks only that it is an array of an allowed dtype."""
-    allowed = [np.dtype(d).name for d in dtypes]
-    if not is_array(array):
-        raise ShapeError(f"{name}: expected a NumPy or device array"
-                         f"{'' if shape is None else f' of shape {tuple(shape)}'} "
-                         f"and dtype in {allowed}, got {type(array).__name__}")
-    got_shape = tuple(array.shape)
-    if shape is not None and len(got_shape) != len(shape):
-        raise ShapeError(f"{name}: expected rank {len(shape)} {tuple(shape)}, got rank "
-                         f"{len(got_shape)} {got_shape}")
-    if shape is not None and got_shape != tuple(shape):
-        raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {got_shape}")
-    dtype = dtype_of(array)
-    if dtype is None or np.dtype(dtype).name not in allowed:
-        raise ShapeError(f"{name}: dtype {dtype} not in {allowed}")
-
-
-def check_out(name: str, out, shape: tuple, dtypes) -> None:
-    """`check_array`, and a host `out` must be a writeable NumPy array."""
-    check_array(name, out, shape, dtypes)
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise ShapeError(f"{name}: the NumPy array is read-only; pass a writeable array "
-                         f"(or none, to get a new one)")
-
-
 @contextmanager
 def allocating(what: str):
     """Turn a failed host or device allocation inside the block into `CapacityError`."""
@@ -242,15 +188,21 @@ def allocating(what: str):
         raise CapacityError(f"{what}: allocation failed ({type(exc).__name__}: {exc})") from exc
 
 
-def dtype_of(array):
-    """The NumPy dtype of any array (torch.float16 -> float16), or None if it has none."""
-    dtype = getattr(array, "dtype", None)
-    if dtype is None or isinstance(dtype, np.dtype):
-        return dtype
+def torch_stream():
+    """A Numba stream for PyTorch's current CUDA stream, for `BatchedSequenceCache(config,
+    stream=kvnumba.torch_stream())`: kvnumba's launches then queue behind PyTorch's kernels
+    and before the next ones, with no synchronisation. `DeviceError` without a GPU or
+    without PyTorch built with CUDA."""
     try:
-        return np.dtype(str(dtype).rsplit(".", 1)[-1])
-    except TypeError:
-        return None
+        import torch
+    except ImportError:
+        raise DeviceError("torch_stream: PyTorch is not installed (pip install "
+                          "'kvnumba[torch]')") from None
+    if SIMULATOR or not torch.cuda.is_available():
+        raise DeviceError(f"torch_stream: needs a CUDA GPU and PyTorch built with CUDA "
+                          f"(kvnumba runs on the {KIND}, torch.cuda.is_available() is "
+                          f"{torch.cuda.is_available()})")
+    return cuda.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
 def host_buffer(n: int, dtype) -> np.ndarray:

@@ -61,9 +61,8 @@ class AttentionPaths:
     """The attention paths of one cache (chosen once from its config) and their workspace."""
 
     def __init__(self, config):
-        self.storage = config.np_dtype
-        self.decode_fast = decode.supports(config.head_dim, self.storage)
-        self.prefill_fast = prefill.supports(config.head_dim, self.storage)
+        self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
+        self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
         self.windows = sorted({spec.window or 0 for spec in config.layers})
         self.workspace = AttentionWorkspace()
         self._ramp = np.arange(config.max_step, dtype=np.int32)   # every segment, in order

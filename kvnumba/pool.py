@@ -41,7 +41,7 @@ class Pool:
     def _allocate(self, n_layers: int, rows: int):
         """One group's storage: `[n_layers, 2, rows, n_cols, n_kv_heads, head_dim]`."""
         shape = (n_layers, 2, rows, self.n_cols, self.config.n_kv_heads, self.config.head_dim)
-        return cuda.device_array(shape, dtype=self.config.np_dtype, stream=self.stream)
+        return cuda.device_array(shape, dtype=self.config.storage_dtype, stream=self.stream)
 
     def _install(self, key: int, group) -> None:
         self.groups[key] = group

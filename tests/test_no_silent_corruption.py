@@ -225,6 +225,6 @@ def test_messages_name_what_was_passed_and_what_fixes_it():
     says(c.commit_step, kv.StepProtocolError, "prepare_step()")
     c.prepare_step()
     says(lambda: c.write(0, [[[0.0] * D]], [[[0.0] * D]]), kv.ShapeError,
-         "NumPy or device array", "got list")
+         "NumPy, PyTorch or device array", "got list")
     says(lambda: c.attend(0, np.zeros((1, 0, D), np.float32)), kv.ShapeError,
          "n_q_heads=0", "positive multiple")

@@ -48,7 +48,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..device import cuda, dtype_of
+from ..device import cuda
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from . import ptx
 from .launch import Specialised
@@ -492,8 +492,8 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     if not supports(head_dim, storage):
         raise ValueError(f"prefill: head_dim {head_dim} with {storage} storage is not served")
     for name, array in (("q", q), ("out", out)):
-        if _type_name(dtype_of(array)) not in Q_OUT_TYPES:
-            raise ValueError(f"prefill: {name} dtype {dtype_of(array)} not in {Q_OUT_TYPES}")
+        if _type_name(array.dtype) not in Q_OUT_TYPES:
+            raise ValueError(f"prefill: {name} dtype {array.dtype} not in {Q_OUT_TYPES}")
     block_rows, block_keys = tile or tile_shape(head_dim)
     kernel = _prefill_kernel(head_dim, block_rows, block_keys, storage, softcap > 0)
     n_row_tiles = _ceil_div(group * max_q_len, block_rows)

@@ -10,7 +10,8 @@ view) takes the element-wise path.
 """
 from __future__ import annotations
 
-from ..device import aligned, cuda
+from ..arrays import aligned
+from ..device import cuda
 from . import ptx
 from .launch import Specialised
 
