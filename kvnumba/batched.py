@@ -200,8 +200,9 @@ class BatchedSequenceCache:
         block_ids = self._block_ids(blocks)
         n_tokens = ids.size
         boundary = ids[1:] != ids[:-1]
-        if n_tokens <= self._arange.size and np.count_nonzero(boundary) == n_tokens - 1:
-            # every token its own span (a decode step): reuse the read-only ramps
+        one_token_runs = n_tokens <= self._arange.size and \
+            np.count_nonzero(boundary) == n_tokens - 1
+        if one_token_runs:   # every token its own span (a decode step): the read-only ramps
             run_seqs, run_starts, run_lens = ids, self._arange[:n_tokens], self._ones[:n_tokens]
         else:
             run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
@@ -211,14 +212,16 @@ class BatchedSequenceCache:
         spans_per_seq = np.bincount(run_seqs, minlength=self._n)
         flags = self._block_flags(block_ids, spans_per_seq, run_seqs, run_starts, run_lens)
         pos_start = self._slots.pos[run_seqs]
+        one_token_each = one_token_runs
         if _max(spans_per_seq) == 1:   # one span per sequence (the common step)
-            seqs, totals = run_seqs, run_lens
+            seqs, totals, ends = run_seqs, run_lens, pos_start + run_lens
         else:
             offsets, seqs, totals = span_offsets(run_seqs, run_lens)
             pos_start = pos_start + offsets
             nxt = self._slots.check("declare", seqs)
-        ends = self._slots.pos[seqs] + totals
-        self._check_totals(seqs, totals, ends)
+            ends = self._slots.pos[seqs] + totals
+            one_token_each = False
+        self._check_totals(seqs, totals, ends, one_token_each)
         if n_tokens > self.config.max_step:
             raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
                                 f"{self.config.max_step}")
@@ -228,7 +231,7 @@ class BatchedSequenceCache:
         seq_info[:, COL] = run_seqs
         seq_info[:, POS_START] = pos_start
         seq_info[:, FLAGS] = flags
-        logits = run_starts + run_lens - 1
+        logits = run_starts if one_token_runs else run_starts + run_lens - 1
         self._slots.apply("declare", seqs, nxt)
         self._step.apply("declare", nxt_step)
         self._runs = (run_seqs, run_lens)
@@ -459,9 +462,10 @@ class BatchedSequenceCache:
                                  f"{int(self._slots.high_water[seq])}, max_write "
                                  f"{self.config.max_write})")
 
-    def _check_totals(self, seqs, totals, ends) -> None:
-        """Refuse a sequence writing more than max_write tokens, or reaching past capacity."""
-        if _max(totals) > self.config.max_write:
+    def _check_totals(self, seqs, totals, ends, one_token_each) -> None:
+        """Refuse a sequence writing more than max_write tokens, or reaching past capacity.
+        (`one_token_each`: every sequence writes one token, within any max_write.)"""
+        if not one_token_each and _max(totals) > self.config.max_write:
             i = int(np.argmax(totals))
             raise CapacityError(f"declare_step: sequence {int(seqs[i])} writes "
                                 f"{int(totals[i])} tokens, more than max_write "

@@ -233,11 +233,12 @@ def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
     which its scores are summed, then never depend on what else is in the step, and
     its output is the same bits alone or in any batch.
     """
-    if chunk <= 0 or chunk % KEY_TILE:
-        raise ValueError(f"decode: chunk {chunk} must be a positive multiple of {KEY_TILE}")
+    if chunk <= 0 or chunk % KEY_TILE or chunk & (chunk - 1):
+        raise ValueError(f"decode: chunk {chunk} must be a power of two and a multiple of "
+                         f"{KEY_TILE}")
     segments = np.asarray(segments, np.int32).reshape(-1)
     work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
-                                                     segments, window, chunk)
+                                                     segments, window, chunk.bit_length() - 1)
     if shortest < 1 or longest > DECODE_MAX_Q_LEN:
         raise ValueError(f"decode segments hold 1..{DECODE_MAX_Q_LEN} queries, got "
                          f"{shortest}..{longest}")
@@ -245,7 +246,7 @@ def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
 
 
 @njit(cache=True)
-def _cut(seq_info, segments, window, chunk):
+def _cut(seq_info, segments, window, shift):
     """The work and combine tables (see the module constants), the partial slots used,
     and the shortest and longest segment (1 and 0 when there are none).
 
@@ -254,6 +255,7 @@ def _cut(seq_info, segments, window, chunk):
     (`masks.key_range`), so their union runs from the first query's lo (a draft
     block's too: its lo never passes pos_start) to pos_start + q_len.
     """
+    chunk = 1 << shift                  # a power of two: no division per segment
     n_items = 0
     n_split = 0
     shortest = 1
@@ -264,7 +266,7 @@ def _cut(seq_info, segments, window, chunk):
         longest = max(longest, q_len)
         pos_start = seq_info[seg, POS_START]
         lo = max(pos_start - (window - 1), 0) if window > 0 else 0
-        chunks = (pos_start + seq_info[seg, Q_LEN] - lo + chunk - 1) // chunk
+        chunks = (pos_start + q_len - lo + chunk - 1) >> shift
         n_items += chunks
         n_split += chunks > 1
     work = np.empty((n_items, WORK_FIELDS), np.int32)
@@ -276,7 +278,7 @@ def _cut(seq_info, segments, window, chunk):
         pos_start = seq_info[seg, POS_START]
         hi = pos_start + seq_info[seg, Q_LEN]
         lo = max(pos_start - (window - 1), 0) if window > 0 else 0
-        chunks = (hi - lo + chunk - 1) // chunk
+        chunks = (hi - lo + chunk - 1) >> shift
         if chunks > 1:
             combine[split, COMBINE_SEG] = seg
             combine[split, COMBINE_PART] = part
