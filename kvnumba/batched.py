@@ -275,6 +275,7 @@ class BatchedSequenceCache:
         offsets = self._staging.upload(seq_cols, positions, info, *sections.values())
         routes.offsets = dict(zip(names, offsets))
         self._routes = routes
+        plan.launch_key = (width, plan.n_tokens) + routes.launch_key()
         plan.width, plan.seq_cols, plan.positions = width, frozen(seq_cols), frozen(positions)
         self._written[:] = False
         self._step.apply("prepare", nxt_step)

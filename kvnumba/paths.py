@@ -56,6 +56,20 @@ class StepPaths:
         self.decode_plans = decode_plans
         self.offsets = None
 
+    def launch_key(self) -> tuple:
+        """What the launches' grids and buffers depend on, besides the step's width: the
+        decode plans' sizes (or, on the generic path, the split-K chunks of the longest
+        history) and the prefill group's size. Two steps with equal keys (and widths)
+        launch the same grids on the same buffers, so a CUDA graph of one replays the
+        other (the positions and columns it reads are the staged tables' contents)."""
+        d, p = self.decode, self.prefill
+        if self.decode_plans:
+            decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
+                               for window, f in sorted(self.decode_plans.items()))
+        else:
+            decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK))
+        return decode_key, (p.n, p.max_q_len)
+
 
 class AttentionPaths:
     """The attention paths of one cache (chosen once from its config) and their workspace."""

@@ -114,7 +114,7 @@ class StepTables:
     """
 
     __slots__ = ("n_tokens", "width", "seq_info", "logit_indices", "max_q_len", "max_kv_len",
-                 "seq_cols", "positions")
+                 "seq_cols", "positions", "launch_key")
 
     def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len):
         self.n_tokens = n_tokens
@@ -125,6 +125,7 @@ class StepTables:
         self.max_kv_len = max_kv_len
         self.seq_cols = None
         self.positions = None
+        self.launch_key = None
 
 
 def _read(field: str, doc: str):
@@ -165,6 +166,11 @@ class StepPlan:
                                  "column, or -1 without one); None until prepared.")
     positions = _read("positions", "[width] int32 position per token (padding -> 0); None "
                                    "until prepared.")
+    launch_key = _read("launch_key", "A hashable summary of the prepared step's kernel "
+                                     "launches (width, the decode and prefill groups, the "
+                                     "decode chunk counts); None until prepared. A CUDA graph "
+                                     "captured from one step replays a later step correctly "
+                                     "when the keys are equal.")
 
     @property
     def segments(self) -> tuple:

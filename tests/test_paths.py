@@ -151,3 +151,29 @@ def test_an_attend_launches_at_most_one_path_per_group(name, monkeypatch):
     calls.clear()
     step(cache, seqs, [(0, 1), (2, 1)], {0: 6, 2: 5})   # a pure decode step: one path
     assert len(calls) == len(WINDOWS) and calls[0] == want[0]
+
+
+def test_the_launch_key_changes_only_with_the_launches():
+    """Decode steps keep one key until a sequence's history crosses a chunk boundary."""
+    from kvnumba.kernels.decode import CHUNK
+    for dtype, head_dim in (("float16", 16), ("float16", 12)):     # fast, generic decode
+        config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H,
+                                head_dim=head_dim, capacity=2 * CHUNK, max_seqs=2,
+                                max_write=CHUNK, max_step=CHUNK + 8, dtype=dtype)
+        cache = kv.BatchedSequenceCache(config)
+        a, b = cache.seq_new(), cache.seq_new()
+        cache.declare_step([a] * (CHUNK - 3) + [b] * 5)
+        cache.prepare_step()
+        assert cache.plan.launch_key is not None
+        cache.commit_step()
+        keys = []
+        for _ in range(5):                 # a goes from CHUNK - 3 to CHUNK + 2 keys
+            plan = cache.declare_step([a, b])
+            assert plan.launch_key is None
+            cache.prepare_step()
+            keys.append(plan.launch_key)
+            cache.commit_step()
+        assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4], (dtype, head_dim, keys)
+        plan = cache.declare_step([a, b])
+        assert cache.prepare_step(4).launch_key != keys[4]        # another width
+        cache.abort_step()
