@@ -7,10 +7,10 @@ segments. Each group runs on its own path, over its own list of segments, so a
 step launches at most two attention kernels (plus the decode path's combine) and a
 segment's output never depends on what shares its step:
 
-| group   | fast path (when it serves the storage)                | otherwise                 |
-|---------|-------------------------------------------------------|---------------------------|
-| decode  | `kernels.decode`: 16-byte loads, balanced key chunks   | `kernels.attention`, split-K in chunks of `decode.CHUNK` keys |
-| prefill | `kernels.prefill`: tensor cores (16-bit storage, scale > 0) | `kernels.attention` (CUDA cores, exact float32) |
+* decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK`) where it
+  serves the storage, else `kernels.attention` split-K in chunks of the same length;
+* prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
+  the storage, else `kernels.attention` (CUDA cores, exact for float32).
 
 `plan` turns the host segment table into int32 sections for the step's one upload:
 the two segment lists, and for the decode path one work / combine table per

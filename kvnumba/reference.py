@@ -146,7 +146,8 @@ class DemoModel:
         return self.weights["embed"][np.asarray(tokens, dtype=np.int64)]
 
     def qkv(self, layer: int, x: np.ndarray, positions):
-        """q `[n, n_q_heads, d]`, k and v `[n, n_kv_heads, d]` of the layer's input `x [n, d_model]`."""
+        """q `[n, n_q_heads, d]`, k and v `[n, n_kv_heads, d]` of the layer's input
+        `x [n, d_model]`."""
         h = rms_norm(x)
         n = x.shape[0]
         q = (h @ self.weights[f"wq{layer}"]).reshape(n, self.n_q_heads, self.head_dim)
