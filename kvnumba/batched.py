@@ -221,7 +221,7 @@ class BatchedSequenceCache:
             nxt = self._slots.check("declare", seqs)
             ends = self._slots.pos[seqs] + totals
             one_token_each = False
-        self._check_totals(seqs, totals, ends, one_token_each)
+        max_kv_len = self._check_totals(seqs, totals, ends, one_token_each)
         if n_tokens > self.config.max_step:
             raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
                                 f"{self.config.max_step}")
@@ -236,8 +236,9 @@ class BatchedSequenceCache:
         self._step.apply("declare", nxt_step)
         self._runs = (run_seqs, run_lens)
         self._seq_ends = (seqs, ends)
-        self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits),
-                                  int(_max(run_lens)), int(_max(ends)))
+        max_q_len = 1 if one_token_runs else int(_max(run_lens))
+        self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits), max_q_len,
+                                  max_kv_len)
         self._plan = StepPlan(self._tables)
         return self._plan
 
@@ -261,8 +262,9 @@ class BatchedSequenceCache:
         n = plan.n_tokens
         seq_cols = np.empty(width, dtype=np.int32)
         positions = np.empty(width, dtype=np.int32)
-        seq_cols[n:] = self._pad_col
-        positions[n:] = 0
+        if width > n:
+            seq_cols[n:] = self._pad_col
+            positions[n:] = 0
         if run_seqs.size == n:
             seq_cols[:n] = run_seqs
             positions[:n] = info[:, POS_START]
@@ -274,8 +276,7 @@ class BatchedSequenceCache:
         names = ("seq_cols", "positions", "seq_info", *sections)
         offsets = self._staging.upload(seq_cols, positions, info, *sections.values())
         routes.offsets = dict(zip(names, offsets))
-        self._routes = routes
-        plan.launch_key = (width, plan.n_tokens) + routes.launch_key()
+        plan.routes = self._routes = routes
         plan.width, plan.seq_cols, plan.positions = width, frozen(seq_cols), frozen(positions)
         self._written[:] = False
         self._step.apply("prepare", nxt_step)
@@ -463,19 +464,22 @@ class BatchedSequenceCache:
                                  f"{int(self._slots.high_water[seq])}, max_write "
                                  f"{self.config.max_write})")
 
-    def _check_totals(self, seqs, totals, ends, one_token_each) -> None:
-        """Refuse a sequence writing more than max_write tokens, or reaching past capacity.
-        (`one_token_each`: every sequence writes one token, within any max_write.)"""
+    def _check_totals(self, seqs, totals, ends, one_token_each) -> int:
+        """Refuse a sequence writing more than max_write tokens, or reaching past capacity;
+        returns the furthest end. (`one_token_each`: every sequence writes one token,
+        within any max_write.)"""
         if not one_token_each and _max(totals) > self.config.max_write:
             i = int(np.argmax(totals))
             raise CapacityError(f"declare_step: sequence {int(seqs[i])} writes "
                                 f"{int(totals[i])} tokens, more than max_write "
                                 f"{self.config.max_write}")
-        if _max(ends) > self.config.capacity:
+        furthest = int(_max(ends))
+        if furthest > self.config.capacity:
             i = int(np.argmax(ends))
             raise CapacityError(f"declare_step: sequence {int(seqs[i])} at pos "
                                 f"{int(self._slots.pos[seqs[i]])} + {int(totals[i])} tokens "
                                 f"exceeds capacity {self.config.capacity}")
+        return furthest
 
     def _block_ids(self, blocks):
         """`blocks` as a fresh int64 id array, or None for no blocks."""

@@ -99,10 +99,10 @@ class Segment:
 
 
 def frozen(array: np.ndarray) -> np.ndarray:
-    """A read-only view of `array`, which itself becomes read-only: neither can be written
-    again, so a view handed to a caller cannot reach the cache's own copy."""
+    """`array`, made read-only. A `StepPlan` hands out only views of it, which cannot be
+    made writeable again, so no caller can reach the cache's own copy."""
     array.setflags(write=False)
-    return array.view()
+    return array
 
 
 class StepTables:
@@ -110,11 +110,11 @@ class StepTables:
 
     n_tokens, width (None until prepared), seq_info [n_segments, SEQ_INFO_FIELDS],
     logit_indices [n_segments], max_q_len, max_kv_len, and once prepared seq_cols
-    / positions [width]; every array read-only.
+    / positions [width] and the attention routes; every array read-only.
     """
 
     __slots__ = ("n_tokens", "width", "seq_info", "logit_indices", "max_q_len", "max_kv_len",
-                 "seq_cols", "positions", "launch_key")
+                 "seq_cols", "positions", "routes")
 
     def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len):
         self.n_tokens = n_tokens
@@ -125,7 +125,13 @@ class StepTables:
         self.max_kv_len = max_kv_len
         self.seq_cols = None
         self.positions = None
-        self.launch_key = None
+        self.routes = None      # once prepared: the attention paths (`paths.StepPaths`)
+
+    @property
+    def launch_key(self):
+        if self.routes is None:
+            return None
+        return (self.width, self.n_tokens) + self.routes.launch_key()
 
 
 def _read(field: str, doc: str):

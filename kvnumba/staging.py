@@ -38,21 +38,20 @@ class Staging:
     def upload(self, *sections: np.ndarray) -> list:
         """Pack `sections` (int32-convertible arrays) back to back, copy them to the device
         in one transfer, and return each section's element offset."""
-        needed = sum(section.size for section in sections)
-        if needed > self.size:  # rare: the last uploads must land before the buffers go
+        offsets = []
+        end = 0
+        for section in sections:
+            offsets.append(end)
+            end += section.size
+        if end > self.size:  # rare: the last uploads must land before the buffers go
             self.stream.synchronize()
-            self._allocate(max(needed, 2 * self.size))
+            self._allocate(max(end, 2 * self.size))
         turn = self._turn
         self._turn ^= 1
         if self._events[turn] is not None:
             self._events[turn].synchronize()
         host = self._hosts[turn]
-        offsets = []
-        end = 0
-        for section in sections:
-            offsets.append(end)
-            host[end:end + section.size] = section.ravel()
-            end += section.size
+        np.concatenate([section.ravel() for section in sections], out=host[:end])
         upload_prefix(self.device, host, end, self.stream)
         if not SIMULATOR:
             if self._events[turn] is None:
