@@ -1,6 +1,7 @@
 """Independent references for the tests: nothing here imports kvnumba.
 
 - `ring_rows`, `floor`: contract §4/§5 arithmetic, written out again.
+- `visible_mask`: the keys one query sees, as a boolean mask (vectorised `visible`).
 - `dense_attention`: float64 attention from dense per-sequence histories and explicit masks.
 """
 import numpy as np
@@ -28,6 +29,16 @@ def visible(p, key, pos_start, q_len, window, block):
         in_block = pos_start <= key < pos_start + q_len
         return in_block or (lo <= key < pos_start)
     return lo <= key <= p
+
+
+def visible_mask(p, kv_len, pos_start, q_len, block, window):
+    """Boolean mask over key positions [0, kv_len) for the query at position p."""
+    j = np.arange(kv_len)
+    in_window = (j >= p - window + 1) if window else np.ones(kv_len, bool)
+    if block:
+        in_block = (j >= pos_start) & (j < pos_start + q_len)
+        return in_block | ((j < pos_start) & in_window)
+    return (j <= p) & in_window
 
 
 def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=None):

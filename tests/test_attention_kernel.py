@@ -18,19 +18,10 @@ from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import attention as att  # noqa: E402
 from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
+from oracle import visible_mask  # noqa: E402
 
 
 # ---------------------------------------------------------------- the oracle
-
-def visible_mask(p, kv_len, pos_start, q_len, block, window):
-    """Boolean mask over key positions [0, kv_len) for the query at position p."""
-    j = np.arange(kv_len)
-    in_window = (j >= p - window + 1) if window else np.ones(kv_len, bool)
-    if block:
-        in_block = (j >= pos_start) & (j < pos_start + q_len)
-        return in_block | ((j < pos_start) & in_window)
-    return (j <= p) & in_window
-
 
 def reference(case):
     """float64 attention from the dense histories (padding rows zero)."""

@@ -22,21 +22,12 @@ from kvnumba.kernels.attention import DECODE_MAX_Q_LEN  # noqa: E402
 from kvnumba.kernels.masks import key_range  # noqa: E402
 from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
+from oracle import visible_mask  # noqa: E402
 
 SENTINEL = -3.5          # exactly representable in float16 and float32
 
 
 # ---------------------------------------------------------------- the reference
-
-def visible_mask(p, kv_len, pos_start, q_len, block, window):
-    """Boolean mask over key positions [0, kv_len) for the query at position p."""
-    j = np.arange(kv_len)
-    in_window = (j >= p - window + 1) if window else np.ones(kv_len, bool)
-    if block:
-        in_block = (j >= pos_start) & (j < pos_start + q_len)
-        return in_block | ((j < pos_start) & in_window)
-    return (j <= p) & in_window
-
 
 def seen_positions(q_len, pos_start, block, window):
     """Every key position some query of the segment sees."""

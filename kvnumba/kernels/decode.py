@@ -343,6 +343,15 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
                 words[u, c, 3] = w3
 
     @cuda.jit(device=True, inline="always")
+    def _widen_words(words, values):
+        """The trip's loaded words as float32: `values[u, e]`, element e of key slot u."""
+        for u in range(UNROLL):
+            for c in range(PER_LANE):
+                f = widen(words[u, c, 0], words[u, c, 1], words[u, c, 2], words[u, c, 3])
+                for e in range(VEC):
+                    values[u, c * VEC + e] = f[e]
+
+    @cuda.jit(device=True, inline="always")
     def _split_rows(score, sub):
         """Sum `score[u, r]` over the LANES lanes of a key, splitting the rows as it goes.
 
@@ -466,12 +475,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
         trips = (key_hi - key_lo + BLOCK_KEYS - 1) // BLOCK_KEYS
         for t in range(trips):
             # this lane's partial dot products of every row with its keys
-            for u in range(UNROLL):
-                for c in range(PER_LANE):
-                    kf = widen(k_words[u, c, 0], k_words[u, c, 1], k_words[u, c, 2],
-                               k_words[u, c, 3])
-                    for e in range(VEC):
-                        values[u, c * VEC + e] = kf[e]
+            _widen_words(k_words, values)
             for u in range(UNROLL):
                 for r in range(ROWS):
                     score[u, r] = ZERO
@@ -516,12 +520,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
                 for r in range(ROWS):
                     for e in range(ELEMENTS):
                         acc[r, e] *= alpha[r]
-            for u in range(UNROLL):
-                for c in range(PER_LANE):
-                    vf = widen(v_words[u, c, 0], v_words[u, c, 1], v_words[u, c, 2],
-                               v_words[u, c, 3])
-                    for e in range(VEC):
-                        values[u, c * VEC + e] = vf[e]
+            _widen_words(v_words, values)
             for e in range(ELEMENTS):
                 for r in range(ROWS):
                     for u in range(UNROLL):

@@ -212,6 +212,19 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         return ptx.ldmatrix_x4(tile, q_lane + kc * 16)
 
     @cuda.jit(device=True)
+    def mma_pair(acc, n0, a0, a1, a2, a3, b0, b1, b2, b3):
+        """acc's n8 tiles n0 and n0 + 1 += A (a0..a3) times the two B fragments one
+        `ldmatrix_x4` gives: (b0, b1) for the first tile, (b2, b3) for the second."""
+        for h in range(2):
+            n = n0 + h
+            d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0 if h == 0 else b2, b1 if h == 0 else b3,
+                                 acc[4 * n], acc[4 * n + 1], acc[4 * n + 2], acc[4 * n + 3])
+            acc[4 * n] = d0
+            acc[4 * n + 1] = d1
+            acc[4 * n + 2] = d2
+            acc[4 * n + 3] = d3
+
+    @cuda.jit(device=True)
     def scores(s, qf, tile, q_lane, k_lane):
         """s = Q K^T for the warp's 16 rows and the tile's BK keys (unscaled)."""
         for i in range(S_FLOATS):
@@ -221,15 +234,7 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             for kp in range(BK // 16):      # keys 16 kp .. 16 kp + 15: two n8 tiles
                 b0, b1, b2, b3 = ptx.ldmatrix_x4(tile, K_BASE + k_lane + kp * 16 * PITCH
                                                  + kc * 16)
-                for h in range(2):
-                    n = 2 * kp + h
-                    d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0 if h == 0 else b2,
-                                         b1 if h == 0 else b3,
-                                         s[4 * n], s[4 * n + 1], s[4 * n + 2], s[4 * n + 3])
-                    s[4 * n] = d0
-                    s[4 * n + 1] = d1
-                    s[4 * n + 2] = d2
-                    s[4 * n + 3] = d3
+                mma_pair(s, 2 * kp, a0, a1, a2, a3, b0, b1, b2, b3)
 
     @cuda.jit(device=True)
     def accumulate(o, pf, tile, a_lane):
@@ -238,16 +243,8 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
             for dc in range(DK):            # dims 16 dc .. 16 dc + 15: two n8 tiles of O
                 b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(tile, V_BASE + a_lane
                                                        + kk * 16 * PITCH + dc * 16)
-                for h in range(2):
-                    n = 2 * dc + h
-                    d0, d1, d2, d3 = mma(pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2],
-                                         pf[4 * kk + 3], b0 if h == 0 else b2,
-                                         b1 if h == 0 else b3,
-                                         o[4 * n], o[4 * n + 1], o[4 * n + 2], o[4 * n + 3])
-                    o[4 * n] = d0
-                    o[4 * n + 1] = d1
-                    o[4 * n + 2] = d2
-                    o[4 * n + 3] = d3
+                mma_pair(o, 2 * dc, pf[4 * kk], pf[4 * kk + 1], pf[4 * kk + 2],
+                         pf[4 * kk + 3], b0, b1, b2, b3)
 
     @cuda.jit(device=True)
     def softcap_scores(s, scale, softcap):
