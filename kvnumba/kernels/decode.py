@@ -109,13 +109,16 @@ ZERO = float32(0.0)
 # --- storage widening: 16 loaded bytes (4 uint32 words) -> float32 values ------------------
 # One entry per storage dtype; bfloat16 storage holds its bit patterns as uint16.
 
-@cuda.jit(device=True)
-def _widen_float16(w0, w1, w2, w3):
-    a0, a1 = ptx.f16x2_to_f32(w0)
-    b0, b1 = ptx.f16x2_to_f32(w1)
-    c0, c1 = ptx.f16x2_to_f32(w2)
-    d0, d1 = ptx.f16x2_to_f32(w3)
-    return a0, a1, b0, b1, c0, c1, d0, d1
+def _widen_pairs(pair_to_f32):
+    """Widening for a 16-bit storage type: each word holds two values (`pair_to_f32`)."""
+    @cuda.jit(device=True)
+    def widen(w0, w1, w2, w3):
+        a0, a1 = pair_to_f32(w0)
+        b0, b1 = pair_to_f32(w1)
+        c0, c1 = pair_to_f32(w2)
+        d0, d1 = pair_to_f32(w3)
+        return a0, a1, b0, b1, c0, c1, d0, d1
+    return widen
 
 
 @cuda.jit(device=True)
@@ -123,17 +126,9 @@ def _widen_float32(w0, w1, w2, w3):
     return ptx.u32_as_f32(w0), ptx.u32_as_f32(w1), ptx.u32_as_f32(w2), ptx.u32_as_f32(w3)
 
 
-@cuda.jit(device=True)
-def _widen_bfloat16(w0, w1, w2, w3):
-    a0, a1 = ptx.bf16x2_to_f32(w0)
-    b0, b1 = ptx.bf16x2_to_f32(w1)
-    c0, c1 = ptx.bf16x2_to_f32(w2)
-    d0, d1 = ptx.bf16x2_to_f32(w3)
-    return a0, a1, b0, b1, c0, c1, d0, d1
-
-
-WIDEN = {np.dtype(np.float16): _widen_float16, np.dtype(np.float32): _widen_float32,
-         np.dtype(np.uint16): _widen_bfloat16}
+WIDEN = {np.dtype(np.float16): _widen_pairs(ptx.f16x2_to_f32),
+         np.dtype(np.float32): _widen_float32,
+         np.dtype(np.uint16): _widen_pairs(ptx.bf16x2_to_f32)}
 
 
 @cuda.jit(device=True)
