@@ -79,8 +79,7 @@ class AttentionPaths:
         self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
         self.windows = sorted({spec.window or 0 for spec in config.layers})
         self.workspace = AttentionWorkspace()
-        self._ramp = np.arange(config.max_step, dtype=np.int32)   # every segment, in order
-        self._ramp.setflags(write=False)
+        self._ramp = np.arange(0, dtype=np.int32)    # every segment's index, grown on demand
 
     # ------------------------------------------------------------------ host, per step
     def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int):
@@ -89,6 +88,9 @@ class AttentionPaths:
         and the int32 arrays to upload, by name, in upload order."""
         n = len(seq_info)
         q_len = seq_info[:, Q_LEN]
+        if n > self._ramp.size:
+            self._ramp = np.arange(max(n, 2 * self._ramp.size), dtype=np.int32)
+            self._ramp.setflags(write=False)
         if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
             decode_segs, prefill_segs = self._ramp[:n], self._ramp[:0]
             decode_group, prefill_group = Group(n, max_q_len, max_kv_len), _NONE
