@@ -141,10 +141,9 @@ def supports(head_dim: int, storage_dtype) -> bool:
     """Whether this path serves K/V storage of `head_dim` and `storage_dtype`.
 
     It needs a storage dtype it can widen (float16, float32, bfloat16 as uint16 bits)
-    and key rows that are
-    whole 16-byte loads; it is built for the head dims models use, multiples of
-    16 up to `MAX_HEAD_DIM` (those rows are whole 16-byte loads at any 2- or
-    4-byte dtype). Anything else takes the generic kernel.
+    and key rows that are whole 16-byte loads; it is built for the head dims models
+    use, multiples of 16 up to `MAX_HEAD_DIM` (those rows are whole 16-byte loads at
+    any 2- or 4-byte dtype). Anything else takes the generic kernel.
     """
     dtype = np.dtype(storage_dtype)
     return (dtype in WIDEN and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
@@ -182,6 +181,7 @@ class Geometry:
                    1 << (rows.bit_length() - 1))
 
 
+@lru_cache(maxsize=None)
 def block_rows(rows: int, head_dim: int, storage_dtype) -> int:
     """Rows per block for `rows` rows per segment: the smallest power of two holding
     them, at most what fits the registers."""
