@@ -18,3 +18,15 @@ settings.register_profile("thorough", max_examples=1000, deadline=None,
                           stateful_step_count=100,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What the stateful search exercised (its `COUNTS`), so a long run shows how many
+    steps, spans and refusals it really covered rather than only that it passed."""
+    module = next((m for name, m in list(sys.modules.items())
+                   if name.rpartition(".")[2] == "test_cache_stateful"), None)
+    counts = getattr(module, "COUNTS", None)
+    if counts:
+        terminalreporter.write_sep("-", "stateful search coverage")
+        for what, n in sorted(counts.items()):
+            terminalreporter.write_line(f"{n:>9,}  {what}")

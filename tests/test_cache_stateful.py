@@ -21,7 +21,7 @@ WINDOWS = [None, 3]          # one flat layer, one ring layer
 MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 48
 HEADS, Q_HEADS, DIM = 1, 2, 4
 LIVE = ("claimed", "committed", "rewound")
-#: rules run and steps committed, over the whole session (reported by thorough runs)
+#: steps, spans and refusals the search ran (printed at the end of the pytest run)
 COUNTS = Counter()
 
 
