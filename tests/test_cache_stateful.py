@@ -143,6 +143,14 @@ def assert_unchanged(before, after):
         np.testing.assert_array_equal(v0, v1)
 
 
+#: what every step rule draws besides its ids: padding, a verb tried mid-step, the ending
+STEP_ARGS = dict(data=st.data(), pad=st.integers(0, 3),
+                 meddle=st.sampled_from([None, None, None, "seq_new", "rewind", "declare"]),
+                 ending=st.sampled_from(["commit", "commit", "commit", "abort_declared",
+                                         "abort_prepared", "abort_written"]))
+any_live = precondition(lambda self: any(state != "free" for state in self.model.state))
+
+
 class CacheMachine(RuleBasedStateMachine):
     @initialize(n_live=st.integers(0, MAX_SEQS))
     def setup(self, n_live):
@@ -199,28 +207,42 @@ class CacheMachine(RuleBasedStateMachine):
         self.call(refused, getattr(self.cache, verb))
 
     # ---------------------------------------------------------------- one step
-    @rule(data=st.data(),
-          pad=st.integers(0, 3),
-          meddle=st.sampled_from([None, None, None, "seq_new", "rewind", "declare"]),
-          ending=st.sampled_from(["commit", "commit", "commit", "abort_declared",
-                                  "abort_prepared", "abort_written"]))
+    @rule(**STEP_ARGS)
+    @any_live
     def step(self, data, pad, meddle, ending):
-        live = [s for s in range(MAX_SEQS) if self.model.state[s] != "free"]
-        legal = bool(live) and data.draw(st.integers(0, 9), label="legal ids") > 0
-        if legal:  # mostly steps the cache accepts; over-long runs and steps now and then
-            runs = data.draw(st.lists(st.tuples(st.sampled_from(live),
-                                                st.integers(1, MAX_WRITE)),
-                                      min_size=1, max_size=len(live), unique_by=lambda r: r[0]),
-                             label="runs")
-            if data.draw(st.booleans(), label="spans"):  # cut runs into interleaved spans
-                runs = self.interleave(data, runs)
-            if data.draw(st.integers(0, 9), label="stretch") == 0:
-                runs[0] = (runs[0][0], runs[0][1] + data.draw(st.integers(1, MAX_STEP)))
+        """One run per sequence: mostly steps the cache accepts, now and then any ids."""
+        if data.draw(st.integers(0, 9), label="legal ids") > 0:
+            runs = self.live_runs(data)
         else:
             runs = data.draw(st.lists(st.tuples(st.integers(-1, MAX_SEQS), st.integers(1, 4)),
                                       min_size=1, max_size=4), label="runs")
-        block_pick = data.draw(st.lists(st.integers(0, MAX_SEQS - 1), max_size=2),
-                               label="blocks") if data.draw(st.booleans()) else []
+        self.run_step(data, runs, pad, meddle, ending)
+
+    @rule(**STEP_ARGS)
+    @any_live
+    def step_in_spans(self, data, pad, meddle, ending):
+        """Each sequence's tokens cut into spans, the spans of all sequences interleaved."""
+        self.run_step(data, self.interleave(data, self.live_runs(data)), pad, meddle, ending)
+
+    def live_runs(self, data):
+        """(seq, n) runs of distinct live sequences; now and then one run over max_write."""
+        live = [s for s in range(MAX_SEQS) if self.model.state[s] != "free"]
+        runs = data.draw(st.lists(st.tuples(st.sampled_from(live), st.integers(1, MAX_WRITE)),
+                                  min_size=1, max_size=len(live), unique_by=lambda r: r[0]),
+                         label="runs")
+        if data.draw(st.integers(0, 9), label="stretch") == 0:
+            runs[0] = (runs[0][0], runs[0][1] + data.draw(st.integers(1, MAX_STEP)))
+        return runs
+
+    def run_step(self, data, runs, pad, meddle, ending):
+        """Declare the runs' ids, then end the step as `ending` says, checking every stage."""
+        # draft-block owners mostly among the step's sequences (so spans meet blocks),
+        # now and then any slot (so "no run" and "several runs" are refused too)
+        owners = data.draw(st.sampled_from(["none", "none", "in step", "any"]), label="owners")
+        in_step = sorted({s for s, _ in runs if 0 <= s < MAX_SEQS})
+        pool = in_step if owners == "in step" and in_step else range(MAX_SEQS)
+        block_pick = data.draw(st.lists(st.sampled_from(pool), max_size=2),
+                               label="blocks") if owners != "none" else []
         ids = [s for s, n in runs for _ in range(n)]
         blocks = sorted(set(block_pick))
         try:
@@ -281,8 +303,8 @@ class CacheMachine(RuleBasedStateMachine):
         """Cut each (seq, n) run into spans and shuffle them, keeping each sequence's order."""
         pieces = []
         for seq, n in runs:
-            cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=2), label="cuts")) \
-                if n > 1 else []
+            cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=1, max_size=2),
+                                    label="cuts")) if n > 1 else []
             bounds = [0] + cuts + [n]
             pieces.append([(seq, b - a) for a, b in zip(bounds, bounds[1:])])
         order = data.draw(st.permutations([i for i, p in enumerate(pieces) for _ in p]),
