@@ -5,10 +5,10 @@
 
 Each kernel (always `intrinsics_probe` below, which uses every `kvnumba.kernels.ptx`
 function, plus any `@cuda.jit` kernel named as `module:function` with a Numba
-signature, e.g. `kvnumba.kernels.copy:_copy_column "void(float16[:, :, :, ::1],
-float16[:, :, :, ::1], int64, int64, int64)"`, or the kernel a factory makes for
-literal arguments, `module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128,
-'float16', 4)`) is compiled to PTX by numba-cuda in
+signature, e.g. `kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1],
+int64, int64, int64)"`, or the kernel a factory makes for literal arguments,
+`module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128, 'float16', 4,
+False)`) is compiled to PTX by numba-cuda in
 GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is), assembled by
 `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
 registers, spill stores / loads, stack frame (local memory), static shared
@@ -74,7 +74,7 @@ def intrinsics_probe(keys, values, out, scratch):
     16x16 float16 K tile with cp.async, load mma fragments with ldmatrix, multiply
     (f16 and bf16), reduce over the lanes of a row with shuffles, and stream 16-byte
     chunks of V through registers (f16 and bf16 unpacked, scaled, repacked)."""
-    lane = ptx.lane_id()
+    lane = cuda.laneid
     tile = cuda.shared.array(TILE, np.float16)
     ptx.cp_async_16(tile, lane * 8, keys, lane * 8)
     ptx.cp_async_commit()

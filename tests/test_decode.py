@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from kvnumba import device  # noqa: E402
 from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import decode as dec  # noqa: E402
-from kvnumba.kernels.attention import DECODE_MAX_Q_LEN  # noqa: E402
+from kvnumba.kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace  # noqa: E402
 from kvnumba.kernels.masks import key_range  # noqa: E402
 from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
@@ -137,7 +137,7 @@ def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0):
     dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
             cuda.to_device(tables), **offsets, n_items=plan.n_items, n_combine=plan.n_combine,
             n_parts=plan.n_parts, max_q_len=plan.max_q_len, out=out,
-            workspace=workspace or dec.DecodeWorkspace(), ring_rows=case.ring_rows,
+            workspace=workspace or AttentionWorkspace(), ring_rows=case.ring_rows,
             window=case.window, scale=case.scale, softcap=case.softcap)
     cuda.synchronize()
     return out.copy_to_host(), plan
@@ -435,7 +435,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
     """After one call, the same and a smaller step run with no device allocation."""
     rng = np.random.default_rng(6)
     case = make_case(rng, [(1, 150), (2, 70)], group=2)
-    workspace = dec.DecodeWorkspace()
+    workspace = AttentionWorkspace()
     check(case, run(case, workspace=workspace)[0])
     buffers = workspace.part_acc, workspace.part_ml
     plan = dec.plan(case.info, case.served[:1], window=0, chunk=dec.KEY_TILE)
@@ -467,7 +467,7 @@ def test_nothing_to_serve_launches_nothing():
     dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
             cuda.to_device(case.info.reshape(-1)), seq_info_off=0, work_off=0, n_items=0,
             combine_off=0, n_combine=0, n_parts=0, max_q_len=plan.max_q_len, out=out,
-            workspace=dec.DecodeWorkspace(), ring_rows=0, window=0, scale=1.0, softcap=0.0)
+            workspace=AttentionWorkspace(), ring_rows=0, window=0, scale=1.0, softcap=0.0)
     assert (out.copy_to_host() == SENTINEL).all()
 
 

@@ -254,7 +254,7 @@ def shuffle(values, masks, sources, xor_out, idx_out, lanes):
         xor_out[j, tid] = ptx.shfl_xor(value, masks[j])
     for j in range(sources.shape[0]):
         idx_out[j, tid] = ptx.shfl_idx(value, sources[j, tid])
-    lanes[tid] = ptx.lane_id()
+    lanes[tid] = cuda.laneid
 
 
 def shuffle_case(dtype, threads, blocks, masks, rng):

@@ -1,4 +1,6 @@
-"""Variable-length attention over each segment's own history (contract §8).
+"""Variable-length attention over each segment's own history (contract §8): the generic
+CUDA-core kernel, serving what the fast kernels (`decode`, `prefill`) do not (float32
+storage, head_dims they do not take, `scale <= 0`; `kvnumba.paths` routes each group).
 
 One kernel body does the work: a block takes a tile of *rows* of one segment and
 one kv head, where a row is a (query token, query head of the kv head's GQA group)
@@ -20,11 +22,14 @@ these intervals only move forward with the token, so a row tile needs exactly th
 keys `[lo(first row), hi(last row))`: tiles outside the causal / window mask are
 never loaded.
 
-Two paths, chosen per call on the host from `max_q_len`:
+Two paths, named by the caller (`kvnumba.paths` passes the group's; by default chosen
+from `max_q_len`):
 
 * decode (`max_q_len <= DECODE_MAX_Q_LEN`): `DECODE_TILES` (few rows, wide key
   tiles) and split-K (flash-decoding): the key range of each row tile is cut into
-  `n_splits` chunks, one block each, writing unnormalised partials (acc, max, sum)
+  `n_splits` chunks, one block each (the cache fixes the chunk at `decode.CHUNK` keys,
+  so a segment's result never depends on the rest of the step; without `kv_chunk`
+  `launch_plan` sizes it to fill the GPU), writing unnormalised partials (acc, max, sum)
   to the workspace; `_combine_kernel` merges them (log-sum-exp) into `out`. With a
   single split the block writes `out` directly and no combine runs.
 * prefill: `PREFILL_TILES` (tall row tiles), one block per (segment, row tile,
@@ -43,8 +48,8 @@ import numpy as np
 
 from ..device import cuda
 from . import ptx
-from .launch import Specialised
-from .masks import key_range, read_segment, store_row
+from .launch import Specialised, ceil_div
+from .masks import key_range, read_segment, storage_row, store_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -171,7 +176,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
 
         for key0 in range(key_lo, key_hi, BK):
             n_keys = min(BK, key_hi - key0)
-            row0 = key0 % ring_rows if ring_rows > 0 else key0   # storage row of key0
+            row0 = storage_row(key0, ring_rows)
             # a. stage K
             _stage_keys(kv_tile, k_store, row0, n_keys, col, kv_head, head_dim, dpad,
                         ring_rows, tid, THREADS)
@@ -300,11 +305,11 @@ _combine = Specialised(_combine_kernel)
 
 
 class AttentionWorkspace:
-    """Scratch device buffers (split-K partials etc.), grown on demand and reused across calls.
+    """Scratch device buffers for split-K partials, grown on demand and reused across calls
+    (by this kernel and by `decode`; each lays them out as its `run` documents).
 
-    `part_acc`: float32, flat `[n_splits, width, n_q_heads, head_dim]` unnormalised
-    outputs; `part_ml`: float32, flat `[n_splits, width, n_q_heads, 2]` running max
-    and sum. Sizes only grow (to the next power of two), so a warm workspace
+    `part_acc`: flat float32 unnormalised outputs; `part_ml`: flat float32 (running
+    max, sum) pairs. Sizes only grow (to the next power of two), so a warm workspace
     allocates nothing.
     """
 
@@ -332,10 +337,6 @@ class AttentionWorkspace:
                    if b is not None)
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
                 window, path=None, kv_chunk=None):
     """Host-side launch geometry: a dict with path, tiles, grid and split-K chunking.
@@ -355,19 +356,19 @@ def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, hea
     else:
         tiles = PREFILL_TILES[dpad]
     block_rows, block_keys, key_lanes, threads = tiles
-    n_row_tiles = _ceil_div(group * max_q_len, block_rows)
+    n_row_tiles = ceil_div(group * max_q_len, block_rows)
     # longest key range of one row tile: the whole history, or what the window leaves
     span = max_kv_len if window <= 0 else min(max_kv_len, window + max_q_len - 1)
     span = max(span, 1)
     if kv_chunk is not None:
         chunk = int(kv_chunk)
     elif path == "decode":
-        want = min(MAX_SPLITS, max(1, _ceil_div(TARGET_BLOCKS,
+        want = min(MAX_SPLITS, max(1, ceil_div(TARGET_BLOCKS,
                                                 n_segments * n_row_tiles * n_kv_heads)))
-        chunk = _ceil_div(max(DECODE_MIN_CHUNK, _ceil_div(span, want)), block_keys) * block_keys
+        chunk = ceil_div(max(DECODE_MIN_CHUNK, ceil_div(span, want)), block_keys) * block_keys
     else:
         chunk = span
-    n_splits = _ceil_div(span, chunk)
+    n_splits = ceil_div(span, chunk)
     return dict(path=path, group=group, dpad=dpad, block_rows=block_rows,
                 block_keys=block_keys, key_lanes=key_lanes, n_row_tiles=n_row_tiles,
                 n_splits=n_splits, chunk=chunk,
@@ -379,8 +380,8 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
            path=None, kv_chunk=None):
     """Attention of the served segments' queries over their own columns' keys, into `out`.
 
-    q: [width, n_q_heads, head_dim] device array (float16/float32); out: same shape,
-    float16/float32 (only the served segments' rows are written).
+    q: [width, n_q_heads, head_dim] device array; out: same shape (only the served
+    segments' rows are written); each float16, float32 or bfloat16 (uint16 bits).
     k_store/v_store: [rows, n_cols, n_kv_heads, head_dim]. tables: the step's int32
     device tables: segment `s`'s fields (`kvnumba.plan`) at `seq_info_off + s *
     SEQ_INFO_FIELDS`, the served segments' indices at `segments_off .. + n_segments`.
@@ -388,7 +389,8 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
     ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
     softcap: 0.0 = off. All launches on `stream`; no host synchronisation, no copies,
     no device allocation once `workspace` is warm.
-    path / kv_chunk: overrides for tests and benchmarks (see `launch_plan`).
+    path / kv_chunk: the path and its split-K chunk (see `launch_plan`); the cache
+    passes both.
     """
     width, n_q_heads, head_dim = q.shape
     n_kv_heads = k_store.shape[2]

@@ -12,10 +12,7 @@ from __future__ import annotations
 
 from ..device import cuda
 from . import ptx
-from .launch import Specialised
-
-THREADS = 256
-MAX_BLOCKS = 4096
+from .launch import STRIDE_THREADS, VECTOR_BYTES, Specialised, stride_blocks
 
 
 @cuda.jit
@@ -23,7 +20,7 @@ def _copy_vectors(group, src_col, dst_col, n_rows):
     """Vector `lane` of run (`layer`, `kv`, `row`), from column `src_col` to `dst_col`."""
     n_layers, two, rows, n_cols = group.shape[0], group.shape[1], group.shape[2], group.shape[3]
     run = group.shape[4] * group.shape[5]              # elements per (row, column)
-    elems = 16 // group.itemsize
+    elems = VECTOR_BYTES // group.itemsize
     per_run = run // elems
     for i in range(cuda.grid(1), n_layers * two * n_rows * per_run, cuda.gridsize(1)):
         lane = i % per_run
@@ -61,9 +58,9 @@ def copy_column(group, src_col: int, dst_col: int, n_rows: int, stream=0) -> Non
     total = group.shape[0] * 2 * n_rows * group.shape[4] * group.shape[5]
     if total == 0:
         return
-    if run_bytes % 16 == 0:
-        work, kernel = total * group.dtype.itemsize // 16, _vectors
+    if run_bytes % VECTOR_BYTES == 0:
+        work, kernel = total * group.dtype.itemsize // VECTOR_BYTES, _vectors
     else:
         work, kernel = total, _elements
-    blocks = min(MAX_BLOCKS, -(-work // THREADS))
-    kernel(blocks, THREADS, stream, group, int(src_col), int(dst_col), int(n_rows))
+    kernel(stride_blocks(work), STRIDE_THREADS, stream,
+           group, int(src_col), int(dst_col), int(n_rows))

@@ -47,12 +47,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..config import INT32_MAX, MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
-from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from ..plan import POS_START, Q_LEN
 from . import ptx
-from .attention import DECODE_MAX_Q_LEN, AttentionWorkspace
+from .attention import DECODE_MAX_Q_LEN
 from .launch import Specialised
-from .masks import key_range
+from .masks import key_range, read_segment
 
 from numba import float32, int32, njit, uint32  # noqa: E402  (after kvnumba.device)
 
@@ -74,8 +75,6 @@ KEY_TILE = 64
 #: keys per chunk (a block's work): few enough that a long sequence spreads over many
 #: blocks, enough that a block's fixed costs stay small against its loads
 CHUNK = 256
-#: the largest head_dim served (as the generic kernel)
-MAX_HEAD_DIM = 256
 
 WARP = 32
 WARPS = 4
@@ -98,11 +97,8 @@ COMBINE_THREADS = 128
 #: probabilities stay <= 2**RESCALE_SLACK and the accumulators are rescaled rarely
 RESCALE_SLACK = 8.0
 LOAD_BYTES = 16
-_max = np.maximum.reduce
-_min = np.minimum.reduce
 LOG2E = 1.4426950408889634
 NEG_INF = float32(-math.inf)
-INT32_MAX = 2 ** 31 - 1
 ZERO = float32(0.0)
 
 
@@ -146,8 +142,7 @@ def supports(head_dim: int, storage_dtype) -> bool:
     any 2- or 4-byte dtype). Anything else takes the generic kernel.
     """
     dtype = np.dtype(storage_dtype)
-    return (dtype in WIDEN and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
-            and head_dim * dtype.itemsize % LOAD_BYTES == 0)
+    return dtype in WIDEN and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -215,8 +210,8 @@ class DecodePlan(NamedTuple):
 
 
 def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
-    """Cut the served segments' key ranges into chunks of `chunk` keys (host only,
-    vectorised).
+    """Cut the served segments' key ranges into chunks of `chunk` keys (host only, one
+    compiled pass).
 
     seq_info: host [n_segments, SEQ_INFO_FIELDS] int32 segment table; segments: the
     indices of the segments this path serves (each `Q_LEN <= DECODE_MAX_Q_LEN`).
@@ -396,15 +391,11 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
         kv_heads = k_store.shape[2]
         kv_head = (cuda.blockIdx.x // n_row_groups) % kv_heads
         item = work_off + (cuda.blockIdx.x // (n_row_groups * kv_heads)) * WORK_FIELDS
-        seg = seq_info_off + tables[item + WORK_SEG] * SEQ_INFO_FIELDS
+        seg = tables[item + WORK_SEG]
         key_lo = tables[item + WORK_KEY_LO]
         key_hi = tables[item + WORK_KEY_HI]
         part = tables[item + WORK_PART]
-        q_start = tables[seg + Q_START]
-        q_len = tables[seg + Q_LEN]
-        col = tables[seg + COL]
-        pos_start = tables[seg + POS_START]
-        block = (tables[seg + FLAGS] & FLAG_BLOCK) != 0
+        q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
         first_row = row_group * ROWS
         if first_row >= group * q_len:         # a row group this segment does not fill
             return
@@ -579,12 +570,12 @@ def _combine_kernel(tables, part_acc, part_ml, out, seq_info_off, combine_off, m
     tid = cuda.threadIdx.x
     entry = combine_off + cuda.blockIdx.x * COMBINE_FIELDS
     i = cuda.blockIdx.y
-    seg = seq_info_off + tables[entry + COMBINE_SEG] * SEQ_INFO_FIELDS
-    if i >= tables[seg + Q_LEN]:
+    q_start, q_len, _, _, _ = read_segment(tables, seq_info_off, tables[entry + COMBINE_SEG])
+    if i >= q_len:
         return
     first = tables[entry + COMBINE_PART]
     last = first + tables[entry + COMBINE_PARTS]
-    token = tables[seg + Q_START] + i
+    token = q_start + i
     n_heads, head_dim = out.shape[1], out.shape[2]
     for o in range(tid, n_heads * head_dim, COMBINE_THREADS):
         head = o // head_dim
@@ -605,9 +596,6 @@ def _combine_kernel(tables, part_acc, part_ml, out, seq_info_off, combine_off, m
 # --- launch -----------------------------------------------------------------------------
 
 _combine = Specialised(_combine_kernel)
-DecodeWorkspace = AttentionWorkspace
-"""Partial buffers for `run`, grown to powers of two and reused: the generic
-kernel's `AttentionWorkspace` (a warm one allocates nothing)."""
 
 
 def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine_off,
@@ -615,11 +603,12 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
         stream=0):
     """Attention of the planned segments' queries; writes their rows of `out`.
 
-    q, out: [width, n_q_heads, head_dim] device arrays, float16 or float32.
-    k_store, v_store: [rows, n_cols, n_kv_heads, head_dim], float16 or float32
-    (`supports`). tables: int32 device array holding the segment table at
-    `seq_info_off`, the plan's work table at `work_off` (`n_items` rows) and its
-    combine table at `combine_off` (`n_combine` rows), each flat row-major.
+    q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
+    (uint16 bits). k_store, v_store: [rows, n_cols, n_kv_heads, head_dim], float16,
+    float32 or bfloat16 as uint16 (`supports`). tables: int32 device array holding the
+    segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
+    rows) and its combine table at `combine_off` (`n_combine` rows), each flat
+    row-major.
     n_parts, max_q_len: the plan's. ring_rows: 0 (flat) or R; window: 0 or W;
     softcap: 0 = off.
 

@@ -1,4 +1,4 @@
-"""Launch a kernel without Numba's per-call type dispatch.
+"""Launch a kernel without Numba's per-call type dispatch (and the grid arithmetic).
 
 A `@cuda.jit` dispatcher types every argument on every launch (several µs per
 array). `Specialised` asks Numba once per argument signature for a kernel
@@ -8,6 +8,23 @@ scalar) is cheap to compute and keeps a strided array from ever reaching a kerne
 compiled for a contiguous one.
 """
 from __future__ import annotations
+
+
+#: the grid-stride kernels (write, clone copy): threads per block, 16-byte vectors, and
+#: a cap on blocks that still fills a large GPU several times over
+STRIDE_THREADS = 256
+VECTOR_BYTES = 16
+MAX_BLOCKS = 4096
+
+
+def ceil_div(a: int, b: int) -> int:
+    """`ceil(a / b)` for ints: grid sizes and tile counts."""
+    return -(-a // b)
+
+
+def stride_blocks(work: int) -> int:
+    """Blocks of `STRIDE_THREADS` for a grid-stride loop over `work` items."""
+    return min(MAX_BLOCKS, ceil_div(work, STRIDE_THREADS))
 
 
 def _type_key(arg):

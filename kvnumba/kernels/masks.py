@@ -4,7 +4,7 @@ sees, where a key lives.
 Segments are read from the step's flat int32 tables (`read_segment`). Visibility is
 one interval per query, `[lo, hi)`, moving forward with the query's position (see
 `key_range`); a ring layer keeps position `p` in storage row `p % ring_rows` (see
-`store_row`).
+`storage_row`, and `store_row` for walking a tile's rows without a division per key).
 """
 from __future__ import annotations
 
@@ -35,6 +35,12 @@ def key_range(i, q_len, pos_start, block, window):
     if block:
         return min(lo, pos_start), pos_start + q_len
     return lo, p + 1
+
+
+@cuda.jit(device=True)
+def storage_row(position, ring_rows):
+    """Row of `position`: itself on a flat layer, `position % ring_rows` on a ring."""
+    return position % ring_rows if ring_rows > 0 else position
 
 
 @cuda.jit(device=True)

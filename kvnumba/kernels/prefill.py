@@ -48,11 +48,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from ..config import INT32_MAX, MAX_HEAD_DIM
 from ..device import cuda
-from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from ..plan import SEQ_INFO_FIELDS
 from . import ptx
-from .launch import Specialised
-from .masks import key_range
+from .launch import Specialised, ceil_div
+from .masks import key_range, read_segment
 
 from numba import float32, int32, int64, uint16, uint32  # noqa: E402  (after kvnumba.device)
 
@@ -65,19 +66,14 @@ TILES = {64: (64, 64), 128: (64, 64), 256: (48, 16)}
 Q_REGISTERS_MAX_DIM = 128
 Q_OUT_TYPES = ("float16", "float32", "uint16")   # uint16: bfloat16 bits
 STORAGE_TYPES = ("float16", "bfloat16")
-MAX_HEAD_DIM = 256
 LOG2E = float32(math.log2(math.e))
 NEG_INF = float32(-math.inf)
-FLAT_RING = 2 ** 31 - 1     # the ring size staging takes for a flat layer: never wraps
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+FLAT_RING = INT32_MAX     # the ring size a flat layer's rows are walked with: never wraps
 
 
 def padded_head_dim(head_dim: int) -> int:
     """head_dim rounded up to whole k16 fragments."""
-    return _ceil_div(head_dim, 16) * 16
+    return ceil_div(head_dim, 16) * 16
 
 
 def _type_name(dtype) -> str:
@@ -102,6 +98,7 @@ def shared_rows(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, i
     return q_rows, max(block_rows, q_rows + 2 * block_keys)
 
 
+@lru_cache(maxsize=None)
 def tile_shape(head_dim: int) -> tuple[int, int]:
     """(block_rows, block_keys) the GPU uses for `head_dim`."""
     dpad = padded_head_dim(head_dim)
@@ -127,7 +124,7 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     # keys tid // CHUNKS + i KEY_STEP, i < KEY_PASSES: one address offset per thread
     KEY_STEP = THREADS // CHUNKS
     STAGERS = KEY_STEP * CHUNKS
-    KEY_PASSES = _ceil_div(BK, KEY_STEP)
+    KEY_PASSES = ceil_div(BK, KEY_STEP)
     Q_CHUNKS = DP // 8      # 8-value chunks of a staged Q row (padding included)
     Q_ROWS, ROWS = shared_rows(head_dim, BR, BK)
     Q_IN_REGISTERS = Q_ROWS == 0
@@ -273,7 +270,8 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     def softmax_step(s, pf, o, m_a, m_b, l_a, l_b, scale_log2):
         """Online softmax over one tile's unscaled scores (scale > 0: the max commutes
         with scaling, and `exp(scale s - scale m) = exp2(s scale_log2 - m scale_log2)`
-        is one FFMA and one ex2): new running max (quad-wide), P packed into `pf`, O and
+        is one FFMA and one `math.exp2`, ex2 plus its range handling): new running max
+        (quad-wide), P packed into `pf`, O and
         the lane's partial sums rescaled; returns (m_a, m_b, l_a, l_b)."""
         x_a = NEG_INF
         x_b = NEG_INF
@@ -326,19 +324,14 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     def prefill(q, k_store, v_store, tables, out, seq_info_off, segments_off, n_row_tiles,
                 group, ring_rows, window, scale, softcap):
         tid = cuda.threadIdx.x
-        lane = ptx.lane_id()
+        lane = cuda.laneid
         warp = tid // 32
         g = lane // 4
         t = lane % 4
         kv_head = cuda.blockIdx.x
         seg = tables[segments_off + cuda.blockIdx.y]
         first_row = (n_row_tiles - 1 - cuda.blockIdx.z) * BR   # the longest row tiles first
-        info = seq_info_off + seg * SEQ_INFO_FIELDS
-        q_start = tables[info + Q_START]
-        q_len = tables[info + Q_LEN]
-        col = tables[info + COL]
-        pos_start = tables[info + POS_START]
-        block = (tables[info + FLAGS] & FLAG_BLOCK) != 0
+        q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_end = group * q_len                   # the segment's rows
         n_rows = min(BR, n_end - first_row)
         if n_rows <= 0:
@@ -463,6 +456,19 @@ def storage_type(dtype) -> str:
     return name
 
 
+@lru_cache(maxsize=None)
+def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> str:
+    """The storage type of a launch, after refusing what this path does not serve; cached
+    per combination, so a launch pays for the checks once, not per layer and step."""
+    storage = storage_type(storage_dtype)
+    if not supports(head_dim, storage):
+        raise ValueError(f"prefill: head_dim {head_dim} with {storage} storage is not served")
+    for name, dtype in (("q", q_dtype), ("out", out_dtype)):
+        if _type_name(dtype) not in Q_OUT_TYPES:
+            raise ValueError(f"prefill: {name} dtype {dtype} not in {Q_OUT_TYPES}")
+    return storage
+
+
 def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, max_q_len,
         out, ring_rows, window, scale, softcap, stream=0, tile=None):
     """Attention of the listed segments' queries over their own column's keys, into `out`.
@@ -485,15 +491,10 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     head_dim = q.shape[2]
     n_q_heads, n_kv_heads = q.shape[1], k_store.shape[2]
     group = n_q_heads // n_kv_heads
-    storage = storage_type(k_store.dtype)
-    if not supports(head_dim, storage):
-        raise ValueError(f"prefill: head_dim {head_dim} with {storage} storage is not served")
-    for name, array in (("q", q), ("out", out)):
-        if _type_name(array.dtype) not in Q_OUT_TYPES:
-            raise ValueError(f"prefill: {name} dtype {array.dtype} not in {Q_OUT_TYPES}")
+    storage = _served(head_dim, k_store.dtype, q.dtype, out.dtype)
     block_rows, block_keys = tile or tile_shape(head_dim)
     kernel = _prefill_kernel(head_dim, block_rows, block_keys, storage, softcap > 0)
-    n_row_tiles = _ceil_div(group * max_q_len, block_rows)
+    n_row_tiles = ceil_div(group * max_q_len, block_rows)
     kernel((n_kv_heads, n_segments, n_row_tiles), 32 * (block_rows // 16), stream,
            q, k_store, v_store, tables, out, int(seq_info_off), int(segments_off),
            n_row_tiles, group, int(ring_rows), int(window), np.float32(scale),

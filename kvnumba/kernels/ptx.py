@@ -25,7 +25,7 @@ import inspect
 from ..device import SIMULATOR
 
 from llvmlite import ir  # noqa: E402  (after kvnumba.device chose the target)
-from numba.cuda import cgutils, nvvmutils, types  # noqa: E402
+from numba.cuda import cgutils, types  # noqa: E402
 from numba.cuda.core.errors import TypingError  # noqa: E402
 from numba.cuda.extending import intrinsic  # noqa: E402
 
@@ -338,24 +338,13 @@ def _shuffle(name, mode, doc):
 
 
 shfl_xor = _shuffle("shfl_xor", 3, """
-    `shfl_xor(value, lane_mask)`: `value` of lane `lane_id() ^ lane_mask`
+    `shfl_xor(value, lane_mask)`: `value` of lane `cuda.laneid ^ lane_mask`
     (`shfl.sync.bfly.b32`, full warp); int32, uint32 or float32.
     """)
 shfl_idx = _shuffle("shfl_idx", 0, """
     `shfl_idx(value, src_lane)`: `value` of lane `src_lane % 32`
     (`shfl.sync.idx.b32`, full warp); int32, uint32 or float32.
     """)
-
-
-@intrinsic
-def lane_id(typingctx):
-    """`lane_id() -> int32`: this thread's lane in its warp, 0..31 (`%laneid`), the linear
-    thread index in the block modulo 32."""
-
-    def codegen(context, builder, sig, args):
-        return nvvmutils.call_sreg(builder, "laneid")
-
-    return types.int32(), codegen
 
 
 # --- tensor cores: mma.m16n8k16 ----------------------------------------------------------
@@ -504,5 +493,5 @@ if SIMULATOR:
     from .ptxsim import (  # noqa: E402,F401,F811  (same names, simulated)
         bf16x2_to_f32, cp_async_16, cp_async_commit, cp_async_wait, exp2_approx, f16x2_to_f32,
         f32_as_u32, f32x2_to_bf16x2, f32x2_to_f16x2, from_f32, ld_nc_v4, ld_v4, ldmatrix_x4,
-        ldmatrix_x4_trans, lane_id, mma_bf16_f32, mma_f16_f32, shfl_idx, shfl_xor, st_v4,
+        ldmatrix_x4_trans, mma_bf16_f32, mma_f16_f32, shfl_idx, shfl_xor, st_v4,
         to_f32, u32_as_f32)

@@ -16,7 +16,7 @@ import struct
 import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
 
-from .simwarp import WarpError, exchange, lane_id  # noqa: F401  (lane_id: for ptx)
+from .simwarp import WarpError, exchange
 
 _WORD = struct.Struct("<I")
 _F16X2 = struct.Struct("<2e")
@@ -166,7 +166,7 @@ def _from_lane(values, src, lane):
 
 
 def shfl_xor(value, lane_mask):
-    """`value` of lane `lane_id() ^ lane_mask` (low 5 bits of the mask)."""
+    """`value` of lane `cuda.laneid ^ lane_mask` (low 5 bits of the mask)."""
     values, lane = exchange(_shuffle, value)
     return _from_lane(values, lane ^ (int(lane_mask) & 31), lane)
 

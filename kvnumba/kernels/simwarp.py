@@ -174,11 +174,6 @@ def _name(op) -> str:
     return getattr(op, "__name__", repr(op))
 
 
-def lane_id() -> int:
-    """The calling simulator thread's lane: linear thread index in the block % 32."""
-    return threading.current_thread().thread_id % WARP_SIZE
-
-
 def exchange(op, value):
     """`(op(values), lane)`: deposit `value`, meet the warp's other lanes, share one result.
 

@@ -13,18 +13,8 @@ from __future__ import annotations
 from ..arrays import aligned
 from ..device import cuda
 from . import ptx
-from .launch import Specialised
-
-THREADS = 256
-#: blocks of the grid-stride loops: enough to fill a large GPU several times over
-MAX_BLOCKS = 4096
-VECTOR_BYTES = 16
-
-
-@cuda.jit(device=True)
-def storage_row(position, ring_rows):
-    """Row of `position`: itself on a flat layer, `position % ring_rows` on a ring."""
-    return position % ring_rows if ring_rows > 0 else position
+from .launch import STRIDE_THREADS, VECTOR_BYTES, Specialised, stride_blocks
+from .masks import storage_row
 
 
 @cuda.jit
@@ -34,8 +24,8 @@ def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows):
     `tables[token]` is the token's column (negative: write nowhere), `tables[width +
     token]` its position. Indices are in elements of a flat view of each array.
     """
-    per_token = k.shape[1] * k.shape[2] * k.itemsize // 16
-    elems = 16 // k.itemsize                       # elements per vector
+    per_token = k.shape[1] * k.shape[2] * k.itemsize // VECTOR_BYTES
+    elems = VECTOR_BYTES // k.itemsize             # elements per vector
     run = k.shape[1] * k.shape[2]                  # elements per token
     n_cols = k_store.shape[1]
     for i in range(cuda.grid(1), width * per_token, cuda.gridsize(1)):
@@ -94,5 +84,5 @@ def write_kv(k_store, v_store, k, v, tables, ring_rows: int, stream=0) -> None:
         work, kernel = elements * k.dtype.itemsize // VECTOR_BYTES, _vectors
     else:
         work, kernel = elements, _elements
-    blocks = min(MAX_BLOCKS, -(-work // THREADS))
-    kernel(blocks, THREADS, stream, k_store, v_store, k, v, tables, width, int(ring_rows))
+    kernel(stride_blocks(work), STRIDE_THREADS, stream,
+           k_store, v_store, k, v, tables, width, int(ring_rows))
