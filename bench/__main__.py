@@ -42,10 +42,7 @@ def record_path(date: str, device: str, folder: Path = RESULTS) -> Path:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    size = parser.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="short run")
-    size.add_argument("--smoke", action="store_true",
-                      help="kernel cases at toy sizes, no timings (runs on the simulator too)")
+    kernels.add_size_arguments(parser)
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help=f"folder for the JSON record (default ./{RESULTS})")
     args = parser.parse_args(argv)
@@ -62,8 +59,7 @@ def main(argv=None) -> int:
     print(control.report(control_result).splitlines()[-1], flush=True)
     print()
 
-    sizes = kernels.SMOKE if args.smoke else kernels.QUICK if args.quick else kernels.FULL
-    kernel_result = kernels.run(sizes)
+    kernel_result = kernels.run(kernels.sizes_for(args))
     print(kernels.report(kernel_result), flush=True)
 
     record = dict(date=now.isoformat(timespec="seconds"), device=device,

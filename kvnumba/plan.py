@@ -13,7 +13,7 @@ import numpy as np
 Q_START = 0      # first token of the segment on the step's token axis
 Q_LEN = 1        # tokens in the segment
 COL = 2          # the sequence's storage column
-POS_START = 3    # position of the segment's first token (= pos(seq) at declare)
+POS_START = 3    # position of its first token (pos(seq) for a first span; later ones follow)
 FLAGS = 4        # bit field, see FLAG_BLOCK
 SEQ_INFO_FIELDS = 5
 FLAG_BLOCK = 1   # the segment is a draft block: bidirectional within itself

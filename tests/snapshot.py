@@ -5,6 +5,7 @@
 pos, high-water and floor; the step state; the open plan's tables; which layers
 the step has written; the staged device tables; and the raw bytes of every
 layer's K and V storage (compared as bytes: never-written storage may hold NaN).
+`fill` and `run_step` give a face the history the refusals are tried against.
 """
 import numpy as np
 
@@ -53,3 +54,16 @@ def assert_unchanged(before, after):
 
 def fill(rng, shape, dtype=np.float32):
     return rng.standard_normal(shape).astype(dtype)
+
+
+def run_step(control, ids, rng, width=None, commit=True, write_layers=None):
+    """Declare `ids`, prepare at `width`, write random K/V into `write_layers` (default:
+    every layer) and commit (or leave the step prepared)."""
+    control.declare_step(ids)
+    plan = control.prepare_step(width)
+    shape = (plan.width, control.config.n_kv_heads, control.config.head_dim)
+    layers = range(control.config.n_layers) if write_layers is None else write_layers
+    for layer in layers:
+        control.write(layer, fill(rng, shape), fill(rng, shape))
+    if commit:
+        control.commit_step()

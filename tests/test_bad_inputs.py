@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvnumba as kv
-from snapshot import assert_unchanged, fill, snapshot
+from snapshot import assert_unchanged, fill, run_step, snapshot
 
 H, HQ, D = 2, 4, 4                 # kv heads, q heads (GQA 2), head_dim
 SEQS, CAPACITY, MAX_WRITE, MAX_STEP = 4, 16, 4, 8
@@ -33,16 +33,6 @@ def config(max_seqs=SEQS):
                           max_step=MAX_STEP, dtype="float32", initial_rows=4)
 
 
-def step(control, ids, rng, width=None, commit=True, write_layers=None):
-    control.declare_step(ids)
-    plan = control.prepare_step(width)
-    layers = range(control.config.n_layers) if write_layers is None else write_layers
-    for layer in layers:
-        control.write(layer, fill(rng, (plan.width, H, D)), fill(rng, (plan.width, H, D)))
-    if commit:
-        control.commit_step()
-
-
 def open_step(control, ids, state, rng):
     """Leave `control` with history and the step in `state`."""
     if state == "idle":
@@ -50,7 +40,7 @@ def open_step(control, ids, state, rng):
     if state == "declared":
         control.declare_step(ids)
         return
-    step(control, ids, rng, width=WIDTH, commit=False,
+    run_step(control, ids, rng, width=WIDTH, commit=False,
          write_layers=[0] if state == "written" else [])
 
 
@@ -59,7 +49,7 @@ def build_batched(state):
     c = kv.BatchedSequenceCache(config())
     s0, s1, _s2 = c.seq_new(), c.seq_new(), c.seq_new()   # s2 stays claimed, 3 free
     for ids in ([s0] * 4 + [s1] * 3, [s0] * 4, [s0]):         # s0: hw 9 > R 6, floor 5
-        step(c, ids, rng)
+        run_step(c, ids, rng)
     c.rewind(s1, 1)
     open_step(c, [0, 0, 1, 2], state, rng)
     return c
@@ -89,7 +79,7 @@ def build_control(state):
     c = kv.SequenceBatchControl(kv.SequenceCache(config(max_seqs=1)))
     c.seq_new()
     for ids in ([0] * 4, [0] * 4, [0]):
-        step(c, ids, rng)
+        run_step(c, ids, rng)
     open_step(c, [0, 0], state, rng)
     return c
 
@@ -99,9 +89,9 @@ def build_table(state):
     c = kv.BatchedSequenceCache(config())
     t = kv.SessionTable(c, max_sessions=SEQS, max_session_tokens=CAPACITY)
     a, b = t.open(), t.open()
-    step(c, [t.seq(a)] * 4 + [t.seq(b)] * 2, rng)
-    step(c, [t.seq(a)] * 4, rng)
-    step(c, [t.seq(a)], rng)
+    run_step(c, [t.seq(a)] * 4 + [t.seq(b)] * 2, rng)
+    run_step(c, [t.seq(a)] * 4, rng)
+    run_step(c, [t.seq(a)], rng)
     open_step(c, [t.seq(a), t.seq(b)], state, rng)
     return t
 
@@ -190,9 +180,21 @@ BAD_BLOCKS = st.sampled_from([1, "0", [None], ["0"], {0}, [2**70], [0.5], [True]
                               [[0]], np.array([0.5]), [SEQS], [-1], [3], object()])
 
 
-def refuses(state, allowed):
-    """Valid arguments are refused when the state is not one the verb runs in."""
-    return state not in allowed
+#: rewind positions outside every face's [floor, pos] (pos 9 at most, floor 5 at least)
+BAD_POSITION = st.one_of(NOT_INT, HUGE, st.integers(max_value=4), st.integers(min_value=10))
+
+
+#: clone prefixes outside [1, pos] (pos 9 at most)
+BAD_UPTO = st.one_of(NOT_INT_NOR_NONE, HUGE, st.integers(max_value=0), st.integers(min_value=10))
+
+
+def bad_width(c, state):
+    """Widths `prepare_step` must refuse: while declared, not an int, huge, fewer than the
+    step's tokens or more than max_step; in any other state even the default."""
+    if state != "declared":
+        return st.just(None)
+    return st.one_of(NOT_INT_NOR_NONE, HUGE, st.integers(max_value=c.plan.n_tokens - 1),
+                     st.integers(min_value=MAX_STEP + 1))
 
 
 # ---------------------------------------------------------------- the calls
@@ -239,15 +241,13 @@ def control_call(data, c, state, n_seqs):
         seq = data.draw(bad_id, label="seq")
         return lambda: getattr(c, verb)(seq)
     if verb == "clone_upto":
-        upto = data.draw(st.one_of(NOT_INT_NOR_NONE, HUGE, st.integers(max_value=0),
-                                   st.integers(min_value=10)), label="upto")
+        upto = data.draw(BAD_UPTO, label="upto")
         return lambda: c.seq_clone(0, upto)
     if verb == "rewind":
         seq = data.draw(bad_id, label="seq")
         return lambda: c.rewind(seq, 0)
     if verb == "rewind_position":
-        position = data.draw(st.one_of(NOT_INT, HUGE, st.integers(max_value=4),
-                                       st.integers(min_value=10)), label="position")
+        position = data.draw(BAD_POSITION, label="position")
         return lambda: c.rewind(0, position)
     if verb == "declare":
         ids = data.draw(st.one_of(bad_seq_ids(n_seqs), st.just([0])) if state != "idle"
@@ -257,9 +257,7 @@ def control_call(data, c, state, n_seqs):
         blocks = data.draw(BAD_BLOCKS, label="blocks")
         return lambda: c.declare_step([0, 0], blocks=blocks)
     if verb == "prepare":
-        width = data.draw(st.one_of(NOT_INT_NOR_NONE, HUGE, st.integers(max_value=0),
-                                    st.integers(min_value=MAX_STEP + 1))
-                          if state == "declared" else st.just(None), label="width")
+        width = data.draw(bad_width(c, state), label="width")
         return lambda: c.prepare_step(width)
     if verb == "layer_data":
         layer = data.draw(bad_index(2), label="layer")
@@ -292,13 +290,10 @@ def single_call(data, c, state):
                           label="block")
         return lambda: c.declare_step(2, block=block)
     if verb == "rewind":
-        position = data.draw(st.one_of(NOT_INT, HUGE, st.integers(max_value=4),
-                                       st.integers(min_value=10)), label="position")
+        position = data.draw(BAD_POSITION, label="position")
         return lambda: c.rewind(position)
     if verb == "prepare":
-        width = data.draw(st.one_of(NOT_INT_NOR_NONE, st.integers(max_value=1),
-                                    st.integers(min_value=MAX_STEP + 1))
-                          if state == "declared" else st.just(None), label="width")
+        width = data.draw(bad_width(c, state), label="width")
         return lambda: c.prepare_step(width)
     if verb == "layer_data":
         layer = data.draw(bad_index(2), label="layer")
@@ -340,8 +335,7 @@ def table_call(data, t, state):
         return lambda: t.close(sid)
     bad_sid = st.one_of(NOT_INT, HUGE, st.integers(max_value=0), st.integers(min_value=3))
     if verb == "clone_upto":
-        upto = data.draw(st.one_of(NOT_INT_NOR_NONE, HUGE, st.integers(max_value=0),
-                                   st.integers(min_value=10)), label="upto")
+        upto = data.draw(BAD_UPTO, label="upto")
         return lambda: t.clone(t.sessions[0], upto)
     sid = data.draw(bad_sid, label="sid")
     return lambda: getattr(t, verb)(sid)

@@ -148,7 +148,10 @@ STEP_ARGS = dict(data=st.data(), pad=st.integers(0, 3),
                  meddle=st.sampled_from([None, None, None, "seq_new", "rewind", "declare"]),
                  ending=st.sampled_from(["commit", "commit", "commit", "abort_declared",
                                          "abort_prepared", "abort_written"]))
+
+
 def live_at_least(n):
+    """A rule that needs at least `n` live sequences."""
     return precondition(lambda self: sum(state != "free" for state in self.model.state) >= n)
 
 

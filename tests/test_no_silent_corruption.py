@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from snapshot import assert_unchanged, fill, snapshot
+from snapshot import assert_unchanged, fill, run_step, snapshot
 
 H, HQ, D = 1, 2, 4
 
@@ -25,19 +25,11 @@ def make(max_seqs=3, **kw):
     return kv.BatchedSequenceCache(kv.CacheConfig(**base))
 
 
-def run(c, ids, rng, width=None):
-    c.declare_step(ids)
-    plan = c.prepare_step(width)
-    for layer in range(c.config.n_layers):
-        c.write(layer, fill(rng, (plan.width, H, D)), fill(rng, (plan.width, H, D)))
-    c.commit_step()
-
-
 def test_1_the_cache_copies_the_callers_id_buffer():
     rng = np.random.default_rng(0)
     c = make()
     seqs = [c.seq_new() for _ in range(3)]
-    run(c, [0, 0, 1], rng)                         # pos 2, 1, 0
+    run_step(c, [0, 0, 1], rng)                         # pos 2, 1, 0
     ids = np.array(seqs, dtype=np.int64)           # a serving loop's reused buffer
     plan = c.declare_step(ids)
     ids[:] = 2                                     # the loop refills it for the next step
@@ -65,7 +57,7 @@ def test_2_update_and_attend_checks_both_halves_before_writing(bad):
     c = make()
     s = c.seq_new()
     for _ in range(3):                             # the ring layer (R = 6) has wrapped
-        run(c, [s] * 3, rng)
+        run_step(c, [s] * 3, rng)
     c.declare_step([s] * 4)
     c.prepare_step()
     args = dict(layer=1, q=fill(rng, (4, HQ, D)), k=fill(rng, (4, H, D)),
@@ -94,7 +86,7 @@ def test_3_the_step_plan_is_read_only_and_never_trusted():
     rng = np.random.default_rng(2)
     c = make()
     a, b = c.seq_new(), c.seq_new()
-    run(c, [a] * 3 + [b] * 2, rng)
+    run_step(c, [a] * 3 + [b] * 2, rng)
     plan = c.declare_step([a, b])
     c.prepare_step()
     before = snapshot(c)
@@ -120,7 +112,7 @@ def test_4_pack_refuses_what_declare_would_before_any_rewind():
     t = kv.SessionTable(c, max_sessions=3, max_session_tokens=16)
     a, b = t.open(), t.open()
     for _ in range(3):
-        run(c, [t.seq(a)] * 3 + [t.seq(b)] * 3, rng)   # both at 9; floor 9 - 4 = 5
+        run_step(c, [t.seq(a)] * 3 + [t.seq(b)] * 3, rng)   # both at 9; floor 9 - 4 = 5
     before = snapshot(t)
     cases = [
         ([(a, 6, [1] * 5)], "max_write 4"),                      # rewind to 6, then 5 tokens
@@ -142,7 +134,7 @@ def test_5_attend_refuses_a_layer_the_step_has_not_written():
     rng = np.random.default_rng(4)
     c = make()
     s = c.seq_new()
-    run(c, [s] * 3, rng)
+    run_step(c, [s] * 3, rng)
     c.declare_step([s] * 2)
     c.prepare_step()
     q = fill(rng, (2, HQ, D))
@@ -168,7 +160,7 @@ def test_6_ids_are_ints_and_nothing_else():
     c = make()
     t = kv.SessionTable(c, max_sessions=3, max_session_tokens=16)
     first, second = t.open(), t.open()
-    run(c, [t.seq(first)] * 2, rng)
+    run_step(c, [t.seq(first)] * 2, rng)
     before = snapshot(t)
     for call in (lambda: t.pack([(True, 2, [1])]), lambda: t.pos(True), lambda: t.seq(True),
                  lambda: t.close(True), lambda: t.close([1]), lambda: t.clone(np.bool_(True)),
@@ -193,7 +185,7 @@ def test_7_non_finite_scale_and_softcap_are_config_errors(kw):
     rng = np.random.default_rng(6)
     c = make()
     s = c.seq_new()
-    run(c, [s] * 2, rng)
+    run_step(c, [s] * 2, rng)
     c.declare_step([s])
     c.prepare_step()
     before = snapshot(c)

@@ -141,8 +141,7 @@ def test_an_attend_launches_at_most_one_path_per_group(name, monkeypatch):
     step(cache, seqs, [(0, 1), (1, 6), (2, 1)], {0: 5, 1: 3, 2: 4})
     per_layer = len(calls) // len(WINDOWS)
     assert len(calls) % len(WINDOWS) == 0 and per_layer == 2, calls
-    fast_decode, fast_prefill = CONFIGS[name][1] % 16 == 0, dtype == "float16" and \
-        CONFIGS[name][1] % 16 == 0
+    fast_decode, fast_prefill = head_dim % 16 == 0, dtype == "float16" and head_dim % 16 == 0
     want = [("kvnumba.kernels.decode.run", None) if fast_decode
             else ("kvnumba.kernels.attention.attend", "decode"),
             ("kvnumba.kernels.prefill.run", None) if fast_prefill
@@ -174,6 +173,6 @@ def test_the_launch_key_changes_only_with_the_launches():
             keys.append(plan.launch_key)
             cache.commit_step()
         assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4], (dtype, head_dim, keys)
-        plan = cache.declare_step([a, b])
+        cache.declare_step([a, b])
         assert cache.prepare_step(4).launch_key != keys[4]        # another width
         cache.abort_step()

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # bench/ is not an installed package: import it from the checkout
-    sys.path.insert(0, str(ROOT))
+from bench import sass
 
-from bench import sass  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PTXAS_V = """\
 ptxas info    : 8 bytes gmem
@@ -89,7 +87,6 @@ def test_missing_tool_says_how_to_install_it(monkeypatch):
 
 def test_command_line_reports_a_missing_tool_without_compiling(tmp_path):
     env = dict(os.environ, KVNUMBA_DEVICE="compile")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, "-m", "bench.sass", "--ptxas",
                            str(tmp_path / "none")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)

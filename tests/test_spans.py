@@ -112,13 +112,19 @@ def test_interleaved_spans_equal_each_sequence_alone(data, hist_lens, pad, seed)
     width = min(MAX_STEP, len(order) + pad)
     plan, split_outs = run_step(split, order, new, width)
 
-    # each span starts where the sequence's earlier spans stopped
+    # the spans are the maximal runs of one id in `order`; each starts where the
+    # sequence's earlier spans stopped, and its last token is its logit row
+    ends = [t for t in range(len(order)) if t + 1 == len(order) or order[t + 1][0] != order[t][0]]
+    starts = [0] + [t + 1 for t in ends[:-1]]
     cursor = {seq: n for seq, n in enumerate(hist_lens)}
-    for g in plan.segments:
-        assert g.pos_start == cursor[g.seq]
-        cursor[g.seq] += g.q_len
+    expect = []
+    for a, b in zip(starts, ends):
+        seq = order[a][0]
+        expect.append((seq, a, b - a + 1, cursor[seq]))
+        cursor[seq] += b - a + 1
+    assert [(g.seq, g.q_start, g.q_len, g.pos_start) for g in plan.segments] == expect
     assert plan.positions[:len(order)].tolist() == [hist_lens[s] + i for s, i in order]
-    assert plan.logit_indices.tolist() == [g.q_start + g.q_len - 1 for g in plan.segments]
+    assert plan.logit_indices.tolist() == ends
 
     for seq, n in enumerate(new_lens):
         _, alone_outs = run_step(alone, [(seq, i) for i in range(n)], new)
