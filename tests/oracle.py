@@ -2,7 +2,10 @@
 
 - `ring_rows`, `floor`: contract §4/§5 arithmetic, written out again.
 - `visible_mask`: the keys one query sees, as a boolean mask (vectorised `visible`).
+- `seen_positions`: every key position some query of a segment sees.
 - `dense_attention`: float64 attention from dense per-sequence histories and explicit masks.
+- `round_nearest_even`, `f16_values`, `bf16_values`: float32 -> float16/bfloat16 bits
+  (IEEE round to nearest, ties to even) from each format's rounding grid, and back.
 """
 import numpy as np
 
@@ -41,6 +44,15 @@ def visible_mask(p, kv_len, pos_start, q_len, block, window):
     return (j <= p) & in_window
 
 
+def seen_positions(q_len, pos_start, block, window):
+    """Every key position some query of the segment sees (sorted int array)."""
+    kv_len = pos_start + q_len
+    seen = np.zeros(kv_len, bool)
+    for i in range(q_len):
+        seen |= visible_mask(pos_start + i, kv_len, pos_start, q_len, block, window)
+    return np.flatnonzero(seen)
+
+
 def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=None):
     """q [n, hq, d]; keys/values [kv_len, hkv, d] (positions 0..kv_len-1) -> [n, hq, d] float64."""
     q = np.asarray(q, np.float64)
@@ -62,3 +74,53 @@ def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=No
             w /= w.sum()
             out[i, h] = w @ values[:, kv, :]
     return out
+
+
+# ---------------------------------------------------------------- 16-bit float formats
+
+def f16_values(bits):
+    """float64 values of uint16 float16 bit patterns (exact)."""
+    return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
+
+
+def bf16_values(bits):
+    """float64 values of uint16 bfloat16 bit patterns (exact): the top half of a float32."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(
+        np.float64)
+
+
+FORMATS = {  # name: (decode bits -> float64, bits of +inf, 2 ** (emax + 1), mantissa bits)
+    "f16": (f16_values, 0x7C00, 2.0 ** 16, 10),
+    "bf16": (bf16_values, 0x7F80, 2.0 ** 128, 7),
+}
+
+
+def round_nearest_even(x, fmt):
+    """uint16 bits of float32 `x` in `fmt` ("f16" or "bf16"), rounded to nearest, ties
+    to even (IEEE 754).
+
+    The non-negative finite values of the format, in bit order, are its rounding
+    grid; +inf sits where the next binade would start (2**(emax+1)), so values from
+    halfway past the largest finite one round to inf (its bits are even). NaN becomes
+    a quiet NaN of the same sign that keeps the top bits of the payload (for bfloat16:
+    the top half of the float32, quiet bit set).
+    """
+    decode, inf_bits, top, mantissa = FORMATS[fmt]
+    x = np.asarray(x, np.float32)
+    bits = np.arange(inf_bits + 1, dtype=np.uint16)
+    grid = decode(bits)
+    grid[-1] = top
+    with np.errstate(invalid="ignore"):   # widening a signalling NaN
+        mag = np.abs(x.astype(np.float64))
+    above = np.minimum(np.searchsorted(grid, mag), bits.size - 1)
+    below = np.maximum(above - 1, 0)
+    to_above = grid[above] - mag
+    to_below = mag - grid[below]
+    take_above = (to_above < to_below) | ((to_above == to_below) & (bits[above] % 2 == 0))
+    out = np.where(take_above, bits[above], bits[below]).astype(np.uint32)
+    out = np.where(mag >= top, inf_bits, out)
+    f32 = x.view(np.uint32)
+    out = np.where(np.signbit(x), out | 0x8000, out)
+    quiet_nan = ((f32 >> 16) & 0x8000) | inf_bits | (1 << (mantissa - 1)) | (
+        (f32 & 0x7FFFFF) >> (23 - mantissa))
+    return np.where(np.isnan(x), quiet_nan, out).astype(np.uint16)

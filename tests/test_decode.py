@@ -4,59 +4,35 @@ independent float64 reference.
 Storage, histories and the flat `tables` array are built by hand here, so nothing of
 the kernels' indexing is reused: storage rows a segment must not read hold NaN, and
 rows of `out` that no served segment owns hold a sentinel that must survive. The
-reference works from dense per-sequence histories and explicit boolean masks.
+reference (`oracle.dense_attention`) works from dense per-sequence histories and
+explicit boolean masks.
 """
-import os
-import sys
+import numpy as np
+import pytest
 
-os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
-sys.setswitchinterval(1e-4)
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from kvnumba import device  # noqa: E402
-from kvnumba.device import cuda  # noqa: E402
-from kvnumba.kernels import decode as dec  # noqa: E402
-from kvnumba.kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace  # noqa: E402
-from kvnumba.kernels.masks import key_range  # noqa: E402
-from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
-                          SEQ_INFO_FIELDS)
-from oracle import visible_mask  # noqa: E402
+from kvnumba import device
+from kvnumba.device import cuda
+from kvnumba.kernels import decode as dec
+from kvnumba.kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
+from kvnumba.kernels.masks import key_range
+from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from oracle import dense_attention, seen_positions, visible_mask
 
 SENTINEL = -3.5          # exactly representable in float16 and float32
 
 
 # ---------------------------------------------------------------- the reference
 
-def seen_positions(q_len, pos_start, block, window):
-    """Every key position some query of the segment sees."""
-    kv_len = pos_start + q_len
-    seen = np.zeros(kv_len, bool)
-    for i in range(q_len):
-        seen |= visible_mask(pos_start + i, kv_len, pos_start, q_len, block, window)
-    return np.flatnonzero(seen)
-
-
 def reference(case):
     """float64 attention of every served segment's queries: {token: [n_q_heads, head_dim]}."""
     want = {}
-    group = case.q.shape[1] // case.n_kv_heads
     for seg in case.served:
         q_start, q_len, pos_start, block = case.segments[seg]
-        keys, values = case.hist_k[seg], case.hist_v[seg]
-        kv_len = pos_start + q_len
+        got = dense_attention(case.q[q_start:q_start + q_len], case.hist_k[seg],
+                              case.hist_v[seg], pos_start, case.window, block, case.scale,
+                              case.softcap if case.softcap > 0 else None)
         for i in range(q_len):
-            mask = visible_mask(pos_start + i, kv_len, pos_start, q_len, block, case.window)
-            rows = []
-            for h in range(case.q.shape[1]):
-                s = case.scale * (keys[:, h // group] @ case.q[q_start + i, h].astype(np.float64))
-                if case.softcap > 0:
-                    s = case.softcap * np.tanh(s / case.softcap)
-                s = np.where(mask, s, -np.inf)
-                w = np.exp(s - s.max())
-                rows.append((w / w.sum()) @ values[:, h // group])
-            want[q_start + i] = np.array(rows)
+            want[q_start + i] = got[i]
     return want
 
 

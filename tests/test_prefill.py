@@ -13,7 +13,7 @@ from kvnumba import device
 from kvnumba.device import cuda
 from kvnumba.kernels import prefill
 from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
-from oracle import dense_attention, visible
+from oracle import bf16_values, dense_attention, round_nearest_even, seen_positions
 
 SMALL = (16, 16)                # (block_rows, block_keys): one warp, one k16 step of keys
 TWO_WARPS = (32, 16)
@@ -38,16 +38,6 @@ class _StaleShared:
 def stale_shared_memory(monkeypatch):
     if device.SIMULATOR:
         monkeypatch.setattr(device, "np", _StaleShared())
-
-
-def bf16_bits(x):
-    """uint16 bfloat16 bit patterns of float32 `x`, rounded to nearest even."""
-    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def bf16_values(bits):
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 class Case:
@@ -77,12 +67,12 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
         keys = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(np.float32)
         values = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(np.float32)
         if storage == "bfloat16":
-            keys, values = bf16_values(bf16_bits(keys)), bf16_values(bf16_bits(values))
+            keys = bf16_values(round_nearest_even(keys, "bf16"))
+            values = bf16_values(round_nearest_even(values, "bf16"))
         else:
             keys, values = keys.astype(np.float16), values.astype(np.float16)
-        seen = [j for j in range(kv_len) if any(
-            visible(pos_start + i, j, pos_start, q_len, window, block) for i in range(q_len))]
-        stored = [j % ring_rows if ring_rows else j for j in seen]
+        seen = seen_positions(q_len, pos_start, block, window)
+        stored = seen % ring_rows if ring_rows else seen
         assert len(set(stored)) == len(stored), "test bug: ring too small"
         k_store[stored, col] = keys[seen]
         v_store[stored, col] = values[seen]
@@ -96,7 +86,8 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
         c.q[seg[0]:seg[0] + seg[1]] = rng.standard_normal((seg[1], n_q_heads, head_dim))
     c.q = c.q.astype(q_dtype)
     if storage == "bfloat16":
-        c.k_store, c.v_store = bf16_bits(k_store), bf16_bits(v_store)
+        c.k_store = round_nearest_even(k_store, "bf16")
+        c.v_store = round_nearest_even(v_store, "bf16")
     else:
         c.k_store, c.v_store = k_store.astype(np.float16), v_store.astype(np.float16)
     # one flat table: junk, the segment table at seq_info_off, junk, the served list

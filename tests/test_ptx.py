@@ -1,10 +1,11 @@
-"""`kvnumba.kernels.ptx` in small kernels, against NumPy references written here.
+"""`kvnumba.kernels.ptx` in small kernels, against NumPy references.
 
-Fragment layouts and rounding are re-derived in this file from the PTX ISA
-(`mma.m16n8k16` and `ldmatrix` fragment tables, IEEE round-to-nearest-even), not
-taken from the implementation. On the simulator the kernels check `ptxsim`; on a
-GPU the same tests check the real instructions. Only the tests of the simulator's
-own checks (alignment, lanes that do not join a warp call) skip on a GPU.
+Fragment layouts are re-derived in this file from the PTX ISA (`mma.m16n8k16` and
+`ldmatrix` fragment tables) and rounding (IEEE round-to-nearest-even) in
+`oracle.round_nearest_even`, not taken from the implementation. On the simulator the
+kernels check `ptxsim`; on a GPU the same tests check the real instructions. Only the
+tests of the simulator's own checks (alignment, lanes that do not join a warp call) skip
+on a GPU.
 """
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from kvnumba import device
 from kvnumba.device import cuda
 from kvnumba.kernels import ptx
+from oracle import FORMATS, round_nearest_even
 
 RNG_SEED = 20240607
 only_simulator = pytest.mark.skipif(not device.SIMULATOR,
@@ -81,52 +83,13 @@ def test_ld_st_v4_move_16_bytes_at_aligned_elements(dtype, shape, read_only):
 
 # --- conversions -------------------------------------------------------------------------
 
-def f16_values(bits):
-    return np.asarray(bits, np.uint16).view(np.float16).astype(np.float64)
-
-
-def bf16_values(bits):
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32).astype(
-        np.float64)
-
-
-FORMATS = {  # name: (decode bits -> float64, bits of +inf, 2 ** (emax + 1))
-    "f16": (f16_values, 0x7C00, 2.0 ** 16),
-    "bf16": (bf16_values, 0x7F80, 2.0 ** 128),
-}
-
-
-def round_nearest_even(x, fmt):
-    """uint16 bits of float32 `x` rounded to nearest, ties to even (IEEE 754), NaN -> 0.
-
-    The non-negative finite values of the format, in bit order, are its rounding
-    grid; +inf sits where the next binade would start (2**(emax+1)), so values from
-    halfway past the largest finite one round to inf (its bits are even).
-    """
-    decode, inf_bits, top = FORMATS[fmt]
-    bits = np.arange(inf_bits + 1, dtype=np.uint16)
-    grid = decode(bits)
-    grid[-1] = top
-    with np.errstate(invalid="ignore"):   # widening a signalling NaN
-        mag = np.abs(np.asarray(x, np.float64))
-    above = np.minimum(np.searchsorted(grid, mag), bits.size - 1)
-    below = np.maximum(above - 1, 0)
-    to_above = grid[above] - mag
-    to_below = mag - grid[below]
-    take_above = (to_above < to_below) | ((to_above == to_below) & (bits[above] % 2 == 0))
-    out = np.where(take_above, bits[above], bits[below])
-    out = np.where(mag >= top, inf_bits, out)
-    out = np.where(np.signbit(x), out | 0x8000, out)
-    return np.where(np.isnan(x), 0, out).astype(np.uint16)
-
-
 def f32_from_bits(bits):
     return np.asarray(bits, np.uint32).view(np.float32)
 
 
 def rounding_cases(fmt, rng):
     """float32 inputs: specials, ties and near-ties, subnormals, random bit patterns."""
-    decode, inf_bits, _ = FORMATS[fmt]
+    decode, inf_bits = FORMATS[fmt][:2]
     finite = rng.integers(0, inf_bits - 1, 400)
     lower, upper = decode(finite), decode(finite + 1)
     ties = ((lower + upper) / 2).astype(np.float32)   # exact: one more bit than the format
@@ -608,17 +571,6 @@ def _elements_round_trip(src, widened, dst):
         dst[i] = ptx.from_f32(value * 3.0, dst)
 
 
-def bf16_reference(values):
-    """float32 -> bfloat16 bits, round to nearest even, written independently of ptxsim."""
-    bits = values.astype(np.float32).view(np.uint32).astype(np.int64)
-    lower = bits & 0xFFFF
-    upper = bits >> 16
-    round_up = (lower > 0x8000) | ((lower == 0x8000) & (upper & 1 == 1))
-    out = (upper + round_up).astype(np.uint16)
-    nan = np.isnan(values)
-    return np.where(nan, (upper | 0x40).astype(np.uint16), out)
-
-
 @pytest.mark.parametrize("src_dtype,dst_dtype", [
     (np.float16, np.float16), (np.float32, np.float16), (np.float16, np.float32),
     (np.uint16, np.uint16), (np.float32, np.uint16), (np.uint16, np.float32)])
@@ -639,5 +591,6 @@ def test_elements_widen_exactly_and_narrow_to_nearest_even(src_dtype, dst_dtype)
     assert widened.copy_to_host().tobytes() == exact.tobytes()
     tripled = (exact * np.float32(3.0)).astype(np.float32)
     with np.errstate(over="ignore"):
-        want = bf16_reference(tripled) if dst_dtype == np.uint16 else tripled.astype(dst_dtype)
+        want = (round_nearest_even(tripled, "bf16") if dst_dtype == np.uint16
+                else tripled.astype(dst_dtype))
     assert dst.copy_to_host().tobytes() == want.tobytes()
