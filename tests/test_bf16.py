@@ -32,17 +32,23 @@ def test_bfloat16_storage_is_uint16_bits_and_host_arrays_are_ml_dtypes():
     rng = np.random.default_rng(0)
     c.declare_step([s] * 3)
     c.prepare_step(4)
-    exact = rng.standard_normal((4, H, 16)).astype(BF16)           # bfloat16 in: exact
-    wide = rng.standard_normal((4, H, 16)).astype(np.float32)      # float32 in: rounded
-    c.write(0, exact, exact)
-    c.write(1, wide, wide)
+    exact_k = rng.standard_normal((4, H, 16)).astype(BF16)         # bfloat16 in: exact
+    exact_v = rng.standard_normal((4, H, 16)).astype(BF16)
+    wide_k = rng.standard_normal((4, H, 16)).astype(np.float32)    # float32 in: rounded
+    wide_v = rng.standard_normal((4, H, 16)).astype(np.float32)
+    c.write(0, exact_k, exact_v)
+    c.write(1, wide_k, wide_v)
     c.commit_step()
-    for layer, sent in ((0, exact), (1, wide.astype(BF16))):
+    for layer, sent_k, sent_v in ((0, exact_k, exact_v),
+                                  (1, wide_k.astype(BF16), wide_v.astype(BF16))):
         positions, got_k, got_v = c.sequence_kv(s, layer)
-        assert got_k.dtype == np.dtype(BF16) and positions.tolist() == [0, 1, 2]
-        assert got_k.tobytes() == sent[:3].tobytes() == got_v.tobytes()
+        assert got_k.dtype == got_v.dtype == np.dtype(BF16) and positions.tolist() == [0, 1, 2]
+        assert got_k.tobytes() == sent_k[:3].tobytes()
+        assert got_v.tobytes() == sent_v[:3].tobytes()
     clone = c.seq_clone(s, upto=2)
-    assert c.sequence_kv(clone, 0)[1].tobytes() == exact[:2].tobytes()
+    positions, got_k, got_v = c.sequence_kv(clone, 0)
+    assert positions.tolist() == [0, 1]
+    assert got_k.tobytes() == exact_k[:2].tobytes() and got_v.tobytes() == exact_v[:2].tobytes()
 
 
 def test_bfloat16_without_ml_dtypes_is_refused_naming_the_fix(monkeypatch):
@@ -61,30 +67,28 @@ def test_attention_over_bfloat16_storage_matches_the_reference(head_dim, q_dtype
     rng = np.random.default_rng(head_dim)
     c = make(head_dim)
     a, b, d = c.seq_new(), c.seq_new(), c.seq_new()
-    hist = {s: [[], []] for s in (a, b, d)}
+    windows = (None, 4)                     # ring R = 4 + 8 - 1 = 11: nothing is evicted
+    hist = {(layer, s): ([], []) for layer in range(2) for s in (a, b, d)}   # (keys, values)
     steps = ([a] * 5 + [b] * 2 + [d] * 7, [a, b, b, b, b, b, b, d])   # prefill, then mixed
     for ids in steps:
         c.declare_step(ids)
         plan = c.prepare_step(len(ids) + 1)
-        outs = []
-        for layer, window in enumerate((None, 4)):
+        for layer, window in enumerate(windows):
             q = rng.standard_normal((plan.width, HQ, head_dim)).astype(q_dtype)
             k = rng.standard_normal((plan.width, H, head_dim)).astype(BF16)
             v = rng.standard_normal((plan.width, H, head_dim)).astype(BF16)
-            if layer == 0:
-                for t, s in enumerate(ids):
-                    hist[s][0].append(k[t])
-                    hist[s][1].append(v[t])
+            for t, s in enumerate(ids):
+                hist[layer, s][0].append(k[t])
+                hist[layer, s][1].append(v[t])
             out = c.update_and_attend(layer, q, k, v)
             assert out.dtype == np.dtype(q_dtype) and not out[len(ids):].astype(np.float32).any()
-            outs.append((q, out))
+            for seg in plan.segments:       # every sequence of both steps, on both layers
+                end = seg.pos_start + seg.q_len
+                keys = np.array(hist[layer, seg.seq][0][:end], np.float64)
+                values = np.array(hist[layer, seg.seq][1][:end], np.float64)
+                rows = slice(seg.q_start, seg.q_start + seg.q_len)
+                want = dense_attention(q[rows].astype(np.float64), keys, values, seg.pos_start,
+                                       window, False, 1 / np.sqrt(head_dim))
+                got = out[rows].astype(np.float64)
+                assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, (layer, seg)
         c.commit_step()
-    q, out = outs[0]                        # the flat layer of the mixed step
-    for seg in plan.segments:
-        keys = np.array(hist[seg.seq][0][:seg.pos_start + seg.q_len], np.float64)
-        values = np.array(hist[seg.seq][1][:seg.pos_start + seg.q_len], np.float64)
-        rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        want = dense_attention(q[rows].astype(np.float64), keys, values, seg.pos_start, None,
-                               False, 1 / np.sqrt(head_dim))
-        got = out[rows].astype(np.float64)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2, seg

@@ -222,11 +222,6 @@ def test_write_refusals_launch_nothing(bad):
 
 
 # ---------------------------------------------------------------- wide and element-wise paths
-def written_rows(cache, seq, layer):
-    _, k, v = cache.sequence_kv(seq, layer)
-    return k, v
-
-
 @pytest.mark.parametrize("storage_dtype,input_dtype,head_dim,strided", [
     ("float16", np.float16, 8, False),    # 16-byte vectors
     ("float32", np.float32, 4, False),    # 16-byte vectors
@@ -245,30 +240,41 @@ def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtyp
                          dtype=storage_dtype, initial_rows=4)
     c = kv.BatchedSequenceCache(cfg)
     a, b = c.seq_new(), c.seq_new()
-    history = {a: [], b: []}
-    for ids in ([a, a, b], [b, a, b, b], [a, b]):        # the ring (R = 5) wraps for b
+    history = {(layer, s): ([], []) for layer in range(2) for s in (a, b)}   # (k rows, v rows)
+    # a ends at pos 5, b at pos 6: the ring (R = 2 + 4 - 1 = 5) wraps for b (row 0 = pos 5)
+    for ids in ([a, a, b], [b, a, b, b], [a, b, b, a]):
         c.declare_step(ids)
         plan = c.prepare_step(len(ids) + 1)                 # one padding token
         for layer in range(2):
-            wide = rng.standard_normal((plan.width, 1, 2 * head_dim)).astype(input_dtype)
-            k = wide[:, :, ::2] if strided else wide[:, :, :head_dim]
-            k_dev = cuda.to_device(np.ascontiguousarray(wide))[:, :, ::2] if strided \
-                else cuda.to_device(np.ascontiguousarray(k))
+            sent = []
+            for _ in range(2):                              # distinct K and V inputs
+                wide = rng.standard_normal((plan.width, 1, 2 * head_dim)).astype(input_dtype)
+                host = wide[:, :, ::2] if strided else wide[:, :, :head_dim]
+                dev = cuda.to_device(np.ascontiguousarray(wide))[:, :, ::2] if strided \
+                    else cuda.to_device(np.ascontiguousarray(host))
+                sent.append((host, dev))
+            (k, k_dev), (v, v_dev) = sent
             store = c.layer_data(layer)[0]
             expect_wide = np.dtype(input_dtype) == store.dtype and \
                 head_dim * store.dtype.itemsize % 16 == 0 and not strided
             assert wide_ok(store, k_dev) == expect_wide
-            c.write(layer, k_dev, k_dev)
-            if layer == 0:
-                for t, s in enumerate(ids):
-                    history[s].append(np.asarray(k[t]).astype(storage_dtype))
+            assert wide_ok(store, v_dev) == expect_wide
+            c.write(layer, k_dev, v_dev)
+            for t, s in enumerate(ids):
+                history[layer, s][0].append(np.asarray(k[t]).astype(storage_dtype))
+                history[layer, s][1].append(np.asarray(v[t]).astype(storage_dtype))
         c.commit_step()
-    for s in (a, b):
-        k, v = written_rows(c, s, 0)
-        want = np.stack(history[s])
-        assert k.tobytes() == want.tobytes() and v.tobytes() == want.tobytes()
-        positions, k_ring, _ = c.sequence_kv(s, 1)
-        assert len(positions) and np.isfinite(k_ring.astype(np.float32)).all()
+    # flat: [0, pos); ring: [max(0, hw - 5), pos) -- a: hw 5 -> [0, 5); b: hw 6 -> [1, 6)
+    expected = {(0, a): range(5), (0, b): range(6), (1, a): range(5), (1, b): range(1, 6)}
+    for (layer, s), want_positions in expected.items():
+        positions, k, v = c.sequence_kv(s, layer)
+        assert positions.tolist() == list(want_positions), (layer, s)
+        keep = list(want_positions)
+        want_k = np.stack([history[layer, s][0][p] for p in keep])
+        want_v = np.stack([history[layer, s][1][p] for p in keep])
+        assert k.dtype == want_k.dtype and v.dtype == want_v.dtype
+        assert k.tobytes() == want_k.tobytes(), (layer, s, "k")
+        assert v.tobytes() == want_v.tobytes(), (layer, s, "v")
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 8), ("float16", 3), ("float32", 4)])
@@ -280,12 +286,14 @@ def test_clone_copies_every_group_in_one_launch_each(dtype, head_dim, monkeypatc
                          max_seqs=3, max_write=4, max_step=8, dtype=dtype, initial_rows=4)
     c = kv.BatchedSequenceCache(cfg)
     a = c.seq_new()
+    sent = [[] for _ in layers]                             # K rows per layer, position order
     for n in (4, 4, 3):
         c.declare_step([a] * n)
         plan = c.prepare_step()
         for layer in range(len(layers)):
             k = rng.standard_normal((plan.width, 2, head_dim)).astype(dtype)
             c.write(layer, k, -k)
+            sent[layer] += list(k[:n])
         c.commit_step()
     launches = []
     real = copy_module.copy_column
@@ -293,9 +301,17 @@ def test_clone_copies_every_group_in_one_launch_each(dtype, head_dim, monkeypatc
                         lambda *args, **kw: launches.append(args[0].shape) or real(*args, **kw))
     b = c.seq_clone(a, upto=9)
     assert sorted(s[0] for s in launches) == [1, 2, 2]     # ring R=8 alone; R=6 and flat pairs
+    # a: pos 11, hw 11; the clone: pos 9, hw 11. Flat: [0, pos). Ring w=3: R = 3 + 4 - 1 = 6,
+    # holds [11 - 6, pos); ring w=5: R = 8, holds [11 - 8, pos).
+    held_a = [range(11), range(5, 11), range(11), range(3, 11), range(5, 11)]
+    held_b = [range(9), range(5, 9), range(9), range(3, 9), range(5, 9)]
     for layer in range(len(layers)):
         pa, ka, va = c.sequence_kv(a, layer)
         pb, kb, vb = c.sequence_kv(b, layer)
-        keep = np.isin(pa, pb)
-        assert np.array_equal(pa[keep], pb)
-        assert kb.tobytes() == ka[keep].tobytes() and vb.tobytes() == va[keep].tobytes()
+        assert pa.tolist() == list(held_a[layer]), layer
+        assert pb.tolist() == list(held_b[layer]), layer
+        want_k = np.stack([sent[layer][p] for p in held_b[layer]])
+        assert kb.tobytes() == want_k.tobytes(), layer
+        assert vb.tobytes() == (-want_k).tobytes(), layer
+        want_a = np.stack([sent[layer][p] for p in held_a[layer]])   # the source is untouched
+        assert ka.tobytes() == want_a.tobytes() and va.tobytes() == (-want_a).tobytes(), layer
