@@ -1,22 +1,34 @@
-"""Static sm_90 report of kvnumba kernels: compiled, assembled, disassembled, never run.
+"""Static sm_90 report of kvnumba's kernels, and budgets on it: compiled, assembled,
+disassembled, never run (no GPU needed).
 
-    python -m bench.sass [--ptxas PATH] [--nvdisasm PATH] [--keep DIR]
-                         [MODULE:FUNCTION SIGNATURE ...]
+    python -m bench.sass [--report] [--check [BUDGET_FILE]] [--keep DIR]
+                         [--ptxas PATH] [--nvdisasm PATH] [MODULE:FUNCTION SIGNATURE ...]
 
-Each kernel (always `intrinsics_probe` below, which uses every `kvnumba.kernels.ptx`
-function, plus any `@cuda.jit` kernel named as `module:function` with a Numba
-signature, e.g. `kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1],
-int64, int64, int64)"`, or the kernel a factory makes for literal arguments,
-`module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128, 'float16', 4,
-False)`) is compiled to PTX by numba-cuda in
-GPU mode (`KVNUMBA_DEVICE=compile`: no GPU needed, but libNVVM is), assembled by
-`ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`. Per kernel it prints
-registers, spill stores / loads, stack frame (local memory), static shared
-memory, and counts of the SASS instructions that matter to the fast kernels.
+`--report` builds the kernels at the specialisations of `SPECIALISATIONS` (the ones
+docs/benchmarks.md lists; `bench/sass_report.sh` runs this); `--check` builds the
+same and exits 1 when one of them exceeds a budget of BUDGET_FILE (default
+`bench/sass_budgets.json`; format in `bench.sassbudget`). Further kernels may be
+named as `module:function` with a Numba signature, e.g.
+`kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1], int64, int64,
+int64)"`, or as the kernel a factory makes for literal arguments,
+`module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128, 'float16',
+4, False)`. `intrinsics_probe` below (every `kvnumba.kernels.ptx` function) is always
+built.
 
-ptxas and nvdisasm come from --ptxas / --nvdisasm, else $PTXAS / $NVDISASM, else
-PATH, else the NVIDIA wheels in site-packages (`pip install nvidia-cuda-nvcc
-nvidia-cuda-nvdisasm`).
+Each kernel is compiled to PTX by numba-cuda in GPU mode (`KVNUMBA_DEVICE=compile`;
+libNVVM needed), assembled by `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`.
+The table gives per kernel its registers and the cap of its launch bounds, spills,
+stack frame (local memory), static shared memory, counts of the SASS instructions
+that matter to the fast kernels, float64 instructions, 64-bit division calls, and
+its kind's own figure (`bench.sassfigures`). `--keep DIR` writes each
+specialisation's .ptx, .cubin and .sass there, named after its spec and signature.
+
+ptxas and nvdisasm: --ptxas / --nvdisasm, else $PTXAS / $NVDISASM, else the first
+found, preferring the CUDA release of the libNVVM numba-cuda loads, of: the bin
+folder of that libNVVM's toolkit or wheels, cuda-pathfinder's search, the NVIDIA
+wheels in site-packages, PATH. `pip install -e '.[sass]'` installs matching ones.
+Exit status: 0 report made (and budgets held), 1 a budget exceeded or a kernel
+failed to build, 2 the tools or the budget file are unusable.
 """
 from __future__ import annotations
 
@@ -26,13 +38,20 @@ os.environ.setdefault("KVNUMBA_DEVICE", "compile")  # before kvnumba chooses a d
 
 import argparse  # noqa: E402
 import ast  # noqa: E402
+import hashlib  # noqa: E402
 import importlib  # noqa: E402
+import importlib.metadata  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import site  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from functools import lru_cache  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -41,29 +60,17 @@ import kvnumba.device as kv_device  # noqa: E402
 from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import ptx  # noqa: E402
 
+from . import sassbudget, sassfigures  # noqa: E402
+
 CC = (9, 0)
 ARCH = "sm_90a"
-PIP_HINT = "pip install nvidia-cuda-nvcc nvidia-cuda-nvdisasm"
-COMPILER_HINT = ("numba-cuda compiles with libNVVM and NVRTC: `pip install numba-cuda[cu12]` "
-                 "(or [cu13]), or a CUDA toolkit")
-#: report column -> predicate on a SASS opcode (e.g. "LDG.E.128.CONSTANT")
-INSTRUCTIONS = {
-    "LDG.E.128": lambda op: op.startswith("LDG.") and ".128" in op,
-    "STG.E.128": lambda op: op.startswith("STG.") and ".128" in op,
-    "LDGSTS": lambda op: op.startswith("LDGSTS"),
-    "LDSM": lambda op: op.startswith("LDSM"),
-    "HMMA": lambda op: op.startswith("HMMA"),
-    "SHFL": lambda op: op.startswith("SHFL"),
-    "LDL": lambda op: op.startswith("LDL"),
-    "STL": lambda op: op.startswith("STL"),
-    "DADD": lambda op: op.startswith("DADD"),
-    "DMUL": lambda op: op.startswith("DMUL"),
-    "DFMA": lambda op: op.startswith("DFMA"),
-}
+DEFAULT_BUDGETS = Path(__file__).with_name("sass_budgets.json")
+COMPILER_HINT = ("numba-cuda compiles with libNVVM and NVRTC: `pip install -e '.[sass]'`, "
+                 "`pip install numba-cuda[cu13]`, or a CUDA toolkit")
 #: "factory(128, 'float16', 4)" -> "factory", "128, 'float16', 4"
 FACTORY_CALL = re.compile(r"(\w+)\((.*)\)")
-#: "/*0150*/   @!P0 LDSM.16.M88.4 R4, [R23] ;" -> "LDSM.16.M88.4"
-SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_.]*)")
+#: "ptxas: NVIDIA ... Cuda compilation tools, release 13.5, V13.5.37" -> "13.5"
+RELEASE = re.compile(r"release (\d+\.\d+)")
 
 TILE = 16 * 16                  # one 16x16 float16 tile: 32 lanes x 16 bytes
 
@@ -105,8 +112,108 @@ def intrinsics_probe(keys, values, out, scratch):
 PROBE_SIGNATURE = "void(float16[::1], float16[::1], float16[::1], uint32[::1])"
 
 
+@dataclass(frozen=True)
+class Specialisation:
+    """A kernel of the report: its label, `module:function` or `module:factory(ARGS)`,
+    and Numba signature."""
+
+    label: str
+    spec: str
+    signature: str
+
+
+def _decode_signature(t: str) -> str:
+    return (f"void({t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
+            f"{t}[:, :, ::1], float32[::1], float32[::1], {', '.join(['int64'] * 7)}, "
+            f"float32, float32)")
+
+
+def _prefill_signature(t: str) -> str:
+    return (f"void({t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
+            f"{t}[:, :, ::1], {', '.join(['int64'] * 6)}, float32, float32)")
+
+
+_DECODE = "kvnumba.kernels.decode:_decode_kernel"
+_PREFILL = "kvnumba.kernels.prefill:_prefill_kernel"
+#: what --report and --check build: the kernels docs/benchmarks.md reports, at the
+#: specialisations it lists (bfloat16 storage is held as uint16 bits)
+SPECIALISATIONS = (
+    Specialisation("probe", "bench.sass:intrinsics_probe", PROBE_SIGNATURE),
+    Specialisation("write", "kvnumba.kernels.write:_write_vectors",
+                   "void(float16[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, ::1], "
+                   "float16[:, :, ::1], int32[::1], int64, int64)"),
+    Specialisation("copy", "kvnumba.kernels.copy:_copy_vectors",
+                   "void(float16[:, :, :, :, :, ::1], int64, int64, int64)"),
+    Specialisation("decode d128 float16", f"{_DECODE}(128, 'float16', 4, False)",
+                   _decode_signature("float16")),
+    Specialisation("decode d128 bfloat16", f"{_DECODE}(128, 'uint16', 4, False)",
+                   _decode_signature("uint16")),
+    Specialisation("decode d128 float32", f"{_DECODE}(128, 'float32', 4, False)",
+                   _decode_signature("float32")),
+    Specialisation("decode d256 float16", f"{_DECODE}(256, 'float16', 4, False)",
+                   _decode_signature("float16")),
+    Specialisation("combine d128", "kvnumba.kernels.combine:_combine_kernel(128)",
+                   "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], int64, "
+                   "int64, int64)"),
+    Specialisation("prefill d64 float16", f"{_PREFILL}(64, 64, 64, 'float16', False)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d128 float16", f"{_PREFILL}(128, 64, 64, 'float16', False)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d128 bfloat16", f"{_PREFILL}(128, 64, 64, 'bfloat16', False)",
+                   _prefill_signature("uint16")),
+    Specialisation("prefill d256 float16", f"{_PREFILL}(256, 48, 16, 'float16', False)",
+                   _prefill_signature("float16")),
+)
+
+
+# --- tools ----------------------------------------------------------------------------------
+
 class ToolMissing(RuntimeError):
     """ptxas or nvdisasm could not be found."""
+
+
+def libnvvm() -> Path | None:
+    """The libNVVM numba-cuda loads, found as numba-cuda finds it; None if it finds none."""
+    try:
+        from numba.cuda.cuda_paths import get_cuda_paths
+        found = get_cuda_paths()["nvvm"].info
+    except Exception:  # noqa: BLE001  (any failure to find it: no libNVVM to match)
+        return None
+    return Path(found) if found and Path(found).is_file() else None
+
+
+def cuda_release(path: Path) -> str | None:
+    """The CUDA release ("13.5") of a file of an NVIDIA wheel (its distribution's
+    version) or of a CUDA toolkit (its version.json); None if neither says."""
+    resolved = path.resolve()
+    for dist in importlib.metadata.distributions():
+        if not (dist.metadata["Name"] or "").lower().startswith("nvidia"):
+            continue
+        try:
+            relative = resolved.relative_to(Path(dist.locate_file("")).resolve()).as_posix()
+        except ValueError:
+            continue
+        if any(str(f) == relative for f in dist.files or ()):
+            return ".".join(dist.version.split(".")[:2])
+    for parent in resolved.parents:
+        if (parent / "version.json").is_file():
+            version = json.loads((parent / "version.json").read_text())["cuda"]["version"]
+            return ".".join(version.split(".")[:2])
+    return None
+
+
+def libnvvm_release() -> str | None:
+    """The CUDA release of the libNVVM numba-cuda loads, if it can be told."""
+    nvvm = libnvvm()
+    return cuda_release(nvvm) if nvvm else None
+
+
+@lru_cache(maxsize=None)
+def tool_release(path: str) -> str | None:
+    """The CUDA release a ptxas or nvdisasm reports (`--version`)."""
+    done = subprocess.run([path, "--version"], capture_output=True, text=True)
+    found = RELEASE.search(done.stdout)
+    return found.group(1) if found else None
 
 
 def _wheel_tools(name: str) -> list[Path]:
@@ -116,8 +223,33 @@ def _wheel_tools(name: str) -> list[Path]:
             for p in sorted(Path(r).glob(f"nvidia/*/bin/{name}"))]
 
 
+def _candidates(name: str) -> list[str]:
+    """Executables called `name`, in order of preference: beside libNVVM (the bin
+    folder of its wheel, nvidia/cu13/lib -> bin, or of its toolkit, nvvm/lib64 ->
+    ../../bin), cuda-pathfinder's, the wheels', PATH's."""
+    nvvm = libnvvm()
+    found = [str(parent / "bin" / name) for parent in (nvvm.parents[:3] if nvvm else ())]
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+        found.append(find_nvidia_binary_utility(name))
+    except Exception:  # noqa: BLE001  (no cuda-pathfinder, or it failed: skip it)
+        pass
+    found += [str(p) for p in _wheel_tools(name)] + [shutil.which(name)]
+    tools = [shutil.which(p) for p in found if p]
+    return list(dict.fromkeys(t for t in tools if t))
+
+
+def install_hint() -> str:
+    """How to install ptxas and nvdisasm of libNVVM's release."""
+    release = libnvvm_release()
+    wheels = " ".join(f"'{w}=={release}.*'" if release else w
+                      for w in ("nvidia-cuda-nvcc", "nvidia-cuda-nvdisasm"))
+    return f"pip install -e '.[sass]', or pip install {wheels}"
+
+
 def find_tool(name: str, explicit: str | None = None) -> str:
-    """Path to CUDA tool `name`: `explicit`, else $NAME, else PATH, else a pip wheel."""
+    """Path to CUDA tool `name`: `explicit`, else $NAME, else the first candidate
+    (`_candidates`) of the CUDA release of numba-cuda's libNVVM, else the first."""
     env = os.environ.get(name.upper())
     for given, origin in ((explicit, f"--{name}"), (env, f"${name.upper()}")):
         if given:
@@ -125,25 +257,53 @@ def find_tool(name: str, explicit: str | None = None) -> str:
             if found is None:
                 raise ToolMissing(f"{origin}={given}: not an executable")
             return found
-    found = shutil.which(name) or next((str(p) for p in _wheel_tools(name)), None)
-    if found is None:
-        raise ToolMissing(f"{name} not found on PATH nor in an NVIDIA wheel: install it "
-                          f"(`{PIP_HINT}`, or the CUDA toolkit), or pass --{name} PATH "
-                          f"or set ${name.upper()}")
-    return found
+    candidates = _candidates(name)
+    if not candidates:
+        raise ToolMissing(f"{name} not found beside libNVVM, in an NVIDIA wheel nor on PATH: "
+                          f"{install_hint()} (or a CUDA toolkit), or pass --{name} PATH or "
+                          f"set ${name.upper()}")
+    release = libnvvm_release()
+    return next((t for t in candidates if tool_release(t) == release), candidates[0])
+
+
+# --- building -------------------------------------------------------------------------------
+
+def _split_spec(spec: str) -> tuple[str, str, tuple | None]:
+    """(module, function, factory arguments or None) of `module:function` or
+    `module:factory(ARGS)`."""
+    module, sep, name = spec.partition(":")
+    call = FACTORY_CALL.fullmatch(name)
+    if not sep or not module or not name or ("(" in name and not call):
+        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
+    if call is None:
+        return module, name, None
+    return module, call[1], tuple(ast.literal_eval(f"[{call[2]}]"))
 
 
 def load_kernel(spec: str):
     """The kernel `module:function`, or the kernel that a factory returns for literal
     arguments: `module:factory(128, 'float16', 4)`."""
-    module, sep, name = spec.partition(":")
-    call = FACTORY_CALL.fullmatch(name)
-    if not sep or not module or not name or ("(" in name and not call):
-        raise ValueError(f"{spec!r}: expected MODULE:FUNCTION or MODULE:FACTORY(ARGS)")
-    kernel = getattr(importlib.import_module(module), call[1] if call else name)
-    if call:
-        kernel = kernel(*ast.literal_eval(f"[{call[2]}]"))
+    module, name, arguments = _split_spec(spec)
+    kernel = getattr(importlib.import_module(module), name)
+    if arguments is not None:
+        kernel = kernel(*arguments)
     return getattr(kernel, "dispatcher", kernel)   # a `launch.Specialised`: its dispatcher
+
+
+def factory_arguments(spec: str) -> dict:
+    """A factory spec's arguments by parameter name ({} for a plain kernel)."""
+    module, name, arguments = _split_spec(spec)
+    if arguments is None:
+        return {}
+    factory = getattr(importlib.import_module(module), name)
+    return dict(inspect.signature(factory).bind(*arguments).arguments)
+
+
+def file_stem(spec: str, signature: str) -> str:
+    """A file name for one specialisation: the function and its factory arguments,
+    and a short hash of the signature."""
+    name = re.sub(r"\W+", "_", spec.partition(":")[2]).strip("_")
+    return f"{name}-{hashlib.sha1(signature.encode()).hexdigest()[:8]}"
 
 
 def parse_ptxas(text: str) -> dict:
@@ -159,47 +319,68 @@ def parse_ptxas(text: str) -> dict:
             "shared": number(r"(\d+) bytes smem")}
 
 
-def count_instructions(sass: str) -> dict:
-    """How many SASS instructions of each `INSTRUCTIONS` kind `sass` holds."""
-    opcodes = SASS_LINE.findall(sass)
-    return {kind: sum(1 for op in opcodes if matches(op))
-            for kind, matches in INSTRUCTIONS.items()}
-
-
-def analyse(kernel, signature: str, ptxas: str, nvdisasm: str, folder: Path) -> dict:
-    """Compile `kernel` (a `@cuda.jit` kernel, with its launch bounds, or a Python
-    function) for sm_90, assemble and disassemble it; its figures."""
-    pyfunc = getattr(kernel, "py_func", kernel)
-    bounds = getattr(kernel, "targetoptions", {}).get("launch_bounds")
-    text, _ = cuda.compile_ptx(pyfunc, signature, cc=CC, launch_bounds=bounds)
-    source = folder / f"{pyfunc.__name__}.ptx"
-    cubin = source.with_suffix(".cubin")
+def build(kernel, signature: str, ptxas: str, nvdisasm: str, stem: Path) -> tuple[dict, str]:
+    """Compile `kernel` (a `@cuda.jit` kernel, with its launch bounds) for sm_90,
+    assemble and disassemble it into `stem`.ptx / .cubin / .sass: (ptxas figures, SASS)."""
+    bounds = kernel.targetoptions.get("launch_bounds")
+    text, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC, launch_bounds=bounds)
+    source, cubin = stem.with_suffix(".ptx"), stem.with_suffix(".cubin")
     source.write_text(text)
     assembled = _tool([ptxas, f"-arch={ARCH}", "-v", "-o", str(cubin), str(source)])
     sass = _tool([nvdisasm, "-c", str(cubin)]).stdout
-    cubin.with_suffix(".sass").write_text(sass)
-    return {**parse_ptxas(assembled.stdout + assembled.stderr), **count_instructions(sass)}
+    stem.with_suffix(".sass").write_text(sass)
+    return parse_ptxas(assembled.stdout + assembled.stderr), sass
 
 
 def _tool(command: list) -> subprocess.CompletedProcess:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
+        hint = ""
+        if "Unsupported .version" in done.stderr:
+            hint = (f"\n{command[0]} (release {tool_release(command[0])}) is older than the "
+                    f"PTX numba-cuda's libNVVM writes: {install_hint()}, or pass --ptxas")
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n"
+                           f"{done.stderr}{hint}")
     return done
 
 
-def report(name: str, figures: dict) -> str:
-    counts = "  ".join(f"{kind} {figures[kind]}" for kind in INSTRUCTIONS)
-    return (f"{name}\n  registers {figures['registers']}  spill stores "
-            f"{figures['spill_stores']} B  spill loads {figures['spill_loads']} B  "
-            f"stack (local) {figures['stack']} B  static shared {figures['shared']} B\n"
-            f"  {counts}")
+def measure(item: Specialisation, tools: tuple[str, str], folder: Path) -> sassfigures.Figures:
+    """Build one specialisation and compute its figures."""
+    kernel = load_kernel(item.spec)
+    ptxas_figures, sass = build(kernel, item.signature, *tools,
+                                folder / file_stem(item.spec, item.signature))
+    module, name, _ = _split_spec(item.spec)
+    return sassfigures.kernel_figures(f"{module}:{name}", ptxas_figures, sass,
+                                      kernel.targetoptions.get("launch_bounds"),
+                                      factory_arguments(item.spec))
+
+
+# --- command line ---------------------------------------------------------------------------
+
+def _header(tools: tuple[str, str]) -> str:
+    nvvm = libnvvm()
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"sm_90 static report ({ARCH}), {stamp}\n"
+            f"  ptxas {tools[0]} (release {tool_release(tools[0])})\n"
+            f"  nvdisasm {tools[1]} (release {tool_release(tools[1])})\n"
+            f"  libNVVM {nvvm} (release {libnvvm_release()})")
+
+
+def _selection(args) -> list[Specialisation]:
+    chosen = list(SPECIALISATIONS) if args.report or args.check else [SPECIALISATIONS[0]]
+    return chosen + [Specialisation(spec, spec, sig)
+                     for spec, sig in zip(args.kernels[::2], args.kernels[1::2])]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kernels", nargs="*", metavar="MODULE:FUNCTION SIGNATURE",
                         help="further kernels, each followed by its Numba signature")
+    parser.add_argument("--report", action="store_true",
+                        help="build the documented specialisations (SPECIALISATIONS)")
+    parser.add_argument("--check", nargs="?", const=DEFAULT_BUDGETS, type=Path,
+                        metavar="BUDGET_FILE", help="build them and check their budgets "
+                        f"(default {DEFAULT_BUDGETS.name}); exit 1 if one is exceeded")
     parser.add_argument("--ptxas", help="ptxas executable")
     parser.add_argument("--nvdisasm", help="nvdisasm executable")
     parser.add_argument("--keep", type=Path, help="write the .ptx, .cubin, .sass files here")
@@ -210,27 +391,49 @@ def main(argv=None) -> int:
         parser.error("KVNUMBA_DEVICE=simulator cannot compile to PTX: unset it or use "
                      "'compile'")
     try:
+        budgets = sassbudget.load(args.check) if args.check else None
         tools = find_tool("ptxas", args.ptxas), find_tool("nvdisasm", args.nvdisasm)
-    except ToolMissing as e:
+    except (ToolMissing, sassbudget.BudgetError) as e:
         print(f"bench.sass: {e}", file=sys.stderr)
         return 2
-    kernels = [("bench.sass:intrinsics_probe", intrinsics_probe, PROBE_SIGNATURE)]
-    kernels += [(spec, load_kernel(spec), sig)
-                for spec, sig in zip(args.kernels[::2], args.kernels[1::2])]
+    figures: dict[str, sassfigures.Figures] = {}
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.keep or Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
-        print(f"sm_90 static report ({ARCH}; ptxas {tools[0]}; nvdisasm {tools[1]})")
-        for name, kernel, signature in kernels:
+        for item in _selection(args):
             try:
-                figures = analyse(kernel, signature, *tools, folder)
+                figures[item.label] = measure(item, tools, folder)
             except Exception as e:  # a compiler, a library or a tool is missing or failed
-                print(f"bench.sass: {name}: {type(e).__name__}: {str(e).strip()}", file=sys.stderr)
+                print(f"bench.sass: {item.label} ({item.spec}): {type(e).__name__}: "
+                      f"{str(e).strip()}", file=sys.stderr)
                 if re.search(r"nvvm|nvrtc", str(e), re.IGNORECASE):
                     print(f"bench.sass: {COMPILER_HINT}", file=sys.stderr)
                 return 1
-            print(report(f"{name} {signature}", figures))
-    return 0
+    print(_header(tools))
+    print(sassbudget.figure_table({label: f.values for label, f in figures.items()}))
+    for label, f in figures.items():
+        for note in f.notes:
+            print(f"{label}: {note}")
+    return _check(budgets, figures) if budgets is not None else 0
+
+
+def _check(budgets: dict, figures: dict) -> int:
+    """Print every budget's verdict; 1 if one is exceeded, 2 if the file is unusable."""
+    try:
+        found = sassbudget.verdicts(budgets, {label: f.values for label, f in figures.items()})
+    except sassbudget.BudgetError as e:
+        print(f"bench.sass: {e}", file=sys.stderr)
+        return 2
+    print()
+    print(sassbudget.verdict_table(found))
+    exceeded = [v for v in found if not v.holds]
+    if not exceeded:
+        print(f"all {len(found)} budgets hold")
+        return 0
+    print(f"{len(exceeded)} of {len(found)} budgets exceeded:")
+    for verdict in exceeded:
+        print(f"  {verdict}")
+    return 1
 
 
 if __name__ == "__main__":

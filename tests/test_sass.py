@@ -1,13 +1,20 @@
-"""`python -m bench.sass`: its parsing, counting and tool finding (compiling for sm_90
-needs libNVVM, ptxas and nvdisasm, which these tests do not assume)."""
+"""`python -m bench.sass`: SASS parsing, control flow, data-flow slices, the kernel
+figures, budgets, tool finding, and (where ptxas, nvdisasm and libNVVM are installed)
+the real check of the real kernels. The SASS snippets are written in nvdisasm's
+format, as it prints the kvnumba kernels and a probe of `//` and `%` on int64."""
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from bench import sass
+from bench import sass, sassbudget, sassfigures
+from bench.sassmodel import (Flow, Instruction, address_slice, all_instructions,
+                             backward_slice, is_div64_call, is_float64, load_depth, parse)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +27,19 @@ ptxas info    : Used 168 registers, used 1 barriers, 33792 bytes smem, 400 bytes
 ptxas info    : Compile time = 28.019 ms
 """
 
-SASS = """\
+
+def sass_text(body: str, name: str = "_ZN6kernelE") -> str:
+    """A function as nvdisasm prints it: its labels, then `/*addr*/ instruction ;` lines."""
+    return f"\t.section\t.text.{name},\"ax\",@progbits\n{name}:\n.text.{name}:\n{body}"
+
+
+def code(*lines: str) -> list[Instruction]:
+    """Straight-line instructions, 16 bytes apart."""
+    text = "\n".join(f"        /*{16 * i:04x}*/  {line} ;" for i, line in enumerate(lines))
+    return parse(sass_text(text))[0].instructions
+
+
+COUNTED = sass_text("""\
         /*0000*/                   LDC R1, c[0x0][0x28] ;
         /*00d0*/                   LDGSTS.E.BYPASS.128 [R23], desc[UR4][R20.64] ;
         /*00f0*/                   LDG.E.128.CONSTANT R12, desc[UR4][R20.64] ;
@@ -35,11 +54,15 @@ SASS = """\
         /*0250*/                   STL [R1], R4 ;
         /*0260*/                   LDL R4, [R1] ;
         /*0270*/                   DFMA R4, R4, R6, R8 ;
-        /*0280*/                   DADD R4, R4, R6 ;
+        /*0280*/                   DEPBAR.LE SB0, 0x0 ;
+        /*0290*/                   CALL.REL.NOINC `($__internal_0_$__cuda_sm20_div_s64) ;
         /*02f0*/                   STG.E.128 desc[UR4][R14.64], R8 ;
         /*0300*/                   STG.E desc[UR4][R16.64], R4 ;
         /*0310*/                   EXIT ;
-"""
+$__internal_0_$__cuda_sm20_div_s64:
+        /*0320*/                   I2F.U64.RP R18, R28 ;
+        /*0330*/                   RET.REL.NODEC R10 `(_ZN6kernelE) ;
+""")
 
 
 def test_ptxas_figures_are_read_from_its_verbose_output():
@@ -47,21 +70,349 @@ def test_ptxas_figures_are_read_from_its_verbose_output():
                                          "spill_loads": 16, "stack": 48, "shared": 33792}
 
 
-def test_sass_instructions_are_counted_by_kind_predicated_or_not():
-    counts = sass.count_instructions(SASS)
-    assert counts == {"LDG.E.128": 2, "STG.E.128": 1, "LDGSTS": 1, "LDSM": 2, "HMMA": 2,
-                      "SHFL": 2, "LDL": 1, "STL": 1, "DADD": 1, "DMUL": 0, "DFMA": 1}
+def test_every_kernel_gets_counts_by_kind_and_the_cap_of_its_launch_bounds():
+    figures = sassfigures.common_figures(sass.parse_ptxas(PTXAS_V), parse(COUNTED), (128, 3))
+    assert figures.values == {
+        "registers": 168, "register_cap": 168, "spill_bytes": 40, "stack_bytes": 48,
+        "shared_bytes": 33792, "LDG.E.128": 2, "STG.E.128": 1, "LDGSTS": 1, "LDSM": 2,
+        "HMMA": 2, "SHFL": 2, "local_accesses": 2, "float64": 1, "div64_calls": 1}
 
+
+@pytest.mark.parametrize("bounds, cap", [(None, 255), ((128, 3), 168), ((256, 1), 255),
+                                         (128, 255), ((256, 2), 128), ((96, 5), 136)])
+def test_register_cap_is_the_register_file_over_the_resident_threads(bounds, cap):
+    assert sassfigures.register_cap(bounds) == cap
+
+
+def test_functions_and_labels_are_split_where_nvdisasm_starts_them():
+    kernel, division = parse(COUNTED)
+    assert (kernel.name, len(kernel.instructions)) == ("_ZN6kernelE", 19)
+    assert (division.name, len(division.instructions)) == ("$__internal_0_$__cuda_sm20_div_s64", 2)
+    assert len(all_instructions([kernel, division])) == 21
+
+
+@pytest.mark.parametrize("opcode, operands, writes, reads", [
+    ("IMAD.WIDE", "R4, R3, 0x100, R12", {"R4", "R5"}, {"R3", "R12", "R13"}),
+    ("IADD3", "R7, P2, R7, UR4, RZ", {"R7", "P2"}, {"R7", "UR4"}),
+    ("IADD3.X", "R9, R10, UR21, RZ, P1, !PT", {"R9"}, {"R10", "UR21", "P1"}),
+    ("ISETP.GE.AND.EX", "P0, PT, R9, RZ, PT, P0", {"P0"}, {"R9", "P0"}),
+    ("SHFL.BFLY", "PT, R19, R14.reuse, 0x2, 0x1f", {"R19"}, {"R14"}),
+    ("LDG.E.128.CONSTANT", "R8, desc[UR12][R22.64+0x10]", {"R8", "R9", "R10", "R11"},
+     {"UR12", "R22", "R23"}),
+    ("STG.E.128", "desc[UR12][R18.64], R8", set(), {"UR12", "R18", "R19", "R8", "R9", "R10",
+                                                    "R11"}),
+    ("HMMA.16816.F32", "R16, R4, R8, R16", {"R16", "R17", "R18", "R19"},
+     {"R4", "R5", "R6", "R7", "R8", "R9", "R16", "R17", "R18", "R19"}),
+    ("LDSM.16.MT88.4", "R8, [R23+0x1100]", {"R8", "R9", "R10", "R11"}, {"R23"}),
+    ("S2R", "R0, SR_TID.X", {"R0"}, set()),
+    ("R2P", "PR, R83, 0xc", {f"P{i}" for i in range(7)}, {"R83"}),
+])
+def test_registers_read_and_written(opcode, operands, writes, reads):
+    ins = Instruction(0, opcode, operands, "P3")
+    assert (set(ins.writes), set(ins.reads)) == (writes, reads)   # the guard is not a read
+
+
+# --- control flow ---------------------------------------------------------------------------
+
+LOOP_WITH_COLD_PATHS = sass_text("""\
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   MOV R2, RZ ;
+.L_x_0:
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0040*/                   BRA.DIV UR5, `(.L_x_2) ;
+        /*0050*/                   SHFL.BFLY PT, R8, R4, 0x1, 0x1f ;
+.L_x_3:
+        /*0060*/                   ISETP.GE.AND P0, PT, R2, R0, PT ;
+        /*0070*/               @P0 BRA `(.L_x_4) ;
+.L_x_5:
+        /*0080*/              @!P1 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+.L_x_4:
+        /*00a0*/                   FADD R8, R8, 1 ;
+        /*00b0*/                   BRA `(.L_x_5) ;
+.L_x_2:
+        /*00c0*/                   WARPSYNC.ALL ;
+        /*00d0*/                   SHFL.BFLY PT, R8, R4, 0x1, 0x1f ;
+        /*00e0*/                   BRA `(.L_x_3) ;
+.L_x_6:
+        /*00f0*/                   BRA `(.L_x_6);
+        /*0100*/                   NOP;
+""")
+
+
+def test_a_loop_is_a_branch_back_to_a_block_that_dominates_it():
+    """The back edge 0x80 -> 0x20 makes the loop; the out-of-line block 0xa0 belongs to
+    it, and its branch back to 0x80 makes no loop of its own (0x80 does not dominate
+    it). The divergent-warp copy of the shuffle (BRA.DIV) is counted nowhere; the
+    end-of-code self-branch and padding are not executed."""
+    flow = Flow(parse(LOOP_WITH_COLD_PATHS)[0])
+    (loop,) = flow.loops
+    assert loop.header == 0x20
+    assert [ins.address for ins in loop.instructions] == [0x20, 0x30, 0x40, 0x50, 0x60, 0x70,
+                                                         0x80, 0xa0, 0xb0]
+    assert [ins.address for ins in flow.fallback] == [0xc0, 0xd0, 0xe0]
+    assert [ins.address for ins in flow.executed] == list(range(0, 0xc0, 0x10))
+    assert loop.count(lambda ins: ins.base == "SHFL") == 1
+
+
+NESTED = sass_text("""\
+        /*0000*/                   MOV R2, RZ ;
+.L_x_0:
+        /*0010*/                   MOV R3, RZ ;
+.L_x_1:
+        /*0020*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0030*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*0040*/                   ISETP.GE.AND P0, PT, R3, 0x4, PT ;
+        /*0050*/              @!P0 BRA `(.L_x_1) ;
+        /*0060*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0070*/                   ISETP.GE.AND P1, PT, R2, 0x4, PT ;
+        /*0080*/              @!P1 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+""")
+
+
+def test_the_main_loop_is_the_innermost_of_the_loops_holding_the_marked_instructions():
+    flow = Flow(parse(NESTED)[0])
+    assert [(loop.header, len(loop.instructions)) for loop in flow.loops] == [(0x10, 8), (0x20, 4)]
+    assert flow.main_loop(sassfigures.is_wide_load).header == 0x20
+    assert flow.main_loop(lambda ins: ins.base == "HMMA") is None
+
+
+# --- data flow ------------------------------------------------------------------------------
+
+CP_ASYNC_LOOP = (
+    "IADD3 R9, R9, 0x40, RZ",                    # 0 key counter, carried round the loop
+    "FADD R20, R20, R21",                        # 1
+    "VIMNMX R3, R9, R10, PT",                    # 2 row = min(key, last)
+    "IMAD.WIDE R4, R3, 0x100, R12",              # 3 address = base + row * 256
+    "HMMA.16816.F32 R24, R16, R18, R24",         # 4
+    "@P0 IADD3 R4, P1, R4, 0x10, RZ",            # 5 under the LDGSTS's own guard
+    "@P0 IADD3.X R5, RZ, R5, RZ, P1, !PT",       # 6
+    "ISETP.GT.AND P2, PT, R9, R11, PT",          # 7 control, not address
+    "@P0 LDGSTS.E.BYPASS.128 [R6+0x100], desc[UR4][R4.64]",   # 8
+    "IADD3 R6, R6, 0x20, RZ",                    # 9 shared address, carried round the loop
+    "FMUL R22, R20, R20",                        # 10
+    "@P2 BRA `(.L_x_0)",                         # 11
+)
+
+
+def test_cp_async_address_slice_walks_back_once_round_the_loop():
+    body = code(*CP_ASYNC_LOOP)
+    assert address_slice(body, lambda ins: ins.base == "LDGSTS") == {0, 2, 3, 5, 6, 9}
+    assert backward_slice(body, 8, {"R6"}, wrap=False) == set()
+
+
+@pytest.mark.parametrize("guard, expected", [("@P0 ", {1}), ("@P3 ", {0, 1}), ("", {1})])
+def test_a_write_under_another_guard_may_not_happen(guard, expected):
+    body = code("MOV R4, 0x1", f"{guard}MOV R4, 0x2", "@P0 LDGSTS.E.BYPASS.128 [R4], "
+                "desc[UR4][R8.64]")
+    assert backward_slice(body, 2, {"R4"}, wrap=False) == expected
+
+
+def test_a_guard_stops_naming_the_same_condition_once_its_definition_is_passed():
+    body = code("MOV R4, 0x1", "@P0 MOV R4, 0x2", "ISETP.GT.AND P0, PT, R1, R2, PT",
+                "@P0 MOV R4, 0x3", "@P0 LDGSTS.E.BYPASS.128 [R4], desc[UR4][R8.64]")
+    assert backward_slice(body, 4, {"R4"}, wrap=False) == {3}
+    body = code("MOV R4, 0x1", "@P0 MOV R4, 0x2", "ISETP.GT.AND P0, PT, R1, R2, PT",
+                "@P1 MOV R4, 0x3", "@P0 LDGSTS.E.BYPASS.128 [R4], desc[UR4][R8.64]")
+    assert backward_slice(body, 4, {"R4"}, wrap=False) == {0, 1, 3}
+
+
+def test_dependent_loads_make_a_chain_of_round_trips():
+    body = code("LDG.E R2, desc[UR4][R10.64]",            # the combine row
+                "IMAD.WIDE R4, R2, 0x4, R12",
+                "LDG.E R6, desc[UR4][R4.64]",             # the segment it names
+                "LDG.E R7, desc[UR4][R10.64+0x4]",        # independent of both
+                "FADD R8, R6, R7",
+                "LDG.E.128 R12, desc[UR4][R10.64+0x10]")
+    assert load_depth(body) == 2
+    assert load_depth(code("FADD R8, R6, R7")) == 0
+
+
+# --- instruction classes --------------------------------------------------------------------
+
+@pytest.mark.parametrize("line, float64, div64", [
+    ("CALL.REL.NOINC `($__internal_1_$__cuda_sm20_div_s64)", False, True),
+    ("CALL.REL.NOINC `($__internal_3_$__cuda_sm20_rem_s64)", False, True),
+    ("CALL.REL.NOINC `($__internal_2_$__cuda_sm20_div_u64)", False, True),
+    ("CALL.REL.NOINC `($__internal_4_$__cuda_sm20_rem_u64)", False, True),
+    ("CALL.REL.NOINC `($__internal_2_$__cuda_sm3x_div_rn_noftz_f32_slowpath)", False, False),
+    ("CALL.REL.NOINC `($__internal_0_$__cuda_sm20_div_rn_f64_full)", True, False),
+    ("DADD R4, R4, R6", True, False),
+    ("DMUL.RP R12, R2, R4", True, False),
+    ("@!P2 DFMA R4, R4, R6, R8", True, False),
+    ("DSETP.NAN.AND P0, PT, R2, R2, PT", True, False),
+    ("F2F.F64.F32 R4, R3", True, False),
+    ("F2F.F32.F64 R3, R4", True, False),
+    ("I2F.F64.S64 R14, R14", True, False),
+    ("F2I.S64.F64 R2, R4", True, False),
+    ("MUFU.RCP64H R17, R11", True, False),
+    ("I2F.U64.RP R14, R20", False, False),
+    ("F2I.U64.TRUNC R16, R26", False, False),
+    ("DEPBAR.LE SB0, 0x0", False, False),
+    ("MUFU.EX2 R4, R4", False, False),
+])
+def test_float64_and_64_bit_division_are_recognised(line, float64, div64):
+    (ins,) = code(line)
+    assert (is_float64(ins), is_div64_call(ins)) == (float64, div64)
+
+
+# --- kernel figures -------------------------------------------------------------------------
+
+DECODE_LIKE = sass_text("""\
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   MOV R2, RZ ;
+.L_x_0:
+        /*0020*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0030*/                   FFMA R8, R4, R5, R8 ;
+        /*0040*/                   ISETP.LT.AND P0, PT, R2, R0, PT ;
+        /*0050*/               @P0 BRA `(.L_x_0) ;
+        /*0060*/                   STG.E desc[UR4][R2.64], R8 ;
+        /*0070*/                   EXIT ;
+.L_x_1:
+        /*0080*/                   BRA `(.L_x_1);
+""")
+
+
+def test_decode_instructions_per_key_count_each_chunk_fixed_work_once_per_warp():
+    from kvnumba import plan as fields
+    from kvnumba.kernels import decode
+    figures = sassfigures.decode_figures(Flow(parse(DECODE_LIKE)[0]),
+                                         {"head_dim": 128, "storage": "float16"})
+    seq_info = np.zeros((1, fields.SEQ_INFO_FIELDS), np.int32)
+    seq_info[0, fields.Q_LEN], seq_info[0, fields.POS_START] = 1, 4096
+    planning = sys.modules[decode.plan.__module__]
+    work = decode.plan(seq_info, [0], window=0).work
+    lengths = work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]
+    assert lengths.sum() == 4097
+    trip = decode.WARPS * decode.UNROLL * decode.Geometry.of(128, 2).key_slots
+    body, fixed = 4, 4                    # the loop 0x20..0x50; 0x00, 0x10, 0x60, 0x70
+    expected = sum(decode.WARPS * (fixed + body * math.ceil(n / trip)) for n in lengths) / 4097
+    assert figures.values == {"instructions_per_key": pytest.approx(expected)}
+
+
+def test_write_and_copy_figure_is_loop_instructions_per_16_byte_load():
+    figures = sassfigures.stride_figures(Flow(parse(NESTED)[0]), {})
+    assert figures.values == {"instructions_per_vector": 4.0}
+    assert any("0x10 (8, 1)" in note for note in figures.notes)   # the outer loop, listed
+
+
+def test_prefill_figures_hmma_share_and_cp_async_addressing():
+    lines = [f"        /*{16 * i:04x}*/  {line} ;" for i, line in enumerate(CP_ASYNC_LOOP)]
+    lines.insert(0, ".L_x_0:")
+    flow = Flow(parse(sass_text("\n".join(lines) + "\n        /*00c0*/  EXIT ;"))[0])
+    figures = sassfigures.prefill_figures(flow, {})
+    assert figures.values == {"hmma_percent": pytest.approx(100 / 12),
+                              "instructions_per_cp_async": 6.0}
+
+
+# --- budgets --------------------------------------------------------------------------------
+
+FIGURES = {"decode": {"registers": 168, "register_cap": 168, "spill_bytes": 0,
+                      "instructions_per_key": 80.5},
+           "prefill": {"registers": 228, "register_cap": 255, "spill_bytes": 16,
+                       "hmma_percent": 12.5}}
+BUDGETS = {"every kernel": {"max_spill_bytes": 0, "register_headroom": 0},
+           "decode": {"register_headroom": 8, "max_instructions_per_key": 75},
+           "prefill": {"min_hmma_percent": 20}}
+
+
+def test_budgets_name_each_figure_against_its_limit():
+    found = sassbudget.verdicts(BUDGETS, FIGURES)
+    assert [str(v) for v in found if not v.holds] == [
+        "decode: registers 168 > 160 (cap 168 - headroom 8)",
+        "decode: instructions_per_key 80.5 > 75",
+        "prefill: spill_bytes 16 > 0",
+        "prefill: hmma_percent 12.5 < 20"]
+    assert [str(v) for v in found if v.holds] == [
+        "decode: spill_bytes 0 <= 0", "prefill: registers 228 <= 255 (cap 255 - headroom 0)"]
+
+
+def test_check_prints_the_table_and_fails_naming_each_exceeded_budget(capsys):
+    figures = {label: sassfigures.Figures(values) for label, values in FIGURES.items()}
+    assert sass._check(BUDGETS, figures) == 1
+    out = capsys.readouterr().out
+    assert out.count("EXCEEDED") == 4 and "4 of 6 budgets exceeded:" in out
+    assert "  decode: instructions_per_key 80.5 > 75\n" in out
+    assert sass._check({"decode": {"max_instructions_per_key": 90}}, figures) == 0
+    assert "all 1 budgets hold" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("budgets, message", [
+    ({"decode": {"max_registers_per_key": 1}}, "does not have"),
+    ({"decode": {"limit_registers": 1}}, "expected max_<figure>"),
+    ({"dekode": {"max_registers": 1}}, "does not build"),
+])
+def test_a_budget_on_something_the_report_lacks_is_refused(budgets, message):
+    with pytest.raises(sassbudget.BudgetError, match=message):
+        sassbudget.verdicts(budgets, FIGURES)
+
+
+def test_budget_file_must_map_labels_to_numbers(tmp_path):
+    path = tmp_path / "budgets.json"
+    path.write_text('{"decode": {"max_registers": "160"}}')
+    with pytest.raises(sassbudget.BudgetError, match="number"):
+        sassbudget.load(path)
+    path.write_text('{"decode": {"max_registers": 160}}')
+    assert sassbudget.load(path) == {"decode": {"max_registers": 160}}
+
+
+def test_checked_in_budgets_name_documented_kernels_and_known_budgets():
+    budgets = sassbudget.load(sass.DEFAULT_BUDGETS)
+    labels = [item.label for item in sass.SPECIALISATIONS]
+    assert len(set(labels)) == len(labels)
+    assert set(budgets) - {sassbudget.EVERY} <= set(labels)
+    assert budgets["decode d128 bfloat16"]["register_headroom"] == 8
+
+
+# --- specialisations and tools --------------------------------------------------------------
 
 def test_a_factory_kernel_is_named_by_its_literal_arguments():
     from kvnumba.kernels import decode
     kernel = decode._decode_kernel(16, "float16", 1, False)
     got = sass.load_kernel("kvnumba.kernels.decode:_decode_kernel(16, 'float16', 1, False)")
     assert got is kernel.dispatcher
+    assert sass.factory_arguments("kvnumba.kernels.decode:_decode_kernel(16, 'float16', 1, "
+                                  "False)")["head_dim"] == 16
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         sass.load_kernel("_decode_kernel(16)")
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         sass.load_kernel("kvnumba.kernels.decode:_decode_kernel(16, 'float16'")
+
+
+def test_each_specialisation_keeps_its_own_files():
+    stems = [sass.file_stem(item.spec, item.signature) for item in sass.SPECIALISATIONS]
+    assert len(set(stems)) == len(stems)
+    assert sass.file_stem("m:k", "void(int32)") != sass.file_stem("m:k", "void(int64)")
+    assert re.fullmatch(r"decode_kernel_128_float16_4_False-[0-9a-f]{8}", stems[3])
+
+
+def _fake_tool(folder: Path, name: str, release: str) -> str:
+    path = folder / release / name
+    path.parent.mkdir()
+    path.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.1'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_tool_of_libnvvms_release_is_preferred_over_an_earlier_candidate(tmp_path, monkeypatch):
+    old, new = _fake_tool(tmp_path, "ptxas", "13.0"), _fake_tool(tmp_path, "ptxas", "13.5")
+    monkeypatch.delenv("PTXAS", raising=False)
+    monkeypatch.setattr(sass, "_candidates", lambda name: [old, new])
+    monkeypatch.setattr(sass, "libnvvm_release", lambda: "13.5")
+    assert sass.find_tool("ptxas") == new
+    monkeypatch.setattr(sass, "libnvvm_release", lambda: "12.8")
+    assert sass.find_tool("ptxas") == old          # none matches: the first found
+
+
+def test_a_toolkit_file_has_the_release_of_its_version_json(tmp_path):
+    library = tmp_path / "cuda" / "nvvm" / "lib64" / "libnvvm.so"
+    library.parent.mkdir(parents=True)
+    library.write_bytes(b"")
+    assert sass.cuda_release(library) is None
+    (tmp_path / "cuda" / "version.json").write_text('{"cuda": {"version": "12.8.93"}}')
+    assert sass.cuda_release(library) == "12.8"
 
 
 def test_tool_named_explicitly_must_exist(tmp_path):
@@ -70,18 +421,15 @@ def test_tool_named_explicitly_must_exist(tmp_path):
 
 
 def test_tool_from_environment_variable(tmp_path, monkeypatch):
-    tool = tmp_path / "nvdisasm"
-    tool.write_text("#!/bin/sh\n")
-    tool.chmod(0o755)
-    monkeypatch.setenv("NVDISASM", str(tool))
-    assert sass.find_tool("nvdisasm") == str(tool)
+    tool = _fake_tool(tmp_path, "nvdisasm", "13.5")
+    monkeypatch.setenv("NVDISASM", tool)
+    assert sass.find_tool("nvdisasm") == tool
 
 
 def test_missing_tool_says_how_to_install_it(monkeypatch):
     monkeypatch.delenv("PTXAS", raising=False)
-    monkeypatch.setenv("PATH", "")
-    monkeypatch.setattr(sass, "_wheel_tools", lambda name: [])
-    with pytest.raises(sass.ToolMissing, match="pip install nvidia-cuda-nvcc"):
+    monkeypatch.setattr(sass, "_candidates", lambda name: [])
+    with pytest.raises(sass.ToolMissing, match=r"pip install -e '\.\[sass\]'"):
         sass.find_tool("ptxas")
 
 
@@ -92,3 +440,37 @@ def test_command_line_reports_a_missing_tool_without_compiling(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--ptxas=" in proc.stderr and "not an executable" in proc.stderr
+
+
+def _missing_tools() -> str | None:
+    """What the real check lacks on this machine, or None."""
+    for name in ("ptxas", "nvdisasm"):
+        try:
+            sass.find_tool(name)
+        except sass.ToolMissing as e:
+            return str(e)
+    return None if sass.libnvvm() else "libNVVM (numba-cuda's compiler) not found"
+
+
+def test_the_real_check_builds_every_kernel_and_its_verdict_matches_its_table(tmp_path):
+    """The check as CI runs it, through bench/sass_report.sh: every specialisation
+    built into its own files, each figure in the table, and the exit status 1 exactly
+    when a budget row is exceeded (the kernels may or may not meet their budgets:
+    that is CI's step, not this test's)."""
+    missing = _missing_tools()
+    if missing:
+        pytest.skip(missing)
+    env = dict(os.environ, KVNUMBA_DEVICE="compile")
+    proc = subprocess.run(["bash", "bench/sass_report.sh", "--check", "--keep", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr
+    out = proc.stdout
+    for item in sass.SPECIALISATIONS:
+        assert re.search(rf"^{re.escape(item.label)}\s+\d+\s+\d+", out, re.M), item.label
+        stem = sass.file_stem(item.spec, item.signature)
+        assert all((tmp_path / f"{stem}{ext}").is_file() for ext in (".ptx", ".cubin", ".sass"))
+    exceeded = re.findall(r"^  (.+): (\w+) ([\d.]+) ([<>]) ([\d.]+)", out, re.M)
+    assert (proc.returncode == 1) == bool(exceeded) == ("EXCEEDED" in out)
+    for _, _, figure, relation, limit in exceeded:
+        assert (float(figure) > float(limit)) if relation == ">" else (float(figure) <
+                                                                       float(limit))
