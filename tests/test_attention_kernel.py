@@ -241,6 +241,18 @@ def test_zero_rows_zeroes_exactly_the_padding(dtype):
     assert got[:4].tobytes() == host[:4].tobytes() and not got[4:].any()
 
 
+def test_q_with_more_rows_than_32_bit_indices_take_is_refused_before_any_launch():
+    class Shaped:               # only a shape: the refusal comes before any device work
+        def __init__(self, *shape):
+            self.shape = shape
+    q = Shaped(2**27, 16, 1)    # 2**31 (token, head) rows
+    store = Shaped(1, 1, 16, 1)
+    with pytest.raises(ValueError, match=r"at most 2147483647 \(token, head\) rows"):
+        att.attend(q, store, store, None, q, seq_info_off=0, segments_off=0, n_segments=1,
+                   max_q_len=1, max_kv_len=1, ring_rows=0, window=0, scale=1.0, softcap=0.0,
+                   workspace=None)
+
+
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 @pytest.mark.parametrize("window", [0, 3, 50])
 def test_block_segments(path, window):

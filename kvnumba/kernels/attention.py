@@ -49,7 +49,7 @@ import numpy as np
 from ..device import cuda
 from . import ptx
 from .launch import Specialised, ceil_div
-from .masks import key_range, read_segment, storage_row, store_row
+from .masks import div32, divmod32, key_range, read_segment, step_on, storage_row, store_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -81,6 +81,9 @@ DECODE_MIN_CHUNK = 256
 MAX_SPLITS = 64
 #: threads per block of the combine kernel
 COMBINE_THREADS = 128
+#: most (token, query head) rows a q may have: the kernels divide row indices (and
+#: block indices, positions, keys) as 32-bit integers (`masks.div32`)
+MAX_QUERY_ROWS = 2**31 - 1
 
 NEG_INF = float32(-math.inf)
 
@@ -126,18 +129,18 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                   softcap):
         tid = cuda.threadIdx.x
         kv_head = cuda.blockIdx.y
-        split = cuda.blockIdx.x % n_splits
-        row_tile = cuda.blockIdx.x // n_splits
-        seg = tables[segments_off + row_tile // n_row_tiles]
-        first_row = (row_tile % n_row_tiles) * BR
+        row_tile, split = divmod32(cuda.blockIdx.x, n_splits)
+        seg_index, seg_tile = divmod32(row_tile, n_row_tiles)
+        seg = tables[segments_off + seg_index]
+        first_row = seg_tile * BR
 
         q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_rows = min(BR, group * q_len - first_row)
         if n_rows <= 0:
             return
-        span_lo, _hi = key_range(first_row // group, q_len, pos_start, block, window)
-        _lo, span_hi = key_range((first_row + n_rows - 1) // group, q_len, pos_start,
-                                  block, window)
+        span_lo, _hi = key_range(div32(first_row, group), q_len, pos_start, block, window)
+        _lo, span_hi = key_range(div32(first_row + n_rows - 1, group), q_len, pos_start,
+                                 block, window)
         key_lo = span_lo + split * chunk
         key_hi = min(span_hi, key_lo + chunk)
         if key_lo >= key_hi:
@@ -157,11 +160,11 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             r = e // dpad
             d = e - r * dpad
             if d < head_dim:
-                row = first_row + r
-                q_tile[r, d] = ptx.to_f32(q[q_start + row // group,
-                                            kv_head * group + row % group, d]) * scale
+                token, member = divmod32(first_row + r, group)
+                q_tile[r, d] = ptx.to_f32(q[q_start + token, kv_head * group + member,
+                                            d]) * scale
         if tid < n_rows:
-            lo, hi = key_range((first_row + tid) // group, q_len, pos_start, block, window)
+            lo, hi = key_range(div32(first_row + tid, group), q_len, pos_start, block, window)
             row_lo[tid] = lo
             row_hi[tid] = hi
         run_max = NEG_INF                # this thread's row (tid < n_rows): running max, sum
@@ -247,17 +250,17 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             r = e // dpad
             d = e - r * dpad
             if r < n_rows and d < head_dim:
-                row = first_row + r
-                token = q_start + row // group
-                head = kv_head * group + row % group
+                token, member = divmod32(first_row + r, group)
+                token += q_start
+                head = kv_head * group + member
                 if n_splits == 1:
                     out[token, head, d] = ptx.from_f32(acc[i] / row_sum[r], out)
                 else:
                     part_acc[((split * width + token) * n_heads + head) * head_dim + d] = acc[i]
         if n_splits > 1 and tid < n_rows:
-            row = first_row + tid
-            token = q_start + row // group
-            head = kv_head * group + row % group
+            token, member = divmod32(first_row + tid, group)
+            token += q_start
+            head = kv_head * group + member
             base = ((split * width + token) * n_heads + head) * 2
             part_ml[base] = run_max
             part_ml[base + 1] = run_sum
@@ -272,22 +275,23 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
 
     Row tile and split geometry must match the attention launch that wrote them.
     """
-    tid = cuda.threadIdx.x
-    seg = tables[segments_off + cuda.blockIdx.x // max_q_len]
-    i = cuda.blockIdx.x % max_q_len
+    seg_index, i = divmod32(cuda.blockIdx.x, max_q_len)
+    seg = tables[segments_off + seg_index]
     q_start, q_len, _col, pos_start, block = read_segment(tables, seq_info_off, seg)
     if i >= q_len:
         return
     token = q_start + i
     width, n_heads, head_dim = out.shape
     lo, hi = key_range(i, q_len, pos_start, block, window)
-    for e in range(tid, n_heads * head_dim, COMBINE_THREADS):
-        head = e // head_dim
-        d = e - head * head_dim
-        first_row = ((i * group + head % group) // block_rows) * block_rows
-        span_lo, _hi = key_range(first_row // group, q_len, pos_start, block, window)
-        split_first = (lo - span_lo) // chunk
-        split_last = (hi - 1 - span_lo) // chunk
+    # the threads stride over this token's (head, dim) elements
+    head, d = divmod32(cuda.threadIdx.x, head_dim)
+    skip_heads, skip_dims = divmod32(COMBINE_THREADS, head_dim)
+    while head < n_heads:
+        _, member = divmod32(head, group)                      # head % group
+        first_row = div32(i * group + member, block_rows) * block_rows
+        span_lo, _hi = key_range(div32(first_row, group), q_len, pos_start, block, window)
+        split_first = div32(lo - span_lo, chunk)
+        split_last = div32(hi - 1 - span_lo, chunk)
         best = NEG_INF
         for split in range(split_first, split_last + 1):
             best = max(best, part_ml[((split * width + token) * n_heads + head) * 2])
@@ -299,6 +303,7 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
             total += weight * part_ml[base * 2 + 1]
             value += weight * part_acc[base * head_dim + d]
         out[token, head, d] = ptx.from_f32(value / total, out)
+        head, d = step_on(head, d, skip_heads, skip_dims, head_dim)
 
 
 _combine = Specialised(_combine_kernel)
@@ -395,6 +400,9 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
     width, n_q_heads, head_dim = q.shape
     n_kv_heads = k_store.shape[2]
     assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
+    if width * n_q_heads > MAX_QUERY_ROWS:
+        raise ValueError(f"q [{width}, {n_q_heads}, {head_dim}]: the attention kernels take "
+                         f"at most {MAX_QUERY_ROWS} (token, head) rows")
     if n_segments == 0:
         return out
     plan = launch_plan(n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,

@@ -1,15 +1,23 @@
-"""Device functions every attention path shares: a segment's fields, which keys a query
-sees, where a key lives.
+"""Device functions the kernels share: a segment's fields, which keys a query sees, where
+a key lives, and index arithmetic without 64-bit division.
 
 Segments are read from the step's flat int32 tables (`read_segment`). Visibility is
 one interval per query, `[lo, hi)`, moving forward with the query's position (see
 `key_range`); a ring layer keeps position `p` in storage row `p % ring_rows` (see
 `storage_row`, and `store_row` for walking a tile's rows without a division per key).
+
+Numba types integer arithmetic as int64, and a 64-bit division compiles to a test of
+both operands' widths, a 32-bit path and a call of a software routine
+(`__cuda_sm20_div_s64`, ~80 instructions). `div32` / `divmod32` divide operands known
+to be below 2**32 in one `div.u32`; `step_on` moves a pair of indices (plane and row,
+head and dim) along a grid-stride loop with no division at all.
 """
 from __future__ import annotations
 
 from ..device import cuda
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+
+from numba import int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 
 @cuda.jit(device=True)
@@ -38,9 +46,48 @@ def key_range(i, q_len, pos_start, block, window):
 
 
 @cuda.jit(device=True)
+def div32(a, b):
+    """`a // b` for `0 <= a < 2**32`, `0 < b < 2**32`, as int64: one 32-bit division.
+
+    LLVM narrows a division of operands zero-extended from uint32 to `div.u32`; the
+    caller guarantees the range (for non-negative operands floor division is the
+    unsigned quotient, so the result is Python's `a // b`).
+    """
+    return int64(uint32(a) // uint32(b))
+
+
+@cuda.jit(device=True)
+def divmod32(a, b):
+    """`(a // b, a % b)` for `0 <= a < 2**32`, `0 < b < 2**32`: one 32-bit division."""
+    return div32(a, b), int64(uint32(a) % uint32(b))   # LLVM pairs the two: one division
+
+
+@cuda.jit(device=True)
+def step_on(major, minor, major_step, minor_step, minor_size):
+    """`(major, minor)` moved on by `major_step * minor_size + minor_step` items of a
+    row-major `[*, minor_size]` walk (`0 <= minor, minor_step < minor_size`).
+
+    A grid-stride loop over (plane, row) runs or (head, dim) elements splits its
+    stride once (`divmod32`) and keeps both indices this way: no division per trip.
+    """
+    major += major_step
+    minor += minor_step
+    if minor >= minor_size:
+        minor -= minor_size
+        major += 1
+    return major, minor
+
+
+@cuda.jit(device=True)
 def storage_row(position, ring_rows):
-    """Row of `position`: itself on a flat layer, `position % ring_rows` on a ring."""
-    return position % ring_rows if ring_rows > 0 else position
+    """Row of `position`: itself on a flat layer, `position % ring_rows` on a ring.
+
+    Positions are int32 (the step's tables) and never negative, and `ring_rows <=
+    capacity <= INT32_MAX` (`CacheConfig`), so the modulo is one 32-bit division.
+    """
+    if ring_rows > 0:
+        return int64(uint32(position) % uint32(ring_rows))
+    return int64(position)
 
 
 @cuda.jit(device=True)

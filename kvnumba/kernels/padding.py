@@ -4,18 +4,22 @@ from __future__ import annotations
 from ..device import cuda
 from . import ptx
 from .launch import Specialised
+from .masks import divmod32, step_on
 
 THREADS = 128
 
 
 @cuda.jit
 def _zero_rows(out, first_token):
-    """Block `b` zeroes row `first_token + b` of `out` (all heads)."""
+    """Block `b` zeroes row `first_token + b` of `out` (all heads); its threads stride over
+    the row's (head, dim) elements."""
     token = first_token + cuda.blockIdx.x
     n_heads, head_dim = out.shape[1], out.shape[2]
-    for e in range(cuda.threadIdx.x, n_heads * head_dim, THREADS):
-        head = e // head_dim
-        out[token, head, e - head * head_dim] = ptx.from_f32(0.0, out)
+    head, dim = divmod32(cuda.threadIdx.x, head_dim)
+    skip_heads, skip_dims = divmod32(THREADS, head_dim)
+    while head < n_heads:
+        out[token, head, dim] = ptx.from_f32(0.0, out)
+        head, dim = step_on(head, dim, skip_heads, skip_dims, head_dim)
 
 
 _zero = Specialised(_zero_rows)

@@ -1,62 +1,113 @@
 """Write a step's K and V into their columns, wrapping ring layers (one launch per layer).
 
 A token's K (all heads) is one contiguous run of `n_kv_heads * head_dim` elements in
-the input and one in storage (row `row(position)`, column `seq_cols[token]`), so
-the wide path moves it as 16-byte vectors: one thread per vector of K and the same
-vector of V, in a grid-stride loop over the step's tokens. It needs the input in the
-storage dtype, C-contiguous and 16-byte aligned, and a run length that is a whole
-number of vectors; anything else (a float32 input into float16 storage, a strided
-view) takes the element-wise path.
+the input and one in storage (row `row(position)`, column `seq_cols[token]`). Each
+block row (`threadIdx.y`) takes tokens in a grid stride; its `blockDim.x` lanes
+(`run_block`) move the token's run, so a token's column, position and row are read
+and computed once per token, and the loop over a run's items only adds a stride.
+
+The wide path moves 16-byte vectors. It needs the input in the storage dtype,
+C-contiguous and 16-byte aligned, and a run length that is a whole number of
+vectors; anything else (a float32 input into float16 storage, a strided view)
+takes the element-wise path.
+
+Index ranges: tokens (`< max_step`), positions and rows (`< capacity`) and columns
+(`<= max_seqs`) are below 2**31 (`CacheConfig` bounds each by `INT32_MAX`), so the
+ring modulo is a 32-bit division (`masks.storage_row`). Nothing bounds a layer's
+`rows * columns * n_kv_heads * head_dim` elements below 2**31, so flat element
+indices stay int64: they are made by multiplication only, once per token.
 """
 from __future__ import annotations
 
 from ..arrays import aligned
 from ..device import cuda
 from . import ptx
-from .launch import STRIDE_THREADS, VECTOR_BYTES, Specialised, stride_blocks
-from .masks import storage_row
+from .launch import MAX_BLOCKS, STRIDE_THREADS, VECTOR_BYTES, Specialised, ceil_div
+from .masks import div32, divmod32, step_on, storage_row
+
+from numba import uint32  # noqa: E402  (after kvnumba.device chose the target)
+
+#: 16-byte vectors a lane moves per trip of the wide loops (written for a pair: both
+#: loads go out before the stores, and the per-run work is shared by twice the bytes)
+PAIR = 2
+
+
+def run_block(items: int) -> tuple[int, int]:
+    """`(lanes, rows)`: a block of `STRIDE_THREADS` threads for runs of `items` items,
+    `lanes` (a power of two, at least `items` up to `STRIDE_THREADS`) along a run and
+    `rows` runs side by side."""
+    lanes = min(STRIDE_THREADS, 1 << max(0, items - 1).bit_length())
+    return lanes, STRIDE_THREADS // lanes
+
+
+def run_grid(runs: int, rows: int) -> int:
+    """Blocks of `rows` runs each for a grid-stride loop over `runs` runs."""
+    return min(MAX_BLOCKS, ceil_div(runs, rows))
+
+
+@cuda.jit(device=True)
+def _token_slot(tables, width, token):
+    """`(column, position)` of `token` in the write tables. The indices are uint32 (Numba
+    adds no negative-index fix-up to an unsigned index): `token < width <= max_step`."""
+    return tables[uint32(token)], tables[uint32(width + token)]
 
 
 @cuda.jit
 def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows):
-    """Thread `i` of the grid-stride loop moves vector `i % per_token` of token `i // per_token`.
+    """Lane `threadIdx.x` of a block row moves vectors `lane`, `lane + blockDim.x`, ... of
+    each of the row's tokens, K and V, `PAIR` of them a trip (all loads before the stores).
 
     `tables[token]` is the token's column (negative: write nowhere), `tables[width +
     token]` its position. Indices are in elements of a flat view of each array.
     """
-    per_token = k.shape[1] * k.shape[2] * k.itemsize // VECTOR_BYTES
-    elems = VECTOR_BYTES // k.itemsize             # elements per vector
     run = k.shape[1] * k.shape[2]                  # elements per token
+    elems = div32(VECTOR_BYTES, k.itemsize)        # elements per vector (itemsize: a field)
+    first = cuda.threadIdx.x * elems
+    step = cuda.blockDim.x * elems
     n_cols = k_store.shape[1]
-    for i in range(cuda.grid(1), width * per_token, cuda.gridsize(1)):
-        token = i // per_token
-        lane = i - token * per_token
-        col = tables[token]
+    token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+    while token < width:
+        col, position = _token_slot(tables, width, token)
         if col >= 0:
-            row = storage_row(tables[width + token], ring_rows)
-            src = token * run + lane * elems
-            dst = (row * n_cols + col) * run + lane * elems
-            a, b, c, d = ptx.ld_nc_v4(k, src)
-            ptx.st_v4(k_store, dst, a, b, c, d)
-            a, b, c, d = ptx.ld_nc_v4(v, src)
-            ptx.st_v4(v_store, dst, a, b, c, d)
+            row = storage_row(position, ring_rows)
+            last = token * run + run - elems              # the token's last vector
+            shift = (row * n_cols + col) * run - token * run  # storage index - input index
+            e = token * run + first
+            while e <= last:                              # not `range`: it divides by its step
+                far = min(e + step, last)                 # past the run: loaded, not stored
+                a, b, c, d = ptx.ld_nc_v4(k, e)
+                w, x, y, z = ptx.ld_nc_v4(v, e)
+                a2, b2, c2, d2 = ptx.ld_nc_v4(k, far)
+                w2, x2, y2, z2 = ptx.ld_nc_v4(v, far)
+                ptx.st_v4(k_store, shift + e, a, b, c, d)
+                ptx.st_v4(v_store, shift + e, w, x, y, z)
+                if e + step <= last:
+                    ptx.st_v4(k_store, shift + far, a2, b2, c2, d2)
+                    ptx.st_v4(v_store, shift + far, w2, x2, y2, z2)
+                e += PAIR * step
+        token += cuda.gridDim.x * cuda.blockDim.y
 
 
 @cuda.jit
 def _write_elements(k_store, v_store, k, v, tables, width, ring_rows):
-    """One thread per (token, head, dim) element, converting to the storage dtype (float16,
-    float32, or bfloat16 held as uint16 bits)."""
-    n_heads = k.shape[1]
-    head_dim = k.shape[2]
-    for idx in range(cuda.grid(1), width * n_heads * head_dim, cuda.gridsize(1)):
-        dim = idx % head_dim
-        head = (idx // head_dim) % n_heads
-        token = idx // (head_dim * n_heads)
-        col = tables[token]
+    """As `_write_vectors`, one (head, dim) element per lane and trip, converting to the
+    storage dtype (float16, float32, or bfloat16 held as uint16 bits)."""
+    n_heads, head_dim = k.shape[1], k.shape[2]
+    first_head, first_dim = divmod32(cuda.threadIdx.x, head_dim)
+    skip_heads, skip_dims = divmod32(cuda.blockDim.x, head_dim)
+    token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
+    while token < width:
+        col, position = _token_slot(tables, width, token)
         if col >= 0:
-            row = storage_row(tables[width + token], ring_rows)
-            k_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(k[token, head, dim]), k_store)
-            v_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(v[token, head, dim]), v_store)
+            row = storage_row(position, ring_rows)
+            head, dim = first_head, first_dim
+            while head < n_heads:
+                k_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(k[token, head, dim]),
+                                                            k_store)
+                v_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(v[token, head, dim]),
+                                                            v_store)
+                head, dim = step_on(head, dim, skip_heads, skip_dims, head_dim)
+        token += cuda.gridDim.x * cuda.blockDim.y
 
 
 _vectors = Specialised(_write_vectors)
@@ -77,12 +128,13 @@ def write_kv(k_store, v_store, k, v, tables, ring_rows: int, stream=0) -> None:
     2 * width)` its position. One launch, on `stream`.
     """
     width = k.shape[0]
-    elements = width * k.shape[1] * k.shape[2]
-    if elements == 0:
+    run = k.shape[1] * k.shape[2]
+    if width * run == 0:
         return
-    if wide_ok(k_store, k) and wide_ok(k_store, v):
-        work, kernel = elements * k.dtype.itemsize // VECTOR_BYTES, _vectors
+    if wide_ok(k_store, k) and wide_ok(k_store, v):       # items: pairs of vectors
+        items, kernel = ceil_div(run * k.dtype.itemsize // VECTOR_BYTES, PAIR), _vectors
     else:
-        work, kernel = elements, _elements
-    kernel(stride_blocks(work), STRIDE_THREADS, stream,
+        items, kernel = run, _elements
+    lanes, rows = run_block(items)
+    kernel(run_grid(width, rows), (lanes, rows), stream,
            k_store, v_store, k, v, tables, width, int(ring_rows))
