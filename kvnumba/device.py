@@ -134,6 +134,17 @@ if not SIMULATOR:
         _cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = 0
 
 
+def _aligned_empty(shape, dtype: np.dtype, alignment: int | None) -> np.ndarray:
+    """`np.empty(shape, dtype)` starting at a multiple of `alignment` bytes (None: NumPy's
+    own alignment)."""
+    if alignment is None:
+        return np.empty(shape, dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    skip = -raw.ctypes.data % alignment
+    return raw[skip:skip + nbytes].view(dtype).reshape(shape)
+
+
 def _serialise_simulator_shared_arrays() -> None:
     """Make the simulator's `cuda.shared.array` allocation atomic.
 
@@ -142,7 +153,9 @@ def _serialise_simulator_shared_arrays() -> None:
     locked (numba-cuda 0.30.4), so two threads switching at the wrong moment get
     two different "shared" arrays, and about 1% of launches of a kernel with
     several shared arrays computed garbage at `sys.setswitchinterval(1e-4)`.
-    Real GPUs are not affected.
+    Real GPUs are not affected. It also honours `alignment=` (the simulator refuses it):
+    the array then starts at a multiple of `alignment` bytes, as `cp.async` and
+    `ldmatrix` destinations must.
     """
     import threading
 
@@ -157,8 +170,8 @@ def _serialise_simulator_shared_arrays() -> None:
     lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
-        if alignment is not None or shape == 0:  # refused / dynamic: not keyed by call site
-            return allocate(self, shape, dtype, alignment)
+        if shape == 0:  # dynamic: one buffer, not keyed by call site
+            return allocate(self, shape, dtype)
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
         frame = sys._getframe(1)  # the kernel line that asked, as the simulator keys it
@@ -166,7 +179,8 @@ def _serialise_simulator_shared_arrays() -> None:
         with lock:
             found = self._allocations.get(site)
             if found is None:
-                found = self._allocations[site] = np.empty(shape, dtype)
+                found = self._allocations[site] = _aligned_empty(shape, np.dtype(dtype),
+                                                                 alignment)
         return found
 
     shared.array = array

@@ -10,13 +10,16 @@ import numpy as np
 import pytest
 
 from kvnumba import device
+from kvnumba.arrays import aligned
 from kvnumba.device import cuda
 from kvnumba.kernels import prefill
 from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values, dense_attention, round_nearest_even, seen_positions
 
 SMALL = (16, 16)                # (block_rows, block_keys): one warp, one k16 step of keys
-TWO_WARPS = (32, 16)
+TWO_WARPS = (32, 16, 16)        # ... and rows per warp: two warps of 16 rows
+WIDE_WARP = (32, 16, 32)        # one warp of 32 rows (two m16 halves)
+TWO_WIDE_WARPS = (64, 32, 32)
 only_gpu = pytest.mark.skipif(device.SIMULATOR, reason="full-size shapes need a GPU")
 
 
@@ -81,10 +84,15 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
         c.segments.append((q_start, q_len, pos_start, block, keys, values))
         q_start += q_len
     width = q_start + 2
-    c.q = np.full((width, n_q_heads, head_dim), np.nan, np.float32)
+    q = np.full((width, n_q_heads, head_dim), np.nan, np.float32)
     for seg in c.segments:
-        c.q[seg[0]:seg[0] + seg[1]] = rng.standard_normal((seg[1], n_q_heads, head_dim))
-    c.q = c.q.astype(q_dtype)
+        q[seg[0]:seg[0] + seg[1]] = rng.standard_normal((seg[1], n_q_heads, head_dim))
+    if q_dtype == "bfloat16":                           # bit patterns, as the cache holds them
+        c.q = round_nearest_even(q, "bf16")
+        c.q_values = bf16_values(c.q)
+    else:
+        c.q = q.astype(q_dtype)
+        c.q_values = c.q.astype(np.float64)
     if storage == "bfloat16":
         c.k_store = round_nearest_even(k_store, "bf16")
         c.v_store = round_nearest_even(v_store, "bf16")
@@ -105,13 +113,15 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
     return c
 
 
-def run(c, tile=SMALL, served_order=None):
-    """Launch on the device; the host copy of `out` afterwards."""
+def run(c, tile=SMALL, served_order=None, q=None):
+    """Launch on the device (`q`: a device array instead of c.q's copy); the host copy of
+    `out` afterwards."""
     tables = c.tables.copy()
     if served_order is not None:
         tables[c.segments_off:c.segments_off + len(served_order)] = served_order
     out = cuda.to_device(c.out)
-    prefill.run(cuda.to_device(c.q), cuda.to_device(c.k_store), cuda.to_device(c.v_store),
+    q = cuda.to_device(c.q) if q is None else q
+    prefill.run(q, cuda.to_device(c.k_store), cuda.to_device(c.v_store),
                 cuda.to_device(tables), seq_info_off=c.seq_info_off,
                 segments_off=c.segments_off, n_segments=len(c.served),
                 max_q_len=c.max_q_len, out=out, ring_rows=c.ring_rows, window=c.window,
@@ -125,7 +135,7 @@ def reference(c):
     want = {}
     for s in c.served:
         q_start, q_len, pos_start, block, keys, values = c.segments[s]
-        got = dense_attention(c.q[q_start:q_start + q_len].astype(np.float64), keys, values,
+        got = dense_attention(c.q_values[q_start:q_start + q_len], keys, values,
                               pos_start, c.window, block, c.scale, c.softcap or None)
         for i in range(q_len):
             want[q_start + i] = got[i]
@@ -158,13 +168,41 @@ def test_supports_16_bit_storage_and_head_dims_in_16_byte_chunks():
     assert not prefill.supports(128, "float32")
 
 
-def test_gpu_tiles_fit_48_kib_of_shared_memory():
-    for head_dim in (64, 80, 96, 128, 256):
+def test_gpu_tiles_keep_q_k_and_v_apart_in_48_kib_of_shared_memory():
+    for head_dim in (8, 24, 64, 80, 96, 128, 256):
         rows, keys = prefill.tile_shape(head_dim)
-        q_rows, buffer_rows = prefill.shared_rows(head_dim, rows, keys)
-        assert buffer_rows >= max(rows, q_rows + 2 * keys)     # Q, and K and V after it
+        q_row, k_row, v_row, buffer_rows = prefill.shared_layout(head_dim, rows, keys)
+        q, k, v = (set(range(first, first + n)) for first, n in
+                   ((q_row, rows), (k_row, keys), (v_row, keys)))
+        assert not q & k and not k & v      # Q and the first K tile are staged together
+        if head_dim > prefill.Q_REGISTERS_MAX_DIM:
+            assert not q & v                # Q stays in shared memory, read every tile
+        assert max(q | k | v) < buffer_rows
         assert buffer_rows * (prefill.padded_head_dim(head_dim) + 8) * 2 <= 48 * 1024
         assert rows % 16 == 0 and keys % 16 == 0
+        assert rows % prefill.default_warp_rows(head_dim, rows) == 0
+
+
+@pytest.mark.parametrize("chunks,threads,rows", [(16, 128, 64), (8, 64, 64), (32, 96, 16),
+                                                 (32, 96, 48), (10, 128, 64), (5, 64, 32),
+                                                 (2, 32, 16), (1, 32, 16)])
+def test_staging_copies_every_chunk_once_a_128_byte_line_per_row_at_a_time(chunks, threads,
+                                                                           rows):
+    """Thread tid copies chunks tid % lanes + c lanes of rows tid // lanes + p step (step =
+    threads // lanes): together every chunk of every row exactly once, and the lanes of a
+    row cover whole 128-byte lines (8 chunks) of it per instruction."""
+    lanes, passes = prefill.staging_layout(chunks, threads, rows)
+    step = threads // lanes
+    copied = [(tid // lanes + p * step, tid % lanes + c * lanes) for tid in range(step * lanes)
+              for p in range(passes) for c in range(chunks // lanes)
+              if tid // lanes + p * step < rows]
+    assert sorted(copied) == [(r, c) for r in range(rows) for c in range(chunks)]
+    assert lanes >= min(chunks, 8) and chunks % lanes == 0
+
+
+def test_staging_of_head_dim_128_tiles_takes_8_copies_in_4_rows_per_thread():
+    # 64 rows x 16 chunks over 128 threads: 8 lanes per row (128 bytes), 16 rows per pass
+    assert prefill.staging_layout(16, 128, 64) == (8, 4)
 
 
 @pytest.mark.parametrize("head_dim,storage,q_dtype,message", [
@@ -182,6 +220,18 @@ def test_run_refuses_what_it_cannot_serve_before_any_launch(head_dim, storage, q
                     ring_rows=0, window=0, scale=1.0, softcap=0.0)
 
 
+def test_run_refuses_storage_rows_of_4_gib_before_any_launch():
+    """Rows are walked in unsigned 32-bit byte strides: a row of 2**32 bytes (here a view
+    that only claims it; nothing is read) is refused."""
+    q = np.zeros((4, 2, 16), np.float16)
+    store = np.lib.stride_tricks.as_strided(np.zeros(16, np.float16), shape=(2, 1, 1, 16),
+                                            strides=(2**32, 32, 32, 2))
+    with pytest.raises(ValueError, match="storage rows of 4294967296 bytes"):
+        prefill.run(q, store, store, np.zeros(8, np.int32), seq_info_off=0, segments_off=5,
+                    n_segments=1, max_q_len=4, out=np.zeros((4, 2, 16), np.float16),
+                    ring_rows=0, window=0, scale=1.0, softcap=0.0)
+
+
 # ---------------------------------------------------------------- scenarios
 
 def test_causal_chunks_over_several_row_and_key_tiles():
@@ -195,6 +245,20 @@ def test_causal_chunks_over_several_row_and_key_tiles():
 def test_sliding_window_smaller_and_larger_than_a_key_tile(window):
     rng = np.random.default_rng(window)
     c = make_case(rng, [(9, 0, False), (11, 30, False)], window=window)
+    check(c, run(c))
+
+
+@pytest.mark.parametrize("wrap_at", [1, 5, 8, 15])
+def test_ring_wraps_inside_a_key_tile_at_any_offset(wrap_at, stale_shared_memory):
+    """The block's first key (its first query's window start) sits `wrap_at` rows before
+    the end of the ring, so the ring wraps that many keys into the first 16-key tile; the
+    second row tile starts its keys elsewhere."""
+    rng = np.random.default_rng(20 + wrap_at)
+    window, q_len = 16, 9
+    ring = window + q_len - 1                       # 24 rows
+    pos_start = 3 * ring - wrap_at + window - 1     # its first key: 3 ring - wrap_at
+    c = make_case(rng, [(q_len, pos_start, False)], n_kv_heads=1, group=2, window=window,
+                  ring_rows=ring)
     check(c, run(c))
 
 
@@ -242,11 +306,36 @@ def test_q_and_out_types(q_dtype, out_dtype):
     check(c, run(c))
 
 
-def test_bfloat16_storage_as_bit_patterns():
+@pytest.mark.parametrize("q_dtype", [np.float32, "bfloat16"])
+def test_bfloat16_storage_as_bit_patterns(q_dtype):
+    """q converted from float32, or bfloat16 bits like the storage (copied as they are)."""
     rng = np.random.default_rng(8)
-    c = make_case(rng, [(7, 6, False), (5, 0, True)], storage="bfloat16",
-                  q_dtype=np.float32, out_dtype=np.float32)
+    c = make_case(rng, [(7, 6, False), (5, 0, True)], storage="bfloat16", q_dtype=q_dtype,
+                  out_dtype=np.float32)
     check(c, run(c), tol=1e-2)
+
+
+def test_queries_not_16_byte_aligned_are_read_value_by_value():
+    """q starting 8 bytes past a 16-byte boundary cannot be copied in 16-byte chunks."""
+    rng = np.random.default_rng(14)
+    c = make_case(rng, [(7, 6, False), (5, 0, True)])
+    flat = np.concatenate([np.zeros(4, c.q.dtype), c.q.reshape(-1)])
+    q = cuda.to_device(flat)[4:].reshape(c.q.shape)
+    assert not aligned(q, 16)
+    check(c, run(c, q=q))
+
+
+@pytest.mark.parametrize("group,q_len,tile", [(3, 13, TWO_WARPS), (3, 7, WIDE_WARP),
+                                              (5, 9, TWO_WIDE_WARPS)])
+def test_a_tokens_q_heads_across_warps_and_halves_and_a_partial_row_tile(group, q_len, tile,
+                                                                          stale_shared_memory):
+    """Packed rows: a token's `group` rows straddle the 16-row boundaries of warps or of
+    a warp's halves (group 3: rows 15..17 of token 5; group 5: rows 15..19 and 30..34),
+    and the last row tile is partial (39 rows in tiles of 32, 21 of 32, 45 of 64): its
+    missing rows are zeros, not stale shared memory."""
+    rng = np.random.default_rng(30 + group)
+    c = make_case(rng, [(q_len, 6, False)], n_kv_heads=1, group=group)
+    check(c, run(c, tile=tile))
 
 
 def test_warps_of_a_tile_skip_and_mask_on_their_own():
@@ -276,14 +365,15 @@ def test_served_segments_only_and_alone_equals_in_a_list():
 @pytest.mark.parametrize("seed", range(6))
 def test_random_steps_over_tile_shapes(seed):
     """Random segments (decode-sized to several tiles, chunks, blocks), windows with and
-    without a ring, GQA groups and tile shapes of 1 to 3 warps and 16 or 32 keys."""
+    without a ring, GQA groups and tile shapes of 1 to 3 warps of 16 or 32 rows and 16 or
+    32 keys."""
     rng = np.random.default_rng(100 + seed)
     window = int(rng.choice([0, 3, 9, 20]))
     segments = [(int(rng.integers(1, 25)), int(rng.integers(0, 40)), bool(rng.random() < 0.3))
                 for _ in range(int(rng.integers(1, 4)))]
     max_q_len = max(n for n, _, _ in segments)
     ring = window + max_q_len - 1 if window and rng.random() < 0.6 else 0
-    tile = [SMALL, TWO_WARPS, (16, 32), (48, 32)][seed % 4]
+    tile = [SMALL, TWO_WARPS, (16, 32), (48, 32), WIDE_WARP, TWO_WIDE_WARPS][seed]
     c = make_case(rng, segments, n_kv_heads=int(rng.integers(1, 3)),
                   group=int(rng.choice([1, 2, 4])), window=window, ring_rows=ring,
                   softcap=float(rng.choice([0.0, 3.0])))
@@ -291,8 +381,8 @@ def test_random_steps_over_tile_shapes(seed):
 
 
 def test_gpu_tile_shape_over_several_key_tiles(stale_shared_memory):
-    """The GPU's own tiles for head_dim 64 (64 rows x 64 keys, 4 warps): windowed ring
-    layer after wraps, a chunk far into its history, a draft block."""
+    """The GPU's own tiles for head_dim 64 (64 rows x 64 keys, 2 warps of 32 rows):
+    windowed ring layer after wraps, a chunk far into its history, a draft block."""
     rng = np.random.default_rng(12)
     c = make_case(rng, [(40, 0, False), (30, 200, False), (16, 40, True)], n_kv_heads=1,
                   group=2, head_dim=64, window=70, ring_rows=70 + 40 - 1)

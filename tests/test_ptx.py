@@ -594,3 +594,69 @@ def test_elements_widen_exactly_and_narrow_to_nearest_even(src_dtype, dst_dtype)
         want = (round_nearest_even(tripled, "bf16") if dst_dtype == np.uint16
                 else tripled.astype(dst_dtype))
     assert dst.copy_to_host().tobytes() == want.tobytes()
+
+
+# ---------------------------------------------------------------- cp.async zero-fill, byte views
+@cuda.jit
+def zfill_round_trip(src, dst, zero_every):
+    """Each lane stages 16 bytes of `src`, or zeros on every `zero_every`-th lane."""
+    lane = cuda.laneid
+    staged = cuda.shared.array(256, np.float16)
+    ptx.cp_async_16_zfill(staged, lane * 8, src, lane * 8, lane % zero_every == 0)
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(0)
+    cuda.syncthreads()
+    for e in range(lane, 256, 32):
+        dst[e] = staged[e]
+
+
+def test_cp_async_zfill_copies_or_writes_zeros():
+    rng = np.random.default_rng(RNG_SEED)
+    src = rng.standard_normal(256).astype(np.float16)
+    (dst,) = run(zfill_round_trip, 1, 32, src, np.full(256, np.nan, np.float16), 3)[1:]
+    want = src.reshape(32, 8).copy()
+    want[::3] = 0.0                                     # lanes 0, 3, 6, ...
+    assert dst.tobytes() == want.tobytes()
+
+
+@cuda.jit
+def bytes_round_trip(src, first, dst, size):
+    """Each lane stages the 16 bytes at byte offset 16 lane of `src` from element `first`."""
+    lane = cuda.laneid
+    view = ptx.bytes_from(src, first)
+    staged = cuda.shared.array(128, np.float32)
+    ptx.cp_async_16(staged, lane * 4, view, lane * 16)
+    ptx.cp_async_commit()
+    ptx.cp_async_wait(0)
+    cuda.syncthreads()
+    for e in range(lane, 128, 32):
+        dst[e] = staged[e]
+    if lane == 0:
+        size[0] = view.size
+
+
+def test_bytes_from_views_an_array_from_an_element_on_in_bytes():
+    rng = np.random.default_rng(RNG_SEED)
+    src = rng.standard_normal((9, 16)).astype(np.float32)
+    first = 12                                           # 48 bytes in: still 16-aligned
+    dst, size = run(bytes_round_trip, 1, 32, src, first, np.zeros(128, np.float32),
+                    np.zeros(1, np.int64))[1:]
+    np.testing.assert_array_equal(dst, src.reshape(-1)[first:first + 128])
+    assert size[0] == (src.size - first) * 4
+
+
+@cuda.jit
+def wide_products(a, b, out):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = ptx.mul_wide_u32(a[i], b[i])
+
+
+def test_mul_wide_u32_keeps_every_bit_of_the_product():
+    rng = np.random.default_rng(RNG_SEED)
+    a = np.concatenate([rng.integers(0, 2**32, 60, dtype=np.uint64).astype(np.uint32),
+                        np.array([0, 1, 0xFFFFFFFF, 0x80000000], np.uint32)])
+    b = np.concatenate([rng.integers(0, 2**32, 60, dtype=np.uint64).astype(np.uint32),
+                        np.array([0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 2], np.uint32)])
+    (out,) = run(wide_products, 1, 64, a, b, np.zeros(64, np.uint64))[2:]
+    assert [int(x) for x in out] == [int(x) * int(y) for x, y in zip(a, b)]

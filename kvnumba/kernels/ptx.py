@@ -495,3 +495,93 @@ if SIMULATOR:
         f32_as_u32, f32x2_to_bf16x2, f32x2_to_f16x2, from_f32, ld_nc_v4, ld_v4, ldmatrix_x4,
         ldmatrix_x4_trans, mma_bf16_f32, mma_f16_f32, shfl_idx, shfl_xor, st_v4,
         to_f32, u32_as_f32)
+
+
+# --- cp.async that may write zeros instead -----------------------------------------------
+
+def _shared_address32(context, builder, array_type, array, index_type, index):
+    """The 32-bit shared-window address of flat element `index` of a shared array, as
+    its base plus a 32-bit offset: the base is the same value for every index, so that
+    ptxas may fold constant offsets into the instruction's address."""
+    data = context.make_array(array_type)(context, builder, value=array).data
+    shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, SHARED))
+    base = builder.ptrtoint(shared, I32)
+    offset = builder.trunc(context.cast(builder, index, index_type, types.intp), I32)
+    itemsize = context.get_abi_sizeof(context.get_data_type(array_type.dtype))
+    return builder.add(base, builder.mul(offset, ir.Constant(I32, itemsize)))
+
+
+@intrinsic
+def cp_async_16_zfill(typingctx, shared_array, shared_index, global_array, global_index,
+                      zero):
+    """`cp_async_16_zfill(shared_array, shared_index, global_array, global_index, zero)`:
+    as `cp_async_16`, except that where `zero` is true (a bool or a nonzero integer) the
+    16 shared bytes become zeros and global memory is not read at all
+    (`cp.async.cg.shared.global [dst], [src], 16, ignore_src`): one instruction stages a
+    tile row or zero-fills it. The shared address is computed in 32 bits from the
+    array's base, so ptxas folds constant index offsets into the instruction."""
+    _check_array("cp_async_16_zfill", shared_array, shared_index)
+    _check_array("cp_async_16_zfill", global_array, global_index)
+    if not isinstance(zero, (types.Boolean, types.Integer)):
+        raise TypingError(f"cp_async_16_zfill: zero must be a bool or an integer, got {zero}")
+
+    def codegen(context, builder, sig, args):
+        dst = _shared_address32(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        src = _address(context, builder, sig, args, GLOBAL, at=2)
+        flag = context.cast(builder, args[4], sig.args[4], types.boolean)
+        ignore = builder.zext(flag, I32)
+        _asm(builder, "{ .reg .pred ignore; setp.ne.b32 ignore, $2, 0; "
+                      "cp.async.cg.shared.global [$0], [$1], 16, ignore; }",
+             "r,l,r,~{memory}", [], [dst, src, ignore], side_effect=True)
+
+    return types.void(shared_array, shared_index, global_array, global_index, zero), codegen
+
+
+# --- byte views ------------------------------------------------------------------------------
+
+BYTES = types.Array(types.uint8, 1, "C")
+
+
+@intrinsic
+def bytes_from(typingctx, array, index):
+    """`bytes_from(array, index) -> uint8[::1]`: the bytes of a C-contiguous array from
+    flat element `index` to its end, as a one-dimensional view (no copy). A kernel that
+    walks rows of a large array from one place keeps this view's base address and adds
+    byte offsets: `cp_async_16(tile, i, bytes_from(store, start), row * row_bytes)` costs
+    one 32 x 32 -> 64-bit multiply-add per address."""
+    _check_array("bytes_from", array, index)
+
+    def codegen(context, builder, sig, args):
+        source = context.make_array(sig.args[0])(context, builder, value=args[0])
+        first = context.cast(builder, args[1], sig.args[1], types.intp)
+        itemsize = ir.Constant(first.type, context.get_abi_sizeof(
+            context.get_data_type(sig.args[0].dtype)))
+        start = builder.gep(source.data, [first])
+        view = context.make_array(BYTES)(context, builder)
+        context.populate_array(view, data=builder.bitcast(start, view.data.type),
+                               shape=[builder.mul(builder.sub(source.nitems, first), itemsize)],
+                               strides=[ir.Constant(first.type, 1)], itemsize=1, meminfo=None)
+        return view._getvalue()
+
+    return BYTES(array, index), codegen
+
+
+@intrinsic
+def mul_wide_u32(typingctx, a, b):
+    """`mul_wide_u32(a, b) -> uint64`: the full product of `a` and `b` taken as unsigned
+    32-bit integers (`mul.wide.u32`). Added to a 64-bit address it becomes one
+    multiply-add (`IMAD.WIDE.U32`): LLVM, given the same product of two 32-bit values
+    computed from 64-bit ones, may keep a full 64-bit multiply."""
+    _check_integers("mul_wide_u32", a, b)
+
+    def codegen(context, builder, sig, args):
+        words = _cast(context, builder, args, sig.args, types.uint32)
+        (product,) = _asm(builder, "mul.wide.u32 $0, $1, $2;", "=l,r,r", [ir.IntType(64)],
+                          words)
+        return product
+
+    return types.uint64(a, b), codegen
+
+
+if SIMULATOR:
+    from .ptxsim import bytes_from, cp_async_16_zfill, mul_wide_u32  # noqa: E402,F401,F811

@@ -269,3 +269,21 @@ def mma_bf16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """As `mma_f16_f32` with bfloat16 A and B."""
     d, lane = exchange(_mma_bf16_f32, (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3))
     return tuple(d[lane])
+
+
+def cp_async_16_zfill(shared_array, shared_index, global_array, global_index, zero):
+    """Copy the 16 bytes at once, or write 16 zero bytes without reading global memory."""
+    if zero:
+        _span16(shared_array, shared_index)[:] = 0
+    else:
+        cp_async_16(shared_array, shared_index, global_array, global_index)
+
+
+def bytes_from(array, index):
+    """The bytes of `array` from flat element `index` on: a one-dimensional uint8 view."""
+    return _numpy(array).reshape(-1)[int(index):].view(np.uint8)
+
+
+def mul_wide_u32(a, b):
+    """uint64: the product of `a` and `b` taken as unsigned 32-bit integers."""
+    return np.uint64(int(a) & _MASK32) * np.uint64(int(b) & _MASK32)
