@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kvnumba import device
+from kvnumba.arrays import aligned
 from kvnumba.device import cuda
 from kvnumba.kernels import decode as dec
 from kvnumba.kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
@@ -104,13 +105,15 @@ def pack_tables(rng, case, plan):
     return np.concatenate(parts), offsets
 
 
-def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0):
-    """plan + run on the device (out holds SENTINEL first); returns (out on the host, plan)."""
+def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None):
+    """plan + run on the device (out holds SENTINEL first); returns (out on the host, plan).
+    `q`: the device array to pass as q (default: a copy of `case.q`)."""
     rng = np.random.default_rng(seed)
     plan = dec.plan(case.info, case.served, window=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
-    dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
+    q = cuda.to_device(case.q) if q is None else q
+    dec.run(q, cuda.to_device(case.k_store), cuda.to_device(case.v_store),
             cuda.to_device(tables), **offsets, n_items=plan.n_items, n_combine=plan.n_combine,
             n_parts=plan.n_parts, max_q_len=plan.max_q_len, out=out,
             workspace=workspace or AttentionWorkspace(), ring_rows=case.ring_rows,
@@ -173,8 +176,16 @@ def table_of(rows):
     return info
 
 
+def expected_chunks(keys, chunk):
+    """How many chunks a segment of `keys` keys gets: whole chunks, the remainder merged
+    into the last one unless it is at least half a chunk, and never none."""
+    whole, rest = divmod(keys, chunk)
+    return max(1, whole + (2 * rest >= chunk))
+
+
 def check_plan(plan, info, segments, window, chunk):
-    """Coverage, slots and the chunk rule, from first principles."""
+    """Coverage, slots, the chunk rule and the copied segment fields, from first
+    principles."""
     work, combine = plan.work, plan.combine
     assert work.dtype == np.int32 and combine.dtype == np.int32
     assert work.shape[1] == dec.WORK_FIELDS and combine.shape[1] == dec.COMBINE_FIELDS
@@ -185,11 +196,18 @@ def check_plan(plan, info, segments, window, chunk):
         keys[seg] = hi - lo
         mine = work[work[:, dec.WORK_SEG] == seg]
         mine = mine[np.argsort(mine[:, dec.WORK_KEY_LO])]
-        # the chunks tile [lo, hi) exactly, each at most `chunk` keys, all but the last full
+        # the chunks tile [lo, hi) exactly: all but the last `chunk` keys, the last at
+        # least half a chunk (unless it is the only one) and under one and a half
         assert mine[0, dec.WORK_KEY_LO] == lo and mine[-1, dec.WORK_KEY_HI] == hi
         np.testing.assert_array_equal(mine[1:, dec.WORK_KEY_LO], mine[:-1, dec.WORK_KEY_HI])
         lengths = mine[:, dec.WORK_KEY_HI] - mine[:, dec.WORK_KEY_LO]
-        assert (lengths > 0).all() and (lengths[:-1] == chunk).all() and lengths[-1] <= chunk
+        assert len(mine) == expected_chunks(hi - lo, chunk)
+        assert (lengths[:-1] == chunk).all() and 0 < lengths[-1] < chunk + chunk // 2
+        assert len(mine) == 1 or 2 * lengths[-1] >= chunk
+        # the segment's fields the kernel's first loads need
+        assert (mine[:, dec.WORK_COL] == info[seg, COL]).all()
+        assert (mine[:, dec.WORK_Q_START] == info[seg, Q_START]).all()
+        assert (mine[:, dec.WORK_Q_LEN] == info[seg, Q_LEN]).all()
         rows = combine[combine[:, dec.COMBINE_SEG] == seg]
         if len(mine) == 1:
             assert mine[0, dec.WORK_PART] == -1 and len(rows) == 0
@@ -198,7 +216,7 @@ def check_plan(plan, info, segments, window, chunk):
             assert row[dec.COMBINE_PARTS] == len(mine)
             np.testing.assert_array_equal(mine[:, dec.WORK_PART],
                                           row[dec.COMBINE_PART] + np.arange(len(mine)))
-    assert len(work) == sum(-(-n // chunk) for n in keys.values())
+    assert len(work) == sum(expected_chunks(n, chunk) for n in keys.values())
     slots = work[work[:, dec.WORK_PART] >= 0, dec.WORK_PART]
     np.testing.assert_array_equal(np.sort(slots), np.arange(plan.n_parts))
     assert plan.max_q_len == max(int(info[s, Q_LEN]) for s in segments)
@@ -211,17 +229,41 @@ def chunks_of(plan, seg):
     return sorted(map(tuple, mine[:, [dec.WORK_KEY_LO, dec.WORK_KEY_HI]].tolist()))
 
 
+def chunk_lengths(plan, seg):
+    """Segment `seg`'s chunk lengths, in key order."""
+    return [hi - lo for lo, hi in chunks_of(plan, seg)]
+
+
 def test_plan_balances_a_skewed_batch():
     """64 sequences of 32 .. 32768 keys: the long ones are cut, no block walks them whole."""
     kv_lens = np.geomspace(32, 32768, 64).astype(int)
     info = table_of([(1, n - 1) for n in kv_lens])
     segments = np.arange(64)
     plan = dec.plan(info, segments, window=0)
-    keys = check_plan(plan, info, segments, 0, dec.CHUNK)
+    check_plan(plan, info, segments, 0, dec.CHUNK)
     lengths = plan.work[:, dec.WORK_KEY_HI] - plan.work[:, dec.WORK_KEY_LO]
-    assert lengths.max() == dec.CHUNK and plan.n_items == sum(-(-n // dec.CHUNK)
-                                                               for n in keys.values())
+    assert lengths.max() < dec.CHUNK + dec.CHUNK // 2
     assert (plan.work[:, dec.WORK_SEG] == 63).sum() == 32768 // dec.CHUNK
+
+
+def test_a_remainder_under_half_a_chunk_joins_the_last_chunk():
+    """4096 keys of history and one query: 15 chunks of 256 keys and a last one of 257,
+    not a 17th chunk of one key."""
+    info = table_of([(1, 4096)])
+    chunks = chunks_of(dec.plan(info, [0], window=0), 0)
+    assert chunks == [(256 * c, 256 * (c + 1)) for c in range(15)] + [(3840, 4097)]
+
+
+@pytest.mark.parametrize("keys, lengths", [
+    (1, [1]), (255, [255]), (256, [256]), (257, [257]), (383, [383]), (384, [256, 128]),
+    (513, [256, 257]), (4096, [256] * 16), (4223, [256] * 15 + [383]),
+    (4224, [256] * 16 + [128])])
+def test_chunk_lengths_follow_the_segment_alone(keys, lengths):
+    """Hand-computed cuts at the nominal 256-key chunk, alone and beside other segments."""
+    info = table_of([(1, keys - 1), (1, 5000), (3, 40, True)])
+    for segments in ([0], [2, 0, 1]):
+        assert chunk_lengths(dec.plan(info, segments, window=0), 0) == lengths
+    assert dec.chunk_count(keys) == len(lengths)
 
 
 @pytest.mark.parametrize("window", [0, 7, 300])
@@ -279,19 +321,51 @@ def test_key_range_on_the_device_is_what_the_masks_see():
 # ---------------------------------------------------------------- the kernels
 
 def test_skewed_lengths_from_one_key_to_many_chunks():
-    """1 key .. 5 chunks of 64 in one step; chunk ends on tile edges (64, 128 keys) and
-    one key past them."""
+    """1 key .. 5 chunks of 64 in one step; lengths on and one key past tile edges (64,
+    128 keys), one chunk under one and a half (95), and the shortest last chunk (96)."""
     rng = np.random.default_rng(1)
-    case = make_case(rng, decode_segments(1, 2, 63, 64, 65, 128, 300), group=2)
+    case = make_case(rng, decode_segments(1, 2, 63, 64, 65, 95, 96, 128, 300), group=2)
     got, plan = run(case, chunk=dec.KEY_TILE)
-    assert plan.n_combine == 3
+    assert plan.n_combine == 3                   # 96, 128 and 300 keys are cut
+    check(case, got)
+
+
+def test_lengths_around_chunk_boundaries_on_a_flat_layer():
+    """Segments of nominal - 1, nominal, nominal + 1, 1.5 x nominal and 2 x nominal + 1
+    keys (nominal: 64): one chunk for the first three, then a last chunk of half a
+    chunk, then one of a chunk and a key."""
+    rng = np.random.default_rng(30)
+    cuts = {63: [63], 64: [64], 65: [65], 96: [64, 32], 129: [64, 65]}
+    case = make_case(rng, decode_segments(*cuts), head_dim=32, others=((1, 0),))
+    got, plan = run(case, chunk=dec.KEY_TILE)
+    for seg in case.served:
+        q_start, q_len, pos_start, _ = case.segments[seg]
+        assert chunk_lengths(plan, seg) == cuts[pos_start + q_len]
+    check(case, got)
+
+
+@pytest.mark.parametrize("window, cuts", [
+    (63, {1: [63], 2: [64], 3: [65], 4: [66]}),
+    (95, {1: [95], 2: [64, 32], 3: [64, 33], 4: [64, 34]})])
+def test_lengths_around_chunk_boundaries_on_a_ring(window, cuts):
+    """A ring whose rows have wrapped several times: segments of 1..4 queries see window
+    + q_len - 1 keys, around the nominal chunk (64) and one and a half of it, in chunks
+    whose storage rows wrap."""
+    rng = np.random.default_rng(window)
+    ring_rows = window + DECODE_MAX_Q_LEN - 1
+    segments = [(q_len, 3 * ring_rows + 17 * q_len, q_len % 2 == 0) for q_len in cuts]
+    case = make_case(rng, segments, window=window, ring_rows=ring_rows, head_dim=32,
+                     others=((1, 0),))
+    got, plan = run(case, chunk=dec.KEY_TILE)
+    for seg in case.served:
+        assert chunk_lengths(plan, seg) == cuts[case.segments[seg][1]]
     check(case, got)
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 def test_gqa_groups(group):
     rng = np.random.default_rng(10 + group)
-    case = make_case(rng, [(1, 70), (2, 20)], group=group, n_kv_heads=2 if group < 4 else 1)
+    case = make_case(rng, [(1, 100), (2, 20)], group=group, n_kv_heads=2 if group < 4 else 1)
     got, plan = run(case)
     assert plan.n_combine == 1
     check(case, got)
@@ -300,7 +374,7 @@ def test_gqa_groups(group):
 def test_queries_and_draft_blocks():
     """q_len 1..4, plain and bidirectional, split and not."""
     rng = np.random.default_rng(2)
-    segments = [(1, 9), (2, 30, True), (3, 70), (4, 80, True), (4, 3), (2, 0, True)]
+    segments = [(1, 9), (2, 30, True), (3, 100), (4, 120, True), (4, 3), (2, 0, True)]
     case = make_case(rng, segments, group=2)
     got, plan = run(case)
     assert plan.n_combine == 2
@@ -390,6 +464,19 @@ def test_storage_query_and_output_dtypes(store, q_dtype, out_dtype):
     check(case, run(case)[0])
 
 
+@pytest.mark.parametrize("store, q_dtype", [(np.float16, np.float16),
+                                             (np.float32, np.float16)])
+def test_a_query_not_16_byte_aligned_is_read_element_by_element(store, q_dtype):
+    """q as a view one element into its buffer: the kernel takes the element-wise
+    reads (16-byte loads there would fault) and gives the same attention."""
+    rng = np.random.default_rng(11)
+    case = make_case(rng, [(2, 75), (1, 4)], group=2, dtype=store, q_dtype=q_dtype)
+    buffer = cuda.to_device(np.concatenate([np.zeros(1, q_dtype), case.q.reshape(-1)]))
+    q = buffer[1:].reshape(case.q.shape)
+    assert not aligned(q, dec.LOAD_BYTES)
+    check(case, run(case, q=q)[0])
+
+
 @pytest.mark.skipif(device.SIMULATOR, reason="model-sized shapes need a CUDA GPU (the "
                                               "simulator runs every thread in Python)")
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
@@ -454,5 +541,17 @@ def test_storage_the_path_does_not_serve_is_refused():
     q = case.q[..., :12].copy()
     with pytest.raises(ValueError, match="supports"):
         dec.run(q, k_store, k_store, case.info.reshape(-1), seq_info_off=0, work_off=0,
+                n_items=1, combine_off=0, n_combine=0, n_parts=0, max_q_len=1, out=q.copy(),
+                workspace=None, ring_rows=0, window=0, scale=1.0, softcap=0.0)
+
+
+def test_storage_rows_of_4_gib_are_refused():
+    """One position of storage (all columns, kv heads, dims) must stay under 4 GiB: the
+    kernel's row offsets are 32-bit byte counts. A zero-stride view stands in for it."""
+    k_store = np.broadcast_to(np.zeros(1, np.float16), (1, 2**20, 16, 128))
+    q = np.zeros((1, 16, 128), np.float16)
+    assert k_store[0].nbytes == 2**32
+    with pytest.raises(ValueError, match="4 GiB"):
+        dec.run(q, k_store, k_store, np.zeros(16, np.int32), seq_info_off=0, work_off=0,
                 n_items=1, combine_off=0, n_combine=0, n_parts=0, max_q_len=1, out=q.copy(),
                 workspace=None, ring_rows=0, window=0, scale=1.0, softcap=0.0)

@@ -33,9 +33,8 @@ element merges the `slots` states left and writes `out`.
 Round trips (`round_trips`): a thread waits on global memory `TABLE_TRIPS` times for
 its tables (the combine row, then the segment's fields, which it names) and once per
 loop trip: `TABLE_TRIPS + ceil(n_parts / PARTS_PER_TRIP)`, whatever head_dim. The
-129 chunks of a 32K-key segment (`decode.CHUNK` = 256): 2 + 3 = 5, where
-`decode._combine_kernel`, which this replaces, walks the parts one dependent load at a
-time, twice, for every (head, element) a thread takes in turn.
+129 chunks of a 32K-key segment (`decode.CHUNK` = 256): 2 + 3 = 5, where walking
+the parts one dependent load at a time would take hundreds.
 
 Determinism: which thread takes which part, the order in which a thread folds its
 parts and the order in which states meet depend only on the part's index within
@@ -53,6 +52,7 @@ from ..config import MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
 from . import ptx
 from .launch import Specialised, ceil_div
+from .decode_plan import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from .masks import read_segment
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device)
@@ -121,9 +121,6 @@ def supports(head_dim: int) -> bool:
 def _combine_kernel(head_dim: int):
     """The combine kernel for one head_dim (module doc); out's dtype (float16, float32,
     bfloat16 as uint16) is the launch's own specialisation."""
-    # decode's table layout, read here (not at import) so that decode may import this
-    # module at its top
-    from .decode import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
     if not supports(head_dim):
         raise ValueError(f"combine: head_dim {head_dim} must be a multiple of 16 in "
                          f"[16, MAX_HEAD_DIM]")
@@ -268,8 +265,7 @@ def _combine_kernel(head_dim: int):
 def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine, max_q_len,
         stream=0):
     """Merge the partials of the `n_combine` split segments listed at `combine_off` in
-    `tables` into their rows of `out` (what `decode.run` launched `_combine_kernel`
-    for; see the module doc for the layouts).
+    `tables` into their rows of `out` (see the module doc for the layouts).
 
     tables: int32 device array (segment table at `seq_info_off`, combine table at
     `combine_off`, flat row-major). part_acc, part_ml: the float32 partials `decode.run`

@@ -4,77 +4,70 @@ Decode segments (at most `DECODE_MAX_Q_LEN` queries each) read every key of thei
 history once per step and do little arithmetic with it, so the kernel is shaped to
 stream K and V at the chip's bandwidth with few instructions per key.
 
-* Work (`plan`, host): each served segment's key range, the union of its queries'
-  visible intervals, is cut into chunks of `CHUNK` keys, one block each (per kv head
-  and row group). Long sequences get many chunks, short ones one, so a skewed batch
-  is balanced; the length is fixed, so a segment's arithmetic never depends on what
-  else shares its step. The work table lists (segment, key chunk, partial slot); a segment of
-  several chunks writes unnormalised partials that `_combine_kernel` merges
-  (log-sum-exp) into `out`, a single chunk writes `out` itself.
-* Blocks: one per (work item, kv head, row group), `WARPS` warps, row groups
-  adjacent in the grid so they meet the same K/V in L2. A block's *rows* are
-  (query token, q head of the kv head's GQA group) pairs, token-major: row `r` ->
-  token `r // group`, q head `kv_head * group + r % group`. Every K/V byte a block
-  loads serves all its rows; the rows of a segment that do not fit one block's
-  registers (`Geometry.max_rows`) go to further row groups.
+* Work (`plan`, host, in `decode_plan`): each served segment's key range, the union
+  of its queries' visible intervals, is cut into chunks of `CHUNK` keys (the last
+  one taking a remainder under half a chunk), one block each per kv head and row
+  group. Long sequences get many chunks, short ones one, so a skewed batch is
+  balanced; the cut depends on the segment alone, so its arithmetic never depends on
+  what else shares its step. A work row holds (segment, key chunk, partial slot) and
+  the segment fields the first loads need; a segment of several chunks writes
+  unnormalised partials that `combine.run` merges (log-sum-exp) into `out`, a
+  single chunk writes `out` itself.
+* Blocks: grid (work item x row group, kv head), `WARPS` warps, row groups adjacent
+  in the grid so they meet the same K/V in L2. A block's *rows* are (query token, q
+  head of the kv head's GQA group) pairs, token-major: row `r` -> token `r // group`,
+  q head `kv_head * group + r % group`. Every K/V byte a block loads serves all its
+  rows; the rows of a segment that do not fit one block's registers
+  (`Geometry.max_rows`) go to further row groups.
+* Start: one round trip reads the work row, which holds all the first K and V loads
+  need; they go out before anything waits for the query (16-byte loads) or the
+  segment's visibility fields.
 * Lanes: a key row (`head_dim * itemsize` bytes) is split into 16-byte pieces over
   `lanes` lanes, loaded with `ld.global.nc.v4` straight from storage (two pieces
   per lane past 32 lanes), so a warp takes `32 / lanes` keys per step and each
-  lane `UNROLL` keys per trip. Loads run a phase ahead: the next trip's K is
-  loaded once this trip's scores are made, its V once this trip's V is
-  accumulated, so a lane computes with one to two trips of loads in flight. A
-  lane keeps its slice of every row's query and accumulator in registers as
-  float32.
+  lane `UNROLL` keys per trip. A trip's V is loaded as the trip starts and the next
+  trip's K once this trip's scores are summed, so loads overlap the arithmetic
+  while a lane never holds more than one trip of K and one of V. A lane keeps its
+  slice of every row's query and accumulator in registers as float32, in its own
+  row order (`_split_rows`).
 * Scores: a lane's partial dot products meet over the key's lanes in butterfly
   rounds (`shfl_xor`) that also split the rows, so each lane ends with whole
   scores of a few *held* rows, runs their online softmax (float32, base 2,
   against a reference max that moves only by more than `RESCALE_SLACK`), and
-  `shfl_idx` brings every row's probabilities and rescale factor back to all
-  lanes for the accumulators.
-* End of a chunk: the states of the block's (warp, key slot) pairs merge through
-  shared memory; the block writes its rows of `out` (in out's dtype) or its
-  partial (acc, max, sum).
+  more butterflies bring every row's probabilities and rescale factor back to
+  all lanes for the accumulators.
+* End of a chunk: the states of the block's (warp, key slot) pairs meet in shared
+  memory (a layout without bank conflicts), and each thread merges a slice of one
+  row and writes it to `out` (in out's dtype) or to the partial (acc, max, sum).
 
-Specialised per head_dim, storage dtype, rows per block and softcap on / off
-(`_decode_kernel`); q and out may each be float16, float32 or bfloat16 (as uint16 bits).
+Index arithmetic is 32-bit (positions and offsets are int32, storage rows under
+4 GiB) with no 64-bit division, and the key loop is the kernel's only loop with a
+runtime trip count. Specialised per head_dim, storage dtype, rows per block, softcap
+on / off and q's dtype and alignment (`_decode_kernel`); q and out may each be
+float16, float32 or bfloat16 (as uint16 bits).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 
+from ..arrays import aligned
 from ..config import INT32_MAX, MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
-from ..plan import POS_START, Q_LEN
-from . import ptx
-from .attention import DECODE_MAX_Q_LEN
+from ..plan import FLAG_BLOCK, FLAGS, POS_START, SEQ_INFO_FIELDS
+from . import combine, ptx
+from .decode_plan import (  # noqa: F401  (the decode path's planning, re-exported)
+    CHUNK, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG, KEY_TILE, WORK_COL,
+    WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_Q_LEN, WORK_Q_START, WORK_SEG,
+    DecodePlan, chunk_count, plan)
+from .decode_words import LOAD_BYTES, WIDEN, query_loader
 from .launch import Specialised
 from .masks import key_range, read_segment
 
-from numba import float32, int32, njit, uint32  # noqa: E402  (after kvnumba.device)
-
-# --- the plan's tables (int32), packed by the caller into the step's `tables` -----------
-#: work table: one row per (segment, key chunk)
-WORK_SEG = 0        # index of the segment in the step's segment table
-WORK_KEY_LO = 1     # first key position of the chunk
-WORK_KEY_HI = 2     # one past its last key position
-WORK_PART = 3       # partial slot, or -1: the segment's only chunk writes `out` itself
-WORK_FIELDS = 4
-#: combine table: one row per segment cut into several chunks
-COMBINE_SEG = 0     # index of the segment in the step's segment table
-COMBINE_PART = 1    # partial slot of its first chunk (its chunks take consecutive slots)
-COMBINE_PARTS = 2   # how many chunks
-COMBINE_FIELDS = 3
-
-#: chunks are whole multiples of this many keys (whole block trips for head_dim >= 64)
-KEY_TILE = 64
-#: keys per chunk (a block's work): few enough that a long sequence spreads over many
-#: blocks, enough that a block's fixed costs stay small against its loads
-CHUNK = 256
+from numba import float32, int32, uint32, uint64  # noqa: E402  (after kvnumba.device)
 
 WARP = 32
 WARPS = 4
@@ -83,48 +76,38 @@ THREADS = WARPS * WARP
 UNROLL = 4
 #: registers per lane for the big arrays, each row's query and accumulator slices
 #: and the K and V words of a trip, and a cap on rows per block (scores and
-#: probabilities grow with rows too): 4 rows at head_dim 128 float16 take 168
-#: registers in all
+#: probabilities grow with rows too)
 REGISTER_BUDGET = 96
 MAX_ROWS = 4
+#: storage rows (all columns, heads and dims of one position) the kernel can address:
+#: its row offsets are 32-bit byte counts times 32-bit rows
+ROW_BYTES_LIMIT = 2**32
 #: blocks of THREADS the kernel must fit per SM: ptxas keeps it to 168 registers
 BLOCKS_PER_SM = 3
 #: (the simulator takes no launch bounds)
 LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
-COMBINE_THREADS = 128
 
 #: a row's reference max moves only when a score passes it by this much (base 2):
 #: probabilities stay <= 2**RESCALE_SLACK and the accumulators are rescaled rarely
 RESCALE_SLACK = 8.0
-LOAD_BYTES = 16
 LOG2E = 1.4426950408889634
 NEG_INF = float32(-math.inf)
+#: a row's reference max before its first visible key: below every finite score, and
+#: finite, so that a masked score (-inf) minus it is -inf (probability 0), not NaN
+NO_KEY = float32(-np.finfo(np.float32).max)
 ZERO = float32(0.0)
+ONE = float32(1.0)
 
 
-# --- storage widening: 16 loaded bytes (4 uint32 words) -> float32 values ------------------
-# One entry per storage dtype; bfloat16 storage holds its bit patterns as uint16.
-
-def _widen_pairs(pair_to_f32):
-    """Widening for a 16-bit storage type: each word holds two values (`pair_to_f32`)."""
-    @cuda.jit(device=True)
-    def widen(w0, w1, w2, w3):
-        a0, a1 = pair_to_f32(w0)
-        b0, b1 = pair_to_f32(w1)
-        c0, c1 = pair_to_f32(w2)
-        d0, d1 = pair_to_f32(w3)
-        return a0, a1, b0, b1, c0, c1, d0, d1
-    return widen
-
-
-@cuda.jit(device=True)
-def _widen_float32(w0, w1, w2, w3):
-    return ptx.u32_as_f32(w0), ptx.u32_as_f32(w1), ptx.u32_as_f32(w2), ptx.u32_as_f32(w3)
-
-
-WIDEN = {np.dtype(np.float16): _widen_pairs(ptx.f16x2_to_f32),
-         np.dtype(np.float32): _widen_float32,
-         np.dtype(np.uint16): _widen_pairs(ptx.bf16x2_to_f32)}
+@cuda.jit(device=True, inline="always")
+def _reciprocal(x):
+    """`1 / x` for a normal float32 `x > 0`, within 2 ulp: a first guess from the bit
+    pattern (relative error at most about 5%) and three Newton steps, each squaring the
+    error. A rounded division would add a subroutine for inputs this never sees."""
+    r = ptx.u32_as_f32(uint32(0x7EF311C3) - ptx.f32_as_u32(x))
+    for _ in range(3):
+        r = r * (float32(2.0) - x * r)
+    return r
 
 
 @cuda.jit(device=True)
@@ -184,147 +167,104 @@ def block_rows(rows: int, head_dim: int, storage_dtype) -> int:
     return min(cap, 1 << (max(rows, 1) - 1).bit_length())
 
 
-# --- host planning ----------------------------------------------------------------------
-
-class DecodePlan(NamedTuple):
-    """One step's decode work, as int32 tables for the device.
-
-    work: [n_items, WORK_FIELDS] (fields WORK_*); combine: [n_combine,
-    COMBINE_FIELDS] (fields COMBINE_*); n_parts: partial slots the work uses;
-    chunk: the common chunk length (keys); max_q_len: longest served segment.
-    """
-
-    work: np.ndarray
-    combine: np.ndarray
-    n_parts: int
-    chunk: int
-    max_q_len: int
-
-    @property
-    def n_items(self) -> int:
-        return len(self.work)
-
-    @property
-    def n_combine(self) -> int:
-        return len(self.combine)
-
-
-def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
-    """Cut the served segments' key ranges into chunks of `chunk` keys (host only, one
-    compiled pass).
-
-    seq_info: host [n_segments, SEQ_INFO_FIELDS] int32 segment table; segments: the
-    indices of the segments this path serves (each `Q_LEN <= DECODE_MAX_Q_LEN`).
-    window: the layer's W (0: none). chunk: a multiple of KEY_TILE.
-
-    Every block walks at most `chunk` keys, so a skewed batch's long sequences are
-    spread over many blocks while short ones take one. The length is fixed rather
-    than fitted to the step's total keys: a segment's chunks, and so the order in
-    which its scores are summed, then never depend on what else is in the step, and
-    its output is the same bits alone or in any batch.
-    """
-    if chunk <= 0 or chunk % KEY_TILE or chunk & (chunk - 1):
-        raise ValueError(f"decode: chunk {chunk} must be a power of two and a multiple of "
-                         f"{KEY_TILE}")
-    segments = np.asarray(segments, np.int32).reshape(-1)
-    work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
-                                                     segments, window, chunk.bit_length() - 1)
-    if shortest < 1 or longest > DECODE_MAX_Q_LEN:
-        raise ValueError(f"decode segments hold 1..{DECODE_MAX_Q_LEN} queries, got "
-                         f"{shortest}..{longest}")
-    return DecodePlan(work, combine, n_parts, chunk, longest)
-
-
-@njit(cache=True)
-def _cut(seq_info, segments, window, shift):
-    """The work and combine tables (see the module constants), the partial slots used,
-    and the shortest and longest segment (1 and 0 when there are none).
-
-    One compiled pass over the segments: a step's plan costs a few µs of host time
-    however many segments it has. A segment's queries' intervals move forward
-    (`masks.key_range`), so their union runs from the first query's lo (a draft
-    block's too: its lo never passes pos_start) to pos_start + q_len.
-    """
-    chunk = 1 << shift                  # a power of two: no division per segment
-    n_items = 0
-    n_split = 0
-    shortest = 1
-    longest = 0
-    for seg in segments:
-        q_len = seq_info[seg, Q_LEN]
-        shortest = min(shortest, q_len)
-        longest = max(longest, q_len)
-        pos_start = seq_info[seg, POS_START]
-        lo = max(pos_start - (window - 1), 0) if window > 0 else 0
-        chunks = (pos_start + q_len - lo + chunk - 1) >> shift
-        n_items += chunks
-        n_split += chunks > 1
-    work = np.empty((n_items, WORK_FIELDS), np.int32)
-    combine = np.empty((n_split, COMBINE_FIELDS), np.int32)
-    item = 0
-    part = 0
-    split = 0
-    for seg in segments:
-        pos_start = seq_info[seg, POS_START]
-        hi = pos_start + seq_info[seg, Q_LEN]
-        lo = max(pos_start - (window - 1), 0) if window > 0 else 0
-        chunks = (hi - lo + chunk - 1) >> shift
-        if chunks > 1:
-            combine[split, COMBINE_SEG] = seg
-            combine[split, COMBINE_PART] = part
-            combine[split, COMBINE_PARTS] = chunks
-            split += 1
-        for c in range(chunks):
-            work[item, WORK_SEG] = seg
-            work[item, WORK_KEY_LO] = lo + c * chunk
-            work[item, WORK_KEY_HI] = min(lo + (c + 1) * chunk, hi)
-            work[item, WORK_PART] = part + c if chunks > 1 else -1
-            item += 1
-        if chunks > 1:
-            part += chunks
-    return work, combine, part, shortest, longest
-
-
-# --- kernels ----------------------------------------------------------------------------
+# --- the kernel ---------------------------------------------------------------------------
 
 @lru_cache(maxsize=None)
-def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
-    """The decode kernel for one head_dim, storage dtype (name), rows per block and
-    softcap on / off (module doc)."""
+def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
+                   query: str | None = None, query_vectors: bool = True):
+    """The decode kernel for one head_dim, storage dtype (name), rows per block,
+    softcap on / off, q's dtype (name; None: the storage dtype) and whether q may be
+    read in 16-byte vectors (module doc)."""
     g = Geometry.of(head_dim, np.dtype(storage).itemsize)
     widen = WIDEN[np.dtype(storage)]
+    load_query = query_loader(np.dtype(query or storage), head_dim, g.vec, query_vectors)
     VEC, PIECES, LANES, PER_LANE, ELEMENTS = g.vec, g.pieces, g.lanes, g.per_lane, g.elements
     KEY_SLOTS = g.key_slots
+    LANE_BITS = LANES.bit_length() - 1
+    VEC_BITS = VEC.bit_length() - 1
     IDLE_PIECES = PIECES % LANES != 0          # some lanes hold no piece of a key row
-    LEVELS = LANES.bit_length() - 1            # shuffle rounds over a key's lanes
+    LEVELS = LANE_BITS                         # shuffle rounds over a key's lanes
     ROWS = rows
     SPLITS = min(LEVELS, ROWS.bit_length() - 1)   # rounds that also split the rows
     HELD = ROWS >> SPLITS                      # rows whose softmax a lane keeps
-    COPIES = (LANES >> SPLITS) - 1             # lane bits of lanes holding the same rows
+    COPY_BITS = LEVELS - SPLITS                # low piece bits of lanes holding the same rows
+    COPIES = (1 << COPY_BITS) - 1
     CAPPED = capped
     WARP_KEYS = UNROLL * KEY_SLOTS             # keys per warp per trip
     BLOCK_KEYS = WARPS * WARP_KEYS             # keys per block per trip
+    TRIP_BITS = BLOCK_KEYS.bit_length() - 1
+    PIECE_BYTES = LANES * LOAD_BYTES           # from a lane's piece c to its piece c + 1
     SLOTS = WARPS * KEY_SLOTS                  # softmax states merged at the end
+    # The merge's shared layout: per slot, per row, word ((c * VEC + e) * LANES + sub)
+    # holds element e of piece c * LANES + sub, so a warp's lanes store consecutive
+    # words; a slot's block is padded so that the key slots of a warp start LANES
+    # banks apart. Each merging thread sums PER_THREAD words of one row, ROW_THREADS
+    # apart, so a warp's lanes read consecutive words too.
+    ROW_WORDS = ELEMENTS * LANES
+    SLOT_WORDS = ROWS * ROW_WORDS + (LANES if KEY_SLOTS > 1 else 0)
+    MERGE_WORDS = SLOTS * SLOT_WORDS
+    PER_THREAD = max(1, ROWS * ROW_WORDS // THREADS)
+    ROW_THREADS = ROW_WORDS // PER_THREAD      # merging threads per row
+    ROW_THREAD_BITS = ROW_THREADS.bit_length() - 1
+    ALL_MERGE = ROWS * ROW_THREADS == THREADS  # every thread merges a slice
+    # with one piece per lane and whole rounds of LANES words between a thread's words,
+    # they are elements e, e + ROW_THREADS / LANES, ... of one piece: dims a constant
+    # step apart (0: work each one out)
+    DIM_STEP = ROW_THREADS // LANES if PER_LANE == 1 and ROW_THREADS % LANES == 0 else 0
+    # the block's fields the merge reads from shared memory: per row its index in the
+    # segment, token and q head, then the partial slot and the segment's queries
+    ROW_INDEX, ROW_TOKEN, ROW_HEAD = 0, ROWS, 2 * ROWS
+    PART, Q_LEN, BLOCK_FIELDS = 3 * ROWS, 3 * ROWS + 1, 3 * ROWS + 2
     assert ROWS <= g.max_rows
 
     # Every loop over a compile-time range is unrolled, so the local arrays (indexed
-    # by those loops only) live in registers.
+    # by those loops only) live in registers. Array indices are cast to unsigned
+    # where a signed one would cost a negative-index check.
     @cuda.jit(device=True, inline="always")
-    def _load_keys(store, words, t, geometry):
-        """Load this lane's pieces of its UNROLL keys of trip `t` from `store` (K or V)
-        into `words`. `geometry`: (store_lo, wrap, last, lane_first, row_stride,
-        lane_offset, sub) as `decode` computes them."""
-        store_lo, wrap, last, lane_first, row_stride, lane_offset, sub = geometry
+    def _row(first, group, r):
+        """`(index in the segment, index in the GQA group)` of the block's row `r`
+        (runtime, `< ROWS`), given the first row's: stepped over the rows and picked
+        by selects, with no division and no array indexed at run time."""
+        index, in_group = first
+        found_index, found_in_group = first
+        for k in range(1, ROWS):
+            in_group = int32(in_group + 1)
+            if in_group == group:
+                in_group = int32(0)
+                index = int32(index + 1)
+            if r == k:
+                found_index = index
+                found_in_group = in_group
+        return found_index, found_in_group
+
+    @cuda.jit(device=True, inline="always")
+    def _key_rows(key_rows, off, last, store_lo, wrap_at, wrapped_lo):
+        """Storage rows of this lane's UNROLL keys of the trip whose key u = 0 is at
+        chunk offset `off`: offset o < `wrap_at` lives in row `store_lo + o`, a later
+        one (the ring wrapped) in row `wrapped_lo + o`. Keys past the chunk's `last`
+        offset re-read its last key (held, finite) and are masked."""
         for u in range(UNROLL):
-            # keys past the chunk re-read its last key (held, finite) and are masked
-            row = int32(store_lo + min(int32(lane_first + t * BLOCK_KEYS + u * KEY_SLOTS),
-                                       last))
-            if row >= wrap:
-                row = int32(row - wrap)
-            at = row * row_stride + lane_offset
+            at = min(int32(off + u * KEY_SLOTS), last)
+            key_rows[u] = int32(at + (wrapped_lo if at >= wrap_at else store_lo))
+
+    @cuda.jit(device=True, inline="always")
+    def _after(value, x):
+        """`x` (an int32), as a value the compiler must compute after float32 `value`:
+        `min(x, x + isnan(value))` is `x`, which it cannot see. Loads whose addresses
+        use it are not issued before `value` exists, however free the compiler is to
+        move loads: this keeps it from fetching the next trip's keys into registers
+        while this trip's are still being used."""
+        return min(x, int32(x + int32(value != value)))
+
+    @cuda.jit(device=True, inline="always")
+    def _load_keys(lane_bytes, words, key_rows, row_bytes, sub):
+        """Load this lane's pieces of the keys in `key_rows` (`lane_bytes`: K or V
+        storage from this lane's first piece of row 0 on) into `words`."""
+        for u in range(UNROLL):
+            at = ptx.mul_wide_u32(key_rows[u], row_bytes)
             for c in range(PER_LANE):
                 if not IDLE_PIECES or c * LANES + sub < PIECES:
-                    w0, w1, w2, w3 = ptx.ld_nc_v4(store, at + c * LANES * VEC)
+                    w0, w1, w2, w3 = ptx.ld_nc_v4(lane_bytes, at + c * PIECE_BYTES)
                 else:
                     w0 = w1 = w2 = w3 = uint32(0)
                 words[u, c, 0] = w0
@@ -342,260 +282,301 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool):
                     values[u, c * VEC + e] = f[e]
 
     @cuda.jit(device=True, inline="always")
-    def _split_rows(score, sub):
-        """Sum `score[u, r]` over the LANES lanes of a key, splitting the rows as it goes.
+    def _split_rows(score):
+        """Sum `score[u, j]` over the LANES lanes of a key, splitting the rows as it goes.
 
-        The first SPLITS butterfly rounds each halve the rows a lane keeps (the lane
-        with the round's bit set keeps the upper half) and add the partner's partial
-        sums of those rows; the remaining rounds add over the last lane bits. A lane
-        ends with the full scores of rows `own + j` in `score[u, j]`, `j < HELD`:
-        ROWS * UNROLL * (1 - 1 / 2**SPLITS) fewer shuffles than summing every row.
+        A lane keeps its rows in its own order: its local row j is row `j ^ own`,
+        `own = (sub >> COPY_BITS) * HELD`. The first SPLITS butterfly rounds each keep
+        the lower half of the local rows and add the partner's upper half, which
+        (the partners' `own` differing in just that bit) are the same rows; the
+        remaining rounds add over the last lane bits. A lane ends with the full
+        scores of rows `own + j` in `score[u, j]`, `j < HELD`: ROWS * UNROLL *
+        (1 - 1 / 2**SPLITS) fewer shuffles than summing every row, and no selects.
         """
         for level in range(SPLITS):
             half = ROWS >> (level + 1)
-            upper = (sub & (LANES >> (level + 1))) != 0
-            for j in range(ROWS // 2):
-                if j < half:
-                    for u in range(UNROLL):
-                        lower_rows, upper_rows = score[u, j], score[u, j + half]
-                        keep = upper_rows if upper else lower_rows
-                        give = lower_rows if upper else upper_rows
-                        score[u, j] = keep + ptx.shfl_xor(give, LANES >> (level + 1))
+            for j in range(half):
+                for u in range(UNROLL):
+                    score[u, j] += ptx.shfl_xor(score[u, j + half], LANES >> (level + 1))
         for level in range(SPLITS, LEVELS):
             for j in range(HELD):
                 for u in range(UNROLL):
                     score[u, j] += ptx.shfl_xor(score[u, j], LANES >> (level + 1))
 
     @cuda.jit(device=True, inline="always")
-    def _gather_rows(prob, alpha, lane):
-        """Undo `_split_rows`' row split for `prob[u, r]` and `alpha[r]`: row r comes
-        from the lane of this key whose split bits (the top SPLITS bits of its piece
-        index) select rows `r - r % HELD ...`, where it is held at `r % HELD`."""
-        others = lane & ~(((1 << SPLITS) - 1) * (COPIES + 1))   # split bits cleared
-        for step in range(ROWS):
-            r = ROWS - 1 - step                # downwards: held rows move up, not over
-            source = others | (r // HELD) * (COPIES + 1)
+    def _gather_rows(prob, alpha):
+        """Give every lane `prob[u, j]` and `alpha[j]` of its every local row j (row
+        `j ^ own`): the lane holding that row at `j % HELD` differs from it in the
+        split bits by `j // HELD`, so one butterfly each, none for a lane's own rows."""
+        for j in range(HELD, ROWS):
+            holder = (j // HELD) << COPY_BITS
             for u in range(UNROLL):
-                prob[u, r] = ptx.shfl_idx(prob[u, r % HELD], source)
-            alpha[r] = ptx.shfl_idx(alpha[r % HELD], source)
+                prob[u, j] = ptx.shfl_xor(prob[u, j % HELD], holder)
+            alpha[j] = ptx.shfl_xor(alpha[j % HELD], holder)
+
+    @cuda.jit(device=True, inline="always")
+    def _online_softmax(score, alpha, run_max, run_sum, rel, held_span, softcap):
+        """The held rows' softmax over this trip's keys: scores become probabilities
+        (base 2), `alpha[j]` the rescale factor of the row's earlier sums. `rel[j]`:
+        chunk offset of key u = 0 minus the row's first visible offset."""
+        for j in range(HELD):
+            best = NEG_INF
+            for u in range(UNROLL):
+                s = _cap(score[u, j], softcap) if CAPPED else score[u, j]
+                # one unsigned compare: off - lo < span  <=>  lo <= off < lo + span
+                if uint32(rel[j] + u * KEY_SLOTS) >= held_span[j]:
+                    s = NEG_INF
+                score[u, j] = s
+                best = max(best, s)
+            # the reference max moves only when a score passes it by RESCALE_SLACK
+            # (also at the row's first visible key: the reference is NO_KEY until then)
+            ref = run_max[j]
+            alpha[j] = ONE
+            if best > ref + float32(RESCALE_SLACK):
+                alpha[j] = ptx.exp2_approx(ref - best)
+                ref = best
+            total = run_sum[j] * alpha[j]
+            for u in range(UNROLL):
+                score[u, j] = ptx.exp2_approx(score[u, j] - ref)
+                total += score[u, j]
+            run_max[j] = ref
+            run_sum[j] = total
+
+    @cuda.jit(device=True, inline="always")
+    def _rescale(acc, alpha):
+        """Rescale the accumulators of the rows whose reference moved (rarely)."""
+        rescale = False
+        for j in range(ROWS):
+            rescale = rescale or alpha[j] != ONE
+        if rescale:
+            for j in range(ROWS):
+                for e in range(ELEMENTS):
+                    acc[j, e] *= alpha[j]
+
+    @cuda.jit(device=True, inline="always")
+    def _accumulate(acc, prob, values):
+        """Add this trip's probability-weighted values to the accumulators."""
+        for e in range(ELEMENTS):
+            for j in range(ROWS):
+                for u in range(UNROLL):
+                    acc[j, e] += prob[u, j] * values[u, e]
+
+    @cuda.jit(device=True, inline="always")
+    def _stash_state(slot_ml, slot_acc, slot, own, sub, run_max, run_sum, acc):
+        """This lane's part of its slot's state into shared memory (one lane of each
+        set of copies writes the held rows' max and sum)."""
+        if sub & COPIES == 0:
+            for j in range(HELD):
+                slot_ml[0, uint64(own + j), uint64(slot)] = run_max[j]
+                slot_ml[1, uint64(own + j), uint64(slot)] = run_sum[j]
+        for j in range(ROWS):
+            base = slot * SLOT_WORDS + (j ^ own) * ROW_WORDS + sub
+            for c in range(PER_LANE):
+                if not IDLE_PIECES or c * LANES + sub < PIECES:
+                    for e in range(VEC):
+                        slot_acc[uint64(base + (c * VEC + e) * LANES)] = acc[j, c * VEC + e]
+
+    @cuda.jit(device=True, inline="always")
+    def _word_dim(word, k):
+        """`(dim, real)` of the k-th word a merging thread sums, `word` its first one
+        (see ROW_WORDS); `real` is False for an idle lane's word."""
+        if DIM_STEP:                 # the k-th word is DIM_STEP * k dims on
+            word_k = word
+        else:
+            word_k = word + k * ROW_THREADS
+        sub = word_k & (LANES - 1)
+        c = (word_k >> (LANE_BITS + VEC_BITS)) & (PER_LANE - 1)
+        piece = c * LANES + sub
+        dim = piece * VEC + ((word_k >> LANE_BITS) & (VEC - 1)) + DIM_STEP * k
+        return dim, not IDLE_PIECES or piece < PIECES
+
+    @cuda.jit(device=True, inline="always")
+    def _merge_weights(slot_ml, r, weights):
+        """Row `r`'s slot weights against the slots' common max; returns (max, total)."""
+        best = slot_ml[0, r, 0]
+        for s in range(1, SLOTS):
+            best = max(best, slot_ml[0, r, s])
+        total = ZERO
+        for s in range(SLOTS):
+            weights[s] = ptx.exp2_approx(slot_ml[0, r, s] - best)
+            total += weights[s] * slot_ml[1, r, s]
+        return best, total
 
     @cuda.jit(**LAUNCH_BOUNDS)
     def decode(q, k_store, v_store, tables, out, part_acc, part_ml, seq_info_off, work_off,
-               max_q_len, group, n_row_groups, ring_rows, window, scale, softcap):
-        tid = cuda.threadIdx.x
-        warp = tid // WARP
-        lane = tid % WARP
-        sub = lane % LANES                     # which 16-byte pieces of a key row
-        key_slot = lane // LANES               # which key of the warp's step
-        row_group = cuda.blockIdx.x % n_row_groups
+               max_q_len, group, row_group_bits, ring_rows, window, scale, softcap):
+        tid = int32(cuda.threadIdx.x)
+        warp = tid >> 5
+        lane = tid & (WARP - 1)
+        sub = lane & (LANES - 1)               # which 16-byte pieces of a key row
+        key_slot = lane >> LANE_BITS           # which key of the warp's step
+        own = (sub >> COPY_BITS) * HELD        # local row j is row j ^ own (_split_rows)
+        group = int32(group)
+        groups = int32(cuda.blockIdx.x)
+        row_group = groups & int32((1 << row_group_bits) - 1)
+        item = int32(work_off + (groups >> row_group_bits) * WORK_FIELDS)
+        kv_head = int32(cuda.blockIdx.y)
         kv_heads = k_store.shape[2]
-        kv_head = (cuda.blockIdx.x // n_row_groups) % kv_heads
-        item = work_off + (cuda.blockIdx.x // (n_row_groups * kv_heads)) * WORK_FIELDS
-        seg = tables[item + WORK_SEG]
-        key_lo = tables[item + WORK_KEY_LO]
-        key_hi = tables[item + WORK_KEY_HI]
-        part = tables[item + WORK_PART]
-        q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
+        key_lo = tables[uint64(item + WORK_KEY_LO)]
+        key_hi = tables[uint64(item + WORK_KEY_HI)]
+        col = tables[uint64(item + WORK_COL)]
+        q_len = tables[uint64(item + WORK_Q_LEN)]
         first_row = row_group * ROWS
         if first_row >= group * q_len:         # a row group this segment does not fill
             return
 
-        # this lane's slice of every row's query, scaled so that scores come out in
-        # base 2 (after the cap, when capped); padding rows read a real query, and a
-        # lane past the key row (IDLE_PIECES) any piece: its K words are zeros
+        # storage: key position p lives in row p (flat) or p % ring_rows (ring). A chunk
+        # lies in one segment's visible keys, at most ring_rows of them, so the row of
+        # the key at offset `off` wraps at most once, at offset `wrap_at`.
+        wrap = int32(ring_rows if ring_rows > 0 else INT32_MAX)
+        store_lo = int32(uint32(key_lo) % uint32(wrap))
+        last = int32(key_hi - key_lo - 1)
+        wrap_at = int32(wrap - store_lo)
+        wrapped_lo = int32(store_lo - wrap)
+        row_bytes = uint32(k_store.shape[1] * kv_heads * head_dim * k_store.itemsize)
+        lane_first = (col * kv_heads + kv_head) * head_dim + sub * VEC
+        k_lane = ptx.bytes_from(k_store, lane_first)
+        v_lane = ptx.bytes_from(v_store, lane_first)
+        off = int32(warp * WARP_KEYS + key_slot)   # chunk offset of this lane's key u = 0
+        key_rows = cuda.local.array(UNROLL, int32)
+        k_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
+        v_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
+        _key_rows(key_rows, off, last, store_lo, wrap_at, wrapped_lo)
+        _load_keys(k_lane, k_words, key_rows, row_bytes, sub)
+
+        # the block's rows: lane k < ROWS of every warp works out row k's index in the
+        # segment and q row (token * n_q_heads + head; a padding row reads the last real
+        # query), stepped on from the first row's (one division); shuffles hand them on
+        part = tables[uint64(item + WORK_PART)]
+        q_start = tables[uint64(item + WORK_Q_START)]
+        seg_info = seq_info_off + tables[uint64(item + WORK_SEG)] * SEQ_INFO_FIELDS
+        pos_start = tables[uint64(seg_info + POS_START)]
+        in_block = (tables[uint64(seg_info + FLAGS)] & FLAG_BLOCK) != 0
+        first_index = int32(uint32(first_row) // uint32(group))
+        index, in_group = _row((first_index, int32(first_row - first_index * group)), group,
+                               lane & (ROWS - 1))
+        head = int32(kv_head * group + in_group)
+        q_row = int32((q_start + min(index, q_len - 1)) * int32(q.shape[1]) + head)
+        # what the end of the chunk needs waits in shared memory, not in registers
+        fields = cuda.shared.array(BLOCK_FIELDS, int32)
+        if tid < ROWS:
+            fields[ROW_INDEX + tid] = index
+            fields[ROW_TOKEN + tid] = q_start + index
+            fields[ROW_HEAD + tid] = head
+        if tid == 0:
+            fields[PART] = part
+            fields[Q_LEN] = q_len
+
+        # this lane's slice of each local row's query, scaled so that scores come out
+        # in base 2 (after the cap, when capped); a lane past the key row (IDLE_PIECES)
+        # reads any piece: its K words are zeros
         q_scale = scale if CAPPED else scale * float32(LOG2E)
         qr = cuda.local.array((ROWS, ELEMENTS), float32)
-        for r in range(ROWS):
-            row = first_row + r
-            token = q_start + min(row // group, q_len - 1)
-            head = kv_head * group + row % group
+        for j in range(ROWS):
+            row = ptx.shfl_idx(q_row, j ^ own)
             for c in range(PER_LANE):
                 piece = min(c * LANES + sub, PIECES - 1) if IDLE_PIECES else c * LANES + sub
-                for e in range(VEC):
-                    qr[r, c * VEC + e] = ptx.to_f32(q[token, head, piece * VEC + e]) * q_scale
+                load_query(q, row, piece * VEC, qr, j, c * VEC)
+        for j in range(ROWS):
+            for e in range(ELEMENTS):
+                qr[j, e] *= q_scale
 
-        # the rows this lane keeps the softmax of: own + j, j < HELD (see _split_rows);
-        # held row j sees the chunk's keys at offsets [lo, lo + span) from key_lo (none
-        # for a padding row)
-        own = sub // (COPIES + 1) * HELD
+        # the rows this lane keeps the softmax of, own + j (j < HELD), see the chunk's
+        # keys at offsets [lo, lo + span) from key_lo (none for a padding row)
         held_lo = cuda.local.array(HELD, int32)
         held_span = cuda.local.array(HELD, uint32)
         run_max = cuda.local.array(HELD, float32)    # reference max (base 2) and sum
         run_sum = cuda.local.array(HELD, float32)
         for j in range(HELD):
-            row = first_row + own + j
-            lo, hi = key_range(min(row // group, q_len - 1), q_len, pos_start, block, window)
+            i = ptx.shfl_idx(index, own + j)
+            lo, hi = key_range(min(i, q_len - 1), q_len, pos_start, in_block, window)
             lo = max(lo, key_lo)
             hi = min(hi, key_hi)
-            held_lo[j] = lo - key_lo
-            held_span[j] = max(hi - lo, 0) if row < group * q_len else 0
-            run_max[j] = NEG_INF
+            held_lo[j] = int32(lo - key_lo)
+            held_span[j] = uint32(max(hi - lo, 0)) if i < q_len else uint32(0)
+            run_max[j] = NO_KEY
             run_sum[j] = ZERO
 
-        # storage: key position p lives in row p (flat) or p % ring_rows (ring). A chunk
-        # lies in one segment's visible keys, at most ring_rows of them, so the row of
-        # the key at offset `off` wraps at most once past `store_lo`, the row of key_lo.
-        # Offsets and rows are int32 (one IMAD.WIDE makes the element index).
-        row_stride = int32(k_store.shape[1] * kv_heads * head_dim)
-        lane_offset = (col * kv_heads + kv_head) * head_dim + sub * VEC
-        wrap = int32(ring_rows if ring_rows > 0 else INT32_MAX)
-        store_lo = int32(key_lo % wrap)
-        last = int32(key_hi - key_lo - 1)
-        lane_first = int32(warp * WARP_KEYS + key_slot)   # offset of this lane's key u = 0
-
         acc = cuda.local.array((ROWS, ELEMENTS), float32)
-        for r in range(ROWS):
+        for j in range(ROWS):
             for e in range(ELEMENTS):
-                acc[r, e] = ZERO
-        k_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
-        v_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
+                acc[j, e] = ZERO
         values = cuda.local.array((UNROLL, ELEMENTS), float32)
         score = cuda.local.array((UNROLL, ROWS), float32)   # then probabilities
         alpha = cuda.local.array(ROWS, float32)
+        rel = cuda.local.array(HELD, int32)
 
-        # Loads run one phase ahead: the next trip's K is loaded once this trip's
-        # scores are made, its V once this trip's V is accumulated.
-        geometry = (store_lo, wrap, last, lane_first, row_stride, lane_offset, sub)
-        _load_keys(k_store, k_words, 0, geometry)
-        _load_keys(v_store, v_words, 0, geometry)
-        trips = (key_hi - key_lo + BLOCK_KEYS - 1) // BLOCK_KEYS
-        for t in range(trips):
-            # this lane's partial dot products of every row with its keys
+        # A trip's V is loaded as it starts, the next trip's K once this trip's scores
+        # are summed (past the chunk's last trip they re-read its last key: no branch
+        # in the loop); `_after` holds the K loads back from the scores' registers.
+        trips = int32((last + BLOCK_KEYS) >> TRIP_BITS)
+        for _ in range(trips):
+            _load_keys(v_lane, v_words, key_rows, row_bytes, sub)
+            # this lane's partial dot products of every local row with its keys
             _widen_words(k_words, values)
             for u in range(UNROLL):
-                for r in range(ROWS):
-                    score[u, r] = ZERO
+                for j in range(ROWS):
+                    score[u, j] = ZERO
             for e in range(ELEMENTS):
-                for r in range(ROWS):
+                for j in range(ROWS):
                     for u in range(UNROLL):
-                        score[u, r] += qr[r, e] * values[u, e]
-            if t + 1 < trips:
-                _load_keys(k_store, k_words, t + 1, geometry)
-            # summed over the key's lanes, each lane ending with its held rows
-            _split_rows(score, sub)
-            # online softmax of the held rows, against a reference max that only
-            # moves when a score passes it by RESCALE_SLACK (p <= 2**RESCALE_SLACK)
-            first_off = int32(lane_first + t * BLOCK_KEYS)
+                        score[u, j] += qr[j, e] * values[u, e]
+            _split_rows(score)
+            _key_rows(key_rows, int32(off + BLOCK_KEYS), _after(score[UNROLL - 1, 0], last),
+                      store_lo, wrap_at, wrapped_lo)
+            _load_keys(k_lane, k_words, key_rows, row_bytes, sub)
             for j in range(HELD):
-                best = NEG_INF
-                for u in range(UNROLL):
-                    s = _cap(score[u, j], softcap) if CAPPED else score[u, j]
-                    # one unsigned compare: off - lo < span  <=>  lo <= off < lo + span
-                    if uint32(first_off + u * KEY_SLOTS - held_lo[j]) >= held_span[j]:
-                        s = NEG_INF
-                    score[u, j] = s
-                    best = max(best, s)
-                ref = run_max[j]
-                alpha[j] = float32(1.0)
-                if best > ref + float32(RESCALE_SLACK):   # also: first visible key
-                    alpha[j] = ptx.exp2_approx(ref - best)
-                    ref = best
-                base = ref if ref != NEG_INF else ZERO   # no visible key yet: p = 0
-                total = run_sum[j] * alpha[j]
-                for u in range(UNROLL):
-                    score[u, j] = ptx.exp2_approx(score[u, j] - base)
-                    total += score[u, j]
-                run_max[j] = ref
-                run_sum[j] = total
-            # every lane gets every row's probabilities and rescale factor
-            _gather_rows(score, alpha, lane)
-            rescale = False
-            for r in range(ROWS):
-                rescale = rescale or alpha[r] != float32(1.0)
-            if rescale:
-                for r in range(ROWS):
-                    for e in range(ELEMENTS):
-                        acc[r, e] *= alpha[r]
+                rel[j] = int32(off - held_lo[j])
+            _online_softmax(score, alpha, run_max, run_sum, rel, held_span, softcap)
+            _gather_rows(score, alpha)
+            _rescale(acc, alpha)
             _widen_words(v_words, values)
-            for e in range(ELEMENTS):
-                for r in range(ROWS):
-                    for u in range(UNROLL):
-                        acc[r, e] += score[u, r] * values[u, e]
-            if t + 1 < trips:
-                _load_keys(v_store, v_words, t + 1, geometry)
+            _accumulate(acc, score, values)
+            off = int32(off + BLOCK_KEYS)
 
         # merge the (warp, key slot) states of the block, then write out or the partial
-        slot_max = cuda.shared.array((SLOTS, ROWS), float32)
-        slot_sum = cuda.shared.array((SLOTS, ROWS), float32)
-        slot_acc = cuda.shared.array((SLOTS, ROWS, head_dim), float32)
-        slot = warp * KEY_SLOTS + key_slot
-        if sub & COPIES == 0:
-            for j in range(HELD):
-                slot_max[slot, own + j] = run_max[j]
-                slot_sum[slot, own + j] = run_sum[j]
-        for r in range(ROWS):
-            for c in range(PER_LANE):
-                piece = c * LANES + sub
-                if not IDLE_PIECES or piece < PIECES:
-                    for e in range(VEC):
-                        slot_acc[slot, r, piece * VEC + e] = acc[r, c * VEC + e]
+        slot_ml = cuda.shared.array((2, ROWS, SLOTS), float32)    # reference max, sum
+        slot_acc = cuda.shared.array(MERGE_WORDS, float32)
+        _stash_state(slot_ml, slot_acc, warp * KEY_SLOTS + key_slot, own, sub, run_max,
+                     run_sum, acc)
         cuda.syncthreads()
-        n_heads = q.shape[1]
-        for o in range(tid, ROWS * head_dim, THREADS):
-            r = o // head_dim
-            dim = o - r * head_dim
-            row = first_row + r
-            i = row // group
-            if i < q_len:
-                best = NEG_INF
-                for s in range(SLOTS):
-                    best = max(best, slot_max[s, r])
-                base = best if best != NEG_INF else ZERO
-                total = ZERO
-                value = ZERO
-                for s in range(SLOTS):
-                    weight = ptx.exp2_approx(slot_max[s, r] - base)
-                    total += weight * slot_sum[s, r]
-                    value += weight * slot_acc[s, r, dim]
-                token = q_start + i
-                head = kv_head * group + row % group
-                if part < 0:
-                    out[token, head, dim] = ptx.from_f32(value / total, out)
-                else:
-                    at = (part * max_q_len + i) * n_heads + head
-                    part_acc[at * head_dim + dim] = value
-                    if dim == 0:
-                        part_ml[2 * at] = best
-                        part_ml[2 * at + 1] = total
+
+        r = tid >> ROW_THREAD_BITS             # the row this thread merges a slice of
+        if not ALL_MERGE and r >= ROWS:
+            return
+        i = fields[ROW_INDEX + r]
+        if i >= fields[Q_LEN]:                 # a padding row
+            return
+        weights = cuda.local.array(SLOTS, float32)
+        best, total = _merge_weights(slot_ml, uint64(r), weights)
+        merged = cuda.local.array(PER_THREAD, float32)
+        first_word = r * ROW_WORDS + (tid & (ROW_THREADS - 1))
+        for k in range(PER_THREAD):
+            merged[k] = ZERO
+            for s in range(SLOTS):
+                at = uint64(s * SLOT_WORDS + first_word + k * ROW_THREADS)
+                merged[k] += weights[s] * slot_acc[at]
+        token = uint64(fields[ROW_TOKEN + r])
+        head = fields[ROW_HEAD + r]
+        part = fields[PART]
+        if part < 0:
+            inverse = _reciprocal(total)
+            for k in range(PER_THREAD):
+                dim, real = _word_dim(first_word, k)
+                if real:
+                    out[token, uint64(head), uint64(dim)] = \
+                        ptx.from_f32(merged[k] * inverse, out)
+            return
+        at = (part * max_q_len + i) * q.shape[1] + head
+        for k in range(PER_THREAD):
+            dim, real = _word_dim(first_word, k)
+            if real:
+                part_acc[uint64(at * head_dim + dim)] = merged[k]
+        if tid & (ROW_THREADS - 1) == 0:
+            part_ml[uint64(2 * at)] = best if total > ZERO else NEG_INF
+            part_ml[uint64(2 * at + 1)] = total
 
     return Specialised(decode)
-
-
-@cuda.jit
-def _combine_kernel(tables, part_acc, part_ml, out, seq_info_off, combine_off, max_q_len):
-    """Merge one query's chunk partials (all heads) into `out`: base-2 log-sum-exp.
-
-    Block (combine row, query within the segment); partial layout as `run` documents.
-    """
-    tid = cuda.threadIdx.x
-    entry = combine_off + cuda.blockIdx.x * COMBINE_FIELDS
-    i = cuda.blockIdx.y
-    q_start, q_len, _, _, _ = read_segment(tables, seq_info_off, tables[entry + COMBINE_SEG])
-    if i >= q_len:
-        return
-    first = tables[entry + COMBINE_PART]
-    last = first + tables[entry + COMBINE_PARTS]
-    token = q_start + i
-    n_heads, head_dim = out.shape[1], out.shape[2]
-    for o in range(tid, n_heads * head_dim, COMBINE_THREADS):
-        head = o // head_dim
-        dim = o - head * head_dim
-        best = NEG_INF
-        for part in range(first, last):
-            best = max(best, part_ml[2 * ((part * max_q_len + i) * n_heads + head)])
-        total = ZERO
-        value = ZERO
-        for part in range(first, last):
-            at = (part * max_q_len + i) * n_heads + head
-            weight = ptx.exp2_approx(part_ml[2 * at] - best)
-            total += weight * part_ml[2 * at + 1]
-            value += weight * part_acc[at * head_dim + dim]
-        out[token, head, dim] = ptx.from_f32(value / total, out)
-
-
-# --- launch -----------------------------------------------------------------------------
-
-_combine = Specialised(_combine_kernel)
 
 
 def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine_off,
@@ -604,8 +585,10 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
     """Attention of the planned segments' queries; writes their rows of `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
-    (uint16 bits). k_store, v_store: [rows, n_cols, n_kv_heads, head_dim], float16,
-    float32 or bfloat16 as uint16 (`supports`). tables: int32 device array holding the
+    (uint16 bits); q is read in 16-byte vectors when it is 16-byte aligned, else element
+    by element. k_store, v_store: [rows, n_cols, n_kv_heads, head_dim], float16,
+    float32 or bfloat16 as uint16 (`supports`), a storage row under 4 GiB (the kernel
+    addresses rows with 32-bit byte strides). tables: int32 device array holding the
     segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
     row-major.
@@ -626,21 +609,27 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
     if not supports(head_dim, storage) or v_store.dtype != storage:
         raise ValueError(f"decode.run: head_dim {head_dim} with {storage} / {v_store.dtype} "
                          f"storage is not served (see decode.supports)")
+    row_bytes = k_store.shape[1] * n_kv_heads * head_dim * storage.itemsize
+    if row_bytes >= ROW_BYTES_LIMIT:
+        raise ValueError(f"decode.run: storage rows of {row_bytes} bytes (columns x kv heads "
+                         f"x head_dim) are not served: the kernel needs them under 4 GiB")
     group = n_q_heads // n_kv_heads
     rows = block_rows(group * max_q_len, head_dim, storage)
-    n_row_groups = -(-group * max_q_len // rows)
+    # row groups are rounded up to a power of two (the extra ones return at once), so
+    # the kernel splits its block index with a shift
+    row_group_bits = (-(-group * max_q_len // rows) - 1).bit_length()
     if n_parts > 0:
         part_acc, part_ml = workspace.partials(n_parts * max_q_len * n_q_heads * head_dim,
                                                n_parts * max_q_len * n_q_heads * 2, stream)
     else:
         part_acc = part_ml = workspace.dummy
-    kernel = _decode_kernel(head_dim, storage.name, rows, bool(softcap > 0))
-    kernel(n_items * n_kv_heads * n_row_groups, THREADS, stream,
+    kernel = _decode_kernel(head_dim, storage.name, rows, bool(softcap > 0),
+                            np.dtype(q.dtype).name, aligned(q, LOAD_BYTES))
+    kernel((n_items << row_group_bits, n_kv_heads), THREADS, stream,
            q, k_store, v_store, tables, out, part_acc, part_ml, int(seq_info_off),
-           int(work_off), int(max_q_len), group, n_row_groups, int(ring_rows), int(window),
+           int(work_off), int(max_q_len), group, row_group_bits, int(ring_rows), int(window),
            np.float32(scale), np.float32(softcap))
-    if n_combine > 0:
-        _combine((n_combine, max_q_len), COMBINE_THREADS, stream,
-                 tables, part_acc, part_ml, out, int(seq_info_off), int(combine_off),
-                 int(max_q_len))
+    combine.run(tables, part_acc, part_ml, out, seq_info_off=seq_info_off,
+                combine_off=combine_off, n_combine=n_combine, max_q_len=max_q_len,
+                stream=stream)
     return out

@@ -1,0 +1,160 @@
+"""The decode path's host planning: each served segment's keys cut into chunks, one
+work item per chunk, as int32 tables for `decode.run` (module doc of `decode`).
+
+A chunk's length depends only on its own segment's key range, never on what else
+shares the step: the order in which a segment's scores are summed, and so its output
+bits, are the same alone or in any batch (contract §8).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+from ..plan import COL, POS_START, Q_LEN, Q_START
+from .attention import DECODE_MAX_Q_LEN
+
+# --- the plan's tables (int32), packed by the caller into the step's `tables` -----------
+#: work table: one row per (segment, key chunk); it carries the segment fields the
+#: kernel's first loads need, so its K, V and q loads go out after one round trip
+WORK_SEG = 0        # index of the segment in the step's segment table
+WORK_KEY_LO = 1     # first key position of the chunk
+WORK_KEY_HI = 2     # one past its last key position
+WORK_PART = 3       # partial slot, or -1: the segment's only chunk writes `out` itself
+WORK_COL = 4        # the segment's storage column
+WORK_Q_START = 5    # its first token on the step's token axis
+WORK_Q_LEN = 6      # its number of queries
+WORK_FIELDS = 7
+#: combine table: one row per segment cut into several chunks
+COMBINE_SEG = 0     # index of the segment in the step's segment table
+COMBINE_PART = 1    # partial slot of its first chunk (its chunks take consecutive slots)
+COMBINE_PARTS = 2   # how many chunks
+COMBINE_FIELDS = 3
+
+#: nominal chunks are powers of two and multiples of this many keys
+KEY_TILE = 64
+#: the nominal chunk (keys): few enough that a long sequence spreads over many blocks,
+#: enough that a block's fixed costs stay small against its loads. Every chunk of a
+#: segment but its last has this length; the last also takes the keys left over past
+#: the whole chunks when they are fewer than half a chunk, so it holds CHUNK / 2 to
+#: 3 * CHUNK / 2 - 1 keys, and a segment of fewer than 3 * CHUNK / 2 keys is one chunk.
+#: A segment of n keys never has more than ceil(n / CHUNK) chunks.
+CHUNK = 256
+
+
+class DecodePlan(NamedTuple):
+    """One step's decode work, as int32 tables for the device.
+
+    work: [n_items, WORK_FIELDS] (fields WORK_*); combine: [n_combine,
+    COMBINE_FIELDS] (fields COMBINE_*); n_parts: partial slots the work uses;
+    chunk: the nominal chunk length (keys); max_q_len: longest served segment.
+    """
+
+    work: np.ndarray
+    combine: np.ndarray
+    n_parts: int
+    chunk: int
+    max_q_len: int
+
+    @property
+    def n_items(self) -> int:
+        return len(self.work)
+
+    @property
+    def n_combine(self) -> int:
+        return len(self.combine)
+
+
+@njit(cache=True)
+def chunk_count(keys, chunk=CHUNK):
+    """Chunks `plan` cuts a segment of `keys` keys into: its whole chunks, the remainder
+    a chunk of its own only when it holds at least half a chunk, and at least one."""
+    return max(1, (keys + chunk // 2) // chunk)
+
+
+def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
+    """Cut the served segments' key ranges into chunks of `chunk` keys (host only, one
+    compiled pass).
+
+    seq_info: host [n_segments, SEQ_INFO_FIELDS] int32 segment table; segments: the
+    indices of the segments this path serves (each `Q_LEN <= DECODE_MAX_Q_LEN`).
+    window: the layer's W (0: none). chunk: the nominal chunk, a power of two and a
+    multiple of KEY_TILE.
+
+    A segment's chunks are `chunk` keys each but the last, which also takes a
+    remainder shorter than half a chunk (`chunk_count`). So a skewed batch's long
+    sequences spread over many blocks while short ones take one, and no block pays
+    its fixed costs for a sliver of keys. The lengths follow from the segment's own
+    key range alone, never from the rest of the step: its chunks, and so the order in
+    which its scores are summed, are the same in any batch, and its output the same
+    bits.
+    """
+    if chunk <= 0 or chunk % KEY_TILE or chunk & (chunk - 1):
+        raise ValueError(f"decode: chunk {chunk} must be a power of two and a multiple of "
+                         f"{KEY_TILE}")
+    segments = np.asarray(segments, np.int32).reshape(-1)
+    work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
+                                                     segments, window, chunk)
+    if shortest < 1 or longest > DECODE_MAX_Q_LEN:
+        raise ValueError(f"decode segments hold 1..{DECODE_MAX_Q_LEN} queries, got "
+                         f"{shortest}..{longest}")
+    return DecodePlan(work, combine, n_parts, chunk, longest)
+
+
+@njit(cache=True)
+def _key_span(seq_info, seg, window):
+    """`(lo, hi)`: the keys any query of segment `seg` sees. Its queries' intervals move
+    forward (`masks.key_range`), so their union runs from the first query's lo (a
+    draft block's too: its lo never passes pos_start) to pos_start + q_len."""
+    pos_start = seq_info[seg, POS_START]
+    lo = max(pos_start - (window - 1), 0) if window > 0 else 0
+    return lo, pos_start + seq_info[seg, Q_LEN]
+
+
+@njit(cache=True)
+def _cut(seq_info, segments, window, chunk):
+    """The work and combine tables (see the module constants) for nominal chunks of
+    `chunk` keys, the partial slots used, and the shortest and longest segment (1 and
+    0 when there are none).
+
+    One compiled pass over the segments: a step's plan costs a few µs of host time
+    however many segments it has.
+    """
+    n_items = 0
+    n_split = 0
+    shortest = 1
+    longest = 0
+    for seg in segments:
+        q_len = seq_info[seg, Q_LEN]
+        shortest = min(shortest, q_len)
+        longest = max(longest, q_len)
+        lo, hi = _key_span(seq_info, seg, window)
+        chunks = chunk_count(hi - lo, chunk)
+        n_items += chunks
+        n_split += chunks > 1
+    work = np.empty((n_items, WORK_FIELDS), np.int32)
+    combine = np.empty((n_split, COMBINE_FIELDS), np.int32)
+    item = 0
+    part = 0
+    split = 0
+    for seg in segments:
+        lo, hi = _key_span(seq_info, seg, window)
+        chunks = chunk_count(hi - lo, chunk)
+        if chunks > 1:
+            combine[split, COMBINE_SEG] = seg
+            combine[split, COMBINE_PART] = part
+            combine[split, COMBINE_PARTS] = chunks
+            split += 1
+        for c in range(chunks):
+            work[item, WORK_SEG] = seg
+            work[item, WORK_KEY_LO] = lo + c * chunk
+            work[item, WORK_KEY_HI] = lo + (c + 1) * chunk if c + 1 < chunks else hi
+            work[item, WORK_PART] = part + c if chunks > 1 else -1
+            work[item, WORK_COL] = seq_info[seg, COL]
+            work[item, WORK_Q_START] = seq_info[seg, Q_START]
+            work[item, WORK_Q_LEN] = seq_info[seg, Q_LEN]
+            item += 1
+        if chunks > 1:
+            part += chunks
+    return work, combine, part, shortest, longest
