@@ -1,10 +1,13 @@
-"""Run kvnumba's benchmarks: the control plane, the kernels, and a JSON record.
+"""Run kvnumba's benchmarks: the control plane, the data path's host time, the kernels,
+and a JSON record.
 
     python -m bench [--quick | --smoke] [--results DIR]      (or: kvnumba-bench ...)
 
-The control-plane bench runs anywhere; the kernel bench needs a CUDA GPU (`--smoke`
-runs its cases at toy sizes, on the simulator too). Every figure goes to
-`DIR/<date>-<device>.json` (default `./bench-results`, under the current directory).
+The control-plane bench runs anywhere; the host-time bench too (without a GPU, in
+`KVNUMBA_DEVICE=compile` mode with the launches recorded); the kernel bench needs a
+CUDA GPU (`--smoke` runs its cases at toy sizes, on the simulator too). Every figure
+goes to `DIR/<date>-<device>.json` (default `./bench-results`, under the current
+directory).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import kvnumba.device as kv_device
 
-from . import control, kernels
+from . import control, host, kernels
 
 RESULTS = Path("bench-results")   # relative: under the directory it runs from
 PACKAGES = ("numpy", "numba", "numba-cuda", "transitions", "torch")
@@ -59,13 +62,17 @@ def main(argv=None) -> int:
     print(control.report(control_result).splitlines()[-1], flush=True)
     print()
 
+    host_result = host.run_anywhere(quick=args.quick or args.smoke)
+    print(host.report(host_result), flush=True)
+    print()
+
     kernel_result = kernels.run(kernels.sizes_for(args))
     print(kernels.report(kernel_result), flush=True)
 
     record = dict(date=now.isoformat(timespec="seconds"), device=device,
                   device_kind=kv_device.KIND, platform=platform.platform(),
                   argv=sys.argv[1:], quick=args.quick, smoke=args.smoke, versions=versions(),
-                  control=control_result, kernels=kernel_result)
+                  control=control_result, host=host_result, kernels=kernel_result)
     args.results.mkdir(parents=True, exist_ok=True)
     path = record_path(now.date().isoformat(), device, args.results)
     path.write_text(json.dumps(record, indent=2) + "\n")

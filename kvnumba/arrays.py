@@ -10,33 +10,79 @@ device array for a device array.
 
 PyTorch is optional: a tensor is recognised by its type's module, and `torch` is only
 imported for a tensor that was passed in.
+
+Every call of the data path passes through here, so what can be known from an array's
+type (which kind it is) or from its dtype object (its name) is worked out once per type
+or dtype and looked up afterwards; on a GPU, a PyTorch CUDA tensor or a foreign
+`__cuda_array_interface__` array reaches the kernels as a `DeviceView` rather than a new
+Numba device array per call.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 
 from .device import SIMULATOR, cuda
 from .errors import ShapeError
+from .kernels.launch import ARGUMENT, POINTER, array_fields, c_strides, describe
 
 BFLOAT16 = "bfloat16"
+
+#: what an array is, by its type: told once per type (`_kind`)
+HOST, TORCH, DEVICE, INTERFACE = "host", "torch", "device", "interface"
+_KINDS: dict = {}
+_DTYPE_NAMES: dict = {}
+
+
+def _kind_of_type(kind: type) -> str | None:
+    if hasattr(kind, "copy_to_host"):               # Numba's device arrays (simulator too,
+        return DEVICE                               # and its mapped host arrays)
+    if issubclass(kind, np.ndarray):
+        return HOST
+    if kind.__module__.split(".")[0] == "torch" and hasattr(kind, "requires_grad"):
+        return TORCH
+    if hasattr(kind, "__cuda_array_interface__"):   # CuPy, ...
+        return INTERFACE
+    return None
+
+
+def _kind(array) -> str | None:
+    """HOST, TORCH, DEVICE, INTERFACE or None, from the array's type (cached), or from the
+    instance for a type that sets `__cuda_array_interface__` per object."""
+    kind_type = type(array)
+    kind = _KINDS.get(kind_type, False)
+    if kind is False:
+        kind = _KINDS[kind_type] = _kind_of_type(kind_type)
+    if kind is None and hasattr(array, "__cuda_array_interface__"):
+        return INTERFACE
+    return kind
 
 
 def is_torch(array) -> bool:
     """A `torch.Tensor` (told without importing torch)."""
-    return type(array).__module__.split(".")[0] == "torch" and hasattr(array, "requires_grad")
+    return _kind(array) == TORCH
 
 
 def on_device(array) -> bool:
     """Already on the device: Numba's arrays (the simulator's too), CuPy arrays, PyTorch CUDA
     tensors, anything with `__cuda_array_interface__`."""
-    if is_torch(array):
-        return array.is_cuda
-    return hasattr(array, "__cuda_array_interface__") or hasattr(array, "copy_to_host")
+    kind = _kind(array)
+    return kind == DEVICE or kind == INTERFACE or (kind == TORCH and array.is_cuda)
 
 
 def is_array(array) -> bool:
     """What the data path accepts: NumPy arrays, device arrays, PyTorch tensors."""
-    return isinstance(array, np.ndarray) or is_torch(array) or on_device(array)
+    return _kind(array) is not None
+
+
+def _name_of_dtype(dtype) -> str | None:
+    if type(dtype).__module__.split(".")[0] == "torch":
+        return str(dtype).rsplit(".", 1)[-1]
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return None
 
 
 def dtype_name(array) -> str | None:
@@ -44,12 +90,13 @@ def dtype_name(array) -> str | None:
     dtype = getattr(array, "dtype", None)
     if dtype is None:
         return None
-    if is_torch(array):
-        return str(dtype).rsplit(".", 1)[-1]
     try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return None
+        name = _DTYPE_NAMES.get(dtype, False)
+    except TypeError:             # an unhashable "dtype": no dtype the data path takes
+        return _name_of_dtype(dtype)
+    if name is False:
+        name = _DTYPE_NAMES[dtype] = _name_of_dtype(dtype)
+    return name
 
 
 def kernel_dtype(name: str) -> np.dtype:
@@ -68,18 +115,19 @@ def host_dtype(name: str) -> np.dtype:
 def check(name: str, array, shape: tuple | None, dtypes) -> None:
     """Refuse (`ShapeError`) a non-array, a tensor that requires grad, or an array of the
     wrong rank, shape or dtype. `shape=None` checks only the kind and the dtype."""
-    if not is_array(array):
+    kind = _kind(array)
+    if kind is None:
         raise ShapeError(f"{name}: expected a NumPy, PyTorch or device array"
                          f"{'' if shape is None else f' of shape {tuple(shape)}'} "
                          f"and dtype in {list(dtypes)}, got {type(array).__name__}")
-    if is_torch(array) and array.requires_grad:
+    if kind == TORCH and array.requires_grad:
         raise ShapeError(f"{name}: the tensor requires grad; the cache is not "
                          f"differentiable: pass {name}.detach()")
-    got_shape = tuple(array.shape)
-    if shape is not None and len(got_shape) != len(shape):
-        raise ShapeError(f"{name}: expected rank {len(shape)} {tuple(shape)}, got rank "
-                         f"{len(got_shape)} {got_shape}")
-    if shape is not None and got_shape != tuple(shape):
+    if shape is not None and tuple(array.shape) != tuple(shape):
+        got_shape = tuple(array.shape)
+        if len(got_shape) != len(shape):
+            raise ShapeError(f"{name}: expected rank {len(shape)} {tuple(shape)}, got rank "
+                             f"{len(got_shape)} {got_shape}")
         raise ShapeError(f"{name}: expected shape {tuple(shape)}, got {got_shape}")
     if dtype_name(array) not in dtypes:
         raise ShapeError(f"{name}: dtype {dtype_name(array)} not in {list(dtypes)}")
@@ -107,24 +155,118 @@ def host_view(array) -> np.ndarray:
 def device_view(array, stream=0):
     """A device array of `array` in the kernels' convention: zero-copy for data on the
     device, one upload for host data."""
-    if hasattr(array, "copy_to_host"):           # a Numba device array (or the simulator's)
+    kind = _kind(array)
+    if kind == DEVICE:                           # a Numba device array (or the simulator's)
         return array
-    if is_torch(array) and array.is_cuda:
-        if dtype_name(array) == BFLOAT16:
-            import torch
-            return cuda.as_cuda_array(array.detach().view(torch.int16)).view(np.uint16)
-        return cuda.as_cuda_array(array.detach())
-    if on_device(array):                         # CuPy, ...: the CUDA array interface
-        return cuda.as_cuda_array(array)
+    if kind == TORCH and array.is_cuda:
+        return _torch_view(array)
+    if kind == INTERFACE:                        # CuPy, ...: the CUDA array interface
+        return _interface_view(array)
     return cuda.to_device(np.ascontiguousarray(host_view(array)), stream=stream)
+
+
+def _torch_view(tensor):
+    """A PyTorch CUDA tensor for the kernels (bfloat16 as its uint16 bits): read from the
+    tensor itself, which exports no stream to wait for (its `__cuda_array_interface__`
+    has none)."""
+    dtype = _TORCH_KERNEL_DTYPES.get(dtype_name(tensor))
+    if dtype is None or SIMULATOR:
+        import torch
+        if dtype_name(tensor) == BFLOAT16:
+            return cuda.as_cuda_array(tensor.detach().view(torch.int16)).view(np.uint16)
+        return cuda.as_cuda_array(tensor.detach())
+    return DeviceView(tensor, tensor.data_ptr(), tuple(tensor.shape),
+                      tuple(map(dtype.itemsize.__mul__, tensor.stride())), dtype)
+
+
+def _interface_view(array):
+    """An array known by its `__cuda_array_interface__` only. One that names a stream to
+    wait for (or a mask) goes through Numba, which honours both."""
+    interface = array.__cuda_array_interface__
+    if SIMULATOR or interface.get("stream") is not None or interface.get("mask") is not None:
+        return cuda.as_cuda_array(array)
+    dtype = np.dtype(interface["typestr"])
+    shape = tuple(interface["shape"])
+    strides = interface.get("strides")
+    strides = c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
+    return DeviceView(array, interface["data"][0] or 0, shape, strides, dtype)
+
+
+#: the dtypes the kernels see for a PyTorch tensor of each name
+_TORCH_KERNEL_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+                        BFLOAT16: np.dtype(np.uint16)}
+
+
+class DeviceView:
+    """Device memory the kernels read or write in place: what a launch needs of it and
+    nothing more (a Numba device array costs far more to build, once per call).
+
+    `owner` is the object whose memory it is (kept alive with the view); `ptr` the
+    address of element 0; `strides` in bytes. A view is C-contiguous when its strides
+    are those of its shape (an axis of extent 1 may have any stride), and typed for
+    Numba as such (`_numba_type_`); it carries its kernel argument
+    (`kernels.launch.ARGUMENT`) from the start.
+    """
+
+    __slots__ = ("owner", "ptr", "shape", "strides", "dtype", "size", "_c_contiguous",
+                 "_numba_type_", ARGUMENT)
+
+    def __init__(self, owner, ptr: int, shape: tuple, strides: tuple, dtype: np.dtype):
+        self.owner, self.ptr, self.shape, self.strides, self.dtype = \
+            owner, ptr, shape, strides, dtype
+        self.size, self._c_contiguous, self._numba_type_, before, after = \
+            _layout(shape, strides, dtype)
+        setattr(self, ARGUMENT, (self._numba_type_.name, (*before, ptr, *after)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def is_c_contiguous(self) -> bool:
+        return self._c_contiguous
+
+    @property
+    def device_ctypes_pointer(self):
+        import ctypes
+        return ctypes.c_void_p(self.ptr)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
+                "data": (self.ptr, False), "version": 3}
+
+
+@lru_cache(maxsize=256)
+def _layout(shape: tuple, strides: tuple, dtype: np.dtype) -> tuple:
+    """What a view of this geometry is, its pointer aside (cached: a step's shapes repeat
+    every layer): `(size, C-contiguous, Numba type, ABI fields before the pointer, ABI
+    fields after it)`. Numba's layout is "C" when C-contiguous, else "A" (any)."""
+    from numba.cuda import types
+    from numba.cuda.np.numpy_support import from_dtype
+
+    dense = c_strides(shape, dtype.itemsize)
+    contiguous = strides == dense or all(s == c or n == 1 for s, c, n in
+                                         zip(strides, dense, shape))
+    numba_type = types.Array(from_dtype(dtype), len(shape), "C" if contiguous else "A")
+    fields = array_fields(0, shape, strides, dtype.itemsize)
+    return fields[2], contiguous, numba_type, fields[:POINTER], fields[POINTER + 1:]
+
+
+def device_pointer(array) -> int:
+    """The address of a device array's data, as a launch passes it (described once per
+    Numba device array); on the simulator, the address of the memory it simulates."""
+    if SIMULATOR:
+        return array._ary.ctypes.data
+    return describe(array)[1][POINTER]
 
 
 def aligned(array, alignment: int) -> bool:
     """Whether a device array's data starts at a multiple of `alignment` bytes."""
-    if SIMULATOR:
-        return array._ary.ctypes.data % alignment == 0
-    pointer = array.device_ctypes_pointer.value
-    return pointer is None or pointer % alignment == 0
+    return device_pointer(array) % alignment == 0
 
 
 class Result:

@@ -14,14 +14,15 @@ from statemachines import CLONE_SOURCE_STATES
 
 from .args import as_finite, as_ids, as_int, describe, is_int
 from .config import CacheConfig
-from .arrays import Result, check, check_out, device_view
+from .arrays import Result, check, check_out, device_pointer, device_view
 from .device import allocating, announce, cuda
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
 from .kernels.padding import zero_rows
 from .kernels.write import write_kv
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   StepTables, frozen, held_positions, ring_floor, span_offsets)
+                   StepTables, frozen, held_positions, ring_floor, span_offsets,
+                   token_segments, token_tables)
 from .paths import AttentionPaths, tables_size
 from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
@@ -61,16 +62,20 @@ class BatchedSequenceCache:
             # read-only ramps reused by every decode step (no per-step allocation); a step
             # whose every token is its own run of a distinct sequence has at most this many
             ramp = min(config.max_step, n)
-            self._arange = np.arange(ramp, dtype=np.int64)
-            self._ones = np.ones(ramp, dtype=np.int64)
-        self._arange.setflags(write=False)
-        self._ones.setflags(write=False)
+            self._arange = frozen(np.arange(ramp, dtype=np.int64))
+            self._ones = frozen(np.ones(ramp, dtype=np.int64))
+            self._token_segments = frozen(token_segments(ramp))
         self._tables: StepTables | None = None   # the open step, as the cache keeps it
         self._plan: StepPlan | None = None       # its read-only view, handed to callers
         self._runs = None      # (span seqs, span lengths) of the open step, in token order
         self._seq_ends = None  # (its sequences, the position each reaches) for commit / abort
         self._written = np.zeros(config.n_layers, dtype=bool)  # layers the step has written
         self._routes = None    # the prepared step's attention paths (`paths.StepPaths`)
+        # what a launch needs of each layer, as Python ints: (ring rows R or 0, window or 0)
+        self._layer_geometry = [(int(rows), spec.window or 0) for rows, spec in
+                                zip(self._pool.ring_rows, config.layers)]
+        self._default_scale = 1.0 / math.sqrt(config.head_dim)
+        self._kv_shape = None   # the prepared step's K/V shape [width, n_kv_heads, head_dim]
         # every ring layer's floor is hw - M once hw > R: the smallest R binds first
         rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
         self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
@@ -199,44 +204,45 @@ class BatchedSequenceCache:
                              "(one sequence id per token)")
         block_ids = self._block_ids(blocks)
         n_tokens = ids.size
-        boundary = ids[1:] != ids[:-1]
-        one_token_runs = n_tokens <= self._arange.size and \
-            np.count_nonzero(boundary) == n_tokens - 1
-        if one_token_runs:   # every token its own span (a decode step): the read-only ramps
+        spans_per_seq = np.bincount(ids, minlength=self._n)     # tokens, for now
+        one_token_each = n_tokens <= self._arange.size and _max(spans_per_seq) == 1
+        if one_token_each:   # a decode step: every token a span of its own sequence
             run_seqs, run_starts, run_lens = ids, self._arange[:n_tokens], self._ones[:n_tokens]
         else:
+            boundary = ids[1:] != ids[:-1]
             run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
             run_seqs = ids[run_starts]
             run_lens = np.diff(np.append(run_starts, n_tokens))
-        nxt = self._slots.check("declare", run_seqs)
-        spans_per_seq = np.bincount(run_seqs, minlength=self._n)
+            spans_per_seq = np.bincount(run_seqs, minlength=self._n)
+        current, nxt = self._slots.transition("declare", run_seqs)
         flags = self._block_flags(block_ids, spans_per_seq, run_seqs, run_starts, run_lens)
-        pos_start = self._slots.pos[run_seqs]
-        one_token_each = one_token_runs
-        if _max(spans_per_seq) == 1:   # one span per sequence (the common step)
+        pos_start = self._slots.pos.take(run_seqs)
+        if one_token_each or _max(spans_per_seq) == 1:   # one span per sequence
             seqs, totals, ends = run_seqs, run_lens, pos_start + run_lens
         else:
             offsets, seqs, totals = span_offsets(run_seqs, run_lens)
             pos_start = pos_start + offsets
-            nxt = self._slots.check("declare", seqs)
+            current, nxt = self._slots.transition("declare", seqs)
             ends = self._slots.pos[seqs] + totals
-            one_token_each = False
         max_kv_len = self._check_totals(seqs, totals, ends, one_token_each)
         if n_tokens > self.config.max_step:
             raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
                                 f"{self.config.max_step}")
-        seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
-        seq_info[:, Q_START] = run_starts
-        seq_info[:, Q_LEN] = run_lens
+        if one_token_each and block_ids is None:    # a decode step: a copy of the template
+            seq_info = self._token_segments[:n_tokens].copy()
+        else:
+            seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
+            seq_info[:, Q_START] = run_starts
+            seq_info[:, Q_LEN] = run_lens
+            seq_info[:, FLAGS] = flags
         seq_info[:, COL] = run_seqs
         seq_info[:, POS_START] = pos_start
-        seq_info[:, FLAGS] = flags
-        logits = run_starts if one_token_runs else run_starts + run_lens - 1
-        self._slots.apply("declare", seqs, nxt)
+        logits = run_starts if one_token_each else run_starts + run_lens - 1
+        self._slots.apply("declare", seqs, nxt, current)
         self._step.apply("declare", nxt_step)
         self._runs = (run_seqs, run_lens)
         self._seq_ends = (seqs, ends)
-        max_q_len = 1 if one_token_runs else int(_max(run_lens))
+        max_q_len = 1 if one_token_each else int(_max(run_lens))
         self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits), max_q_len,
                                   max_kv_len)
         self._plan = StepPlan(self._tables)
@@ -257,39 +263,37 @@ class BatchedSequenceCache:
                                 f"{plan.n_tokens}, max_step {self.config.max_step}]")
         if plan.max_kv_len > self._pool.flat_rows:
             self._pool.ensure_row(plan.max_kv_len - 1, int(_max(self._slots.high_water)))
-        run_seqs, run_lens = self._runs
         info = plan.seq_info
-        n = plan.n_tokens
-        seq_cols = np.empty(width, dtype=np.int32)
-        positions = np.empty(width, dtype=np.int32)
-        if width > n:
-            seq_cols[n:] = self._pad_col
-            positions[n:] = 0
-        if run_seqs.size == n:
-            seq_cols[:n] = run_seqs
-            positions[:n] = info[:, POS_START]
-        else:
-            seq_cols[:n] = np.repeat(run_seqs, run_lens)
-            positions[:n] = np.arange(n) + np.repeat(info[:, POS_START] - info[:, Q_START],
-                                                     run_lens)
+        seq_cols, positions = token_tables(*self._runs, info, plan.n_tokens, width,
+                                           self._pad_col)
         routes, sections = self._paths.plan(info, plan.max_q_len, plan.max_kv_len)
         names = ("seq_cols", "positions", "seq_info", *sections)
         offsets = self._staging.upload(seq_cols, positions, info, *sections.values())
-        routes.offsets = dict(zip(names, offsets))
+        routes.place(dict(zip(names, offsets)))
+        routes.buffers = self._buffer_addresses
         plan.routes = self._routes = routes
         plan.width, plan.seq_cols, plan.positions = width, frozen(seq_cols), frozen(positions)
-        self._written[:] = False
+        self._kv_shape = (width, self.config.n_kv_heads, self.config.head_dim)
+        self._written.fill(False)
         self._step.apply("prepare", nxt_step)
         return self._plan
+
+    def _buffer_addresses(self) -> tuple:
+        """Where the buffers the launches use besides their inputs are: the storage
+        groups, the step tables and the attention partials (0 while there are none)."""
+        workspace = self._paths.workspace
+        return tuple(0 if array is None else device_pointer(array) for array in
+                     (*self._pool.groups.values(), self._staging.device,
+                      workspace.part_acc, workspace.part_ml))
 
     def commit_step(self) -> None:
         """Advance every sequence of the step by all its spans' tokens; COMMITTED."""
         nxt_step = self._step.check("commit", "commit_step")
         seqs, ends = self._seq_ends
-        self._slots.apply("commit", seqs, self._slots.check("commit", seqs))
+        self._slots.apply("commit", seqs, self._slots.transition("commit", seqs)[1])
         self._slots.pos[seqs] = ends
         hw = self._slots.high_water
-        hw[seqs] = np.maximum(hw[seqs], ends)
+        hw[seqs] = np.maximum(hw.take(seqs), ends)
         self._close(nxt_step, "commit")
 
     def abort_step(self) -> None:
@@ -358,39 +362,37 @@ class BatchedSequenceCache:
     def _write_args(self, layer, k, v):
         self._require_prepared("write")
         layer = self._layer(layer, "write")
-        shape = (self._tables.width, self.config.n_kv_heads, self.config.head_dim)
-        check("k", k, shape, _IO_DTYPES)
-        check("v", v, shape, _IO_DTYPES)
+        check("k", k, self._kv_shape, _IO_DTYPES)
+        check("v", v, self._kv_shape, _IO_DTYPES)
         return layer, k, v
 
     def _launch_write(self, layer, k, v) -> None:
-        write_kv(self._pool.k[layer], self._pool.v[layer], device_view(k, self.stream),
-                 device_view(v, self.stream), self._staging.device,
-                 int(self._pool.ring_rows[layer]), self.stream)
+        pool, stream = self._pool, self.stream
+        write_kv(pool.k[layer], pool.v[layer], device_view(k, stream), device_view(v, stream),
+                 self._staging.device, self._layer_geometry[layer][0], stream)
         self._written[layer] = True
 
     def _attend_args(self, layer, q, out, scale, softcap):
         self._require_prepared("attend")
         layer = self._layer(layer, "attend")
-        n_q_heads = self._check_q(q, self._tables.width)
+        shape = self._check_q(q)
         if out is not None:
-            check_out("out", out, (self._tables.width, n_q_heads, self.config.head_dim),
-                      _IO_DTYPES)
-        scale = (1.0 / math.sqrt(self.config.head_dim) if scale is None
-                 else as_finite(scale, "attend: scale"))
+            check_out("out", out, shape, _IO_DTYPES)
+        scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
         softcap = 0.0 if softcap is None else as_finite(softcap, "attend: softcap",
                                                         positive=True)
         return layer, q, out, scale, softcap
 
     def _launch_attend(self, layer, q, out, scale, softcap):
-        plan = self._tables
-        result = Result(q, out, (plan.width, q.shape[1], self.config.head_dim), self.stream)
-        zero_rows(result.device, plan.n_tokens, self.stream)
-        self._paths.run(self._routes, device_view(q, self.stream), self._pool.k[layer],
+        plan, stream = self._tables, self.stream
+        result = Result(q, out, tuple(q.shape), stream)
+        if plan.width > plan.n_tokens:
+            zero_rows(result.device, plan.n_tokens, stream)
+        ring_rows, window = self._layer_geometry[layer]
+        self._paths.run(self._routes, device_view(q, stream), self._pool.k[layer],
                         self._pool.v[layer], self._staging.device, result.device,
-                        ring_rows=int(self._pool.ring_rows[layer]),
-                        window=self.config.layers[layer].window or 0, scale=scale,
-                        softcap=softcap, stream=self.stream)
+                        ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
+                        stream=stream)
         return result.value()
 
     def sequence_kv(self, seq: int, layer: int):
@@ -421,7 +423,9 @@ class BatchedSequenceCache:
         return seq
 
     def _layer(self, layer, verb: str) -> int:
-        n_layers = self.config.n_layers
+        n_layers = len(self._layer_geometry)
+        if type(layer) is int and 0 <= layer < n_layers:    # the usual call: nothing to convert
+            return layer
         if not is_int(layer):
             raise ShapeError(f"{verb}: layer must be an int index in [0, {n_layers}), got "
                              f"{describe(layer)}")
@@ -429,7 +433,9 @@ class BatchedSequenceCache:
             raise ShapeError(f"{verb}: layer {int(layer)} is outside [0, {n_layers})")
         return int(layer)
 
-    def _check_q(self, q, width: int) -> int:
+    def _check_q(self, q) -> tuple:
+        """q's shape `[width, n_q_heads, head_dim]`, or `ShapeError` (kind and dtype first,
+        then the rank, the heads and the shape)."""
         check("q", q, None, _IO_DTYPES)
         shape = tuple(q.shape)
         if len(shape) != 3:
@@ -440,8 +446,10 @@ class BatchedSequenceCache:
             raise ShapeError(f"q: n_q_heads={n_q_heads} must be a positive multiple of "
                              f"n_kv_heads={n_kv_heads} (query head h reads kv head "
                              f"h // (n_q_heads // n_kv_heads))")
-        check("q", q, (width, n_q_heads, self.config.head_dim), _IO_DTYPES)
-        return n_q_heads
+        want = (self._kv_shape[0], n_q_heads, self.config.head_dim)
+        if shape != want:
+            raise ShapeError(f"q: expected shape {want}, got {shape}")
+        return shape
 
     def _require_prepared(self, verb: str) -> None:
         if self._step.index != StepState.PREPARED:

@@ -19,7 +19,8 @@ launches with nothing left to plan.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,8 +32,7 @@ _max = np.maximum.reduce
 _min = np.minimum.reduce
 
 
-@dataclass(frozen=True)
-class Group:
+class Group(NamedTuple):
     """The segments one path serves in a step: how many, their longest q_len and the
     furthest position + 1 they reach (the generic kernel sizes its grid from these)."""
 
@@ -44,31 +44,65 @@ class Group:
 _NONE = Group(0, 0, 0)
 
 
-class StepPaths:
-    """A prepared step's routing: the two groups, the decode plans by window, and (after
-    the upload) where each section starts in the staged tables."""
+@lru_cache(maxsize=None)
+def plan_sections(window: int) -> tuple:
+    """The names, in a step's upload, of the decode plan of layers of `window`: its work
+    table and its combine table."""
+    return f"work {window}", f"combine {window}"
 
-    __slots__ = ("decode", "prefill", "decode_plans", "offsets")
+
+class StepPaths:
+    """A prepared step's routing: the two groups, the decode plans by window, and (once
+    `place`d in the uploaded tables) the launch arguments each path takes for every layer
+    of the step, so a layer adds only its own arrays and scalars."""
+
+    __slots__ = ("decode", "prefill", "decode_plans", "decode_args", "prefill_args",
+                 "buffers")
 
     def __init__(self, decode_group, prefill_group, decode_plans):
         self.decode = decode_group
         self.prefill = prefill_group
         self.decode_plans = decode_plans
-        self.offsets = None
+        self.decode_args = self.prefill_args = None
+        self.buffers = tuple    # the cache's: the addresses of the buffers launches use
+
+    def place(self, offsets: dict) -> None:
+        """Fix the launch arguments, given where each uploaded section starts (`offsets`,
+        by the names `AttentionPaths.plan` gave them): the decode path's by layer window
+        (its fast kernel reads a plan per window), the prefill path's for all layers."""
+        info = offsets["seq_info"]
+        d, p = self.decode, self.prefill
+        if self.decode_plans:
+            self.decode_args = {}
+            for window, found in self.decode_plans.items():
+                work, combine = plan_sections(window)
+                self.decode_args[window] = dict(
+                    seq_info_off=info, work_off=offsets[work], n_items=found.n_items,
+                    combine_off=offsets[combine], n_combine=found.n_combine,
+                    n_parts=found.n_parts, max_q_len=found.max_q_len)
+        elif d.n:
+            self.decode_args = dict(seq_info_off=info, segments_off=offsets["decode_segments"],
+                                    n_segments=d.n, max_q_len=d.max_q_len,
+                                    max_kv_len=d.max_kv_len)
+        if p.n:
+            self.prefill_args = dict(seq_info_off=info, segments_off=offsets["prefill_segments"],
+                                     n_segments=p.n, max_q_len=p.max_q_len)
 
     def launch_key(self) -> tuple:
         """What the launches' grids and buffers depend on, besides the step's width: the
         decode plans' sizes (or, on the generic path, the split-K chunks of the longest
-        history) and the prefill group's size. Two steps with equal keys (and widths)
-        launch the same grids on the same buffers, so a CUDA graph of one replays the
-        other (the positions and columns it reads are the staged tables' contents)."""
+        history), the prefill group's size, and where the buffers every launch uses
+        (storage, step tables, partials) are now, read when the key is: a buffer that
+        grows moves. Two steps with equal keys (and widths) launch the same grids on the
+        same buffers, so a CUDA graph of one replays the other (the positions and columns
+        it reads are the staged tables' contents)."""
         d, p = self.decode, self.prefill
         if self.decode_plans:
             decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
                                for window, f in sorted(self.decode_plans.items()))
         else:
             decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK))
-        return decode_key, (p.n, p.max_q_len)
+        return decode_key, (p.n, p.max_q_len), self.buffers()
 
 
 class AttentionPaths:
@@ -106,9 +140,10 @@ class AttentionPaths:
         sections, plans = {}, {}
         if decode_group.n and self.decode_fast:     # a work list per window; no segment list
             for window in self.windows:
+                work, combine = plan_sections(window)
                 plans[window] = found = decode.plan(seq_info, decode_segs, window=window)
-                sections[f"work {window}"] = found.work
-                sections[f"combine {window}"] = found.combine
+                sections[work] = found.work
+                sections[combine] = found.combine
         elif decode_group.n:
             sections["decode_segments"] = decode_segs
         if prefill_group.n:
@@ -119,33 +154,26 @@ class AttentionPaths:
     def run(self, paths: StepPaths, q, k_store, v_store, tables, out, *, ring_rows, window,
             scale, softcap, stream) -> None:
         """Launch the step's paths for one layer: each writes its segments' rows of `out`."""
-        off = paths.offsets
-        common = dict(ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
-                      stream=stream)
-        group = paths.decode
-        if group.n and self.decode_fast:
-            found = paths.decode_plans[window]
-            decode.run(q, k_store, v_store, tables, seq_info_off=off["seq_info"],
-                       work_off=off[f"work {window}"], n_items=found.n_items,
-                       combine_off=off[f"combine {window}"], n_combine=found.n_combine,
-                       n_parts=found.n_parts, max_q_len=found.max_q_len, out=out,
-                       workspace=self.workspace, **common)
-        elif group.n:
-            generic.attend(q, k_store, v_store, tables, out, seq_info_off=off["seq_info"],
-                           segments_off=off["decode_segments"], n_segments=group.n,
-                           max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
-                           workspace=self.workspace, path="decode", kv_chunk=decode.CHUNK,
-                           **common)
-        group = paths.prefill
-        if group.n and self.prefill_fast and scale > 0:
-            prefill.run(q, k_store, v_store, tables, seq_info_off=off["seq_info"],
-                        segments_off=off["prefill_segments"], n_segments=group.n,
-                        max_q_len=group.max_q_len, out=out, **common)
-        elif group.n:
-            generic.attend(q, k_store, v_store, tables, out, seq_info_off=off["seq_info"],
-                           segments_off=off["prefill_segments"], n_segments=group.n,
-                           max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
-                           workspace=self.workspace, path="prefill", **common)
+        if paths.decode.n and self.decode_fast:
+            decode.run(q, k_store, v_store, tables, out=out, workspace=self.workspace,
+                       ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
+                       stream=stream, **paths.decode_args[window])
+        elif paths.decode.n:
+            generic.attend(q, k_store, v_store, tables, out, workspace=self.workspace,
+                           path="decode", kv_chunk=decode.CHUNK, ring_rows=ring_rows,
+                           window=window, scale=scale, softcap=softcap, stream=stream,
+                           **paths.decode_args)
+        if not paths.prefill.n:
+            return
+        if self.prefill_fast and scale > 0:
+            prefill.run(q, k_store, v_store, tables, out=out, ring_rows=ring_rows,
+                        window=window, scale=scale, softcap=softcap, stream=stream,
+                        **paths.prefill_args)
+        else:
+            generic.attend(q, k_store, v_store, tables, out, workspace=self.workspace,
+                           path="prefill", max_kv_len=paths.prefill.max_kv_len,
+                           ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
+                           stream=stream, **paths.prefill_args)
 
 
 def tables_size(config) -> int:

@@ -19,6 +19,16 @@ SEQ_INFO_FIELDS = 5
 FLAG_BLOCK = 1   # the segment is a draft block: bidirectional within itself
 
 
+def token_segments(n: int) -> np.ndarray:
+    """The segment table of a step whose `n` tokens are each a segment of their own (a
+    decode step), as far as it does not depend on the sequences: token `i` is segment
+    `i` (Q_START `i`, Q_LEN 1, FLAGS 0); COL and POS_START are left 0, to be filled."""
+    table = np.zeros((n, SEQ_INFO_FIELDS), dtype=np.int32)
+    table[:, Q_START] = np.arange(n)
+    table[:, Q_LEN] = 1
+    return table
+
+
 def ring_rows(window: int, max_write: int, capacity: int) -> int:
     """Rows of a ring layer: `R = min(capacity, W + M - 1)`.
 
@@ -74,6 +84,28 @@ def span_offsets(run_seqs: np.ndarray, run_lens: np.ndarray):
     offsets[order] = before - group_base
     starts = np.flatnonzero(first)
     return offsets, seqs[starts], np.add.reduceat(lens, starts)
+
+
+def token_tables(run_seqs: np.ndarray, run_lens: np.ndarray, seq_info: np.ndarray,
+                 n_tokens: int, width: int, pad_col: int) -> tuple:
+    """`(seq_cols, positions)` [width] int32 of a step: each token's column and position,
+    from its spans (`run_seqs`, `run_lens`, in token order) and its segment table; the
+    `width - n_tokens` padding tokens take column `pad_col` and position 0."""
+    n = n_tokens
+    if run_seqs.size == n == width:     # every token a segment, no padding: two copies
+        return run_seqs.astype(np.int32), seq_info[:, POS_START].copy()
+    seq_cols = np.empty(width, dtype=np.int32)
+    positions = np.empty(width, dtype=np.int32)
+    seq_cols[n:] = pad_col
+    positions[n:] = 0
+    if run_seqs.size == n:
+        seq_cols[:n] = run_seqs
+        positions[:n] = seq_info[:, POS_START]
+    else:
+        seq_cols[:n] = np.repeat(run_seqs, run_lens)
+        positions[:n] = np.arange(n) + np.repeat(seq_info[:, POS_START] -
+                                                 seq_info[:, Q_START], run_lens)
+    return seq_cols, positions
 
 
 def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
@@ -174,9 +206,10 @@ class StepPlan:
                                    "until prepared.")
     launch_key = _read("launch_key", "A hashable summary of the prepared step's kernel "
                                      "launches (width, the decode and prefill groups, the "
-                                     "decode chunk counts); None until prepared. A CUDA graph "
-                                     "captured from one step replays a later step correctly "
-                                     "when the keys are equal.")
+                                     "decode chunk counts, where the buffers they use are); "
+                                     "None until prepared. A CUDA graph captured from one "
+                                     "step replays a later step correctly when the keys are "
+                                     "equal.")
 
     @property
     def segments(self) -> tuple:

@@ -70,25 +70,32 @@ class SlotTable:
 
     def __init__(self, n: int, strict: bool | None = None):
         self.n = n
-        self.state = np.zeros(n, dtype=np.int8)
+        # states are indices (intp): looking the next states up by them needs no cast
+        self.state = np.zeros(n, dtype=np.intp)
         self.pos = np.zeros(n, dtype=np.int64)
         self.high_water = np.zeros(n, dtype=np.int64)
-        self.before_declare = np.zeros(n, dtype=np.int8)  # where `abort` returns to
+        self.before_declare = np.zeros(n, dtype=np.intp)  # where `abort` returns to
         # one read-only column of the compiled table per event: next state by current state
-        self._next = {event: np.ascontiguousarray(SLOT_MACHINE.table[:, i])
+        self._next = {event: SLOT_MACHINE.table[:, i].astype(np.intp)
                       for event, i in SLOT_MACHINE.event_index.items()}
         self.strict = strict_mode() if strict is None else strict
         self._models = [MachineModel(SLOT_LIFECYCLE) for _ in range(n)] if self.strict else None
 
     def check(self, event: str, seqs: np.ndarray) -> np.ndarray:
         """Next state of each slot in `seqs` under `event`; raises if any slot refuses."""
-        nxt = self._next[event].take(self.state.take(seqs))
+        return self.transition(event, seqs)[1]
+
+    def transition(self, event: str, seqs: np.ndarray) -> tuple:
+        """`(current, next)` states of the slots in `seqs` under `event` (the current ones
+        for `apply`, which would read them again); raises if any slot refuses."""
+        current = self.state.take(seqs)
+        nxt = self._next[event].take(current)
         if _min(nxt) == REFUSED:
             bad = int(seqs[np.flatnonzero(nxt == REFUSED)[0]])
             self._refuse(event, bad)
         if self._models is not None:
             self._cross_check(event, seqs, allowed=True)
-        return nxt
+        return current, nxt
 
     def check_one(self, event: str, seq: int) -> int:
         nxt = int(self._next[event][self.state[seq]])
@@ -98,10 +105,11 @@ class SlotTable:
             self._cross_check(event, [seq], allowed=True)
         return nxt
 
-    def apply(self, event: str, seqs, nxt) -> None:
-        """Move `seqs` to `nxt` (from `check`); `RESTORES` entries go back to `before_declare`."""
+    def apply(self, event: str, seqs, nxt, current=None) -> None:
+        """Move `seqs` to `nxt` (from `check`); `RESTORES` entries go back to `before_declare`.
+        `current`: their states now, if `transition` read them."""
         if event == "declare":
-            self.before_declare[seqs] = self.state[seqs]
+            self.before_declare[seqs] = self.state[seqs] if current is None else current
         if event == "abort":
             nxt = np.where(nxt == RESTORES, self.before_declare[seqs], nxt)
         self.state[seqs] = nxt

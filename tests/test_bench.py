@@ -10,7 +10,7 @@ import json
 import pytest
 
 import kvnumba.device as kv_device
-from bench import control, kernels
+from bench import control, host, kernels
 
 
 def test_control_quick_reports_every_batch_and_kind():
@@ -24,6 +24,27 @@ def test_control_quick_reports_every_batch_and_kind():
     assert result["upload_included"] == (not kv_device.SIMULATOR)
     assert "decode_us_at_256" in result and "ratio_at_256" in result
     assert "targets" in control.report(result).splitlines()[2]
+
+
+def test_host_quick_reports_every_call_and_what_it_launches():
+    """The data path's host time, run in compile mode (a subprocess from the simulator):
+    every (B, inputs, call) is timed and, without a GPU, its launches are recorded: an
+    update_and_attend launches what a write and an attend launch, in that order."""
+    result = host.run_anywhere(quick=True)
+    rows = {(r["batch"], r["kind"], r["op"]): r for r in result["rows"]}
+    assert set(rows) == {(b, k, o) for b in host.BATCHES for k in host.KINDS for o in host.OPS}
+    for row in rows.values():
+        assert math.isfinite(row["us"]) and 0 < row["best_us"] <= row["us"], row
+        assert math.isfinite(row["cpu_us"]) and row["cpu_us"] > 0, row
+    if not result["launches_replaced"]:
+        return
+    for (batch, kind, op), row in rows.items():
+        if op == "update_and_attend":
+            both = rows[batch, kind, "write"]["launches"] + rows[batch, kind, "attend"]["launches"]
+            assert row["launches"] == both and len(both) >= 2, row
+        if kind == "device":
+            assert math.isfinite(row["numba_cpu_us"]) and row["numba_cpu_us"] > 0, row
+    assert "target" in host.report(result).splitlines()[2]
 
 
 def test_mixed_step_fits_the_config():
@@ -60,5 +81,6 @@ def test_bench_runs_from_any_directory_and_writes_where_it_is_told(tmp_path):
     for key in kernels.SECTIONS:            # every kernel case ran through the public API
         rows = figures["kernels"][key]
         assert rows and all("error" not in r for r in rows), (key, rows)
+    assert figures["host"]["rows"] and "data path host time" in proc.stdout
     assert "skewed 3 seqs, ring 4" in proc.stdout and "targets" in proc.stdout
     assert not (Path(control.__file__).parent / "results").exists()
