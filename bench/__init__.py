@@ -2,13 +2,18 @@
 
 - `python -m bench.control`: host time of declare + prepare + commit, against a
   naive baseline that drives one `transitions` model per slot (CPU, runs anywhere).
+- `python -m bench.host`: host time of `write`, `attend` and `update_and_attend` for
+  a decode step's layer, with the driver launch replaced by a recorder (CPU: runs in
+  compile mode over fake device memory, or on a GPU), and the launches each makes.
 - `python -m bench.kernels`: write, clone and attention kernels on a CUDA GPU
   (fractions of a 1 GiB copy's bandwidth, TFLOP/s against a large fp16 matmul,
   PyTorch SDPA and FlashAttention varlen as peers).
 - `python -m bench [--quick | --smoke] [--results DIR]` (also `kvnumba-bench`): both,
   plus a JSON record in DIR (default `./bench-results`).
-- `python -m bench.sass`: static sm_90 report (registers, spills, shared memory,
-  key SASS instructions) of compiled kernels; needs no GPU, only the CUDA tools.
+- `python -m bench.sass [--report | --check]`: static sm_90a report (registers,
+  spills, shared memory, key SASS instructions, per-key / per-tile / per-vector
+  figures) of compiled kernels, and `--check` against `bench/sass_budgets.json`; needs
+  no GPU, only the CUDA tools of the `sass` extra.
 
 Benchmarks never assert timings; the tests only check that they run.
 """

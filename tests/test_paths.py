@@ -152,27 +152,31 @@ def test_an_attend_launches_at_most_one_path_per_group(name, monkeypatch):
     assert len(calls) == len(WINDOWS) and calls[0] == want[0]
 
 
-def test_the_launch_key_changes_only_with_the_launches():
-    """Decode steps keep one key until a sequence's history crosses a chunk boundary."""
+@pytest.mark.parametrize("head_dim, fast", [(16, True), (12, False)])
+def test_the_launch_key_changes_only_with_the_launches(head_dim, fast):
+    """Decode steps keep one key until a sequence's history reaches another chunk count:
+    1.5 chunks on the fast path (a remainder under half a chunk joins the last chunk),
+    one chunk + 1 key on the generic path's split-K (hand-computed boundaries)."""
     from kvnumba.kernels.decode import CHUNK
-    for dtype, head_dim in (("float16", 16), ("float16", 12)):     # fast, generic decode
-        config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H,
-                                head_dim=head_dim, capacity=2 * CHUNK, max_seqs=2,
-                                max_write=CHUNK, max_step=CHUNK + 8, dtype=dtype)
-        cache = kv.BatchedSequenceCache(config)
-        a, b = cache.seq_new(), cache.seq_new()
-        cache.declare_step([a] * (CHUNK - 3) + [b] * 5)
+    boundary = CHUNK + CHUNK // 2 if fast else CHUNK + 1   # first key count of 2 chunks
+    config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H,
+                            head_dim=head_dim, capacity=2 * CHUNK, max_seqs=2,
+                            max_write=2 * CHUNK, max_step=2 * CHUNK + 8, dtype="float16",
+                            initial_rows=2 * CHUNK)          # no growth moves the storage
+    cache = kv.BatchedSequenceCache(config)
+    a, b = cache.seq_new(), cache.seq_new()
+    cache.declare_step([a] * (boundary - 4) + [b] * 5)
+    cache.prepare_step()
+    assert cache.plan.launch_key is not None
+    cache.commit_step()
+    keys = []
+    for _ in range(5):                 # a's query sees boundary - 3 .. boundary + 1 keys
+        plan = cache.declare_step([a, b])
+        assert plan.launch_key is None
         cache.prepare_step()
-        assert cache.plan.launch_key is not None
+        keys.append(plan.launch_key)
         cache.commit_step()
-        keys = []
-        for _ in range(5):                 # a goes from CHUNK - 3 to CHUNK + 2 keys
-            plan = cache.declare_step([a, b])
-            assert plan.launch_key is None
-            cache.prepare_step()
-            keys.append(plan.launch_key)
-            cache.commit_step()
-        assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4], (dtype, head_dim, keys)
-        cache.declare_step([a, b])
-        assert cache.prepare_step(4).launch_key != keys[4]        # another width
-        cache.abort_step()
+    assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4], keys
+    cache.declare_step([a, b])
+    assert cache.prepare_step(4).launch_key != keys[4]        # another width
+    cache.abort_step()
