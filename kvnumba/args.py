@@ -11,6 +11,7 @@ import math
 import numbers
 
 import numpy as np
+from numba import njit
 
 from .errors import ConfigError, ShapeError, UnknownSequenceError
 
@@ -91,12 +92,21 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise ShapeError(f"{what}: expected a 1-D list or array of ints, got shape "
                          f"{array.shape} dtype {array.dtype}")
-    if array.size and array.dtype.kind == "u" and int(array.max()) >= n:
-        raise UnknownSequenceError(f"{what}: sequence {int(array.max())} is not a column id "
-                                   f"in [0, {n})")
-    ids = np.array(array, dtype=np.int64)  # a copy: the caller may reuse its buffer at once
-    # one reduction: as unsigned, a negative id is larger than any valid one
-    if ids.size and np.maximum.reduce(ids.view(np.uint64)) >= n:
-        bad = int(ids[(ids < 0) | (ids >= n)][0])
+    ids, bad = _copy_ids(array, n)    # a copy: the caller may reuse its buffer at once
+    if bad >= 0:   # an unsigned array is named by its largest id: never a wrapped value
+        bad = int(array.max()) if array.dtype.kind == "u" else int(array[bad])
         raise UnknownSequenceError(f"{what}: sequence {bad} is not a column id in [0, {n})")
     return ids
+
+
+@njit(cache=True)
+def _copy_ids(values, n):
+    """`(ids, bad)`: `values` copied into a new int64 array, in one compiled pass that stops
+    at the first id outside `[0, n)` (its index `bad`; -1 when every id is in range)."""
+    ids = np.empty(values.size, np.int64)
+    for i in range(values.size):
+        value = values[i]
+        if value < 0 or value >= n:
+            return ids, i
+        ids[i] = value
+    return ids, -1

@@ -25,7 +25,8 @@ import numpy as np
 
 from .device import SIMULATOR, cuda
 from .errors import ShapeError
-from .kernels.launch import ARGUMENT, POINTER, array_fields, c_strides, describe
+from .kernels.launch import (ARGUMENT, POINTER, array_fields, c_strides, describe,
+                             kernel_argument)
 
 BFLOAT16 = "bfloat16"
 
@@ -123,7 +124,7 @@ def check(name: str, array, shape: tuple | None, dtypes) -> None:
     if kind == TORCH and array.requires_grad:
         raise ShapeError(f"{name}: the tensor requires grad; the cache is not "
                          f"differentiable: pass {name}.detach()")
-    if shape is not None and tuple(array.shape) != tuple(shape):
+    if shape is not None and array.shape != shape and tuple(array.shape) != tuple(shape):
         got_shape = tuple(array.shape)
         if len(got_shape) != len(shape):
             raise ShapeError(f"{name}: expected rank {len(shape)} {tuple(shape)}, got rank "
@@ -185,11 +186,17 @@ def _interface_view(array):
     interface = array.__cuda_array_interface__
     if SIMULATOR or interface.get("stream") is not None or interface.get("mask") is not None:
         return cuda.as_cuda_array(array)
-    dtype = np.dtype(interface["typestr"])
+    dtype = _typestr_dtype(interface["typestr"])
     shape = tuple(interface["shape"])
     strides = interface.get("strides")
     strides = c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
     return DeviceView(array, interface["data"][0] or 0, shape, strides, dtype)
+
+
+@lru_cache(maxsize=64)
+def _typestr_dtype(typestr: str) -> np.dtype:
+    """The dtype of an array interface's type string (cached: a few repeat every call)."""
+    return np.dtype(typestr)
 
 
 #: the dtypes the kernels see for a PyTorch tensor of each name
@@ -216,7 +223,7 @@ class DeviceView:
             owner, ptr, shape, strides, dtype
         self.size, self._c_contiguous, self._numba_type_, before, after = \
             _layout(shape, strides, dtype)
-        setattr(self, ARGUMENT, (self._numba_type_.name, (*before, ptr, *after)))
+        setattr(self, ARGUMENT, kernel_argument(self._numba_type_.name, (*before, ptr, *after)))
 
     @property
     def ndim(self) -> int:
@@ -281,7 +288,8 @@ class Result:
     def __init__(self, q, out, shape, stream):
         self.q, self.out, self.stream = q, out, stream
         self.handle = None
-        if out is not None and on_device(out):
+        self.in_place = out is not None and on_device(out)   # the kernels write `out`
+        if self.in_place:
             self.device = device_view(out, stream)
             return
         name = dtype_name(q if out is None else out)
@@ -294,7 +302,7 @@ class Result:
 
     def value(self):
         q, out = self.q, self.out
-        if out is not None and on_device(out):
+        if self.in_place:
             return out
         if self.handle is not None:
             return self.handle

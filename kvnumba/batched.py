@@ -18,17 +18,18 @@ from .arrays import Result, check, check_out, device_pointer, device_view
 from .device import allocating, announce, cuda
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
-from .kernels.padding import zero_rows
-from .kernels.write import write_kv
+from .kernels import padding, write
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   StepTables, frozen, held_positions, ring_floor, span_offsets,
-                   token_segments, token_tables)
+                   StepTables, decode_segments, frozen, held_positions, one_each, ring_floor,
+                   span_offsets, stage_tables)
 from .paths import AttentionPaths, tables_size
 from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
 
 _IO_DTYPES = ("float16", "float32", "bfloat16")
+_ATTEND_KEYWORDS = frozenset({"out", "scale", "softcap"})
+_NO_SOFTCAP = np.float32(0.0)
 _max = np.maximum.reduce
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
 
@@ -58,24 +59,26 @@ class BatchedSequenceCache:
             self._slots = SlotTable(n)
             self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
             self._staging = Staging(tables_size(config), self.stream)
-            self._paths = AttentionPaths(config)
+            self._paths = AttentionPaths(config, self.stream)
             # read-only ramps reused by every decode step (no per-step allocation); a step
             # whose every token is its own run of a distinct sequence has at most this many
             ramp = min(config.max_step, n)
             self._arange = frozen(np.arange(ramp, dtype=np.int64))
             self._ones = frozen(np.ones(ramp, dtype=np.int64))
-            self._token_segments = frozen(token_segments(ramp))
         self._tables: StepTables | None = None   # the open step, as the cache keeps it
         self._plan: StepPlan | None = None       # its read-only view, handed to callers
-        self._runs = None      # (span seqs, span lengths) of the open step, in token order
-        self._seq_ends = None  # (its sequences, the position each reaches) for commit / abort
+        self._seq_totals = None   # (its sequences, the tokens each writes) for commit / abort
         self._written = np.zeros(config.n_layers, dtype=bool)  # layers the step has written
         self._routes = None    # the prepared step's attention paths (`paths.StepPaths`)
+        self._writes = None    # the K/V writes (`write.WriteRun`) of the last prepared step
+        self._zero = None      # its padding rows' zeroing launch, or None without padding
         # what a launch needs of each layer, as Python ints: (ring rows R or 0, window or 0)
         self._layer_geometry = [(int(rows), spec.window or 0) for rows, spec in
                                 zip(self._pool.ring_rows, config.layers)]
-        self._default_scale = 1.0 / math.sqrt(config.head_dim)
+        # the kernels take scale and softcap as float32: the defaults converted once
+        self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
         self._kv_shape = None   # the prepared step's K/V shape [width, n_kv_heads, head_dim]
+        self._kv_run = config.n_kv_heads * config.head_dim   # elements of a token's K (or V)
         # every ring layer's floor is hw - M once hw > R: the smallest R binds first
         rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
         self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
@@ -203,50 +206,65 @@ class BatchedSequenceCache:
             raise ShapeError("declare_step: seq_ids must be a non-empty 1-D sequence of ints "
                              "(one sequence id per token)")
         block_ids = self._block_ids(blocks)
-        n_tokens = ids.size
-        spans_per_seq = np.bincount(ids, minlength=self._n)     # tokens, for now
-        one_token_each = n_tokens <= self._arange.size and _max(spans_per_seq) == 1
-        if one_token_each:   # a decode step: every token a span of its own sequence
-            run_seqs, run_starts, run_lens = ids, self._arange[:n_tokens], self._ones[:n_tokens]
+        if ids.size <= self._arange.size and one_each(ids, self._n):
+            tables = self._declare_tokens(ids, block_ids)
         else:
-            boundary = ids[1:] != ids[:-1]
-            run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
-            run_seqs = ids[run_starts]
-            run_lens = np.diff(np.append(run_starts, n_tokens))
-            spans_per_seq = np.bincount(run_seqs, minlength=self._n)
-        current, nxt = self._slots.transition("declare", run_seqs)
-        flags = self._block_flags(block_ids, spans_per_seq, run_seqs, run_starts, run_lens)
+            tables = self._declare_spans(ids, block_ids)
+        self._step.apply("declare", nxt_step)
+        self._tables = tables
+        self._plan = StepPlan(tables)
+        return self._plan
+
+    def _declare_tokens(self, ids, block_ids) -> StepTables:
+        """`declare_step` of a step whose every token is a span of its own sequence (a
+        decode step): its refusals, then the slots moved and the step's tables."""
+        n_tokens = ids.size
+        ones = self._ones[:n_tokens]
+        self._slots.require("declare", ids)
+        if block_ids is not None:
+            flags = self._block_flags(block_ids, ids, self._arange[:n_tokens], ones)
+        seq_info = np.empty((n_tokens, SEQ_INFO_FIELDS), dtype=np.int32)
+        furthest = decode_segments(ids, self._slots.pos, seq_info)
+        max_kv_len = int(seq_info[furthest, POS_START]) + 1
+        if max_kv_len > self.config.capacity:
+            self._refuse_capacity(ids, ones, furthest)
+        self._check_step_tokens(n_tokens)
+        if block_ids is not None:
+            seq_info[:, FLAGS] = flags
+        self._slots.declare(ids)
+        self._seq_totals = (ids, ones)
+        # the logit rows are the tokens: a view of the read-only ramp
+        return StepTables(n_tokens, frozen(seq_info), self._arange[:n_tokens], 1, max_kv_len,
+                          (ids, ones))
+
+    def _declare_spans(self, ids, block_ids) -> StepTables:
+        """`declare_step` of any step: its spans (maximal runs of one id), their refusals,
+        then the slots moved and the step's tables."""
+        n_tokens = ids.size
+        boundary = ids[1:] != ids[:-1]
+        run_starts = np.concatenate(([0], np.flatnonzero(boundary) + 1))
+        run_seqs = ids[run_starts]
+        run_lens = np.diff(np.append(run_starts, n_tokens))
+        self._slots.require("declare", run_seqs)
+        flags = self._block_flags(block_ids, run_seqs, run_starts, run_lens)
         pos_start = self._slots.pos.take(run_seqs)
-        if one_token_each or _max(spans_per_seq) == 1:   # one span per sequence
-            seqs, totals, ends = run_seqs, run_lens, pos_start + run_lens
+        if _max(np.bincount(run_seqs, minlength=self._n)) == 1:    # one span per sequence
+            seqs, totals = run_seqs, run_lens
         else:
             offsets, seqs, totals = span_offsets(run_seqs, run_lens)
             pos_start = pos_start + offsets
-            current, nxt = self._slots.transition("declare", seqs)
-            ends = self._slots.pos[seqs] + totals
-        max_kv_len = self._check_totals(seqs, totals, ends, one_token_each)
-        if n_tokens > self.config.max_step:
-            raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
-                                f"{self.config.max_step}")
-        if one_token_each and block_ids is None:    # a decode step: a copy of the template
-            seq_info = self._token_segments[:n_tokens].copy()
-        else:
-            seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
-            seq_info[:, Q_START] = run_starts
-            seq_info[:, Q_LEN] = run_lens
-            seq_info[:, FLAGS] = flags
+        max_kv_len = self._check_totals(seqs, totals)
+        self._check_step_tokens(n_tokens)
+        seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
+        seq_info[:, Q_START] = run_starts
+        seq_info[:, Q_LEN] = run_lens
         seq_info[:, COL] = run_seqs
         seq_info[:, POS_START] = pos_start
-        logits = run_starts if one_token_each else run_starts + run_lens - 1
-        self._slots.apply("declare", seqs, nxt, current)
-        self._step.apply("declare", nxt_step)
-        self._runs = (run_seqs, run_lens)
-        self._seq_ends = (seqs, ends)
-        max_q_len = 1 if one_token_each else int(_max(run_lens))
-        self._tables = StepTables(n_tokens, frozen(seq_info), frozen(logits), max_q_len,
-                                  max_kv_len)
-        self._plan = StepPlan(self._tables)
-        return self._plan
+        seq_info[:, FLAGS] = flags
+        self._slots.declare(seqs)
+        self._seq_totals = (seqs, totals)
+        return StepTables(n_tokens, frozen(seq_info), frozen(run_starts + run_lens - 1),
+                          int(_max(run_lens)), max_kv_len, (run_seqs, run_lens))
 
     def prepare_step(self, width: int | None = None) -> StepPlan:
         """Stage the declared step at `width` tokens (default: no padding).
@@ -263,16 +281,22 @@ class BatchedSequenceCache:
                                 f"{plan.n_tokens}, max_step {self.config.max_step}]")
         if plan.max_kv_len > self._pool.flat_rows:
             self._pool.ensure_row(plan.max_kv_len - 1, int(_max(self._slots.high_water)))
-        info = plan.seq_info
-        seq_cols, positions = token_tables(*self._runs, info, plan.n_tokens, width,
-                                           self._pad_col)
-        routes, sections = self._paths.plan(info, plan.max_q_len, plan.max_kv_len)
-        names = ("seq_cols", "positions", "seq_info", *sections)
-        offsets = self._staging.upload(seq_cols, positions, info, *sections.values())
-        routes.place(dict(zip(names, offsets)))
+        info, staging = plan.seq_info, self._staging
+        # each token's column and position, then the segment table, then the paths' plans
+        host = staging.begin(2 * width + info.size)
+        at = stage_tables(host, *plan.runs, info, plan.n_tokens, width, self._pad_col, True)
+        routes, end = self._paths.plan(info, plan.max_q_len, plan.max_kv_len, staging,
+                                       info_at=2 * width, at=at)
+        staging.send(end)
+        tables, stream = staging.device, self.stream
         routes.buffers = self._buffer_addresses
         plan.routes = self._routes = routes
-        plan.width, plan.seq_cols, plan.positions = width, frozen(seq_cols), frozen(positions)
+        writes = self._writes      # the last step's, with its launches, if it fits this one
+        if writes is None or writes.width != width or writes.tables is not tables:
+            self._writes = write.prepare(tables, width, self._kv_run,
+                                         self.config.storage_dtype, stream)
+        self._zero = padding.prepare(width, plan.n_tokens, stream)
+        plan.width, plan.pad_col = width, self._pad_col
         self._kv_shape = (width, self.config.n_kv_heads, self.config.head_dim)
         self._written.fill(False)
         self._step.apply("prepare", nxt_step)
@@ -289,11 +313,7 @@ class BatchedSequenceCache:
     def commit_step(self) -> None:
         """Advance every sequence of the step by all its spans' tokens; COMMITTED."""
         nxt_step = self._step.check("commit", "commit_step")
-        seqs, ends = self._seq_ends
-        self._slots.apply("commit", seqs, self._slots.transition("commit", seqs)[1])
-        self._slots.pos[seqs] = ends
-        hw = self._slots.high_water
-        hw[seqs] = np.maximum(hw.take(seqs), ends)
+        self._slots.advance("commit", *self._seq_totals)
         self._close(nxt_step, "commit")
 
     def abort_step(self) -> None:
@@ -303,11 +323,11 @@ class BatchedSequenceCache:
         high-water rises to the end of its last span.
         """
         nxt_step = self._step.check("abort", "abort_step")
-        seqs, ends = self._seq_ends
+        seqs, totals = self._seq_totals
         self._slots.apply("abort", seqs, self._slots.check("abort", seqs))
         if self._step.index == StepState.PREPARED:
             hw = self._slots.high_water
-            hw[seqs] = np.maximum(hw[seqs], ends)
+            hw[seqs] = np.maximum(hw[seqs], self._slots.pos[seqs] + totals)
         self._close(nxt_step, "abort")
 
     def check_declarable(self, seqs: np.ndarray) -> None:
@@ -318,13 +338,13 @@ class BatchedSequenceCache:
 
     def _close(self, nxt_step, event):
         self._step.apply(event, nxt_step)
-        self._tables = self._plan = self._routes = None
-        self._runs = self._seq_ends = None
+        self._tables = self._plan = self._routes = self._zero = None
+        self._seq_totals = None
 
     # ------------------------------------------------------------------ data path
     def write(self, layer: int, k, v) -> None:
         """Write the prepared step's K and V `[width, n_kv_heads, head_dim]` into `layer`."""
-        self._launch_write(*self._write_args(layer, k, v))
+        self._launch_write(self._write_args(layer, k, v), k, v)
 
     def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
         """Attention of the prepared step's queries over their own sequences' histories.
@@ -349,45 +369,48 @@ class BatchedSequenceCache:
 
         Every argument of both halves is checked before anything is written.
         """
-        unknown = set(kw) - {"out", "scale", "softcap"}
-        if unknown:
+        if not _ATTEND_KEYWORDS.issuperset(kw):
             raise ShapeError(f"update_and_attend: unexpected keyword arguments "
-                             f"{sorted(unknown)} (allowed: out, scale, softcap)")
-        write_args = self._write_args(layer, k, v)
-        attend_args = self._attend_args(layer, q, kw.get("out"), kw.get("scale"),
-                                        kw.get("softcap"))
-        self._launch_write(*write_args)
-        return self._launch_attend(*attend_args)
+                             f"{sorted(set(kw) - _ATTEND_KEYWORDS)} (allowed: out, scale, "
+                             f"softcap)")
+        layer = self._write_args(layer, k, v)
+        attend_args = self._attend_inputs(q, kw.get("out"), kw.get("scale"), kw.get("softcap"))
+        self._launch_write(layer, k, v)
+        return self._launch_attend(layer, *attend_args)
 
-    def _write_args(self, layer, k, v):
+    def _write_args(self, layer, k, v) -> int:
+        """`layer` as an index, once the step is prepared and k and v fit it."""
         self._require_prepared("write")
         layer = self._layer(layer, "write")
         check("k", k, self._kv_shape, _IO_DTYPES)
         check("v", v, self._kv_shape, _IO_DTYPES)
-        return layer, k, v
+        return layer
 
     def _launch_write(self, layer, k, v) -> None:
         pool, stream = self._pool, self.stream
-        write_kv(pool.k[layer], pool.v[layer], device_view(k, stream), device_view(v, stream),
-                 self._staging.device, self._layer_geometry[layer][0], stream)
+        self._writes(pool.k[layer], pool.v[layer], device_view(k, stream),
+                     device_view(v, stream), self._layer_geometry[layer][0])
         self._written[layer] = True
 
-    def _attend_args(self, layer, q, out, scale, softcap):
+    def _attend_args(self, layer, q, out, scale, softcap) -> tuple:
         self._require_prepared("attend")
-        layer = self._layer(layer, "attend")
+        return (self._layer(layer, "attend"), *self._attend_inputs(q, out, scale, softcap))
+
+    def _attend_inputs(self, q, out, scale, softcap) -> tuple:
+        """`(q, out, scale, softcap)` checked, the defaults filled in."""
         shape = self._check_q(q)
         if out is not None:
             check_out("out", out, shape, _IO_DTYPES)
         scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
-        softcap = 0.0 if softcap is None else as_finite(softcap, "attend: softcap",
-                                                        positive=True)
-        return layer, q, out, scale, softcap
+        softcap = _NO_SOFTCAP if softcap is None else as_finite(softcap, "attend: softcap",
+                                                                positive=True)
+        return q, out, scale, softcap
 
     def _launch_attend(self, layer, q, out, scale, softcap):
-        plan, stream = self._tables, self.stream
+        stream = self.stream
         result = Result(q, out, tuple(q.shape), stream)
-        if plan.width > plan.n_tokens:
-            zero_rows(result.device, plan.n_tokens, stream)
+        if self._zero is not None:
+            self._zero(result.device)
         ring_rows, window = self._layer_geometry[layer]
         self._paths.run(self._routes, device_view(q, stream), self._pool.k[layer],
                         self._pool.v[layer], self._staging.device, result.device,
@@ -472,22 +495,29 @@ class BatchedSequenceCache:
                                  f"{int(self._slots.high_water[seq])}, max_write "
                                  f"{self.config.max_write})")
 
-    def _check_totals(self, seqs, totals, ends, one_token_each) -> int:
+    def _check_totals(self, seqs, totals) -> int:
         """Refuse a sequence writing more than max_write tokens, or reaching past capacity;
-        returns the furthest end. (`one_token_each`: every sequence writes one token,
-        within any max_write.)"""
-        if not one_token_each and _max(totals) > self.config.max_write:
+        returns the furthest end."""
+        if _max(totals) > self.config.max_write:
             i = int(np.argmax(totals))
             raise CapacityError(f"declare_step: sequence {int(seqs[i])} writes "
                                 f"{int(totals[i])} tokens, more than max_write "
                                 f"{self.config.max_write}")
+        ends = self._slots.pos[seqs] + totals
         furthest = int(_max(ends))
         if furthest > self.config.capacity:
-            i = int(np.argmax(ends))
-            raise CapacityError(f"declare_step: sequence {int(seqs[i])} at pos "
-                                f"{int(self._slots.pos[seqs[i]])} + {int(totals[i])} tokens "
-                                f"exceeds capacity {self.config.capacity}")
+            self._refuse_capacity(seqs, totals, int(np.argmax(ends)))
         return furthest
+
+    def _refuse_capacity(self, seqs, totals, i: int):
+        raise CapacityError(f"declare_step: sequence {int(seqs[i])} at pos "
+                            f"{int(self._slots.pos[seqs[i]])} + {int(totals[i])} tokens "
+                            f"exceeds capacity {self.config.capacity}")
+
+    def _check_step_tokens(self, n_tokens: int) -> None:
+        if n_tokens > self.config.max_step:
+            raise CapacityError(f"declare_step: {n_tokens} tokens exceed max_step "
+                                f"{self.config.max_step}")
 
     def _block_ids(self, blocks):
         """`blocks` as a fresh int64 id array, or None for no blocks."""
@@ -496,11 +526,11 @@ class BatchedSequenceCache:
         ids = as_ids(blocks, self._n, "declare_step blocks")
         return ids if ids.size else None
 
-    def _block_flags(self, block_ids, spans_per_seq, run_seqs, run_starts,
-                     run_lens) -> np.ndarray | int:
+    def _block_flags(self, block_ids, run_seqs, run_starts, run_lens) -> np.ndarray | int:
         """FLAG_BLOCK for the spans `block_ids` names; each must name exactly one span."""
         if block_ids is None:
             return 0
+        spans_per_seq = np.bincount(run_seqs, minlength=self._n)
         wrong = block_ids[spans_per_seq[block_ids] != 1]
         if wrong.size:
             seq = int(wrong[0])

@@ -12,21 +12,21 @@ segment's output never depends on what shares its step:
 * prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
   the storage, else `kernels.attention` (CUDA cores, exact for float32).
 
-`plan` turns the host segment table into int32 sections for the step's one upload:
-the two segment lists, and for the decode path one work / combine table per
-distinct layer window (the window decides which keys a chunk covers). `run` then
-launches with nothing left to plan.
+`plan` writes the step's int32 sections straight into its one upload: the two
+segment lists, and for the decode path one work / combine table per distinct layer
+window (the window decides which keys a chunk covers); and it fixes what each path
+launches for the step's layers. `run` then launches with nothing left to plan.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
 
 from .kernels import attention as generic, decode, prefill
 from .kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
-from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS
+from .kernels.decode import COMBINE_FIELDS
+from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS, layer_rows
 
 _max = np.maximum.reduce
 _min = np.minimum.reduce
@@ -44,49 +44,21 @@ class Group(NamedTuple):
 _NONE = Group(0, 0, 0)
 
 
-@lru_cache(maxsize=None)
-def plan_sections(window: int) -> tuple:
-    """The names, in a step's upload, of the decode plan of layers of `window`: its work
-    table and its combine table."""
-    return f"work {window}", f"combine {window}"
-
-
 class StepPaths:
-    """A prepared step's routing: the two groups, the decode plans by window, and (once
-    `place`d in the uploaded tables) the launch arguments each path takes for every layer
-    of the step, so a layer adds only its own arrays and scalars."""
+    """A prepared step's routing (`AttentionPaths.plan`): the two groups, the decode plans
+    by window (`decode.PlacedPlan`), and what each path launches for every layer of the
+    step, so a layer adds only its own arrays and scalars: the fast decode path's
+    `decode.DecodeRun` by layer window, the other paths' launch arguments."""
 
-    __slots__ = ("decode", "prefill", "decode_plans", "decode_args", "prefill_args",
-                 "buffers")
+    __slots__ = ("decode", "prefill", "decode_plans", "decode_runs", "decode_args",
+                 "prefill_args", "buffers")
 
-    def __init__(self, decode_group, prefill_group, decode_plans):
+    def __init__(self, decode_group, prefill_group):
         self.decode = decode_group
         self.prefill = prefill_group
-        self.decode_plans = decode_plans
-        self.decode_args = self.prefill_args = None
+        self.decode_plans = {}
+        self.decode_runs = self.decode_args = self.prefill_args = None
         self.buffers = tuple    # the cache's: the addresses of the buffers launches use
-
-    def place(self, offsets: dict) -> None:
-        """Fix the launch arguments, given where each uploaded section starts (`offsets`,
-        by the names `AttentionPaths.plan` gave them): the decode path's by layer window
-        (its fast kernel reads a plan per window), the prefill path's for all layers."""
-        info = offsets["seq_info"]
-        d, p = self.decode, self.prefill
-        if self.decode_plans:
-            self.decode_args = {}
-            for window, found in self.decode_plans.items():
-                work, combine = plan_sections(window)
-                self.decode_args[window] = dict(
-                    seq_info_off=info, work_off=offsets[work], n_items=found.n_items,
-                    combine_off=offsets[combine], n_combine=found.n_combine,
-                    n_parts=found.n_parts, max_q_len=found.max_q_len)
-        elif d.n:
-            self.decode_args = dict(seq_info_off=info, segments_off=offsets["decode_segments"],
-                                    n_segments=d.n, max_q_len=d.max_q_len,
-                                    max_kv_len=d.max_kv_len)
-        if p.n:
-            self.prefill_args = dict(seq_info_off=info, segments_off=offsets["prefill_segments"],
-                                     n_segments=p.n, max_q_len=p.max_q_len)
 
     def launch_key(self) -> tuple:
         """What the launches' grids and buffers depend on, besides the step's width: the
@@ -108,56 +80,89 @@ class StepPaths:
 class AttentionPaths:
     """The attention paths of one cache (chosen once from its config) and their workspace."""
 
-    def __init__(self, config):
+    def __init__(self, config, stream=0):
         self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
         self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
         self.windows = sorted({spec.window or 0 for spec in config.layers})
+        # R of the ring layers of each window (0: flat), as the pool sizes them
+        self.ring_rows = {window: int(rows) for window, rows in zip(
+            self.windows, layer_rows([w or None for w in self.windows], config.max_write,
+                                     config.capacity))}
+        self.stream = stream
         self.workspace = AttentionWorkspace()
         self._ramp = np.arange(0, dtype=np.int32)    # every segment's index, grown on demand
+        self._runs = {}       # the last step's decode runs, by window
 
     # ------------------------------------------------------------------ host, per step
-    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int):
-        """`(StepPaths, sections)`: the routing of the step whose segment table is
-        `seq_info` (its longest segment `max_q_len`, its furthest reach `max_kv_len`),
-        and the int32 arrays to upload, by name, in upload order."""
+    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, staging, *,
+             info_at: int, at: int):
+        """`(StepPaths, end)`: the routing of the step whose segment table is `seq_info`
+        (its longest segment `max_q_len`, its furthest reach `max_kv_len`), staged at
+        entry `info_at` of the step's tables in `staging` (a `Staging`). Its sections
+        (the fast decode path's plan per layer window, the other paths' segment lists)
+        are written into the host buffer from entry `at` up to `end`, and what each path
+        launches for every layer of the step is fixed: the fast decode path's
+        `decode.DecodeRun` by window, the other paths' launch arguments."""
         n = len(seq_info)
-        q_len = seq_info[:, Q_LEN]
+        if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
+            paths = StepPaths(Group(n, max_q_len, max_kv_len), _NONE)
+            decode_segs = self._all(n)
+        elif _min(seq_info[:, Q_LEN]) > DECODE_MAX_Q_LEN:    # a prefill step: the other
+            paths = StepPaths(_NONE, Group(n, max_q_len, max_kv_len))
+            prefill_segs = self._all(n)
+        else:
+            is_decode = seq_info[:, Q_LEN] <= DECODE_MAX_Q_LEN
+            decode_segs = np.flatnonzero(is_decode).astype(np.int32)
+            prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
+            paths = StepPaths(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
+        decode_group, prefill_group = paths.decode, paths.prefill
+        if decode_group.n and self.decode_fast:     # a work list per window; no segment list
+            for window in self.windows:
+                paths.decode_plans[window] = found = decode.plan_into(
+                    seq_info, decode_segs, window=window, staging=staging, at=at)
+                at = found.combine_off + found.n_combine * COMBINE_FIELDS
+        elif decode_group.n:
+            segments_at, at = at, staging.put(decode_segs, at)
+            paths.decode_args = dict(seq_info_off=info_at, segments_off=segments_at,
+                                     n_segments=decode_group.n,
+                                     max_q_len=decode_group.max_q_len,
+                                     max_kv_len=decode_group.max_kv_len)
+        if prefill_group.n:
+            segments_at, at = at, staging.put(prefill_segs, at)
+            paths.prefill_args = dict(seq_info_off=info_at, segments_off=segments_at,
+                                      n_segments=prefill_group.n,
+                                      max_q_len=prefill_group.max_q_len)
+        if paths.decode_plans:    # the device buffer, once the sections no longer grow it
+            paths.decode_runs = self._decode_runs(paths.decode_plans, staging.device, info_at)
+        return paths, at
+
+    def _all(self, n: int) -> np.ndarray:
+        """Every segment's index, `[0, n)` (int32, read-only)."""
         if n > self._ramp.size:
             self._ramp = np.arange(max(n, 2 * self._ramp.size), dtype=np.int32)
             self._ramp.setflags(write=False)
-        if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
-            decode_segs, prefill_segs = self._ramp[:n], self._ramp[:0]
-            decode_group, prefill_group = Group(n, max_q_len, max_kv_len), _NONE
-        elif _min(q_len) > DECODE_MAX_Q_LEN:                # a prefill step: the other
-            decode_segs, prefill_segs = self._ramp[:0], self._ramp[:n]
-            decode_group, prefill_group = _NONE, Group(n, max_q_len, max_kv_len)
-        else:
-            is_decode = q_len <= DECODE_MAX_Q_LEN
-            decode_segs = np.flatnonzero(is_decode).astype(np.int32)
-            prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
-            decode_group = _group(seq_info, decode_segs)
-            prefill_group = _group(seq_info, prefill_segs)
-        sections, plans = {}, {}
-        if decode_group.n and self.decode_fast:     # a work list per window; no segment list
-            for window in self.windows:
-                work, combine = plan_sections(window)
-                plans[window] = found = decode.plan(seq_info, decode_segs, window=window)
-                sections[work] = found.work
-                sections[combine] = found.combine
-        elif decode_group.n:
-            sections["decode_segments"] = decode_segs
-        if prefill_group.n:
-            sections["prefill_segments"] = prefill_segs
-        return StepPaths(decode_group, prefill_group, plans), sections
+        return self._ramp[:n]
+
+    def _decode_runs(self, plans: dict, tables, info_at: int) -> dict:
+        """A `decode.DecodeRun` per window of the step's placed `plans`. One the last step
+        made for the same tables, placed alike, is taken again, with the launches it has
+        bound (a steady decode loop binds them once)."""
+        runs = self._runs
+        for window, found in plans.items():
+            run = runs.get(window)
+            if run is None or run.tables is not tables or run.seq_info_off != info_at or \
+                    run.plan != found:
+                runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace,
+                                                self.ring_rows[window], window, self.stream)
+        return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
     def run(self, paths: StepPaths, q, k_store, v_store, tables, out, *, ring_rows, window,
             scale, softcap, stream) -> None:
         """Launch the step's paths for one layer: each writes its segments' rows of `out`."""
         if paths.decode.n and self.decode_fast:
-            decode.run(q, k_store, v_store, tables, out=out, workspace=self.workspace,
-                       ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
-                       stream=stream, **paths.decode_args[window])
+            decode.run(q, k_store, v_store, tables, out=out, scale=scale, softcap=softcap,
+                       stream=stream, planned=paths.decode_runs[window])
         elif paths.decode.n:
             generic.attend(q, k_store, v_store, tables, out, workspace=self.workspace,
                            path="decode", kv_chunk=decode.CHUNK, ring_rows=ring_rows,

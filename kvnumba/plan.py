@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numba import njit
 
 # --- the segment table the attention kernel reads: seq_info[segment, field] (int32) ---
 Q_START = 0      # first token of the segment on the step's token axis
@@ -19,14 +20,36 @@ SEQ_INFO_FIELDS = 5
 FLAG_BLOCK = 1   # the segment is a draft block: bidirectional within itself
 
 
-def token_segments(n: int) -> np.ndarray:
-    """The segment table of a step whose `n` tokens are each a segment of their own (a
-    decode step), as far as it does not depend on the sequences: token `i` is segment
-    `i` (Q_START `i`, Q_LEN 1, FLAGS 0); COL and POS_START are left 0, to be filled."""
-    table = np.zeros((n, SEQ_INFO_FIELDS), dtype=np.int32)
-    table[:, Q_START] = np.arange(n)
-    table[:, Q_LEN] = 1
-    return table
+@njit(cache=True)
+def one_each(ids, n) -> bool:
+    """Whether no id of `ids` (each in `[0, n)`) appears twice: a step whose every token is
+    a segment of its own sequence (a decode step). One compiled pass."""
+    seen = np.zeros(n, np.bool_)
+    for i in range(ids.size):
+        if seen[ids[i]]:
+            return False
+        seen[ids[i]] = True
+    return True
+
+
+@njit(cache=True)
+def decode_segments(seqs, pos, seq_info):
+    """Fill `seq_info` [len(seqs), SEQ_INFO_FIELDS] (int32), the segment table of a step
+    whose token `i` is a segment of its own, of sequence `seqs[i]` at position
+    `pos[seqs[i]]` (a decode step): Q_START `i`, Q_LEN 1, COL `seqs[i]`, POS_START its
+    position, FLAGS 0. Returns the index of the first segment at the furthest position.
+    One compiled pass (the caller allocates the table: an array NumPy owns, which a
+    read-only view of can never be made writeable again)."""
+    furthest = 0
+    for i in range(seqs.size):
+        seq_info[i, Q_START] = i
+        seq_info[i, Q_LEN] = 1
+        seq_info[i, COL] = seqs[i]
+        seq_info[i, POS_START] = pos[seqs[i]]
+        seq_info[i, FLAGS] = 0
+        if seq_info[i, POS_START] > seq_info[furthest, POS_START]:
+            furthest = i
+    return furthest
 
 
 def ring_rows(window: int, max_write: int, capacity: int) -> int:
@@ -90,22 +113,37 @@ def token_tables(run_seqs: np.ndarray, run_lens: np.ndarray, seq_info: np.ndarra
                  n_tokens: int, width: int, pad_col: int) -> tuple:
     """`(seq_cols, positions)` [width] int32 of a step: each token's column and position,
     from its spans (`run_seqs`, `run_lens`, in token order) and its segment table; the
-    `width - n_tokens` padding tokens take column `pad_col` and position 0."""
-    n = n_tokens
-    if run_seqs.size == n == width:     # every token a segment, no padding: two copies
-        return run_seqs.astype(np.int32), seq_info[:, POS_START].copy()
-    seq_cols = np.empty(width, dtype=np.int32)
-    positions = np.empty(width, dtype=np.int32)
-    seq_cols[n:] = pad_col
-    positions[n:] = 0
-    if run_seqs.size == n:
-        seq_cols[:n] = run_seqs
-        positions[:n] = seq_info[:, POS_START]
-    else:
-        seq_cols[:n] = np.repeat(run_seqs, run_lens)
-        positions[:n] = np.arange(n) + np.repeat(seq_info[:, POS_START] -
-                                                 seq_info[:, Q_START], run_lens)
-    return seq_cols, positions
+    `width - n_tokens` padding tokens take column `pad_col` and position 0. Read-only
+    (views of one frozen buffer)."""
+    tables = np.empty(2 * width, dtype=np.int32)
+    stage_tables(tables, run_seqs, run_lens, seq_info, n_tokens, width, pad_col, False)
+    frozen(tables)
+    return tables[:width], tables[width:]
+
+
+@njit(cache=True)
+def stage_tables(out, run_seqs, run_lens, seq_info, n_tokens, width, pad_col, with_segments):
+    """Write a step's token tables into the flat int32 buffer `out` (one compiled pass):
+    each token's column at `[0, width)`, its position at `[width, 2 * width)` (see
+    `token_tables`), then, `with_segments`, the segment table's rows; returns where they
+    end."""
+    token = 0
+    for run in range(run_seqs.size):
+        start = seq_info[run, POS_START]
+        for i in range(run_lens[run]):
+            out[token] = run_seqs[run]
+            out[width + token] = start + i
+            token += 1
+    for token in range(n_tokens, width):
+        out[token] = pad_col
+        out[width + token] = 0
+    end = 2 * width
+    if with_segments:
+        for segment in range(seq_info.shape[0]):
+            for field in range(SEQ_INFO_FIELDS):
+                out[end] = seq_info[segment, field]
+                end += 1
+    return end
 
 
 def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
@@ -141,23 +179,43 @@ class StepTables:
     """The cache's own record of the open step. Never handed out: callers get a `StepPlan`.
 
     n_tokens, width (None until prepared), seq_info [n_segments, SEQ_INFO_FIELDS],
-    logit_indices [n_segments], max_q_len, max_kv_len, and once prepared seq_cols
-    / positions [width] and the attention routes; every array read-only.
+    logit_indices [n_segments], max_q_len, max_kv_len, runs (the spans' sequences and
+    lengths, in token order), and once prepared pad_col (the padding tokens' column),
+    the attention routes and seq_cols / positions [width]; every array read-only. The
+    kernels read the token tables staged (`stage_tables`); the arrays are built from the
+    runs when first read.
     """
 
     __slots__ = ("n_tokens", "width", "seq_info", "logit_indices", "max_q_len", "max_kv_len",
-                 "seq_cols", "positions", "routes")
+                 "runs", "pad_col", "routes", "_tokens")
 
-    def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len):
+    def __init__(self, n_tokens, seq_info, logit_indices, max_q_len, max_kv_len, runs):
         self.n_tokens = n_tokens
         self.width = None
         self.seq_info = seq_info
         self.logit_indices = logit_indices
         self.max_q_len = max_q_len
         self.max_kv_len = max_kv_len
-        self.seq_cols = None
-        self.positions = None
+        self.runs = runs
+        self.pad_col = None
         self.routes = None      # once prepared: the attention paths (`paths.StepPaths`)
+        self._tokens = None
+
+    @property
+    def seq_cols(self):
+        tokens = self._token_tables()
+        return None if tokens is None else tokens[0]
+
+    @property
+    def positions(self):
+        tokens = self._token_tables()
+        return None if tokens is None else tokens[1]
+
+    def _token_tables(self):
+        if self._tokens is None and self.width is not None:
+            self._tokens = token_tables(*self.runs, self.seq_info, self.n_tokens, self.width,
+                                        self.pad_col)
+        return self._tokens
 
     @property
     def launch_key(self):

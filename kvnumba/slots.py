@@ -10,6 +10,7 @@ import os
 from enum import IntEnum
 
 import numpy as np
+from numba import njit
 
 from statemachines import (REFUSED, RESTORES, SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel,
                            compile_machine)
@@ -52,10 +53,6 @@ SLOT_MACHINE = compile_machine(SLOT_LIFECYCLE)
 STEP_MACHINE = compile_machine(STEP_PROTOCOL)
 
 
-_min = np.minimum.reduce
-_max = np.maximum.reduce
-
-
 def strict_mode() -> bool:
     """True when `KVNUMBA_STRICT=1`: the `transitions` models are driven too."""
     return os.environ.get("KVNUMBA_STRICT", "") == "1"
@@ -82,20 +79,22 @@ class SlotTable:
         self._models = [MachineModel(SLOT_LIFECYCLE) for _ in range(n)] if self.strict else None
 
     def check(self, event: str, seqs: np.ndarray) -> np.ndarray:
-        """Next state of each slot in `seqs` under `event`; raises if any slot refuses."""
-        return self.transition(event, seqs)[1]
+        """Next state of each slot in `seqs` (an int64 array) under `event`; raises if any
+        slot refuses."""
+        nxt, bad = _lookup(self.state, self._next[event], seqs)
+        self._refuse_at(event, seqs, bad)
+        return nxt
 
-    def transition(self, event: str, seqs: np.ndarray) -> tuple:
-        """`(current, next)` states of the slots in `seqs` under `event` (the current ones
-        for `apply`, which would read them again); raises if any slot refuses."""
-        current = self.state.take(seqs)
-        nxt = self._next[event].take(current)
-        if _min(nxt) == REFUSED:
-            bad = int(seqs[np.flatnonzero(nxt == REFUSED)[0]])
-            self._refuse(event, bad)
+    def require(self, event: str, seqs: np.ndarray) -> None:
+        """Raise if any slot in `seqs` (an int64 array) refuses `event`; changes nothing."""
+        self._refuse_at(event, seqs, _refused(self.state, self._next[event], seqs))
+
+    def _refuse_at(self, event: str, seqs, bad: int) -> None:
+        """Raise for the slot `seqs[bad]` (`bad` >= 0: the first that refuses `event`)."""
+        if bad >= 0:
+            self._refuse(event, int(seqs[bad]))
         if self._models is not None:
             self._cross_check(event, seqs, allowed=True)
-        return current, nxt
 
     def check_one(self, event: str, seq: int) -> int:
         nxt = int(self._next[event][self.state[seq]])
@@ -105,11 +104,10 @@ class SlotTable:
             self._cross_check(event, [seq], allowed=True)
         return nxt
 
-    def apply(self, event: str, seqs, nxt, current=None) -> None:
-        """Move `seqs` to `nxt` (from `check`); `RESTORES` entries go back to `before_declare`.
-        `current`: their states now, if `transition` read them."""
+    def apply(self, event: str, seqs, nxt) -> None:
+        """Move `seqs` to `nxt` (from `check`); `RESTORES` entries go back to `before_declare`."""
         if event == "declare":
-            self.before_declare[seqs] = self.state[seqs] if current is None else current
+            self.before_declare[seqs] = self.state[seqs]
         if event == "abort":
             nxt = np.where(nxt == RESTORES, self.before_declare[seqs], nxt)
         self.state[seqs] = nxt
@@ -119,6 +117,26 @@ class SlotTable:
                     raise AssertionError(f"strict: transitions refused {event} on slot {seq} "
                                          f"which the compiled table allowed")
                 assert self._models[int(seq)].state == SlotState(self.state[seq]).name.lower()
+
+    def declare(self, seqs: np.ndarray) -> None:
+        """The declare event applied to the slots `seqs` (an int64 array, each slot once,
+        `require`d first): each remembers its state (for `abort`) and takes the next."""
+        if self._models is not None:
+            self.apply("declare", seqs, self.check("declare", seqs))
+            return
+        _declare(self.state, self.before_declare, self._next["declare"], seqs)
+
+    def advance(self, event: str, seqs: np.ndarray, totals: np.ndarray) -> None:
+        """Apply `event` to the slots `seqs` (an int64 array, each slot once) and move each
+        `totals[i]` positions on, its high-water to at least there; raises, with nothing
+        changed, if any slot refuses the event."""
+        if self._models is not None:
+            self.apply(event, seqs, self.check(event, seqs))
+            self.pos[seqs] += totals
+            self.high_water[seqs] = np.maximum(self.high_water[seqs], self.pos[seqs])
+            return
+        bad = _advance(self.state, self.pos, self.high_water, self._next[event], seqs, totals)
+        self._refuse_at(event, seqs, bad)
 
     def _cross_check(self, event, seqs, allowed):
         for seq in seqs:
@@ -132,6 +150,53 @@ class SlotTable:
         if self._models is not None:
             self._cross_check(event, [seq], allowed=False)
         raise state_refusal(seq, state, f"event {event!r}", allowed)
+
+
+@njit(cache=True)
+def _lookup(state, next_of, seqs):
+    """`(next, bad)`: each slot's next state under the event whose column of the compiled
+    table is `next_of`, in one compiled pass; `bad` the index of the first slot refused
+    (-1: none)."""
+    nxt = np.empty(seqs.size, np.intp)
+    bad = -1
+    for i in range(seqs.size):
+        nxt[i] = next_of[state[seqs[i]]]
+        if nxt[i] == REFUSED and bad < 0:
+            bad = i
+    return nxt, bad
+
+
+@njit(cache=True)
+def _refused(state, next_of, seqs):
+    """The index of the first slot refused by the event of `next_of` (-1: none)."""
+    for i in range(seqs.size):
+        if next_of[state[seqs[i]]] == REFUSED:
+            return i
+    return -1
+
+
+@njit(cache=True)
+def _declare(state, before_declare, next_of, seqs):
+    """The declare event (`next_of`) applied: each slot remembers its state, then takes
+    the next."""
+    for seq in seqs:
+        before_declare[seq] = state[seq]
+        state[seq] = next_of[state[seq]]
+
+
+@njit(cache=True)
+def _advance(state, pos, high_water, next_of, seqs, totals):
+    """`SlotTable.advance` in one compiled pass over the slots to check them (returns the
+    index of the first refused, changing nothing) and one to move them (returns -1)."""
+    bad = _refused(state, next_of, seqs)
+    if bad >= 0:
+        return bad
+    for i in range(seqs.size):
+        seq = seqs[i]
+        state[seq] = next_of[state[seq]]
+        pos[seq] += totals[i]
+        high_water[seq] = max(high_water[seq], pos[seq])
+    return -1
 
 
 def state_refusal(seq: int, state: SlotState, doing: str, allowed) -> SlotStateError:

@@ -57,9 +57,10 @@ def test_a_view_is_c_contiguous_exactly_when_numpy_says_so(view):
     assert got.is_c_contiguous() == view.flags.c_contiguous
     assert got._numba_type_.layout == ("C" if view.flags.c_contiguous else "A")
     assert got._numba_type_.ndim == view.ndim and got.size == view.size
-    assert getattr(got, launch.ARGUMENT) == (
-        got._numba_type_.name, (0, 0, view.size, 2, view.ctypes.data, *view.shape,
-                                *view.strides))
+    fields = (0, 0, view.size, 2, view.ctypes.data, *view.shape, *view.strides)
+    name, described, packed = getattr(got, launch.ARGUMENT)
+    assert (name, described) == (got._numba_type_.name, fields)
+    assert packed == np.array(fields, "<i8").tobytes()       # as the launch buffer holds them
 
 
 def test_launch_extents_are_three_dimensional():
@@ -152,15 +153,21 @@ def device():
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Every `LeanKernel` call: (kernel, grid, block, stream, args)."""
+    """Every launch, of a `LeanKernel` or of a bound `LeanLaunch`: (kernel, grid, block,
+    stream, the kernel's whole argument list)."""
     seen = []
-    original = launch.LeanKernel.__call__
+    plain, bound = launch.LeanKernel.__call__, launch.LeanLaunch.__call__
 
     def spy(self, grid, block, stream, *args):
         seen.append((self, grid, block, stream, args))
-        original(self, grid, block, stream, *args)
+        plain(self, grid, block, stream, *args)
+
+    def spy_bound(self, *values):
+        seen.append((self.kernel, self.grid, self.block, self.stream, self.arguments(values)))
+        bound(self, *values)
 
     monkeypatch.setattr(launch.LeanKernel, "__call__", spy)
+    monkeypatch.setattr(launch.LeanLaunch, "__call__", spy_bound)
     return seen
 
 
@@ -218,6 +225,37 @@ def test_every_parameter_kind_packs_what_numbas_launch_would(device, calls):
     assert record.grid == (2, 3, 1) and record.block == (64, 1, 1)
     assert record.arguments[2:7] == [(-7,), (np.float32(0.1),), (2.5,), (True,), (2 ** 63 + 5,)]
     assert record.arguments[1][launch.POINTER:] == (strided.ptr, 4, 3, 8, 96, 32, 2)
+
+
+@compile_mode
+def test_a_bound_launch_packs_what_numbas_launch_would_for_each_call(device, calls):
+    """Fixed arrays and scalars between the per-call ones; per-call arrays of two
+    signatures (C-contiguous, then strided) and two scalar values."""
+    host, recorder = device
+    cuda = kv_device.cuda
+    base = cuda.device_array((4, 6, 8), np.float16)
+    strided = DeviceView(base, base.device_ctypes_pointer.value, (4, 3, 8), (96, 32, 2),
+                         np.dtype(np.float16))
+    probe = _probe_kernel()
+    fixed = cuda.device_array((3, 2), np.int32)
+    bound = probe.bind((2, 3), 64, cuda.external_stream(0x99), launch.PER_CALL,
+                       launch.PER_CALL, np.int32(-7), launch.PER_CALL, 2.5, True,
+                       np.uint64(2 ** 63 + 5), fixed)
+    first = cuda.device_array(5, np.float32)
+    for b, f32 in ((cuda.device_array((4, 3, 8), np.float16), 0.1), (strided, 0.2),
+                   (cuda.device_array((4, 3, 8), np.float16), 0.3)):
+        bound(first, b, np.float32(f32))
+    assert len(calls) == len(recorder.launches) == 3
+    for (kernel, _, _, stream, args), record in zip(calls, recorder.launches):
+        assert record.raw == numba_parameters(kernel, args, stream)
+        assert record.grid == (2, 3, 1) and record.block == (64, 1, 1)
+        assert record.stream == 0x99
+    assert [r.arguments[3] for r in recorder.launches] == [(np.float32(f),)
+                                                            for f in (0.1, 0.2, 0.3)]
+    assert recorder.launches[1].arguments[1][launch.POINTER:] == (strided.ptr, 4, 3, 8, 96,
+                                                                  32, 2)
+    with pytest.raises(TypeError, match="3 per-call"):
+        bound(first, strided)
 
 
 @compile_mode

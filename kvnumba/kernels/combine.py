@@ -51,7 +51,7 @@ from functools import lru_cache
 from ..config import MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
 from . import ptx
-from .launch import Specialised, ceil_div
+from .launch import PER_CALL, Specialised, ceil_div
 from .decode_plan import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from .masks import read_segment
 
@@ -262,6 +262,23 @@ def _combine_kernel(head_dim: int):
     return Specialised(combine)
 
 
+def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, max_q_len,
+            n_q_heads, head_dim, stream=0):
+    """The plan side of `run`: the merge of one step's split segments into outputs of
+    `n_q_heads` q heads and `head_dim`, bound to its tables and partials (the kernel,
+    grid and block worked out once); `launch(out)` merges into `out`. None when there is
+    nothing to merge."""
+    if n_combine <= 0:
+        return None
+    if n_q_heads > MAX_GRID_Z or max_q_len > MAX_GRID_Y:
+        raise ValueError(f"combine.run: {n_q_heads} q heads / max_q_len {max_q_len} past "
+                         f"the grid's {MAX_GRID_Z} / {MAX_GRID_Y}")
+    kernel = _combine_kernel(int(head_dim))
+    return kernel.bind((int(n_combine), int(max_q_len), int(n_q_heads)), threads(head_dim),
+                       stream, tables, part_acc, part_ml, PER_CALL, int(seq_info_off),
+                       int(combine_off), int(max_q_len))
+
+
 def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine, max_q_len,
         stream=0):
     """Merge the partials of the `n_combine` split segments listed at `combine_off` in
@@ -278,11 +295,7 @@ def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine,
     if n_combine <= 0:
         return out
     _, n_q_heads, head_dim = out.shape
-    if n_q_heads > MAX_GRID_Z or max_q_len > MAX_GRID_Y:
-        raise ValueError(f"combine.run: {n_q_heads} q heads / max_q_len {max_q_len} past "
-                         f"the grid's {MAX_GRID_Z} / {MAX_GRID_Y}")
-    kernel = _combine_kernel(int(head_dim))
-    kernel((int(n_combine), int(max_q_len), int(n_q_heads)), threads(head_dim), stream,
-           tables, part_acc, part_ml, out, int(seq_info_off), int(combine_off),
-           int(max_q_len))
+    prepare(tables, part_acc, part_ml, seq_info_off=seq_info_off, combine_off=combine_off,
+            n_combine=n_combine, max_q_len=max_q_len, n_q_heads=n_q_heads,
+            head_dim=head_dim, stream=stream)(out)
     return out

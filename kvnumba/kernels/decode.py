@@ -62,9 +62,9 @@ from . import combine, ptx
 from .decode_plan import (  # noqa: F401  (the decode path's planning, re-exported)
     CHUNK, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG, KEY_TILE, WORK_COL,
     WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_Q_LEN, WORK_Q_START, WORK_SEG,
-    DecodePlan, chunk_count, plan)
+    DecodePlan, PlacedPlan, chunk_count, plan, plan_into)
 from .decode_words import LOAD_BYTES, WIDEN, query_loader
-from .launch import Specialised
+from .launch import PER_CALL, Specialised
 from .masks import key_range, read_segment
 
 from numba import float32, int32, uint32, uint64  # noqa: E402  (after kvnumba.device)
@@ -579,9 +579,110 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
     return Specialised(decode)
 
 
-def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine_off,
-        n_combine, n_parts, max_q_len, out, workspace, ring_rows, window, scale, softcap,
-        stream=0):
+def _float32(value):
+    """`value` as the float32 the kernel takes (converted only when it is not one: a
+    conversion costs more host time than the rest of a scalar's launch work)."""
+    return value if type(value) is _FLOAT32 else _FLOAT32(value)
+
+
+_FLOAT32 = np.float32
+
+
+def check_storage(head_dim: int, k_store, v_store) -> None:
+    """Refuse (`ValueError`) K/V storage this path does not serve: a head_dim or dtype
+    outside `supports`, K and V of different dtypes, or a storage row (columns x kv
+    heads x head_dim) of 4 GiB or more (the kernel addresses rows with 32-bit byte
+    strides)."""
+    storage = np.dtype(k_store.dtype)
+    if not supports(head_dim, storage) or v_store.dtype != storage:
+        raise ValueError(f"decode.run: head_dim {head_dim} with {storage} / {v_store.dtype} "
+                         f"storage is not served (see decode.supports)")
+    row_bytes = k_store.shape[1] * k_store.shape[2] * head_dim * storage.itemsize
+    if row_bytes >= ROW_BYTES_LIMIT:
+        raise ValueError(f"decode.run: storage rows of {row_bytes} bytes (columns x kv heads "
+                         f"x head_dim) are not served: the kernel needs them under 4 GiB")
+
+
+class DecodeRun:
+    """The decode launches of one step for the layers of one window (`prepare`): the
+    step's tables (their device buffer, where the segment table sits in it, the window's
+    placed plan: `PlacedPlan`), the window's ring rows and the stream fixed.
+
+    A call (`run(q, k_store, v_store, out, scale, softcap)`, once per layer) looks its
+    signature up: q's dtype, q heads and 16-byte alignment, and softcap on or off. The
+    first call of a signature checks the storage (`check_storage`), works out the block
+    rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
+    and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
+    One `DecodeRun` serves the layers of one cache: their storage shares a dtype and a
+    row shape.
+    """
+
+    def __init__(self, tables, seq_info_off: int, plan: PlacedPlan, workspace,
+                 ring_rows: int, window: int, stream=0):
+        self.tables, self.seq_info_off, self.plan = tables, seq_info_off, plan
+        self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
+        self.stream = stream
+        self.n_items = plan.n_items
+        self._launches = {}    # (decode launch, combine launch or None) by signature
+
+    def __call__(self, q, k_store, v_store, out, scale, softcap) -> None:
+        if not self.n_items:
+            return
+        key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0)
+        launches = self._launches.get(key)
+        if launches is None:
+            launches = self._launches[key] = self._bind(q, k_store, v_store, *key)
+        decode, merge = launches
+        decode(q, k_store, v_store, out, _float32(scale), _float32(softcap))
+        if merge is not None:
+            merge(out)
+
+    def check(self, q, k_store, v_store) -> None:
+        """Refuse storage this path does not serve (`check_storage`) when there is work."""
+        if self.n_items:
+            check_storage(q.shape[2], k_store, v_store)
+
+    def _bind(self, q, k_store, v_store, dtype, n_q_heads, vectors, capped) -> tuple:
+        self.check(q, k_store, v_store)
+        head_dim, n_kv_heads = q.shape[2], k_store.shape[2]
+        storage = np.dtype(k_store.dtype)
+        plan, seq_info_off = self.plan, self.seq_info_off
+        max_q_len, n_parts = plan.max_q_len, plan.n_parts
+        group = n_q_heads // n_kv_heads
+        rows = block_rows(group * max_q_len, head_dim, storage)
+        # row groups are rounded up to a power of two (the extra ones return at once), so
+        # the kernel splits its block index with a shift
+        row_group_bits = (-(-group * max_q_len // rows) - 1).bit_length()
+        if n_parts > 0:
+            part_acc, part_ml = self.workspace.partials(
+                n_parts * max_q_len * n_q_heads * head_dim, n_parts * max_q_len * n_q_heads * 2,
+                self.stream)
+        else:
+            part_acc = part_ml = self.workspace.dummy
+        kernel = _decode_kernel(head_dim, storage.name, rows, bool(capped),
+                                np.dtype(dtype).name, vectors)
+        decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
+                             self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, PER_CALL,
+                             part_acc, part_ml, seq_info_off, plan.work_off, max_q_len, group,
+                             row_group_bits, self.ring_rows, self.window, PER_CALL, PER_CALL)
+        merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
+                                combine_off=plan.combine_off, n_combine=plan.n_combine,
+                                max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
+                                stream=self.stream)
+        return decode, merge
+
+
+def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, n_parts,
+            max_q_len, workspace, ring_rows, window, stream=0) -> DecodeRun:
+    """The plan side of `run`: what a step fixes for its layers of one window, once
+    (`DecodeRun`); the arguments are `run`'s."""
+    plan = PlacedPlan(int(work_off), int(n_items), int(combine_off), int(n_combine),
+                      int(n_parts), int(max_q_len))
+    return DecodeRun(tables, int(seq_info_off), plan, workspace, int(ring_rows), int(window),
+                     stream)
+
+
+def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=None, **plan):
     """Attention of the planned segments' queries; writes their rows of `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
@@ -591,9 +692,13 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
     addresses rows with 32-bit byte strides). tables: int32 device array holding the
     segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
-    row-major.
-    n_parts, max_q_len: the plan's. ring_rows: 0 (flat) or R; window: 0 or W;
-    softcap: 0 = off.
+    row-major. softcap: 0 = off.
+
+    `plan`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
+    `n_combine`, `n_parts` and `max_q_len` (the plan's), the `workspace`, `ring_rows`
+    (0: flat, or R) and `window` (0 or W), as `prepare` takes them; or `planned`, what
+    `prepare` returned for this step and window (a cache plans once per step, and its
+    layers pass their own arrays only).
 
     Writes exactly `out[token, head, :]` for every query token of a planned segment
     and every head: no padding row, no other segment's row. Partials (float32, in
@@ -601,35 +706,8 @@ def run(q, k_store, v_store, tables, *, seq_info_off, work_off, n_items, combine
     `[n_parts, max_q_len, n_q_heads, 2]`. Launches on `stream` only; no
     synchronisation, no device allocation once `workspace` is warm.
     """
-    if n_items == 0:
-        return out
-    _, n_q_heads, head_dim = q.shape
-    n_kv_heads = k_store.shape[2]
-    storage = np.dtype(k_store.dtype)
-    if not supports(head_dim, storage) or v_store.dtype != storage:
-        raise ValueError(f"decode.run: head_dim {head_dim} with {storage} / {v_store.dtype} "
-                         f"storage is not served (see decode.supports)")
-    row_bytes = k_store.shape[1] * n_kv_heads * head_dim * storage.itemsize
-    if row_bytes >= ROW_BYTES_LIMIT:
-        raise ValueError(f"decode.run: storage rows of {row_bytes} bytes (columns x kv heads "
-                         f"x head_dim) are not served: the kernel needs them under 4 GiB")
-    group = n_q_heads // n_kv_heads
-    rows = block_rows(group * max_q_len, head_dim, storage)
-    # row groups are rounded up to a power of two (the extra ones return at once), so
-    # the kernel splits its block index with a shift
-    row_group_bits = (-(-group * max_q_len // rows) - 1).bit_length()
-    if n_parts > 0:
-        part_acc, part_ml = workspace.partials(n_parts * max_q_len * n_q_heads * head_dim,
-                                               n_parts * max_q_len * n_q_heads * 2, stream)
-    else:
-        part_acc = part_ml = workspace.dummy
-    kernel = _decode_kernel(head_dim, storage.name, rows, bool(softcap > 0),
-                            np.dtype(q.dtype).name, aligned(q, LOAD_BYTES))
-    kernel((n_items << row_group_bits, n_kv_heads), THREADS, stream,
-           q, k_store, v_store, tables, out, part_acc, part_ml, int(seq_info_off),
-           int(work_off), int(max_q_len), group, row_group_bits, int(ring_rows), int(window),
-           np.float32(scale), np.float32(softcap))
-    combine.run(tables, part_acc, part_ml, out, seq_info_off=seq_info_off,
-                combine_off=combine_off, n_combine=n_combine, max_q_len=max_q_len,
-                stream=stream)
+    if planned is None:
+        planned = prepare(tables, stream=stream, **plan)
+        planned.check(q, k_store, v_store)       # refused before q itself is read
+    planned(q, k_store, v_store, out, scale, softcap)
     return out

@@ -90,16 +90,55 @@ def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
     which its scores are summed, are the same in any batch, and its output the same
     bits.
     """
-    if chunk <= 0 or chunk % KEY_TILE or chunk & (chunk - 1):
-        raise ValueError(f"decode: chunk {chunk} must be a power of two and a multiple of "
-                         f"{KEY_TILE}")
+    _check_chunk(chunk)
     segments = np.asarray(segments, np.int32).reshape(-1)
     work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
                                                      segments, window, chunk)
+    _check_queries(shortest, longest)
+    return DecodePlan(work, combine, n_parts, chunk, longest)
+
+
+class PlacedPlan(NamedTuple):
+    """A step's decode plan written into a flat int32 buffer (`plan_into`): where its work
+    table starts and its rows, where its combine table starts and its rows, the partial
+    slots it uses and its longest segment (the fields of `DecodePlan`, placed)."""
+
+    work_off: int
+    n_items: int
+    combine_off: int
+    n_combine: int
+    n_parts: int
+    max_q_len: int
+
+
+def plan_into(seq_info, segments, *, window: int, staging, at: int,
+              chunk: int = CHUNK) -> PlacedPlan:
+    """`plan`, its work and combine tables written straight into the host buffer of
+    `staging` (a `Staging`) from entry `at`, back to back (one compiled pass; the buffer
+    grows first in the rare step whose tables do not fit). `seq_info` and `segments`:
+    int32 arrays, as `plan` takes them."""
+    _check_chunk(chunk)
+    n_items, n_split, n_parts, shortest, longest = _cut_into(
+        seq_info, segments, window, chunk, staging.host, at)
+    if n_parts < 0:             # no room: grow, keeping what the step wrote before `at`
+        staging.reserve(at + n_items * WORK_FIELDS + n_split * COMBINE_FIELDS, at)
+        n_items, n_split, n_parts, shortest, longest = _cut_into(
+            seq_info, segments, window, chunk, staging.host, at)
+    _check_queries(shortest, longest)
+    combine_off = at + n_items * WORK_FIELDS
+    return PlacedPlan(at, n_items, combine_off, n_split, n_parts, longest)
+
+
+def _check_chunk(chunk: int) -> None:
+    if chunk <= 0 or chunk % KEY_TILE or chunk & (chunk - 1):
+        raise ValueError(f"decode: chunk {chunk} must be a power of two and a multiple of "
+                         f"{KEY_TILE}")
+
+
+def _check_queries(shortest: int, longest: int) -> None:
     if shortest < 1 or longest > DECODE_MAX_Q_LEN:
         raise ValueError(f"decode segments hold 1..{DECODE_MAX_Q_LEN} queries, got "
                          f"{shortest}..{longest}")
-    return DecodePlan(work, combine, n_parts, chunk, longest)
 
 
 @njit(cache=True)
@@ -113,14 +152,9 @@ def _key_span(seq_info, seg, window):
 
 
 @njit(cache=True)
-def _cut(seq_info, segments, window, chunk):
-    """The work and combine tables (see the module constants) for nominal chunks of
-    `chunk` keys, the partial slots used, and the shortest and longest segment (1 and
-    0 when there are none).
-
-    One compiled pass over the segments: a step's plan costs a few µs of host time
-    however many segments it has.
-    """
+def _count(seq_info, segments, window, chunk):
+    """`(n_items, n_split, shortest, longest)`: the work rows and split segments of the
+    cut, and the shortest and longest segment (1 and 0 when there are none)."""
     n_items = 0
     n_split = 0
     shortest = 1
@@ -133,8 +167,13 @@ def _cut(seq_info, segments, window, chunk):
         chunks = chunk_count(hi - lo, chunk)
         n_items += chunks
         n_split += chunks > 1
-    work = np.empty((n_items, WORK_FIELDS), np.int32)
-    combine = np.empty((n_split, COMBINE_FIELDS), np.int32)
+    return n_items, n_split, shortest, longest
+
+
+@njit(cache=True)
+def _fill(seq_info, segments, window, chunk, work, combine):
+    """Write the work and combine tables (see the module constants) of the cut `_count`
+    sized; returns the partial slots used."""
     item = 0
     part = 0
     split = 0
@@ -157,4 +196,35 @@ def _cut(seq_info, segments, window, chunk):
             item += 1
         if chunks > 1:
             part += chunks
-    return work, combine, part, shortest, longest
+    return part
+
+
+@njit(cache=True)
+def _cut(seq_info, segments, window, chunk):
+    """The work and combine tables for nominal chunks of `chunk` keys, the partial slots
+    used, and the shortest and longest segment (1 and 0 when there are none).
+
+    Compiled passes over the segments (count, then fill): a step's plan costs a few µs
+    of host time however many segments it has.
+    """
+    n_items, n_split, shortest, longest = _count(seq_info, segments, window, chunk)
+    work = np.empty((n_items, WORK_FIELDS), np.int32)
+    combine = np.empty((n_split, COMBINE_FIELDS), np.int32)
+    n_parts = _fill(seq_info, segments, window, chunk, work, combine)
+    return work, combine, n_parts, shortest, longest
+
+
+@njit(cache=True)
+def _cut_into(seq_info, segments, window, chunk, out, at):
+    """`_cut` into the flat int32 buffer `out`, the work rows from entry `at` and the
+    combine rows right after them; `(n_items, n_split, n_parts, shortest, longest)`,
+    n_parts -1 (nothing written) when they do not fit."""
+    n_items, n_split, shortest, longest = _count(seq_info, segments, window, chunk)
+    middle = at + n_items * WORK_FIELDS
+    end = middle + n_split * COMBINE_FIELDS
+    if end > out.size:
+        return n_items, n_split, -1, shortest, longest
+    work = out[at:middle].reshape((n_items, WORK_FIELDS))
+    combine = out[middle:end].reshape((n_split, COMBINE_FIELDS))
+    n_parts = _fill(seq_info, segments, window, chunk, work, combine)
+    return n_items, n_split, n_parts, shortest, longest

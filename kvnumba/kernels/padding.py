@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from ..device import cuda
 from . import ptx
-from .launch import Specialised
+from .launch import PER_CALL, Specialised
 from .masks import divmod32, step_on
 
 THREADS = 128
@@ -25,9 +25,18 @@ def _zero_rows(out, first_token):
 _zero = Specialised(_zero_rows)
 
 
+def prepare(width: int, first_token: int, stream=0):
+    """The plan side of `zero_rows` for outputs of `width` rows: the launch bound once per
+    step (`launch(out)`), or None when there is nothing to zero."""
+    n_rows = width - first_token
+    if n_rows <= 0:
+        return None
+    return _zero.bind(n_rows, THREADS, stream, PER_CALL, int(first_token))
+
+
 def zero_rows(out, first_token: int, stream=0) -> None:
     """`out[first_token:] = 0` for a `[width, n_heads, head_dim]` device array; one launch,
     none when there is nothing to zero."""
-    n_rows = out.shape[0] - first_token
-    if n_rows > 0:
-        _zero(n_rows, THREADS, stream, out, int(first_token))
+    launch = prepare(out.shape[0], first_token, stream)
+    if launch is not None:
+        launch(out)

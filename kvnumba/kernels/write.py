@@ -19,10 +19,13 @@ indices stay int64: they are made by multiplication only, once per token.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ..arrays import aligned
 from ..device import cuda
 from . import ptx
-from .launch import MAX_BLOCKS, STRIDE_THREADS, VECTOR_BYTES, Specialised, ceil_div
+from .launch import (MAX_BLOCKS, PER_CALL, STRIDE_THREADS, VECTOR_BYTES, Specialised,
+                     ceil_div)
 from .masks import div32, divmod32, step_on, storage_row
 
 from numba import uint32  # noqa: E402  (after kvnumba.device chose the target)
@@ -116,9 +119,61 @@ _elements = Specialised(_write_elements)
 
 def wide_ok(store, array) -> bool:
     """Whether `array` can be moved into `store` as 16-byte vectors."""
-    run_bytes = array.shape[1] * array.shape[2] * array.dtype.itemsize
-    return (array.dtype == store.dtype and run_bytes % VECTOR_BYTES == 0
-            and array.is_c_contiguous() and aligned(array, VECTOR_BYTES))
+    return (whole_vectors(array.shape[1] * array.shape[2], store.dtype)
+            and vectors_fit(array, store.dtype))
+
+
+def whole_vectors(run: int, dtype) -> bool:
+    """Whether a token's run of `run` elements of `dtype` is whole 16-byte vectors."""
+    return run * dtype.itemsize % VECTOR_BYTES == 0
+
+
+def vectors_fit(array, dtype) -> bool:
+    """Whether `array` holds `dtype` elements, C-contiguous from a 16-byte boundary (its
+    runs can be read as 16-byte vectors when they are whole vectors)."""
+    return array.dtype == dtype and array.is_c_contiguous() and aligned(array, VECTOR_BYTES)
+
+
+class WriteRun:
+    """The writes of one step into storage of one dtype (`prepare`): its tables and width
+    bound, and for each input layout (16-byte vectors or elements) the launch shape
+    worked out once, so a call (`run(k_store, v_store, k, v, ring_rows)`, once per
+    layer) only tells its inputs' layout (`vectors_fit`) and packs its arrays."""
+
+    def __init__(self, tables, width: int, run: int, dtype, stream):
+        self.tables, self.width, self.run, self.dtype = tables, width, run, dtype
+        self.stream = stream
+        self._any = width * run > 0
+        self._whole = whole_vectors(run, dtype)
+        self._launches = {}      # the bound launch by layout: True for vectors
+
+    def __call__(self, k_store, v_store, k, v, ring_rows: int) -> None:
+        if not self._any:
+            return
+        dtype = self.dtype
+        vectors = self._whole and vectors_fit(k, dtype) and vectors_fit(v, dtype)
+        launch = self._launches.get(vectors)
+        if launch is None:
+            launch = self._launches[vectors] = self._bind(vectors)
+        launch(k_store, v_store, k, v, ring_rows)
+
+    def _bind(self, vectors: bool):
+        if vectors:                                  # items: pairs of vectors
+            items = ceil_div(self.run * self.dtype.itemsize // VECTOR_BYTES, PAIR)
+            kernel = _vectors
+        else:
+            items, kernel = self.run, _elements
+        lanes, rows = run_block(items)
+        return kernel.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
+                           PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables, self.width,
+                           PER_CALL)
+
+
+def prepare(tables, width: int, run: int, dtype, stream=0) -> WriteRun:
+    """The plan side of `write_kv` for a step of `width` tokens of `run` elements each
+    (`n_kv_heads * head_dim`) into storage of `dtype`: what `write_kv` works out per
+    call, once per step and input layout."""
+    return WriteRun(tables, int(width), int(run), np.dtype(dtype), stream)
 
 
 def write_kv(k_store, v_store, k, v, tables, ring_rows: int, stream=0) -> None:
@@ -127,14 +182,5 @@ def write_kv(k_store, v_store, k, v, tables, ring_rows: int, stream=0) -> None:
     `tables`: int32 device array: `[0, width)` the column of each token, `[width,
     2 * width)` its position. One launch, on `stream`.
     """
-    width = k.shape[0]
-    run = k.shape[1] * k.shape[2]
-    if width * run == 0:
-        return
-    if wide_ok(k_store, k) and wide_ok(k_store, v):       # items: pairs of vectors
-        items, kernel = ceil_div(run * k.dtype.itemsize // VECTOR_BYTES, PAIR), _vectors
-    else:
-        items, kernel = run, _elements
-    lanes, rows = run_block(items)
-    kernel(run_grid(width, rows), (lanes, rows), stream,
-           k_store, v_store, k, v, tables, width, int(ring_rows))
+    prepare(tables, k.shape[0], k.shape[1] * k.shape[2], k_store.dtype, stream)(
+        k_store, v_store, k, v, int(ring_rows))
