@@ -92,7 +92,8 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
     if array.ndim != 1 or array.dtype.kind not in "iu":
         raise ShapeError(f"{what}: expected a 1-D list or array of ints, got shape "
                          f"{array.shape} dtype {array.dtype}")
-    ids, bad = _copy_ids(array, n)    # a copy: the caller may reuse its buffer at once
+    ids = np.empty(array.size, np.int64)   # a copy: the caller may reuse its buffer at once
+    bad = _copy_ids(array, n, ids)
     if bad >= 0:   # an unsigned array is named by its largest id: never a wrapped value
         bad = int(array.max()) if array.dtype.kind == "u" else int(array[bad])
         raise UnknownSequenceError(f"{what}: sequence {bad} is not a column id in [0, {n})")
@@ -100,13 +101,12 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
 
 
 @njit(cache=True)
-def _copy_ids(values, n):
-    """`(ids, bad)`: `values` copied into a new int64 array, in one compiled pass that stops
-    at the first id outside `[0, n)` (its index `bad`; -1 when every id is in range)."""
-    ids = np.empty(values.size, np.int64)
+def _copy_ids(values, n, ids):
+    """Copy `values` into `ids` in one compiled pass that stops at the first id outside
+    `[0, n)`; returns its index (-1 when every id is in range)."""
     for i in range(values.size):
         value = values[i]
         if value < 0 or value >= n:
-            return ids, i
+            return i
         ids[i] = value
-    return ids, -1
+    return -1

@@ -268,7 +268,8 @@ def device_pointer(array) -> int:
     Numba device array); on the simulator, the address of the memory it simulates."""
     if SIMULATOR:
         return array._ary.ctypes.data
-    return describe(array)[1][POINTER]
+    described = getattr(array, ARGUMENT, None)     # `describe`'s own first look, inlined
+    return (described or describe(array))[1][POINTER]
 
 
 def aligned(array, alignment: int) -> bool:
@@ -284,6 +285,8 @@ class Result:
     device), else a new array of q's kind and dtype: a tensor on q's device for PyTorch,
     NumPy for NumPy, the device array for device arrays.
     """
+
+    __slots__ = ("q", "out", "stream", "handle", "in_place", "device")
 
     def __init__(self, q, out, shape, stream):
         self.q, self.out, self.stream = q, out, stream

@@ -20,7 +20,7 @@ from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, 
                      RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
 from .kernels import padding, write
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   StepTables, decode_segments, frozen, held_positions, one_each, ring_floor,
+                   StepTables, decode_segments, frozen, held_positions, ring_floor,
                    span_offsets, stage_tables)
 from .paths import AttentionPaths, tables_size
 from .pool import Pool
@@ -206,8 +206,12 @@ class BatchedSequenceCache:
             raise ShapeError("declare_step: seq_ids must be a non-empty 1-D sequence of ints "
                              "(one sequence id per token)")
         block_ids = self._block_ids(blocks)
-        if ids.size <= self._arange.size and one_each(ids, self._n):
-            tables = self._declare_tokens(ids, block_ids)
+        furthest = -1
+        if ids.size <= self._arange.size:     # a decode step, unless a sequence repeats
+            seq_info = np.empty((ids.size, SEQ_INFO_FIELDS), dtype=np.int32)
+            furthest = decode_segments(ids, self._slots.pos, seq_info)
+        if furthest >= 0:
+            tables = self._declare_tokens(ids, block_ids, seq_info, furthest)
         else:
             tables = self._declare_spans(ids, block_ids)
         self._step.apply("declare", nxt_step)
@@ -215,16 +219,15 @@ class BatchedSequenceCache:
         self._plan = StepPlan(tables)
         return self._plan
 
-    def _declare_tokens(self, ids, block_ids) -> StepTables:
+    def _declare_tokens(self, ids, block_ids, seq_info, furthest: int) -> StepTables:
         """`declare_step` of a step whose every token is a span of its own sequence (a
-        decode step): its refusals, then the slots moved and the step's tables."""
+        decode step; `decode_segments` made its segment table): its refusals, then the
+        slots moved and the step's tables."""
         n_tokens = ids.size
         ones = self._ones[:n_tokens]
         self._slots.require("declare", ids)
         if block_ids is not None:
             flags = self._block_flags(block_ids, ids, self._arange[:n_tokens], ones)
-        seq_info = np.empty((n_tokens, SEQ_INFO_FIELDS), dtype=np.int32)
-        furthest = decode_segments(ids, self._slots.pos, seq_info)
         max_kv_len = int(seq_info[furthest, POS_START]) + 1
         if max_kv_len > self.config.capacity:
             self._refuse_capacity(ids, ones, furthest)

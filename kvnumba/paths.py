@@ -91,6 +91,7 @@ class AttentionPaths:
         self.stream = stream
         self.workspace = AttentionWorkspace()
         self._ramp = np.arange(0, dtype=np.int32)    # every segment's index, grown on demand
+        self._all_last = self._ramp
         self._runs = {}       # the last step's decode runs, by window
 
     # ------------------------------------------------------------------ host, per step
@@ -137,11 +138,16 @@ class AttentionPaths:
         return paths, at
 
     def _all(self, n: int) -> np.ndarray:
-        """Every segment's index, `[0, n)` (int32, read-only)."""
+        """Every segment's index, `[0, n)` (int32, read-only; the last one made is kept:
+        a decode loop's steps ask for the same)."""
+        found = self._all_last
+        if found.size == n:
+            return found
         if n > self._ramp.size:
             self._ramp = np.arange(max(n, 2 * self._ramp.size), dtype=np.int32)
             self._ramp.setflags(write=False)
-        return self._ramp[:n]
+        self._all_last = found = self._ramp[:n]
+        return found
 
     def _decode_runs(self, plans: dict, tables, info_at: int) -> dict:
         """A `decode.DecodeRun` per window of the step's placed `plans`. One the last step
@@ -151,7 +157,7 @@ class AttentionPaths:
         for window, found in plans.items():
             run = runs.get(window)
             if run is None or run.tables is not tables or run.seq_info_off != info_at or \
-                    run.plan != found:
+                    run.placed != found:
                 runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace,
                                                 self.ring_rows[window], window, self.stream)
         return runs.copy()

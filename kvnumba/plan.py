@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
+from numba import njit, uint64
 
 # --- the segment table the attention kernel reads: seq_info[segment, field] (int32) ---
 Q_START = 0      # first token of the segment on the step's token axis
@@ -21,31 +21,25 @@ FLAG_BLOCK = 1   # the segment is a draft block: bidirectional within itself
 
 
 @njit(cache=True)
-def one_each(ids, n) -> bool:
-    """Whether no id of `ids` (each in `[0, n)`) appears twice: a step whose every token is
-    a segment of its own sequence (a decode step). One compiled pass."""
-    seen = np.zeros(n, np.bool_)
-    for i in range(ids.size):
-        if seen[ids[i]]:
-            return False
-        seen[ids[i]] = True
-    return True
-
-
-@njit(cache=True)
 def decode_segments(seqs, pos, seq_info):
     """Fill `seq_info` [len(seqs), SEQ_INFO_FIELDS] (int32), the segment table of a step
-    whose token `i` is a segment of its own, of sequence `seqs[i]` at position
-    `pos[seqs[i]]` (a decode step): Q_START `i`, Q_LEN 1, COL `seqs[i]`, POS_START its
-    position, FLAGS 0. Returns the index of the first segment at the furthest position.
-    One compiled pass (the caller allocates the table: an array NumPy owns, which a
-    read-only view of can never be made writeable again)."""
+    whose token `i` is a segment of its own, of sequence `seqs[i]` (each in `[0,
+    len(pos))`) at position `pos[seqs[i]]` (a decode step): Q_START `i`, Q_LEN 1, COL
+    `seqs[i]`, POS_START its position, FLAGS 0. Returns the index of the first segment at
+    the furthest position, or -1 when a sequence has two tokens (not a decode step: the
+    table is then left unfinished). One compiled pass; the caller allocates the table
+    (an array NumPy owns, which a read-only view of can never be made writeable again)."""
+    seen = np.zeros(pos.size, np.bool_)
     furthest = 0
     for i in range(seqs.size):
+        seq = seqs[i]
+        if seen[seq]:
+            return -1
+        seen[seq] = True
         seq_info[i, Q_START] = i
         seq_info[i, Q_LEN] = 1
-        seq_info[i, COL] = seqs[i]
-        seq_info[i, POS_START] = pos[seqs[i]]
+        seq_info[i, COL] = seq
+        seq_info[i, POS_START] = pos[seq]
         seq_info[i, FLAGS] = 0
         if seq_info[i, POS_START] > seq_info[furthest, POS_START]:
             furthest = i
@@ -126,23 +120,29 @@ def stage_tables(out, run_seqs, run_lens, seq_info, n_tokens, width, pad_col, wi
     """Write a step's token tables into the flat int32 buffer `out` (one compiled pass):
     each token's column at `[0, width)`, its position at `[width, 2 * width)` (see
     `token_tables`), then, `with_segments`, the segment table's rows; returns where they
-    end."""
-    token = 0
+    end. (The buffer is indexed unsigned: Numba adds no negative-index fix-up to it.)"""
+    columns = uint64(0)
+    positions = uint64(width)
     for run in range(run_seqs.size):
-        start = seq_info[run, POS_START]
-        for i in range(run_lens[run]):
-            out[token] = run_seqs[run]
-            out[width + token] = start + i
-            token += 1
-    for token in range(n_tokens, width):
-        out[token] = pad_col
-        out[width + token] = 0
-    end = 2 * width
+        seq = run_seqs[run]
+        position = seq_info[run, POS_START]
+        for _ in range(run_lens[run]):
+            out[columns] = seq
+            out[positions] = position
+            columns += uint64(1)
+            positions += uint64(1)
+            position += 1
+    for _ in range(n_tokens, width):
+        out[columns] = pad_col
+        out[positions] = 0
+        columns += uint64(1)
+        positions += uint64(1)
+    end = uint64(2 * width)
     if with_segments:
         for segment in range(seq_info.shape[0]):
             for field in range(SEQ_INFO_FIELDS):
                 out[end] = seq_info[segment, field]
-                end += 1
+                end += uint64(1)
     return end
 
 

@@ -231,8 +231,9 @@ class StepMachine:
 
     def __init__(self, strict: bool | None = None):
         self.index = int(StepState.IDLE)
-        self._table = STEP_MACHINE.table
-        self._event = STEP_MACHINE.event_index
+        # the compiled table as Python ints: next state by event, then by current state
+        self._next = {event: [int(nxt) for nxt in STEP_MACHINE.table[:, i]]
+                      for event, i in STEP_MACHINE.event_index.items()}
         strict = strict_mode() if strict is None else strict
         self._model = MachineModel(STEP_PROTOCOL) if strict else None
 
@@ -242,7 +243,7 @@ class StepMachine:
 
     def check(self, event: str, verb: str) -> int:
         """The next state under `event`, or `StepProtocolError` naming what is needed."""
-        nxt = int(self._table[self.index, self._event[event]])
+        nxt = self._next[event][self.index]
         if self._model is not None and bool(self._model.may_trigger(event)) != (nxt != REFUSED):
             raise AssertionError(f"strict: step machine disagrees on {event} from {self.state}")
         if nxt == REFUSED:

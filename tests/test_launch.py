@@ -89,6 +89,54 @@ def test_the_launch_key_moves_with_the_buffers_the_launches_use():
     assert keys[0] == keys[1] == keys[2] == keys[3] != keys[4] == keys[5]
 
 
+@pytest.mark.skipif(COMPILE, reason="a cache needs the simulator or a GPU")
+def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
+    """Alternating one-token spans of two long sequences: every span is a decode segment
+    cut into several chunks, more work rows than the buffer sized for usual steps holds.
+    The device buffer then holds each token's column and position, the segment table
+    and each window's work and combine tables, at the offsets the launches read."""
+    import kvnumba as kv
+    from kvnumba.kernels import decode
+    from kvnumba.paths import tables_size
+    config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=300)], n_kv_heads=1,
+                            head_dim=16, capacity=2048, max_seqs=2, max_write=64,
+                            max_step=128, dtype="float16", initial_rows=2048)
+    cache = kv.BatchedSequenceCache(config)
+    a, b = cache.seq_new(), cache.seq_new()
+    for _ in range(31):                    # positions only: steps that write nothing
+        cache.declare_step([a] * 64 + [b] * 60)
+        cache.prepare_step()
+        cache.commit_step()
+    ids = [a, b] * 32
+    plan = cache.declare_step(ids)
+    cache.prepare_step(70)
+    staged = cache._staging.device.copy_to_host()
+    assert cache._staging.size > tables_size(config)
+    cursor = {a: 31 * 64, b: 31 * 60}
+    positions = []
+    for seq in ids:
+        positions.append(cursor[seq])
+        cursor[seq] += 1
+    width = 70
+    assert staged[:width].tolist() == ids + [config.max_seqs] * 6        # padding: scratch
+    assert staged[width:2 * width].tolist() == positions + [0] * 6
+    assert (plan.seq_cols == staged[:width]).all()
+    assert (plan.positions == staged[width:2 * width]).all()
+    info = plan.seq_info
+    assert (staged[2 * width:2 * width + info.size] == info.ravel()).all()
+    routes = cache._tables.routes
+    assert routes.decode_plans[0].n_items > 6 * len(info)     # the flat layer's long keys
+    for window, placed in routes.decode_plans.items():
+        want = decode.plan(info, np.arange(len(info)), window=window)
+        assert placed.n_items == want.n_items and placed.n_combine == want.n_combine
+        work = staged[placed.work_off:placed.work_off + want.work.size]
+        combine = staged[placed.combine_off:placed.combine_off + want.combine.size]
+        assert (work == want.work.ravel()).all() and (combine == want.combine.ravel()).all()
+        run = routes.decode_runs[window]
+        assert run.tables is cache._staging.device and run.seq_info_off == 2 * width
+    cache.abort_step()
+
+
 @pytest.mark.skipif(COMPILE or kv_device.KIND == "gpu",
                     reason="runs the compile-mode checks from the simulator")
 def test_the_compile_mode_checks_pass():
@@ -191,6 +239,35 @@ def test_each_launch_packs_what_numbas_launch_would(device, calls, kind, padding
     names = {kernel.name for kernel, *_ in calls}
     # write, decode, combine (two chunks of keys), the clone's copy; zeroing the padding
     assert len(names) >= 4 + bool(padding) and len(calls) == len(recorder.launches)
+    for (kernel, _, _, stream, args), record in zip(calls, recorder.launches):
+        assert record.raw == numba_parameters(kernel, args, stream), kernel.name
+
+
+@compile_mode
+def test_steps_of_one_shape_bind_their_launches_once(device, calls, monkeypatch):
+    """A decode loop whose steps keep their shape (batch, chunk counts, width) binds its
+    write, decode and combine launches in the first step only; every launch of every step
+    still packs what Numba's launch would."""
+    host, recorder = device
+    binds = []
+    bind = launch.LeanKernel.bind
+    monkeypatch.setattr(launch.LeanKernel, "bind",
+                        lambda self, *args: binds.append(self.name) or bind(self, *args))
+    cache = host.make_cache(4)
+    cache.abort_step()
+    inputs = host.make_inputs(4, "device")
+    bound = []
+    for _ in range(3):               # 512, 513, 514 keys: two chunks each time
+        cache.declare_step(np.arange(4))
+        cache.prepare_step()
+        before = len(binds)
+        for layer in range(cache.config.n_layers):
+            cache.update_and_attend(layer, inputs["q"], inputs["k"], inputs["v"],
+                                    out=inputs["out"])
+        bound.append(len(binds) - before)
+        cache.commit_step()
+    assert bound[0] >= 3 and bound[1:] == [0, 0], bound
+    assert len(calls) == len(recorder.launches) == 3 * 3 * cache.config.n_layers
     for (kernel, _, _, stream, args), record in zip(calls, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
 

@@ -579,12 +579,6 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
     return Specialised(decode)
 
 
-def _float32(value):
-    """`value` as the float32 the kernel takes (converted only when it is not one: a
-    conversion costs more host time than the rest of a scalar's launch work)."""
-    return value if type(value) is _FLOAT32 else _FLOAT32(value)
-
-
 _FLOAT32 = np.float32
 
 
@@ -617,12 +611,12 @@ class DecodeRun:
     row shape.
     """
 
-    def __init__(self, tables, seq_info_off: int, plan: PlacedPlan, workspace,
+    def __init__(self, tables, seq_info_off: int, placed: PlacedPlan, workspace,
                  ring_rows: int, window: int, stream=0):
-        self.tables, self.seq_info_off, self.plan = tables, seq_info_off, plan
+        self.tables, self.seq_info_off, self.placed = tables, seq_info_off, placed
         self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
         self.stream = stream
-        self.n_items = plan.n_items
+        self.n_items = placed.n_items
         self._launches = {}    # (decode launch, combine launch or None) by signature
 
     def __call__(self, q, k_store, v_store, out, scale, softcap) -> None:
@@ -633,7 +627,10 @@ class DecodeRun:
         if launches is None:
             launches = self._launches[key] = self._bind(q, k_store, v_store, *key)
         decode, merge = launches
-        decode(q, k_store, v_store, out, _float32(scale), _float32(softcap))
+        # the kernel takes float32 scalars: converted only when they are not (a conversion
+        # costs more host time than the rest of a scalar's launch work)
+        decode(q, k_store, v_store, out, scale if type(scale) is _FLOAT32 else _FLOAT32(scale),
+               softcap if type(softcap) is _FLOAT32 else _FLOAT32(softcap))
         if merge is not None:
             merge(out)
 
@@ -646,8 +643,8 @@ class DecodeRun:
         self.check(q, k_store, v_store)
         head_dim, n_kv_heads = q.shape[2], k_store.shape[2]
         storage = np.dtype(k_store.dtype)
-        plan, seq_info_off = self.plan, self.seq_info_off
-        max_q_len, n_parts = plan.max_q_len, plan.n_parts
+        placed, seq_info_off = self.placed, self.seq_info_off
+        max_q_len, n_parts = placed.max_q_len, placed.n_parts
         group = n_q_heads // n_kv_heads
         rows = block_rows(group * max_q_len, head_dim, storage)
         # row groups are rounded up to a power of two (the extra ones return at once), so
@@ -663,10 +660,10 @@ class DecodeRun:
                                 np.dtype(dtype).name, vectors)
         decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
                              self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, PER_CALL,
-                             part_acc, part_ml, seq_info_off, plan.work_off, max_q_len, group,
+                             part_acc, part_ml, seq_info_off, placed.work_off, max_q_len, group,
                              row_group_bits, self.ring_rows, self.window, PER_CALL, PER_CALL)
         merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
-                                combine_off=plan.combine_off, n_combine=plan.n_combine,
+                                combine_off=placed.combine_off, n_combine=placed.n_combine,
                                 max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
                                 stream=self.stream)
         return decode, merge
@@ -676,13 +673,13 @@ def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, 
             max_q_len, workspace, ring_rows, window, stream=0) -> DecodeRun:
     """The plan side of `run`: what a step fixes for its layers of one window, once
     (`DecodeRun`); the arguments are `run`'s."""
-    plan = PlacedPlan(int(work_off), int(n_items), int(combine_off), int(n_combine),
-                      int(n_parts), int(max_q_len))
-    return DecodeRun(tables, int(seq_info_off), plan, workspace, int(ring_rows), int(window),
-                     stream)
+    placed = PlacedPlan(int(work_off), int(n_items), int(combine_off), int(n_combine),
+                        int(n_parts), int(max_q_len))
+    return DecodeRun(tables, int(seq_info_off), placed, workspace, int(ring_rows),
+                     int(window), stream)
 
 
-def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=None, **plan):
+def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=None, **step):
     """Attention of the planned segments' queries; writes their rows of `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
@@ -694,7 +691,7 @@ def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=N
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
     row-major. softcap: 0 = off.
 
-    `plan`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
+    `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
     `n_combine`, `n_parts` and `max_q_len` (the plan's), the `workspace`, `ring_rows`
     (0: flat, or R) and `window` (0 or W), as `prepare` takes them; or `planned`, what
     `prepare` returned for this step and window (a cache plans once per step, and its
@@ -707,7 +704,7 @@ def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=N
     synchronisation, no device allocation once `workspace` is warm.
     """
     if planned is None:
-        planned = prepare(tables, stream=stream, **plan)
+        planned = prepare(tables, stream=stream, **step)
         planned.check(q, k_store, v_store)       # refused before q itself is read
     planned(q, k_store, v_store, out, scale, softcap)
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit
+from numba import njit, uint64
 
 from ..plan import COL, POS_START, Q_LEN, Q_START
 from .attention import DECODE_MAX_Q_LEN
@@ -90,10 +90,10 @@ def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
     which its scores are summed, are the same in any batch, and its output the same
     bits.
     """
-    _check_chunk(chunk)
+    bits = _chunk_bits(chunk)
     segments = np.asarray(segments, np.int32).reshape(-1)
     work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
-                                                     segments, window, chunk)
+                                                     segments, window, bits)
     _check_queries(shortest, longest)
     return DecodePlan(work, combine, n_parts, chunk, longest)
 
@@ -114,25 +114,30 @@ class PlacedPlan(NamedTuple):
 def plan_into(seq_info, segments, *, window: int, staging, at: int,
               chunk: int = CHUNK) -> PlacedPlan:
     """`plan`, its work and combine tables written straight into the host buffer of
-    `staging` (a `Staging`) from entry `at`, back to back (one compiled pass; the buffer
+    `staging` (a `Staging`) from entry `at`, back to back (one compiled call; the buffer
     grows first in the rare step whose tables do not fit). `seq_info` and `segments`:
     int32 arrays, as `plan` takes them."""
-    _check_chunk(chunk)
+    bits = _CHUNK_BITS if chunk == CHUNK else _chunk_bits(chunk)
     n_items, n_split, n_parts, shortest, longest = _cut_into(
-        seq_info, segments, window, chunk, staging.host, at)
+        seq_info, segments, window, bits, staging.host, at)
     if n_parts < 0:             # no room: grow, keeping what the step wrote before `at`
         staging.reserve(at + n_items * WORK_FIELDS + n_split * COMBINE_FIELDS, at)
         n_items, n_split, n_parts, shortest, longest = _cut_into(
-            seq_info, segments, window, chunk, staging.host, at)
+            seq_info, segments, window, bits, staging.host, at)
     _check_queries(shortest, longest)
     combine_off = at + n_items * WORK_FIELDS
     return PlacedPlan(at, n_items, combine_off, n_split, n_parts, longest)
 
 
-def _check_chunk(chunk: int) -> None:
+def _chunk_bits(chunk: int) -> int:
+    """`log2(chunk)`, once `chunk` is checked: a power of two and a multiple of KEY_TILE."""
     if chunk <= 0 or chunk % KEY_TILE or chunk & (chunk - 1):
         raise ValueError(f"decode: chunk {chunk} must be a power of two and a multiple of "
                          f"{KEY_TILE}")
+    return int(chunk).bit_length() - 1
+
+
+_CHUNK_BITS = _chunk_bits(CHUNK)
 
 
 def _check_queries(shortest: int, longest: int) -> None:
@@ -152,9 +157,17 @@ def _key_span(seq_info, seg, window):
 
 
 @njit(cache=True)
-def _count(seq_info, segments, window, chunk):
+def _chunks(keys, half, bits):
+    """`chunk_count(keys, chunk)` for a chunk of `1 << bits` keys (`half`: half a chunk), by
+    a shift rather than a division."""
+    return max(1, (keys + half) >> bits)
+
+
+@njit(cache=True)
+def _count(seq_info, segments, window, half, bits):
     """`(n_items, n_split, shortest, longest)`: the work rows and split segments of the
-    cut, and the shortest and longest segment (1 and 0 when there are none)."""
+    cut into chunks of `1 << bits` keys, and the shortest and longest segment (1 and 0
+    when there are none)."""
     n_items = 0
     n_split = 0
     shortest = 1
@@ -164,67 +177,95 @@ def _count(seq_info, segments, window, chunk):
         shortest = min(shortest, q_len)
         longest = max(longest, q_len)
         lo, hi = _key_span(seq_info, seg, window)
-        chunks = chunk_count(hi - lo, chunk)
+        chunks = _chunks(hi - lo, half, bits)
         n_items += chunks
         n_split += chunks > 1
     return n_items, n_split, shortest, longest
 
 
 @njit(cache=True)
-def _fill(seq_info, segments, window, chunk, work, combine):
-    """Write the work and combine tables (see the module constants) of the cut `_count`
-    sized; returns the partial slots used."""
-    item = 0
+def _fill(seq_info, segments, window, bits, out, work_at, combine_at):
+    """Write the work rows (from `out[work_at]`) and combine rows (from `out[combine_at]`,
+    see the module constants) of the cut `_count` sized, flat row-major; returns the
+    partial slots used.
+
+    A step of long histories writes thousands of work rows, so the loop is kept lean: the
+    buffer is indexed unsigned (Numba adds no negative-index fix-up to an unsigned
+    index), a segment of one chunk takes its own branch, and the chunks of a split one
+    are written alike, its last chunk's end set after them."""
+    chunk = 1 << bits
+    half = chunk >> 1
+    item = uint64(work_at)
+    split = uint64(combine_at)
     part = 0
-    split = 0
     for seg in segments:
         lo, hi = _key_span(seq_info, seg, window)
-        chunks = chunk_count(hi - lo, chunk)
-        if chunks > 1:
-            combine[split, COMBINE_SEG] = seg
-            combine[split, COMBINE_PART] = part
-            combine[split, COMBINE_PARTS] = chunks
-            split += 1
-        for c in range(chunks):
-            work[item, WORK_SEG] = seg
-            work[item, WORK_KEY_LO] = lo + c * chunk
-            work[item, WORK_KEY_HI] = lo + (c + 1) * chunk if c + 1 < chunks else hi
-            work[item, WORK_PART] = part + c if chunks > 1 else -1
-            work[item, WORK_COL] = seq_info[seg, COL]
-            work[item, WORK_Q_START] = seq_info[seg, Q_START]
-            work[item, WORK_Q_LEN] = seq_info[seg, Q_LEN]
-            item += 1
-        if chunks > 1:
-            part += chunks
+        chunks = _chunks(hi - lo, half, bits)
+        col, q_start, q_len = seq_info[seg, COL], seq_info[seg, Q_START], seq_info[seg, Q_LEN]
+        if chunks == 1:
+            out[item + _WORK_SEG] = seg
+            out[item + _WORK_KEY_LO] = lo
+            out[item + _WORK_KEY_HI] = hi
+            out[item + _WORK_PART] = -1        # the segment's only chunk writes `out` itself
+            out[item + _WORK_COL] = col
+            out[item + _WORK_Q_START] = q_start
+            out[item + _WORK_Q_LEN] = q_len
+            item += _WORK_FIELDS
+            continue
+        out[split + _COMBINE_SEG] = seg
+        out[split + _COMBINE_PART] = part
+        out[split + _COMBINE_PARTS] = chunks
+        split += _COMBINE_FIELDS
+        key = lo
+        for _ in range(chunks):
+            out[item + _WORK_SEG] = seg
+            out[item + _WORK_KEY_LO] = key
+            key += chunk
+            out[item + _WORK_KEY_HI] = key
+            out[item + _WORK_PART] = part
+            part += 1
+            out[item + _WORK_COL] = col
+            out[item + _WORK_Q_START] = q_start
+            out[item + _WORK_Q_LEN] = q_len
+            item += _WORK_FIELDS
+        out[item - _WORK_FIELDS + _WORK_KEY_HI] = hi     # the last chunk takes the rest
     return part
 
 
+# the work and combine fields as unsigned offsets, for `_fill`'s unsigned indices
+(_WORK_SEG, _WORK_KEY_LO, _WORK_KEY_HI, _WORK_PART, _WORK_COL, _WORK_Q_START, _WORK_Q_LEN,
+ _WORK_FIELDS) = map(np.uint64, (WORK_SEG, WORK_KEY_LO, WORK_KEY_HI, WORK_PART, WORK_COL,
+                                 WORK_Q_START, WORK_Q_LEN, WORK_FIELDS))
+_COMBINE_SEG, _COMBINE_PART, _COMBINE_PARTS, _COMBINE_FIELDS = map(
+    np.uint64, (COMBINE_SEG, COMBINE_PART, COMBINE_PARTS, COMBINE_FIELDS))
+
+
 @njit(cache=True)
-def _cut(seq_info, segments, window, chunk):
-    """The work and combine tables for nominal chunks of `chunk` keys, the partial slots
-    used, and the shortest and longest segment (1 and 0 when there are none).
+def _cut(seq_info, segments, window, bits):
+    """The work and combine tables for nominal chunks of `1 << bits` keys, the partial
+    slots used, and the shortest and longest segment (1 and 0 when there are none).
 
     Compiled passes over the segments (count, then fill): a step's plan costs a few µs
     of host time however many segments it has.
     """
-    n_items, n_split, shortest, longest = _count(seq_info, segments, window, chunk)
-    work = np.empty((n_items, WORK_FIELDS), np.int32)
-    combine = np.empty((n_split, COMBINE_FIELDS), np.int32)
-    n_parts = _fill(seq_info, segments, window, chunk, work, combine)
-    return work, combine, n_parts, shortest, longest
+    n_items, n_split, shortest, longest = _count(seq_info, segments, window,
+                                                 (1 << bits) >> 1, bits)
+    middle = n_items * WORK_FIELDS
+    tables = np.empty(middle + n_split * COMBINE_FIELDS, np.int32)
+    n_parts = _fill(seq_info, segments, window, bits, tables, 0, middle)
+    return (tables[:middle].reshape((n_items, WORK_FIELDS)),
+            tables[middle:].reshape((n_split, COMBINE_FIELDS)), n_parts, shortest, longest)
 
 
 @njit(cache=True)
-def _cut_into(seq_info, segments, window, chunk, out, at):
+def _cut_into(seq_info, segments, window, bits, out, at):
     """`_cut` into the flat int32 buffer `out`, the work rows from entry `at` and the
     combine rows right after them; `(n_items, n_split, n_parts, shortest, longest)`,
     n_parts -1 (nothing written) when they do not fit."""
-    n_items, n_split, shortest, longest = _count(seq_info, segments, window, chunk)
+    n_items, n_split, shortest, longest = _count(seq_info, segments, window,
+                                                 (1 << bits) >> 1, bits)
     middle = at + n_items * WORK_FIELDS
-    end = middle + n_split * COMBINE_FIELDS
-    if end > out.size:
+    if middle + n_split * COMBINE_FIELDS > out.size:
         return n_items, n_split, -1, shortest, longest
-    work = out[at:middle].reshape((n_items, WORK_FIELDS))
-    combine = out[middle:end].reshape((n_split, COMBINE_FIELDS))
-    n_parts = _fill(seq_info, segments, window, chunk, work, combine)
+    n_parts = _fill(seq_info, segments, window, bits, out, at, middle)
     return n_items, n_split, n_parts, shortest, longest

@@ -105,7 +105,7 @@ class SimulatedLaunch:
         return merge(self.args, values)
 
     def __call__(self, *values):
-        self.kernel(self.grid, self.block, self.stream, *merge(self.args, values))
+        self.kernel(self.grid, self.block, self.stream, *self.arguments(values))
 
 
 # ------------------------------------------------------------------ bound arguments

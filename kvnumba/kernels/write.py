@@ -151,7 +151,9 @@ class WriteRun:
         if not self._any:
             return
         dtype = self.dtype
-        vectors = self._whole and vectors_fit(k, dtype) and vectors_fit(v, dtype)
+        vectors = (self._whole and k.dtype == dtype and v.dtype == dtype       # `vectors_fit`
+                   and k.is_c_contiguous() and v.is_c_contiguous()
+                   and aligned(k, VECTOR_BYTES) and aligned(v, VECTOR_BYTES))
         launch = self._launches.get(vectors)
         if launch is None:
             launch = self._launches[vectors] = self._bind(vectors)
