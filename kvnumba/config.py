@@ -21,6 +21,9 @@ DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 MAX_HEAD_DIM = 256
 #: positions and token indices travel to the kernels as int32
 INT32_MAX = 2**31 - 1
+#: the attention kernels step from one storage row (every column's kv heads) to the next
+#: in unsigned 32-bit byte strides, so a row must stay under 4 GiB
+ROW_BYTES_LIMIT = 2**32
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,14 @@ class CacheConfig:
         _require_int("initial_rows", self.initial_rows, 1)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
+        row_bytes = ((self.max_seqs + 1) * self.n_kv_heads * self.head_dim
+                     * self.storage_dtype.itemsize)
+        if row_bytes >= ROW_BYTES_LIMIT:
+            raise ConfigError(f"max_seqs={self.max_seqs}: a storage row holds max_seqs + 1 "
+                              f"columns x {self.n_kv_heads} kv heads x head_dim "
+                              f"{self.head_dim} x {self.storage_dtype.itemsize} bytes = "
+                              f"{row_bytes} bytes, and rows must stay under 4 GiB "
+                              f"({ROW_BYTES_LIMIT}): use fewer sequences per cache")
         if self.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
             raise ConfigError("dtype='bfloat16': host arrays of bfloat16 need the ml_dtypes "
                               "package: pip install 'kvnumba[bf16]' (or ml_dtypes)")

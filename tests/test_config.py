@@ -67,3 +67,13 @@ def test_flat_growth_grows_every_column():
                        capacity=4096, max_seqs=32, dtype="float16", initial_rows=256)
     assert c.nbytes_at(256) == 69_206_016          # 69 MB at start
     assert c.nbytes_at(2048) == 553_648_128        # 554 MB once one sequence reached 2048
+
+
+def test_storage_rows_of_4_gib_are_refused_up_front():
+    """The kernels stride rows in 32-bit bytes: the largest max_seqs whose row (max_seqs + 1
+    columns x heads x head_dim x bytes) stays under 4 GiB is accepted, one more is not."""
+    per_column = 8 * 128 * 2                    # 8 kv heads x head_dim 128, float16
+    largest = 2**32 // per_column - 2           # (largest + 1) columns: 4 GiB - one column
+    make(n_kv_heads=8, head_dim=128, dtype="float16", max_seqs=largest)
+    with pytest.raises(kv.ConfigError, match=r"4294967296 bytes.*under 4 GiB"):
+        make(n_kv_heads=8, head_dim=128, dtype="float16", max_seqs=largest + 1)
