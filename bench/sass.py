@@ -124,13 +124,13 @@ class Specialisation:
 
 def _decode_signature(t: str) -> str:
     return (f"void({t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
-            f"{t}[:, :, ::1], float32[::1], float32[::1], {', '.join(['int64'] * 7)}, "
-            f"float32, float32)")
+            f"{t}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
+            f"{', '.join(['int64'] * 7)}, float32, float32)")
 
 
 def _prefill_signature(t: str) -> str:
     return (f"void({t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
-            f"{t}[:, :, ::1], {', '.join(['int64'] * 6)}, float32, float32)")
+            f"{t}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, float32, float32)")
 
 
 _DECODE = "kvnumba.kernels.decode:_decode_kernel"
@@ -153,8 +153,8 @@ SPECIALISATIONS = (
     Specialisation("decode d256 float16", f"{_DECODE}(256, 'float16', 4, False)",
                    _decode_signature("float16")),
     Specialisation("combine d128", "kvnumba.kernels.combine:_combine_kernel(128)",
-                   "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], int64, "
-                   "int64, int64)"),
+                   "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], "
+                   "float32[:, ::1], int64, int64, int64)"),
     Specialisation("prefill d64 float16", f"{_PREFILL}(64, 64, 64, 'float16', False)",
                    _prefill_signature("float16")),
     Specialisation("prefill d128 float16", f"{_PREFILL}(128, 64, 64, 'float16', False)",

@@ -163,25 +163,27 @@ class AttentionPaths:
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
-    def run(self, paths: StepPaths, q, k_store, v_store, tables, out, *, ring_rows, window,
-            scale, softcap, stream) -> None:
-        """Launch the step's paths for one layer: each writes its segments' rows of `out`."""
+    def run(self, paths: StepPaths, q, k_store, v_store, tables, out, lse, *, ring_rows,
+            window, scale, softcap, stream) -> None:
+        """Launch the step's paths for one layer: each writes its segments' rows of `out`,
+        and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
+        rows (`launch.no_output()`)."""
         if paths.decode.n and self.decode_fast:
-            decode.run(q, k_store, v_store, tables, out=out, scale=scale, softcap=softcap,
-                       stream=stream, planned=paths.decode_runs[window])
+            decode.run(q, k_store, v_store, tables, out=out, lse=lse, scale=scale,
+                       softcap=softcap, stream=stream, planned=paths.decode_runs[window])
         elif paths.decode.n:
-            generic.attend(q, k_store, v_store, tables, out, workspace=self.workspace,
+            generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
                            path="decode", kv_chunk=decode.CHUNK, ring_rows=ring_rows,
                            window=window, scale=scale, softcap=softcap, stream=stream,
                            **paths.decode_args)
         if not paths.prefill.n:
             return
         if self.prefill_fast and scale > 0:
-            prefill.run(q, k_store, v_store, tables, out=out, ring_rows=ring_rows,
+            prefill.run(q, k_store, v_store, tables, out=out, lse=lse, ring_rows=ring_rows,
                         window=window, scale=scale, softcap=softcap, stream=stream,
                         **paths.prefill_args)
         else:
-            generic.attend(q, k_store, v_store, tables, out, workspace=self.workspace,
+            generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
                            path="prefill", max_kv_len=paths.prefill.max_kv_len,
                            ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
                            stream=stream, **paths.prefill_args)

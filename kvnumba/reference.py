@@ -60,9 +60,29 @@ def attention(q, k, v, q_positions=None, *, window: int | None = None, blocks=()
     `h // (n_q_heads // n_kv_heads)`. Scores are scaled (default `1/sqrt(d)`), then
     soft-capped (`c * tanh(s / c)`), masked, soft-maxed. Returns `[n_q, n_q_heads, d]`.
     """
+    s = _scores(q, k, q_positions, window, blocks, scale, softcap)
+    group = s.shape[0] // np.shape(v)[1]
+    vh = np.repeat(np.asarray(v, np.float64), group, axis=1)            # [n_keys, hq, d]
+    s = s - s.max(axis=-1, keepdims=True)
+    w = np.exp(s)
+    w /= w.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", w, vh)
+
+
+def log_sum_exp(q, k, q_positions=None, *, window: int | None = None, blocks=(),
+                scale: float | None = None, softcap: float | None = None) -> np.ndarray:
+    """`[n_q, n_q_heads]` float64: each query row's natural-log log-sum-exp of its final
+    scores (scaled, soft-capped, over the keys it sees), what `attend(..., lse=)` writes;
+    arguments as `attention`'s."""
+    s = _scores(q, k, q_positions, window, blocks, scale, softcap)     # [hq, n_q, n_keys]
+    best = s.max(axis=-1, keepdims=True)
+    return (best[..., 0] + np.log(np.exp(s - best).sum(axis=-1))).T
+
+
+def _scores(q, k, q_positions, window, blocks, scale, softcap) -> np.ndarray:
+    """`[n_q_heads, n_q, n_keys]` float64 scores, scaled, soft-capped and masked (-inf)."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
-    v = np.asarray(v, np.float64)
     n_q, n_q_heads, d = q.shape
     n_keys, n_kv_heads, _ = k.shape
     if n_q_heads % n_kv_heads:
@@ -73,15 +93,10 @@ def attention(q, k, v, q_positions=None, *, window: int | None = None, blocks=()
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     seen = mask(q_positions, n_keys, window, blocks)                    # [n_q, n_keys]
     kh = np.repeat(k, group, axis=1)                                     # [n_keys, hq, d]
-    vh = np.repeat(v, group, axis=1)
     s = scale * np.einsum("qhd,khd->hqk", q, kh)                         # [hq, n_q, n_keys]
     if softcap:
         s = softcap * np.tanh(s / softcap)
-    s = np.where(seen[None], s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    w = np.exp(s)
-    w /= w.sum(axis=-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", w, vh)
+    return np.where(seen[None], s, -np.inf)
 
 
 # ---------------------------------------------------------------------------- the demo model

@@ -35,6 +35,10 @@ from `max_q_len`):
 * prefill: `PREFILL_TILES` (tall row tiles), one block per (segment, row tile,
   kv head) over the whole key range, writing `out` directly.
 
+Each served row's natural-log log-sum-exp of its scores (running max + log of the
+running sum; merged across splits by the combine) goes to `lse` when the caller passes
+one with rows.
+
 Softmax and accumulation are float32; storage, q and out may each be float16,
 float32 or bfloat16 (held as uint16 bits; `ptx.to_f32` / `ptx.from_f32`), one compiled
 specialisation per combination, made on first use.
@@ -48,7 +52,7 @@ import numpy as np
 
 from ..device import cuda
 from . import ptx
-from .launch import Specialised, ceil_div
+from .launch import Specialised, ceil_div, no_output
 from .masks import div32, divmod32, key_range, read_segment, step_on, storage_row, store_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -124,9 +128,9 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
     assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad
 
     @cuda.jit
-    def attention(q, k_store, v_store, tables, seq_info_off, segments_off, out, part_acc,
-                  part_ml, n_row_tiles, n_splits, chunk, group, ring_rows, window, scale,
-                  softcap):
+    def attention(q, k_store, v_store, tables, seq_info_off, segments_off, out, lse,
+                  part_acc, part_ml, n_row_tiles, n_splits, chunk, group, ring_rows, window,
+                  scale, softcap):
         tid = cuda.threadIdx.x
         kv_head = cuda.blockIdx.y
         row_tile, split = divmod32(cuda.blockIdx.x, n_splits)
@@ -257,21 +261,25 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                     out[token, head, d] = ptx.from_f32(acc[i] / row_sum[r], out)
                 else:
                     part_acc[((split * width + token) * n_heads + head) * head_dim + d] = acc[i]
-        if n_splits > 1 and tid < n_rows:
+        if tid < n_rows and (n_splits > 1 or lse.shape[0] > 0):
             token, member = divmod32(first_row + tid, group)
             token += q_start
             head = kv_head * group + member
-            base = ((split * width + token) * n_heads + head) * 2
-            part_ml[base] = run_max
-            part_ml[base + 1] = run_sum
+            if n_splits == 1:
+                lse[token, head] = run_max + math.log(run_sum)
+            else:
+                base = ((split * width + token) * n_heads + head) * 2
+                part_ml[base] = run_max
+                part_ml[base + 1] = run_sum
 
     return Specialised(attention)
 
 
 @cuda.jit
-def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, max_q_len,
-                    group, block_rows, chunk, window):
-    """Merge split-K partials of one query token (all heads): log-sum-exp weighted sum.
+def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, lse,
+                    max_q_len, group, block_rows, chunk, window):
+    """Merge split-K partials of one query token (all heads): log-sum-exp weighted sum,
+    and each row's log-sum-exp into `lse` when it has rows.
 
     Row tile and split geometry must match the attention launch that wrote them.
     """
@@ -303,6 +311,8 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
             total += weight * part_ml[base * 2 + 1]
             value += weight * part_acc[base * head_dim + d]
         out[token, head, d] = ptx.from_f32(value / total, out)
+        if d == 0 and lse.shape[0] > 0:
+            lse[token, head] = best + math.log(total)
         head, d = step_on(head, d, skip_heads, skip_dims, head_dim)
 
 
@@ -381,8 +391,8 @@ def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, hea
 
 
 def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_segments,
-           max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace, stream=0,
-           path=None, kv_chunk=None):
+           max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace, lse=None,
+           stream=0, path=None, kv_chunk=None):
     """Attention of the served segments' queries over their own columns' keys, into `out`.
 
     q: [width, n_q_heads, head_dim] device array; out: same shape (only the served
@@ -392,7 +402,9 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
     SEQ_INFO_FIELDS`, the served segments' indices at `segments_off .. + n_segments`.
     max_q_len / max_kv_len: largest q_len / pos_start + q_len over them.
     ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
-    softcap: 0.0 = off. All launches on `stream`; no host synchronisation, no copies,
+    softcap: 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device array that
+    receives each served row's natural-log log-sum-exp of its (scaled, capped) scores.
+    All launches on `stream`; no host synchronisation, no copies,
     no device allocation once `workspace` is warm.
     path / kv_chunk: the path and its split-K chunk (see `launch_plan`); the cache
     passes both.
@@ -405,6 +417,7 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
                          f"at most {MAX_QUERY_ROWS} (token, head) rows")
     if n_segments == 0:
         return out
+    lse = no_output() if lse is None else lse
     plan = launch_plan(n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,
                        n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                        window=window, path=path, kv_chunk=kv_chunk)
@@ -417,11 +430,11 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
     kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
                                plan["key_lanes"], plan["threads"])
     kernel(plan["grid"], plan["threads"], stream,
-           q, k_store, v_store, tables, int(seq_info_off), int(segments_off), out, part_acc,
-           part_ml, plan["n_row_tiles"], n_splits, plan["chunk"], plan["group"],
+           q, k_store, v_store, tables, int(seq_info_off), int(segments_off), out, lse,
+           part_acc, part_ml, plan["n_row_tiles"], n_splits, plan["chunk"], plan["group"],
            int(ring_rows), int(window), np.float32(scale), np.float32(softcap))
     if n_splits > 1:
         _combine(n_segments * max_q_len, COMBINE_THREADS, stream,
-                 tables, int(seq_info_off), int(segments_off), part_acc, part_ml, out,
+                 tables, int(seq_info_off), int(segments_off), part_acc, part_ml, out, lse,
                  max_q_len, plan["group"], plan["block_rows"], plan["chunk"], int(window))
     return out

@@ -13,7 +13,9 @@ Inputs are exactly what `decode.run` leaves in its workspace and tables:
   `combine_off` in `tables`): a split segment, the slot of its first chunk (its chunks
   take consecutive slots) and how many chunks. Query `i` of the segment
   (`masks.read_segment`) gets `out[q_start + i, head, :] = sum_p 2**(m_p - M) acc_p /
-  sum_p 2**(m_p - M) s_p`, `M = max_p m_p`, in out's dtype.
+  sum_p 2**(m_p - M) s_p`, `M = max_p m_p`, in out's dtype, and, given an `lse` with
+  rows, `lse[q_start + i, head] = ln 2 * (M + log2 sum_p 2**(m_p - M) s_p)`: the
+  row's natural-log log-sum-exp.
 
 Shape (`_combine_kernel(head_dim)`): one block per (combine row, query, q head):
 `PART_GROUPS * lanes` threads, `lanes` (the smallest power of two >= head_dim / 4)
@@ -51,7 +53,7 @@ from functools import lru_cache
 from ..config import MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
 from . import ptx
-from .launch import PER_CALL, Specialised, ceil_div
+from .launch import PER_CALL, Specialised, ceil_div, no_output
 from .decode_plan import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from .masks import read_segment
 
@@ -77,6 +79,7 @@ ML_LOADS_PER_TRIP = 2 * UNROLL
 MAX_GRID_Y = MAX_GRID_Z = 65535
 
 NEG_INF = float32(-math.inf)
+LN2 = 0.6931471805599453
 ZERO = float32(0.0)
 
 assert PART_GROUPS & (PART_GROUPS - 1) == 0 and UNROLL & (UNROLL - 1) == 0
@@ -149,7 +152,7 @@ def _combine_kernel(head_dim: int):
                 a2 * wa + b2 * wb, a3 * wa + b3 * wb)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))
-    def combine(tables, part_acc, part_ml, out, seq_info_off, combine_off, max_q_len):
+    def combine(tables, part_acc, part_ml, out, lse, seq_info_off, combine_off, max_q_len):
         tid = int32(cuda.threadIdx.x)
         piece = tid & int32(LANES - 1)
         group = tid >> int32(LANE_SHIFT)
@@ -258,6 +261,8 @@ def _combine_kernel(head_dim: int):
                 total += weight * slot_s[j]
                 value += weight * slot_acc[j, tid]
             out[q_start + i, head, tid] = ptx.from_f32(value / total, out)
+            if tid == 0 and lse.shape[0] > 0:
+                lse[q_start + i, head] = best * float32(LN2) + math.log(total)
 
     return Specialised(combine)
 
@@ -266,8 +271,8 @@ def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, 
             n_q_heads, head_dim, stream=0):
     """The plan side of `run`: the merge of one step's split segments into outputs of
     `n_q_heads` q heads and `head_dim`, bound to its tables and partials (the kernel,
-    grid and block worked out once); `launch(out)` merges into `out`. None when there is
-    nothing to merge."""
+    grid and block worked out once); `launch(out, lse)` merges into `out` (and `lse`,
+    unless it has no rows: `launch.no_output()`). None when there is nothing to merge."""
     if n_combine <= 0:
         return None
     if n_q_heads > MAX_GRID_Z or max_q_len > MAX_GRID_Y:
@@ -275,12 +280,13 @@ def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, 
                          f"the grid's {MAX_GRID_Z} / {MAX_GRID_Y}")
     kernel = _combine_kernel(int(head_dim))
     return kernel.bind((int(n_combine), int(max_q_len), int(n_q_heads)), threads(head_dim),
-                       stream, tables, part_acc, part_ml, PER_CALL, int(seq_info_off),
+                       stream, tables, part_acc, part_ml, PER_CALL, PER_CALL,
+                       int(seq_info_off),
                        int(combine_off), int(max_q_len))
 
 
 def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine, max_q_len,
-        stream=0):
+        lse=None, stream=0):
     """Merge the partials of the `n_combine` split segments listed at `combine_off` in
     `tables` into their rows of `out` (see the module doc for the layouts).
 
@@ -289,13 +295,14 @@ def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine,
     wrote, laid out for `max_q_len` and `out.shape[1]` q heads. out: [width, n_q_heads,
     head_dim] float16, float32 or bfloat16 (uint16 bits); head_dim a multiple of 16 up
     to `MAX_HEAD_DIM`. Writes exactly `out[q_start + i, head, :]` for every query `i`
-    of a listed segment and every head. Launches on `stream` only; no synchronisation,
-    no allocation.
+    of a listed segment and every head, and, with `lse` (float32 `[width, n_q_heads]`),
+    `lse[q_start + i, head]`. Launches on `stream` only; no synchronisation, no
+    allocation.
     """
     if n_combine <= 0:
         return out
     _, n_q_heads, head_dim = out.shape
     prepare(tables, part_acc, part_ml, seq_info_off=seq_info_off, combine_off=combine_off,
             n_combine=n_combine, max_q_len=max_q_len, n_q_heads=n_q_heads,
-            head_dim=head_dim, stream=stream)(out)
+            head_dim=head_dim, stream=stream)(out, no_output() if lse is None else lse)
     return out

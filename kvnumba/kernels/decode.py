@@ -38,7 +38,9 @@ stream K and V at the chip's bandwidth with few instructions per key.
   all lanes for the accumulators.
 * End of a chunk: the states of the block's (warp, key slot) pairs meet in shared
   memory (a layout without bank conflicts), and each thread merges a slice of one
-  row and writes it to `out` (in out's dtype) or to the partial (acc, max, sum).
+  row and writes it to `out` (in out's dtype) or to the partial (acc, max, sum); with
+  `out` goes the row's log-sum-exp (natural log, from the base-2 max and sum) when
+  an `lse` array with rows is passed.
 
 Index arithmetic is 32-bit (positions and offsets are int32, storage rows under
 4 GiB) with no 64-bit division, and the key loop is the kernel's only loop with a
@@ -64,7 +66,7 @@ from .decode_plan import (  # noqa: F401  (the decode path's planning, re-export
     WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_Q_LEN, WORK_Q_START, WORK_SEG,
     DecodePlan, PlacedPlan, chunk_count, plan, plan_into)
 from .decode_words import LOAD_BYTES, WIDEN, query_loader
-from .launch import PER_CALL, Specialised
+from .launch import PER_CALL, Specialised, no_output
 from .masks import key_range, read_segment
 
 from numba import float32, int32, uint32, uint64  # noqa: E402  (after kvnumba.device)
@@ -91,6 +93,7 @@ LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 #: probabilities stay <= 2**RESCALE_SLACK and the accumulators are rescaled rarely
 RESCALE_SLACK = 8.0
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 NEG_INF = float32(-math.inf)
 #: a row's reference max before its first visible key: below every finite score, and
 #: finite, so that a masked score (-inf) minus it is -inf (probability 0), not NaN
@@ -403,8 +406,8 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         return best, total
 
     @cuda.jit(**LAUNCH_BOUNDS)
-    def decode(q, k_store, v_store, tables, out, part_acc, part_ml, seq_info_off, work_off,
-               max_q_len, group, row_group_bits, ring_rows, window, scale, softcap):
+    def decode(q, k_store, v_store, tables, out, lse, part_acc, part_ml, seq_info_off,
+               work_off, max_q_len, group, row_group_bits, ring_rows, window, scale, softcap):
         tid = int32(cuda.threadIdx.x)
         warp = tid >> 5
         lane = tid & (WARP - 1)
@@ -566,6 +569,8 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
                 if real:
                     out[token, uint64(head), uint64(dim)] = \
                         ptx.from_f32(merged[k] * inverse, out)
+            if tid & (ROW_THREADS - 1) == 0 and lse.shape[0] > 0:
+                lse[token, uint64(head)] = best * float32(LN2) + math.log(total)
             return
         at = (part * max_q_len + i) * q.shape[1] + head
         for k in range(PER_THREAD):
@@ -602,7 +607,8 @@ class DecodeRun:
     step's tables (their device buffer, where the segment table sits in it, the window's
     placed plan: `PlacedPlan`), the window's ring rows and the stream fixed.
 
-    A call (`run(q, k_store, v_store, out, scale, softcap)`, once per layer) looks its
+    A call (`run(q, k_store, v_store, out, lse, scale, softcap)`, once per layer; `lse`
+    a float32 `[width, n_q_heads]` device array, or one of no rows for none) looks its
     signature up: q's dtype, q heads and 16-byte alignment, and softcap on or off. The
     first call of a signature checks the storage (`check_storage`), works out the block
     rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
@@ -619,7 +625,7 @@ class DecodeRun:
         self.n_items = placed.n_items
         self._launches = {}    # (decode launch, combine launch or None) by signature
 
-    def __call__(self, q, k_store, v_store, out, scale, softcap) -> None:
+    def __call__(self, q, k_store, v_store, out, lse, scale, softcap) -> None:
         if not self.n_items:
             return
         key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0)
@@ -629,10 +635,11 @@ class DecodeRun:
         decode, merge = launches
         # the kernel takes float32 scalars: converted only when they are not (a conversion
         # costs more host time than the rest of a scalar's launch work)
-        decode(q, k_store, v_store, out, scale if type(scale) is _FLOAT32 else _FLOAT32(scale),
+        decode(q, k_store, v_store, out, lse,
+               scale if type(scale) is _FLOAT32 else _FLOAT32(scale),
                softcap if type(softcap) is _FLOAT32 else _FLOAT32(softcap))
         if merge is not None:
-            merge(out)
+            merge(out, lse)
 
     def check(self, q, k_store, v_store) -> None:
         """Refuse storage this path does not serve (`check_storage`) when there is work."""
@@ -660,8 +667,9 @@ class DecodeRun:
                                 np.dtype(dtype).name, vectors)
         decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
                              self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, PER_CALL,
-                             part_acc, part_ml, seq_info_off, placed.work_off, max_q_len, group,
-                             row_group_bits, self.ring_rows, self.window, PER_CALL, PER_CALL)
+                             PER_CALL, part_acc, part_ml, seq_info_off, placed.work_off,
+                             max_q_len, group, row_group_bits, self.ring_rows, self.window,
+                             PER_CALL, PER_CALL)
         merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
                                 combine_off=placed.combine_off, n_combine=placed.n_combine,
                                 max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
@@ -679,7 +687,8 @@ def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, 
                      int(window), stream)
 
 
-def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=None, **step):
+def run(q, k_store, v_store, tables, *, out, scale, softcap, lse=None, stream=0, planned=None,
+        **step):
     """Attention of the planned segments' queries; writes their rows of `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
@@ -689,7 +698,8 @@ def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=N
     addresses rows with 32-bit byte strides). tables: int32 device array holding the
     segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
-    row-major. softcap: 0 = off.
+    row-major. softcap: 0 = off. lse: None, or a float32 `[width, n_q_heads]` device array
+    that receives each served row's natural-log log-sum-exp of its scores.
 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
     `n_combine`, `n_parts` and `max_q_len` (the plan's), the `workspace`, `ring_rows`
@@ -706,5 +716,5 @@ def run(q, k_store, v_store, tables, *, out, scale, softcap, stream=0, planned=N
     if planned is None:
         planned = prepare(tables, stream=stream, **step)
         planned.check(q, k_store, v_store)       # refused before q itself is read
-    planned(q, k_store, v_store, out, scale, softcap)
+    planned(q, k_store, v_store, out, no_output() if lse is None else lse, scale, softcap)
     return out

@@ -58,6 +58,16 @@ def stride_blocks(work: int) -> int:
     return min(MAX_BLOCKS, ceil_div(work, STRIDE_THREADS))
 
 
+@lru_cache(maxsize=None)
+def no_output():
+    """A float32 device array of no rows (`[0, 1]`), passed for an optional output the
+    caller did not ask for (the attention kernels' `lse`): a kernel stores to such an
+    output only when `shape[0] > 0`, so one launch serves both cases. Made once, on
+    first use; it holds no memory, so its null address serves every device."""
+    from ..device import cuda
+    return cuda.device_array((0, 1), np.float32)
+
+
 # ------------------------------------------------------------------ the simulator
 
 def _type_key(arg):

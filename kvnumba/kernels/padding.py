@@ -1,20 +1,30 @@
-"""Zero the padding rows of an attention output (rows past the step's tokens)."""
+"""Zero the padding rows of an attention output (rows past the step's tokens), and set
+those of its log-sum-exp output, when there is one, to -inf (a row over no key)."""
 from __future__ import annotations
+
+import math
 
 from ..device import cuda
 from . import ptx
-from .launch import PER_CALL, Specialised
+from .launch import PER_CALL, Specialised, no_output
 from .masks import divmod32, step_on
 
+from numba import float32  # noqa: E402  (after kvnumba.device chose the target)
+
 THREADS = 128
+NEG_INF = float32(-math.inf)
 
 
 @cuda.jit
-def _zero_rows(out, first_token):
+def _zero_rows(out, lse, first_token):
     """Block `b` zeroes row `first_token + b` of `out` (all heads); its threads stride over
-    the row's (head, dim) elements."""
+    the row's (head, dim) elements. Row `first_token + b` of `lse` (`[width, n_heads]`),
+    when it has rows, becomes -inf."""
     token = first_token + cuda.blockIdx.x
     n_heads, head_dim = out.shape[1], out.shape[2]
+    if lse.shape[0] > 0:
+        for h in range(cuda.threadIdx.x, n_heads, THREADS):
+            lse[token, h] = NEG_INF
     head, dim = divmod32(cuda.threadIdx.x, head_dim)
     skip_heads, skip_dims = divmod32(THREADS, head_dim)
     while head < n_heads:
@@ -27,16 +37,18 @@ _zero = Specialised(_zero_rows)
 
 def prepare(width: int, first_token: int, stream=0):
     """The plan side of `zero_rows` for outputs of `width` rows: the launch bound once per
-    step (`launch(out)`), or None when there is nothing to zero."""
+    step (`launch(out, lse)`, `lse` of no rows for none: `launch.no_output()`), or None
+    when there is nothing to zero."""
     n_rows = width - first_token
     if n_rows <= 0:
         return None
-    return _zero.bind(n_rows, THREADS, stream, PER_CALL, int(first_token))
+    return _zero.bind(n_rows, THREADS, stream, PER_CALL, PER_CALL, int(first_token))
 
 
-def zero_rows(out, first_token: int, stream=0) -> None:
-    """`out[first_token:] = 0` for a `[width, n_heads, head_dim]` device array; one launch,
+def zero_rows(out, first_token: int, stream=0, *, lse=None) -> None:
+    """`out[first_token:] = 0` for a `[width, n_heads, head_dim]` device array, and
+    `lse[first_token:] = -inf` for a float32 `[width, n_heads]` one if given; one launch,
     none when there is nothing to zero."""
     launch = prepare(out.shape[0], first_token, stream)
     if launch is not None:
-        launch(out)
+        launch(out, no_output() if lse is None else lse)

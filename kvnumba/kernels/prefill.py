@@ -18,6 +18,10 @@ every K and V fragment. Per key tile of `block_keys` keys:
               sums come from one more mma per 16 keys, P times ones: sums of the very
               16-bit P that meets V, with no addition per element.
 
+At the end each row's O is divided by its sum, and its log-sum-exp (natural log:
+scale times the running max of unscaled scores, plus the log of the sum) goes to
+`lse` when the caller passes one with rows.
+
 Staging: Q, K and V reach shared memory by cp.async in 16-byte chunks, `lanes`
 consecutive threads per row, so that a warp instruction reads whole 128-byte lines
 (`staging_layout`). A chunk with nothing to read (a row past the segment or past the
@@ -66,7 +70,7 @@ from ..arrays import aligned
 from ..config import INT32_MAX, MAX_HEAD_DIM
 from ..device import cuda
 from . import ptx
-from .launch import Specialised, ceil_div
+from .launch import Specialised, ceil_div, no_output
 from .masks import key_range, read_segment
 
 from numba import float32, int32, int64, uint16, uint32, uint64  # noqa: E402  (after device)
@@ -405,15 +409,20 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
                 rescale(l, 4 * h, alpha_a, alpha_b)
 
     @cuda.jit(device=True)
-    def store_rows(out, o, l, warp_row, n_end, g, t, q_start, group, kv_head):
+    def store_rows(out, lse, o, l, m, scale, warp_row, n_end, g, t, q_start, group, kv_head):
         """Write the lane's real rows (g + 8 r of the warp's), each normalised by its sum
-        (every real row sees a key: its sum is > 0)."""
+        (every real row sees a key: its sum is > 0), and, when `lse` has rows, each row's
+        log-sum-exp `scale m + log l` (lane t = 0 of the quad, which all hold m and l)."""
         for r in range(LANE_ROWS):
             row = warp_row + g + 8 * r
             if row < n_end:
                 at = (r // 2) * O_FLOATS + 2 * (r % 2)      # row a or b of half r // 2
-                inv_l = float32(1.0) / l[4 * (r // 2) + 2 * (r % 2)]
+                row_sum = l[4 * (r // 2) + 2 * (r % 2)]
+                inv_l = float32(1.0) / row_sum
                 token, head = split_row(row, group)
+                if t == 0 and lse.shape[0] > 0:
+                    lse[q_start + token, kv_head * group + head] = \
+                        m[r] * scale + math.log(row_sum)
                 for n in range(DT):
                     d = 8 * n + 2 * t
                     if d < head_dim:
@@ -468,8 +477,8 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     unmasked_tiles = key_tiles(False)
 
     @cuda.jit
-    def prefill(q, k_store, v_store, tables, out, seq_info_off, segments_off, n_row_tiles,
-                group, ring_rows, window, scale, softcap):
+    def prefill(q, k_store, v_store, tables, out, lse, seq_info_off, segments_off,
+                n_row_tiles, group, ring_rows, window, scale, softcap):
         tid = cuda.threadIdx.x
         lane = cuda.laneid
         g = lane // 4
@@ -570,7 +579,7 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         scales = (scale * LOG2E, scale, softcap)
         masked_tiles(n_masked, masked_order, buffers, staging, lanes, bounds, scales)
         unmasked_tiles(int32(j2 - j1), unmasked_order, buffers, staging, lanes, bounds, scales)
-        store_rows(out, o, l, warp_row, n_end, g, t, q_start, group, kv_head)
+        store_rows(out, lse, o, l, m, scale, warp_row, n_end, g, t, q_start, group, kv_head)
 
     return Specialised(prefill)
 
@@ -599,7 +608,7 @@ def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> str:
 
 
 def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, max_q_len,
-        out, ring_rows, window, scale, softcap, stream=0, tile=None):
+        out, ring_rows, window, scale, softcap, lse=None, stream=0, tile=None):
     """Attention of the listed segments' queries over their own column's keys, into `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
@@ -611,7 +620,9 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     device array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`;
     the segments served are `tables[segments_off + i]`, `i < n_segments`, none longer
     than `max_q_len`. ring_rows: 0 (flat) or R (position p in row p % R); window: 0
-    (none) or W; softcap 0.0 = off. One launch on `stream`: no synchronisation, no
+    (none) or W; softcap 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device
+    array that receives each listed row's natural-log log-sum-exp of its (scaled, capped)
+    scores. One launch on `stream`: no synchronisation, no
     allocation. `tile`: (block_rows, block_keys), multiples of 16, and optionally
     warp_rows (16 or 32, dividing block_rows; else `default_warp_rows`), instead of
     `tile_shape(head_dim)`.
@@ -635,7 +646,7 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
     n_row_tiles = ceil_div(group * max_q_len, block_rows)
     kernel((n_kv_heads, n_segments, n_row_tiles), 32 * warps, stream,
-           q, k_store, v_store, tables, out, int(seq_info_off), int(segments_off),
-           n_row_tiles, group, int(ring_rows), int(window), np.float32(scale),
-           np.float32(softcap))
+           q, k_store, v_store, tables, out, no_output() if lse is None else lse,
+           int(seq_info_off), int(segments_off), n_row_tiles, group, int(ring_rows),
+           int(window), np.float32(scale), np.float32(softcap))
     return out
