@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .device import SIMULATOR, cuda
+from .device import GPU_COUNT, SIMULATOR, cuda, pointer_device
 from .errors import ShapeError
 from .kernels.launch import (ARGUMENT, POINTER, array_fields, c_strides, describe,
                              kernel_argument)
@@ -113,9 +113,10 @@ def host_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16)
 
 
-def check(name: str, array, shape: tuple | None, dtypes) -> None:
-    """Refuse (`ShapeError`) a non-array, a tensor that requires grad, or an array of the
-    wrong rank, shape or dtype. `shape=None` checks only the kind and the dtype."""
+def check(name: str, array, shape: tuple | None, dtypes, device: int = 0) -> None:
+    """Refuse (`ShapeError`) a non-array, a tensor that requires grad, an array on a
+    device other than the host and CUDA device `device` (`array_device`), or an array of
+    the wrong rank, shape or dtype. `shape=None` checks only the kind, device and dtype."""
     kind = _kind(array)
     if kind is None:
         raise ShapeError(f"{name}: expected a NumPy, PyTorch or device array"
@@ -124,6 +125,12 @@ def check(name: str, array, shape: tuple | None, dtypes) -> None:
     if kind == TORCH and array.requires_grad:
         raise ShapeError(f"{name}: the tensor requires grad; the cache is not "
                          f"differentiable: pass {name}.detach()")
+    if kind != HOST:
+        where = array_device(array, kind)
+        if where is not None and where != device:
+            raise ShapeError(f"{name}: the array is on {_device_name(where)}, the cache on "
+                             f"cuda:{device}; pass a host array or one on cuda:{device} "
+                             f"(e.g. {name}.to('cuda:{device}') for a tensor)")
     if shape is not None and array.shape != shape and tuple(array.shape) != tuple(shape):
         got_shape = tuple(array.shape)
         if len(got_shape) != len(shape):
@@ -134,12 +141,59 @@ def check(name: str, array, shape: tuple | None, dtypes) -> None:
         raise ShapeError(f"{name}: dtype {dtype_name(array)} not in {list(dtypes)}")
 
 
-def check_out(name: str, out, shape: tuple, dtypes) -> None:
+def check_out(name: str, out, shape: tuple, dtypes, device: int = 0) -> None:
     """`check`, and a host `out` must be writeable."""
-    check(name, out, shape, dtypes)
+    check(name, out, shape, dtypes, device)
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ShapeError(f"{name}: the NumPy array is read-only; pass a writeable array "
                          f"(or none, to get a new one)")
+
+
+def array_device(array, kind: str):
+    """Where a non-NumPy array lives, as far as can be told: a CUDA device id (int), a
+    non-CUDA device's name (str: a PyTorch "meta", "mps", ... tensor), or None for the
+    host or an unknown (assumed current) device.
+
+    A PyTorch tensor says so with its `.device`. Any other array may name its device with
+    a `device` attribute, as CuPy's do: an int, or an object with an int `id` (CuPy's
+    `Device`) or `index` (a `torch.device`). On a machine with several GPUs, an array
+    that names none is asked of the driver (the device its pointer belongs to).
+    """
+    if kind == TORCH:
+        where = array.device
+        if where.type == "cpu":
+            return None
+        if where.type != "cuda":
+            return where.type
+        return where.index if where.index is not None else _torch_current_device()
+    named = getattr(array, "device", None)
+    if named is not None:
+        for field in ("id", "index"):
+            value = getattr(named, field, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        if isinstance(named, int) and not isinstance(named, bool):
+            return named
+    if GPU_COUNT > 1:
+        return _pointer_device(array)
+    return None
+
+
+def _device_name(where) -> str:
+    return f"cuda:{where}" if isinstance(where, int) else f"the {where} device"
+
+
+def _torch_current_device() -> int:
+    import torch
+    return torch.cuda.current_device()
+
+
+def _pointer_device(array) -> int | None:
+    """The ordinal of the device a device array's memory belongs to (the driver's answer),
+    or None where it does not say."""
+    if _kind(array) == DEVICE:
+        return pointer_device(device_pointer(array))
+    return pointer_device(array.__cuda_array_interface__["data"][0])
 
 
 def host_view(array) -> np.ndarray:

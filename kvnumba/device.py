@@ -11,31 +11,55 @@ launched.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from .errors import CapacityError, KVCacheError
+from .errors import CapacityError, ConfigError, KVCacheError
 
 
 class DeviceError(KVCacheError):
     """The requested device cannot be used (e.g. `KVNUMBA_DEVICE=gpu` without a GPU)."""
 
 
-def _driver_gpu_count() -> int:
-    """GPUs the CUDA driver reports, without importing numba.cuda (0 if no driver)."""
+def _driver():
+    """The CUDA driver library, or None without one."""
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:
-            lib = ctypes.CDLL(name)
+            return ctypes.CDLL(name)
         except OSError:
             continue
-        count = ctypes.c_int(0)
-        if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            return 0
-        return count.value
-    return 0
+    return None
+
+
+def _driver_gpu_count() -> int:
+    """GPUs the CUDA driver reports, without importing numba.cuda (0 if no driver)."""
+    lib = _driver()
+    if lib is None:
+        return 0
+    count = ctypes.c_int(0)
+    if lib.cuInit(0) != 0 or lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return 0
+    return count.value
+
+
+_POINTER_DEVICE_ORDINAL = 9   # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+
+
+def pointer_device(pointer: int) -> int | None:
+    """The ordinal of the GPU whose memory `pointer` addresses (the driver's answer), or
+    None where the driver cannot tell (host memory, no driver, the simulator)."""
+    lib = None if SIMULATOR or not pointer else _driver()
+    if lib is None:
+        return None
+    ordinal = ctypes.c_int(-1)
+    if lib.cuPointerGetAttribute(ctypes.byref(ordinal), _POINTER_DEVICE_ORDINAL,
+                                 ctypes.c_uint64(pointer)) != 0:
+        return None
+    return ordinal.value
 
 
 def _choose() -> str:
@@ -60,6 +84,9 @@ def _choose() -> str:
 _NOTICE = None   # said once, when the first cache is built (not for `--help` and the like)
 KIND = _choose()
 SIMULATOR = KIND == "simulator"
+#: CUDA devices a cache can be placed on (ids `0 .. GPU_COUNT - 1`); the simulator and
+#: compile-only mode have device 0 only
+GPU_COUNT = _driver_gpu_count() if KIND == "gpu" else 1
 
 
 def announce() -> None:
@@ -200,6 +227,44 @@ def allocating(what: str):
         raise
     except Exception as exc:  # MemoryError, NumPy's size limits, the driver's out-of-memory
         raise CapacityError(f"{what}: allocation failed ({type(exc).__name__}: {exc})") from exc
+
+
+def device_id(device) -> int:
+    """The id of the CUDA device a cache is placed on: `device` an int id or a Numba
+    device (its `id`), None for the current device. `ConfigError` for anything else or
+    an id outside `[0, GPU_COUNT)` (the simulator has device 0 only)."""
+    if device is None:
+        return cuda.get_current_device().id if KIND == "gpu" else 0
+    number = getattr(device, "id", device)
+    if isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, np.integer)):
+        raise ConfigError(f"device: expected an int CUDA device id or a Numba device, got "
+                          f"{device!r} ({type(device).__name__})")
+    if not 0 <= number < GPU_COUNT:
+        where = "on this machine" if KIND == "gpu" else f"(the {KIND} has device 0 only)"
+        raise ConfigError(f"device={int(number)}: outside the CUDA device ids [0, "
+                          f"{GPU_COUNT}) {where}; pass one of them, or None for the "
+                          f"current device")
+    return int(number)
+
+
+def placed_on(device: int):
+    """Make CUDA device `device` current inside the block (a GPU's; nothing to do on the
+    simulator or in compile-only mode, which have device 0 only)."""
+    return cuda.gpus[device] if KIND == "gpu" else nullcontext()
+
+
+def on_its_device(method):
+    """Decorate a cache method that launches or copies so that it runs with the cache's
+    device (`self.device`) current. On a machine with one device there is nothing to
+    switch, and the method is returned as it is (no cost per call)."""
+    if GPU_COUNT <= 1:
+        return method
+
+    @functools.wraps(method)
+    def placed(self, *args, **kwargs):
+        with cuda.gpus[self.device]:
+            return method(self, *args, **kwargs)
+    return placed
 
 
 def torch_stream():

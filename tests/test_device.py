@@ -168,3 +168,51 @@ def test_attention_launch_is_repeatable_on_the_device():
         runs.append(out.copy_to_host())
     for r in runs[1:]:
         np.testing.assert_array_equal(r, runs[0])
+
+
+def small_config(max_seqs=2):
+    return kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=16, capacity=8,
+                          max_seqs=max_seqs, max_write=2, max_step=2, dtype="float32",
+                          initial_rows=4)
+
+
+def test_the_cache_is_placed_on_the_device_asked_for():
+    current = 0 if device.SIMULATOR else cuda.get_current_device().id
+    assert kv.BatchedSequenceCache(small_config()).device == current
+    assert kv.BatchedSequenceCache(small_config(), device=0).device == 0
+    assert kv.BatchedSequenceCache(small_config(), device=cuda.gpus[0]).device == 0
+    assert kv.SequenceCache(small_config(1), device=0)._inner.device == 0
+    for bad, match in ((device.GPU_COUNT, r"CUDA device ids \[0, "), (-1, r"CUDA device ids \[0, "),
+                       (True, "int CUDA device id"), ("cuda:0", "int CUDA device id")):
+        with pytest.raises(kv.ConfigError, match=match):
+            kv.BatchedSequenceCache(small_config(), device=bad)
+        with pytest.raises(kv.ConfigError, match=match):
+            kv.SequenceCache(small_config(1), device=bad)
+
+
+class OtherDeviceArray:
+    """Device memory that says, as CuPy's arrays do, which device it is on."""
+
+    def __init__(self, host, device_id):
+        self.device = device_id
+        self.shape, self.dtype = host.shape, host.dtype
+        self.__cuda_array_interface__ = {"shape": host.shape, "typestr": host.dtype.str,
+                                         "data": (host.ctypes.data, False), "version": 3,
+                                         "strides": None}
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "out"])
+def test_an_array_on_another_device_is_refused_naming_both_devices(where):
+    from snapshot import assert_unchanged, snapshot
+    cache = kv.BatchedSequenceCache(small_config())
+    seq = cache.seq_new()
+    cache.declare_step([seq])
+    cache.prepare_step()
+    args = {name: np.ones((1, 1, 16), np.float32) for name in ("q", "k", "v", "out")}
+    args[where] = OtherDeviceArray(args[where], cache.device + 1)
+    before = snapshot(cache)
+    with pytest.raises(kv.ShapeError, match=rf"{where}: the array is on cuda:"
+                                            rf"{cache.device + 1}, the cache on "
+                                            rf"cuda:{cache.device}"):
+        cache.update_and_attend(0, args["q"], args["k"], args["v"], out=args["out"])
+    assert_unchanged(before, snapshot(cache))

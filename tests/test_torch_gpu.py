@@ -8,6 +8,7 @@ import pytest
 
 import kvnumba as kv
 from kvnumba import device
+from kvnumba.arrays import device_pointer
 from oracle import dense_attention
 
 torch = pytest.importorskip("torch")
@@ -114,8 +115,42 @@ def test_kernels_and_matmuls_on_torchs_stream_stay_ordered_without_a_sync():
         cache.prepare_step()
         out = cache.update_and_attend(0, q, k, v, out=torch.empty_like(q))
         projected = out @ weight                 # PyTorch, same stream, no synchronize
+        cache.write(1, k, v)
         cache.commit_step()
         stream.synchronize()
     want = reference(hist, *host) @ weight.double().cpu().numpy()
     got = projected.double().cpu().numpy()
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+
+
+def test_the_driver_names_the_device_of_a_cuda_pointer():
+    """`pointer_device` asks the driver: a tensor's and a Numba array's memory are on
+    the current GPU; host memory is on none."""
+    current = torch.cuda.current_device()
+    assert device.pointer_device(torch.zeros(4, device="cuda").data_ptr()) == current
+    assert device.pointer_device(
+        device.cuda.device_array(4).__cuda_array_interface__["data"][0]) == current
+    assert device.pointer_device(np.zeros(4).ctypes.data) is None
+
+
+@pytest.mark.skipif(device.SIMULATOR or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA GPUs")
+def test_a_cache_on_the_second_gpu_refuses_a_tensor_on_the_first_and_serves_its_own():
+    """Built and called with GPU 0 current: storage, launches and output on GPU 1."""
+    config = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=H, head_dim=D, capacity=16,
+                            max_seqs=1, max_write=4, max_step=4, dtype="float16")
+    torch.cuda.set_device(0)
+    cache = kv.BatchedSequenceCache(config, device=1)
+    assert device.pointer_device(device_pointer(cache.layer_data(0)[0])) == 1
+    cache.declare_step([cache.seq_new()])
+    cache.prepare_step()
+    q, k, v = (torch.randn(1, heads, D, dtype=torch.float16, device="cuda:1")
+               for heads in (HQ, H, H))
+    with pytest.raises(kv.ShapeError, match="q: the array is on cuda:0, the cache on cuda:1"):
+        cache.update_and_attend(0, q.to("cuda:0"), k, v)
+    out = cache.update_and_attend(0, q, k, v)
+    assert out.device == q.device and torch.cuda.current_device() == 0
+    # one key: the output is that key's value, for every q head of its group
+    want = v.repeat_interleave(HQ // H, dim=1)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-3)
+    cache.commit_step()
