@@ -14,7 +14,7 @@ from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigErr
                      RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
                      UnknownSequenceError)
 from .plan import Segment, StepPlan
-from .sessions import PackedStep, SessionTable
+from .sessions import PackedStep, SessionId, SessionTable
 from .single import SequenceBatchControl, SequenceCache
 from .slots import SlotState, StepState
 
@@ -24,7 +24,7 @@ __all__ = [
     "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
     "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "KVCacheError",
     "LayerSpec", "OwnerRunError", "PackedStep", "PositionError", "RingFloorError", "Segment",
-    "SequenceBatchControl", "SequenceCache", "SessionError", "SessionTable", "ShapeError",
-    "SlotState", "SlotStateError", "StepPlan", "StepProtocolError", "StepState",
+    "SequenceBatchControl", "SequenceCache", "SessionError", "SessionId", "SessionTable",
+    "ShapeError", "SlotState", "SlotStateError", "StepPlan", "StepProtocolError", "StepState",
     "UnknownSequenceError", "device", "flat", "ring", "torch_stream",
 ]

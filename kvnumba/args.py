@@ -13,9 +13,32 @@ import numbers
 import numpy as np
 from numba import njit
 
-from .errors import ConfigError, ShapeError, UnknownSequenceError
+from .errors import ConfigError, SessionError, ShapeError, UnknownSequenceError
 
 _INT64_MAX = np.iinfo(np.int64).max
+#: the magnitudes a nonzero scale or softcap may have (`as_finite`)
+KERNEL_REAL_MIN, KERNEL_REAL_MAX = 2.0 ** -60, 2.0 ** 60
+
+
+class SessionId(int):
+    """A session id handed out by a `SessionTable`: an int, never a sequence id.
+
+    The table accepts it wherever it takes a session (as it does plain ints); every
+    BatchControl verb that takes a sequence id refuses it with `SessionError`
+    naming the sequence to pass instead, `table.seq(sid)`.
+    """
+
+    _seq = None   # the sequence holding the session while it is open (the table sets it)
+
+    def refusal(self, what: str) -> SessionError:
+        """The `SessionError` of a verb (`what`) that was given this session id for a
+        sequence id."""
+        sid = int(self)
+        if self._seq is None:
+            return SessionError(f"{what}: {sid} is the id of a closed session, not a sequence "
+                                f"id; pass a sequence id (table.seq(sid) of an open session)")
+        return SessionError(f"{what}: {sid} is a session id; pass its sequence id "
+                            f"table.seq({sid}) = {self._seq}")
 
 
 def describe(value) -> str:
@@ -47,8 +70,29 @@ def as_index(value, n: int, what: str, error=ShapeError) -> int:
     return index
 
 
+def as_id(value, n: int, what: str) -> int:
+    """A sequence id in `[0, n)` as a Python int. Refused: a `SessionId` (`SessionError`
+    naming its sequence), a non-int (`ShapeError`), an id out of range
+    (`UnknownSequenceError`)."""
+    if type(value) is not int:
+        if isinstance(value, SessionId):
+            raise value.refusal(what)
+        value = as_int(value, f"{what}: sequence id")
+    if not 0 <= value < n:
+        raise UnknownSequenceError(f"{what}: sequence {value} is not a column id in [0, {n})")
+    return value
+
+
 def as_finite(value, what: str, *, positive: bool = False) -> float:
-    """A finite real (a Python or NumPy number, not a bool) as a float, else `ConfigError`."""
+    """A real the kernels take as a float32 (`scale`, `softcap`), as a float, else
+    `ConfigError` naming the value and the rule.
+
+    Accepted: a Python or NumPy real (not a bool) that is 0 or has magnitude in
+    `[KERNEL_REAL_MIN, KERNEL_REAL_MAX]` = `[2**-60, 2**60]`; `positive`: also > 0. The
+    kernels fold scale and softcap into each other's products and quotients and into
+    `log2(e)`, and in that range none of those leaves float32's normal range, so no
+    accepted value turns into inf, NaN or 0 (float32 rounds it to 24 bits, no more).
+    """
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{what}: expected a finite real number, got {describe(value)}")
     number = float(value)
@@ -56,6 +100,11 @@ def as_finite(value, what: str, *, positive: bool = False) -> float:
         raise ConfigError(f"{what}={number}: must be finite")
     if positive and not number > 0:
         raise ConfigError(f"{what}={number}: must be > 0")
+    magnitude = abs(number)
+    if magnitude > KERNEL_REAL_MAX or 0 < magnitude < KERNEL_REAL_MIN:
+        raise ConfigError(f"{what}={number!r}: the kernels compute in float32, so a nonzero "
+                          f"value must have magnitude in [2**-60, 2**60] = "
+                          f"[{KERNEL_REAL_MIN!r}, {KERNEL_REAL_MAX!r}]")
     return number
 
 
@@ -64,8 +113,10 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
 
     `values`: a NumPy integer array or a list/tuple of ints. Refused with
     `ShapeError`: bools, floats, strings, ragged or nested lists, 0-d or 2-D
-    arrays. Out of range: `UnknownSequenceError` naming the id as passed (a uint64
-    id is never reported as its wrapped int64 value).
+    arrays. A `SessionId` among them (in a list, a tuple or an object array; an
+    integer array cannot hold one): `SessionError` naming its sequence. Out of
+    range: `UnknownSequenceError` naming the id as passed (a uint64 id is never
+    reported as its wrapped int64 value).
     """
     if isinstance(values, np.ndarray):
         array = values
@@ -76,6 +127,8 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
         if len(values) == 0:
             return np.empty(0, dtype=np.int64)
         kinds = set(map(type, values))   # a C-level pass: no Python loop per id
+        if SessionId in kinds:
+            _refuse_session_ids(values, what)
         wrong = [k for k in kinds if not issubclass(k, (int, np.integer))
                  or issubclass(k, (bool, np.bool_))]
         if wrong:
@@ -90,6 +143,8 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
             bad = next(int(v) for v in values if not -_INT64_MAX <= int(v) <= _INT64_MAX)
             raise UnknownSequenceError(f"{what}: sequence {bad} is not a column id in [0, {n})")
     if array.ndim != 1 or array.dtype.kind not in "iu":
+        if array.dtype.kind == "O":   # a session id in an object array is named first
+            _refuse_session_ids(array.flat, what)
         raise ShapeError(f"{what}: expected a 1-D list or array of ints, got shape "
                          f"{array.shape} dtype {array.dtype}")
     ids = np.empty(array.size, np.int64)   # a copy: the caller may reuse its buffer at once
@@ -98,6 +153,13 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
         bad = int(array.max()) if array.dtype.kind == "u" else int(array[bad])
         raise UnknownSequenceError(f"{what}: sequence {bad} is not a column id in [0, {n})")
     return ids
+
+
+def _refuse_session_ids(values, what: str) -> None:
+    """Raise the refusal of the first `SessionId` among `values`, if there is one."""
+    for value in values:
+        if isinstance(value, SessionId):
+            raise value.refusal(what)
 
 
 @njit(cache=True)

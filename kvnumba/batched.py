@@ -12,23 +12,25 @@ import numpy as np
 
 from statemachines import CLONE_SOURCE_STATES
 
-from .args import as_finite, as_ids, as_int, describe, is_int
+from .args import as_finite, as_id, as_ids, as_int, describe, is_int
 from .config import CacheConfig
 from .arrays import Result, check, check_out, device_pointer, device_view
-from .device import allocating, announce, cuda
+from .device import allocating, announce, cuda, device_id, on_its_device, placed_on
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
-                     RingFloorError, ShapeError, StepProtocolError, UnknownSequenceError)
+                     RingFloorError, ShapeError, StepProtocolError)
 from .kernels import padding, write
+from .kernels.launch import no_output
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   StepTables, decode_segments, frozen, held_positions, ring_floor,
-                   span_offsets, stage_tables)
+                   StepTables, decode_segments, frozen, held_positions, layer_rows,
+                   ring_floor, span_offsets, stage_tables)
 from .paths import AttentionPaths, tables_size
 from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
 
 _IO_DTYPES = ("float16", "float32", "bfloat16")
-_ATTEND_KEYWORDS = frozenset({"out", "scale", "softcap"})
+_ATTEND_KEYWORDS = frozenset({"out", "scale", "softcap", "lse"})
+_LSE_DTYPES = ("float32",)
 _NO_SOFTCAP = np.float32(0.0)
 _max = np.maximum.reduce
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
@@ -38,17 +40,35 @@ class BatchedSequenceCache:
     """A KV cache whose sequences each own column `seq` of every layer.
 
     Storage per layer: K and V `[rows, max_seqs + 1, n_kv_heads, head_dim]`; column
-    `max_seqs` is scratch for padding tokens. With `scratch_column=False` there is
-    no scratch column and padding tokens are not written at all.
+    `max_seqs` is scratch for padding tokens.
+
+    `device`: the CUDA device holding the storage, an int id or a Numba device (None:
+    the current one; the simulator has device 0 only; another id is `ConfigError`).
+    Every launch and copy goes to that device (on a machine with several, each call
+    that launches makes it current for its duration). An input or
+    `out` on another device (a PyTorch tensor by its `.device`, e.g. a "meta" tensor,
+    or an array naming its `device`) is refused (`ShapeError`) before any launch.
 
     `stream`: the CUDA stream every launch and copy goes on (Numba's default if None).
+
+    `scratch_column=False` builds storage without the scratch column,
+    `[rows, max_seqs, n_kv_heads, head_dim]`: padding tokens get column -1 and are
+    written nowhere. `SequenceCache` is built this way, so its storage holds its one
+    sequence and nothing else.
     """
 
-    def __init__(self, config: CacheConfig, stream=None, *, scratch_column: bool = True):
+    def __init__(self, config: CacheConfig, device=None, stream=None, *,
+                 scratch_column: bool = True):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        self.device = device_id(device)
         announce()
         self.config = config
+        with placed_on(self.device):
+            self._build(config, stream, scratch_column)
+
+    def _build(self, config: CacheConfig, stream, scratch_column: bool) -> None:
+        """`__init__` on the cache's device: its stream, tables and storage."""
         self.stream = stream if stream is not None else cuda.default_stream()
         n = config.max_seqs
         self._n = n
@@ -79,9 +99,7 @@ class BatchedSequenceCache:
         self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
         self._kv_shape = None   # the prepared step's K/V shape [width, n_kv_heads, head_dim]
         self._kv_run = config.n_kv_heads * config.head_dim   # elements of a token's K (or V)
-        # every ring layer's floor is hw - M once hw > R: the smallest R binds first
-        rings = [(int(r), i) for i, r in enumerate(self._pool.ring_rows) if r]
-        self._floor_rows, self._floor_layer = min(rings) if rings else (0, -1)
+        self._floor_rows = floor_binding(config)[0]   # R of the ring layer that sets floors
 
     # ------------------------------------------------------------------ queries
     @property
@@ -145,6 +163,7 @@ class BatchedSequenceCache:
         self._slots.apply("seq_rm", seq, self._slots.check_one("seq_rm", seq))
         self._slots.pos[seq] = self._slots.high_water[seq] = 0
 
+    @on_its_device
     def seq_clone(self, src: int, upto: int | None = None) -> int:
         """Copy `src`'s first `upto` positions (default all) into the lowest free column.
 
@@ -269,6 +288,7 @@ class BatchedSequenceCache:
         return StepTables(n_tokens, frozen(seq_info), frozen(run_starts + run_lens - 1),
                           int(_max(run_lens)), max_kv_len, (run_seqs, run_lens))
 
+    @on_its_device
     def prepare_step(self, width: int | None = None) -> StepPlan:
         """Stage the declared step at `width` tokens (default: no padding).
 
@@ -314,8 +334,20 @@ class BatchedSequenceCache:
                       workspace.part_acc, workspace.part_ml))
 
     def commit_step(self) -> None:
-        """Advance every sequence of the step by all its spans' tokens; COMMITTED."""
+        """Advance every sequence of the step by all its spans' tokens; COMMITTED.
+
+        A step that wrote some layers and not others is refused (`StepProtocolError`
+        naming the unwritten layers; `abort_step` discards it); a step that wrote no
+        layer commits positions only.
+        """
         nxt_step = self._step.check("commit", "commit_step")
+        written = self._written
+        if 0 < np.count_nonzero(written) < written.size:
+            unwritten = np.flatnonzero(~written).tolist()
+            raise StepProtocolError(f"commit_step: the step wrote layers "
+                                    f"{np.flatnonzero(written).tolist()} but not {unwritten}; "
+                                    f"write every layer before commit_step(), or "
+                                    f"abort_step() to discard the step")
         self._slots.advance("commit", *self._seq_totals)
         self._close(nxt_step, "commit")
 
@@ -345,11 +377,13 @@ class BatchedSequenceCache:
         self._seq_totals = None
 
     # ------------------------------------------------------------------ data path
+    @on_its_device
     def write(self, layer: int, k, v) -> None:
         """Write the prepared step's K and V `[width, n_kv_heads, head_dim]` into `layer`."""
         self._launch_write(self._write_args(layer, k, v), k, v)
 
-    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
+    @on_its_device
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
         """Attention of the prepared step's queries over their own sequences' histories.
 
         q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`;
@@ -359,14 +393,20 @@ class BatchedSequenceCache:
         Padding rows are zero. The step must have
         written `layer` first (`write` or `update_and_attend`); `scale` (default
         `1/sqrt(head_dim)`) and `softcap` (None or > 0) must be finite.
+
+        `lse`: None, or a float32 `[width, n_q_heads]` array of q's kinds (NumPy, PyTorch,
+        device) that receives each row's natural-log log-sum-exp of its final scores
+        (scaled, then soft-capped), `-inf` on padding rows: FlashAttention's convention,
+        so that attentions over parts of a history can be merged.
         """
-        args = self._attend_args(layer, q, out, scale, softcap)
+        args = self._attend_args(layer, q, out, scale, softcap, lse)
         if not self._written[args[0]]:
             raise StepProtocolError(f"attend: the prepared step has not written layer "
                                     f"{args[0]}'s K/V; call write({args[0]}, k, v) or "
                                     f"update_and_attend first")
         return self._launch_attend(*args)
 
+    @on_its_device
     def update_and_attend(self, layer: int, q, k, v, **kw):
         """`write(layer, k, v)` then `attend(layer, q, **kw)`.
 
@@ -375,9 +415,10 @@ class BatchedSequenceCache:
         if not _ATTEND_KEYWORDS.issuperset(kw):
             raise ShapeError(f"update_and_attend: unexpected keyword arguments "
                              f"{sorted(set(kw) - _ATTEND_KEYWORDS)} (allowed: out, scale, "
-                             f"softcap)")
+                             f"softcap, lse)")
         layer = self._write_args(layer, k, v)
-        attend_args = self._attend_inputs(q, kw.get("out"), kw.get("scale"), kw.get("softcap"))
+        attend_args = self._attend_inputs(q, kw.get("out"), kw.get("scale"), kw.get("softcap"),
+                                          kw.get("lse"))
         self._launch_write(layer, k, v)
         return self._launch_attend(layer, *attend_args)
 
@@ -385,8 +426,11 @@ class BatchedSequenceCache:
         """`layer` as an index, once the step is prepared and k and v fit it."""
         self._require_prepared("write")
         layer = self._layer(layer, "write")
-        check("k", k, self._kv_shape, _IO_DTYPES)
-        check("v", v, self._kv_shape, _IO_DTYPES)
+        try:
+            check("k", k, self._kv_shape, _IO_DTYPES, self.device)
+            check("v", v, self._kv_shape, _IO_DTYPES, self.device)
+        except ShapeError as exc:
+            raise ShapeError(f"{exc}{self._width_hint(k, v)}") from None
         return layer
 
     def _launch_write(self, layer, k, v) -> None:
@@ -395,32 +439,39 @@ class BatchedSequenceCache:
                      device_view(v, stream), self._layer_geometry[layer][0])
         self._written[layer] = True
 
-    def _attend_args(self, layer, q, out, scale, softcap) -> tuple:
+    def _attend_args(self, layer, q, out, scale, softcap, lse) -> tuple:
         self._require_prepared("attend")
-        return (self._layer(layer, "attend"), *self._attend_inputs(q, out, scale, softcap))
+        return (self._layer(layer, "attend"), *self._attend_inputs(q, out, scale, softcap, lse))
 
-    def _attend_inputs(self, q, out, scale, softcap) -> tuple:
-        """`(q, out, scale, softcap)` checked, the defaults filled in."""
+    def _attend_inputs(self, q, out, scale, softcap, lse) -> tuple:
+        """`(q, out, scale, softcap, lse)` checked, the defaults filled in."""
         shape = self._check_q(q)
         if out is not None:
-            check_out("out", out, shape, _IO_DTYPES)
+            check_out("out", out, shape, _IO_DTYPES, self.device)
+        if lse is not None:
+            check_out("lse", lse, shape[:2], _LSE_DTYPES)
         scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
         softcap = _NO_SOFTCAP if softcap is None else as_finite(softcap, "attend: softcap",
                                                                 positive=True)
-        return q, out, scale, softcap
+        return q, out, scale, softcap, lse
 
-    def _launch_attend(self, layer, q, out, scale, softcap):
+    def _launch_attend(self, layer, q, out, scale, softcap, lse):
         stream = self.stream
         result = Result(q, out, tuple(q.shape), stream)
+        row_lse = None if lse is None else Result(q, lse, tuple(q.shape[:2]), stream)
+        lse_device = no_output() if row_lse is None else row_lse.device
         if self._zero is not None:
-            self._zero(result.device)
+            self._zero(result.device, lse_device)
         ring_rows, window = self._layer_geometry[layer]
         self._paths.run(self._routes, device_view(q, stream), self._pool.k[layer],
-                        self._pool.v[layer], self._staging.device, result.device,
+                        self._pool.v[layer], self._staging.device, result.device, lse_device,
                         ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
                         stream=stream)
+        if row_lse is not None:
+            row_lse.value()          # a host `lse` is filled from the device
         return result.value()
 
+    @on_its_device
     def sequence_kv(self, seq: int, layer: int):
         """`(positions, k, v)`: host copies of what `layer` still holds for `seq`, in order.
 
@@ -442,11 +493,7 @@ class BatchedSequenceCache:
 
     # ------------------------------------------------------------------ checks
     def _id(self, seq, verb: str) -> int:
-        seq = as_int(seq, f"{verb}: sequence id")
-        if not 0 <= seq < self._n:
-            raise UnknownSequenceError(f"{verb}: sequence {seq} is not a column id in "
-                                       f"[0, {self._n})")
-        return seq
+        return as_id(seq, self._n, verb)
 
     def _layer(self, layer, verb: str) -> int:
         n_layers = len(self._layer_geometry)
@@ -462,7 +509,7 @@ class BatchedSequenceCache:
     def _check_q(self, q) -> tuple:
         """q's shape `[width, n_q_heads, head_dim]`, or `ShapeError` (kind and dtype first,
         then the rank, the heads and the shape)."""
-        check("q", q, None, _IO_DTYPES)
+        check("q", q, None, _IO_DTYPES, self.device)
         shape = tuple(q.shape)
         if len(shape) != 3:
             raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got shape "
@@ -474,8 +521,17 @@ class BatchedSequenceCache:
                              f"h // (n_q_heads // n_kv_heads))")
         want = (self._kv_shape[0], n_q_heads, self.config.head_dim)
         if shape != want:
-            raise ShapeError(f"q: expected shape {want}, got {shape}")
+            raise ShapeError(f"q: expected shape {want}, got {shape}{self._width_hint(q)}")
         return shape
+
+    def _width_hint(self, *arrays) -> str:
+        """Why an array with one row per token does not fit a padded step, or ''."""
+        n_tokens, width = self._tables.n_tokens, self._kv_shape[0]
+        if width == n_tokens or not any(getattr(a, "shape", (None,))[:1] == (n_tokens,)
+                                        for a in arrays):
+            return ""
+        return (f"; the step was prepared with prepare_step(width={width}) for {n_tokens} "
+                f"tokens: pass {width} rows (the last {width - n_tokens} are padding)")
 
     def _require_prepared(self, verb: str) -> None:
         if self._step.index != StepState.PREPARED:
@@ -490,13 +546,9 @@ class BatchedSequenceCache:
         return int(free[0])
 
     def _check_floor(self, seq: int, target: int, verb: str) -> None:
-        floor = self._floor(seq)
-        if target < floor:
-            raise RingFloorError(f"{verb}: target position {target} is below the floor {floor} "
-                                 f"of sequence {seq} (ring layer {self._floor_layer}: "
-                                 f"{self._floor_rows} rows, high-water "
-                                 f"{int(self._slots.high_water[seq])}, max_write "
-                                 f"{self.config.max_write})")
+        if target < self._floor(seq):
+            raise floor_refusal(verb, seq, target, int(self._slots.high_water[seq]),
+                                self.config)
 
     def _check_totals(self, seqs, totals) -> int:
         """Refuse a sequence writing more than max_write tokens, or reaching past capacity;
@@ -505,7 +557,7 @@ class BatchedSequenceCache:
             i = int(np.argmax(totals))
             raise CapacityError(f"declare_step: sequence {int(seqs[i])} writes "
                                 f"{int(totals[i])} tokens, more than max_write "
-                                f"{self.config.max_write}")
+                                f"{self.config.max_write}; {split_hint(self.config)}")
         ends = self._slots.pos[seqs] + totals
         furthest = int(_max(ends))
         if furthest > self.config.capacity:
@@ -547,3 +599,36 @@ class BatchedSequenceCache:
         marked = np.zeros(self._n, dtype=np.int32)
         marked[block_ids] = FLAG_BLOCK
         return marked[run_seqs]
+
+
+def floor_binding(config: CacheConfig) -> tuple[int, int]:
+    """`(R, layer)` of the ring layer whose floor binds, or `(0, -1)` without ring layers.
+
+    Every ring layer's floor is `hw - M` once `hw > R`: the one with the fewest rows
+    wraps first, and its floor is the sequence's (contract §5).
+    """
+    rows = layer_rows([spec.window for spec in config.layers], config.max_write,
+                      config.capacity)
+    rings = [(int(r), i) for i, r in enumerate(rows) if r]
+    return min(rings) if rings else (0, -1)
+
+
+def floor_refusal(verb: str, seq: int, target: int, high_water: int,
+                  config: CacheConfig) -> RingFloorError:
+    """The `RingFloorError` of a rewind or clone of sequence `seq` to `target`, below its
+    floor: names the target, the floor, and the ring layer that sets it (its window and
+    rows, what it still holds)."""
+    rows, layer = floor_binding(config)
+    floor = ring_floor(high_water, rows, config.max_write)
+    window = config.layers[layer].window
+    return RingFloorError(f"{verb}: target position {target} is below the floor {floor} of "
+                          f"sequence {seq}: ring layer {layer} (window {window}, {rows} rows) "
+                          f"holds only positions [{high_water - rows}, {high_water}) at "
+                          f"high-water {high_water}, and resuming at p needs "
+                          f"[p - {window - 1}, p); go back no further than {floor}")
+
+
+def split_hint(config: CacheConfig) -> str:
+    """What to do with an input longer than `max_write`."""
+    return (f"split it into chunks of at most max_write={config.max_write} tokens, one "
+            f"step each")

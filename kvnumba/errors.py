@@ -29,7 +29,8 @@ class CacheFullError(KVCacheError):
 
 
 class CapacityError(KVCacheError):
-    """A step would exceed `capacity`, `max_write` or `max_step`."""
+    """A limit on positions or tokens, wherever it is found: `capacity`, `max_write`,
+    `max_step`, a `SessionTable`'s `max_session_tokens` (or storage that cannot be had)."""
 
 
 class PositionError(KVCacheError):
@@ -57,7 +58,9 @@ class CloneRefusedError(KVCacheError):
 
 
 class SessionError(KVCacheError):
-    """A `SessionTable` refusal: unknown session, limits, gaps, overlaps."""
+    """Session identity (an unknown or closed session, too many sessions, a `SessionId`
+    where a sequence id belongs) or inputs that do not line up with a session's cursor
+    (gaps, overlaps, malformed inputs)."""
 
 
 class FreeSequenceError(UnknownSequenceError, SlotStateError):

@@ -169,8 +169,8 @@ class Segment:
 
 
 def frozen(array: np.ndarray) -> np.ndarray:
-    """`array`, made read-only. A `StepPlan` hands out only views of it, which cannot be
-    made writeable again, so no caller can reach the cache's own copy."""
+    """`array`, made read-only: the cache's record of a step is never written after it
+    is built. (Callers never see it: a `StepPlan` hands out `sealed` copies.)"""
     array.setflags(write=False)
     return array
 
@@ -224,10 +224,23 @@ class StepTables:
         return (self.width, self.n_tokens) + self.routes.launch_key()
 
 
+def sealed(array: np.ndarray) -> np.ndarray:
+    """A copy of `array` backed by immutable bytes: no route from it (its `.base`
+    included) leads to `array` or to memory anything can write."""
+    return np.frombuffer(array.tobytes(), dtype=array.dtype).reshape(array.shape)
+
+
 def _read(field: str, doc: str):
     def get(self):
-        value = getattr(self._tables, field)
-        return value.view() if isinstance(value, np.ndarray) else value
+        copies = self._copies
+        value = copies.get(field)
+        if value is None:
+            value = getattr(self._tables, field)
+            if isinstance(value, np.ndarray):
+                # sealed on first access, off the hot path: the serving loop's own tables
+                # stay the cache's, and what a caller is handed is its own
+                value = copies[field] = sealed(value)
+        return value
     return property(get, doc=doc)
 
 
@@ -235,15 +248,17 @@ class StepPlan:
     """A read-only view of a declared (and, once prepared, staged) step.
 
     The cache keeps its own record and never reads this object back: setting an
-    attribute raises `AttributeError`, and its arrays cannot be made writeable.
-    `prepare_step` fills `width`, `seq_cols` and `positions` in place, so the plan
-    `declare_step` returned shows them too.
+    attribute raises `AttributeError`, and each array is a copy backed by immutable
+    bytes (made when first read), so neither it nor its `.base` can be made writeable
+    or leads to the cache's state. `prepare_step` fills `width`, `seq_cols` and
+    `positions`, so the plan `declare_step` returned shows them too.
     """
 
-    __slots__ = ("_tables",)
+    __slots__ = ("_tables", "_copies")
 
     def __init__(self, tables: StepTables):
         object.__setattr__(self, "_tables", tables)
+        object.__setattr__(self, "_copies", {})
 
     def __setattr__(self, name, value):
         raise AttributeError(f"StepPlan is read-only: cannot set {name!r} (the cache keeps its "

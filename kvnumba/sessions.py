@@ -10,8 +10,12 @@ BatchControl verbs (`seq_new`, `seq_rm`, `seq_clone`, `rewind`, `pos`, `floor`,
 `state`, `step_state`) and the control's `config` limits, so it runs over a
 `BatchedSequenceCache` and over a `SequenceBatchControl` alike.
 
-Every refusal is a `SessionError` or one of the cache's own typed errors (with
-the session named in its message), and changes nothing.
+Session ids are `SessionId`s (ints the table accepts like any int); a control's
+verbs refuse them where they take a sequence id. Every limit on positions or
+tokens is a `CapacityError`; a `SessionError` is a refusal of session identity
+(unknown, closed, too many) or of inputs that do not line up with a session's
+cursor. Other refusals are the cache's own typed errors (with the session named
+in their message). Every refusal changes nothing.
 """
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .args import describe, is_int
-from .errors import (CacheFullError, CapacityError, ConfigError, KVCacheError, RingFloorError,
-                     SessionError, ShapeError, StepProtocolError)
+from .args import SessionId, describe, is_int
+from .batched import floor_refusal, split_hint
+from .errors import (CacheFullError, CapacityError, ConfigError, KVCacheError, SessionError,
+                     ShapeError, StepProtocolError)
 from .slots import SLOT_MACHINE, SlotState, StepState, state_refusal
 
 # the states the declared lifecycle lets `rewind` and `declare` fire from
@@ -85,20 +90,21 @@ class SessionTable:
         self.control = control
         self.max_sessions = int(max_sessions)
         self.max_session_tokens = int(max_session_tokens)
-        self._seqs: dict[int, int] = {}   # sid -> sequence id, in opening order
+        # sid -> the SessionId handed out (it names the session's sequence), in opening order
+        self._open: dict[int, SessionId] = {}
         self._next_sid = 1
 
     # ------------------------------------------------------------------ queries
     @property
     def sessions(self) -> tuple:
         """The open session ids, in the order they were opened."""
-        return tuple(self._seqs)
+        return tuple(self._open.values())
 
     def __len__(self) -> int:
-        return len(self._seqs)
+        return len(self._open)
 
     def __contains__(self, sid) -> bool:
-        return is_int(sid) and int(sid) in self._seqs
+        return is_int(sid) and int(sid) in self._open
 
     def seq(self, sid: int) -> int:
         """The sequence id that holds session `sid`."""
@@ -109,7 +115,7 @@ class SessionTable:
         return int(self.control.pos(self._seq(sid, "pos")))
 
     # ------------------------------------------------------------------ session verbs
-    def open(self) -> int:
+    def open(self) -> SessionId:
         """Open an empty session on a fresh sequence; returns its id (ids start at 1).
 
         `SessionError` at `max_sessions` or when the control has no free sequence.
@@ -129,21 +135,24 @@ class SessionTable:
         """
         if not is_int(sid):
             raise SessionError(f"close: session ids are ints, got {describe(sid)}")
-        seq = self._seqs.get(int(sid))
-        if seq is None:
+        session = self._open.get(int(sid))
+        if session is None:
             return
+        seq = session._seq
         try:
             self.control.seq_rm(seq)
         except KVCacheError as exc:
             raise _naming(exc, f"close session {sid} (sequence {seq})") from exc
-        del self._seqs[sid]
+        del self._open[int(sid)]
+        session._seq = None
 
-    def clone(self, sid: int, upto: int | None = None) -> int:
+    def clone(self, sid: int, upto: int | None = None) -> SessionId:
         """A new session holding session `sid`'s first `upto` positions (default all).
 
-        `0 < upto <= pos(sid)` and `upto <= max_session_tokens`, else `SessionError`;
-        the copy is `control.seq_clone` (a single-sequence control refuses it with
-        `CloneRefusedError`; a target below the ring floor is `RingFloorError`).
+        `0 < upto <= pos(sid)`, else `SessionError`; `upto <= max_session_tokens`, else
+        `CapacityError`; the copy is `control.seq_clone` (a single-sequence control
+        refuses it with `CloneRefusedError`; a target below the ring floor is
+        `RingFloorError`).
         """
         seq = self._seq(sid, "clone")
         pos = int(self.control.pos(seq))
@@ -152,8 +161,9 @@ class SessionTable:
             raise SessionError(f"clone session {sid}: upto={keep} outside (0, {pos}] "
                                f"(the session holds {pos} positions)")
         if keep > self.max_session_tokens:
-            raise SessionError(f"clone session {sid}: upto={keep} exceeds max_session_tokens "
-                               f"{self.max_session_tokens}")
+            raise CapacityError(f"clone session {sid}: upto={keep} exceeds max_session_tokens "
+                                f"{self.max_session_tokens}; clone at most "
+                                f"{self.max_session_tokens} positions")
         self._require_room(f"clone session {sid}")
         try:
             dst = int(self.control.seq_clone(seq, keep))
@@ -182,10 +192,10 @@ class SessionTable:
         Refused, before anything changes: inputs that are not a list of such tuples;
         an unknown session; an empty input; a gap (`start` past the cursor); an
         overlap (a later input starting before the cursor); `start + len(tokens) >
-        max_session_tokens`; and everything the following `declare_step` would
-        refuse (an open step, a sequence that cannot join a step, a session writing
-        more than `max_write` tokens in all, more than `max_step` tokens). The queued
-        rewinds run only after every input has passed. Then call
+        max_session_tokens` (`CapacityError`); and everything the following
+        `declare_step` would refuse (an open step, a sequence that cannot join a step,
+        a session writing more than `max_write` tokens in all, more than `max_step`
+        tokens). The queued rewinds run only after every input has passed. Then call
         `control.declare_step(packed.seq_ids)`.
         """
         if isinstance(inputs, (str, bytes, dict, set, frozenset)) or \
@@ -225,8 +235,10 @@ class SessionTable:
                                    f"its cursor {cursor} (a gap of {start - cursor} positions)")
             end = start + n
             if end > self.max_session_tokens:  # max_session_tokens <= capacity: covers it too
-                raise SessionError(f"pack: input {i} of session {sid} would reach position "
-                                   f"{end}, past max_session_tokens {self.max_session_tokens}")
+                raise CapacityError(f"pack: input {i} of session {sid} would reach position "
+                                    f"{end}, past max_session_tokens "
+                                    f"{self.max_session_tokens}; a session holds at most "
+                                    f"{self.max_session_tokens} positions")
             cursors[sid] = end
             written[sid] = written.get(sid, 0) + n
             last_input[sid] = i
@@ -265,10 +277,10 @@ class SessionTable:
     def _seq(self, sid, verb: str) -> int:
         if not is_int(sid):
             raise SessionError(f"{verb}: session ids are ints, got {describe(sid)}")
-        seq = self._seqs.get(int(sid))
-        if seq is None:
-            raise SessionError(f"{verb}: unknown session {sid!r} (open: {list(self._seqs)})")
-        return seq
+        session = self._open.get(int(sid))
+        if session is None:
+            raise SessionError(f"{verb}: unknown session {sid!r} (open: {list(self._open)})")
+        return session._seq
 
     @staticmethod
     def _input(i: int, item):
@@ -308,19 +320,21 @@ class SessionTable:
         sid = max(written, key=written.get)
         if written[sid] > config.max_write:
             raise CapacityError(f"pack: session {sid} writes {written[sid]} tokens in this "
-                                f"step, more than max_write {config.max_write}")
+                                f"step, more than max_write {config.max_write}; "
+                                f"{split_hint(config)}")
         if n_tokens > config.max_step:
             raise CapacityError(f"pack: {n_tokens} tokens exceed max_step {config.max_step}")
 
     def _require_room(self, verb: str) -> None:
-        if len(self._seqs) >= self.max_sessions:
-            raise SessionError(f"{verb}: {len(self._seqs)} sessions are open, the most "
+        if len(self._open) >= self.max_sessions:
+            raise SessionError(f"{verb}: {len(self._open)} sessions are open, the most "
                                f"max_sessions={self.max_sessions} allows")
 
-    def _add(self, seq: int) -> int:
-        sid = self._next_sid
+    def _add(self, seq: int) -> SessionId:
+        sid = SessionId(self._next_sid)
+        sid._seq = seq
+        self._open[self._next_sid] = sid
         self._next_sid += 1
-        self._seqs[sid] = seq
         return sid
 
     def _check_rewind(self, i: int, sid: int, seq: int, target: int, cursor: int) -> None:
@@ -332,11 +346,9 @@ class SessionTable:
         if state not in _REWINDABLE:
             raise state_refusal(seq, state, f"{where}: a rewind from {cursor} to {target}",
                                 [s.name for s in _REWINDABLE])
-        floor = int(self.control.floor(seq))
-        if target < floor:
-            raise RingFloorError(f"{where}: rewind target {target} is below the floor {floor} "
-                                 f"(cursor {cursor}, high-water "
-                                 f"{int(self.control.high_water(seq))})")
+        if target < int(self.control.floor(seq)):
+            raise floor_refusal(f"{where}: a rewind from its cursor {cursor}", seq, target,
+                                int(self.control.high_water(seq)), self.control.config)
 
 
 def _as_int(value, what: str) -> int:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batched import BatchedSequenceCache
+from .batched import BatchedSequenceCache, split_hint
 from .config import CacheConfig
-from .args import as_int, describe
+from .args import SessionId, as_int, describe
 from .errors import CapacityError, CloneRefusedError, ConfigError, ShapeError, StepProtocolError
 from .plan import StepPlan
 from .slots import SlotState, StepState
@@ -32,16 +32,18 @@ class SequenceCache:
     (COMMITTED or REWOUND), the step verbs follow the step protocol, and every
     refusal is typed and changes nothing.
 
-    `stream`: the CUDA stream every launch and copy goes on (Numba's default if None).
+    `device`: the CUDA device holding the storage (an int id or a Numba device; None:
+    the current one); `stream`: the CUDA stream every launch and copy goes on (Numba's
+    default if None). Both as for `BatchedSequenceCache`.
     """
 
-    def __init__(self, config: CacheConfig, stream=None):
+    def __init__(self, config: CacheConfig, device=None, stream=None):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
         if config.max_seqs != 1:
             raise ConfigError(f"max_seqs={config.max_seqs}: a SequenceCache holds exactly one "
                               f"sequence, so it requires max_seqs == 1")
-        self._inner = BatchedSequenceCache(config, stream, scratch_column=False)
+        self._inner = BatchedSequenceCache(config, device, stream, scratch_column=False)
         self._inner.seq_new()
         self._zeros = np.zeros(config.max_write, dtype=np.int64)  # seq_ids of any step
         self._zeros.setflags(write=False)
@@ -140,7 +142,8 @@ class SequenceCache:
         if n_tokens > self._zeros.size:  # past max_write: refused without building its ids
             self._inner.check_declarable(self._block)
             raise CapacityError(f"declare_step: sequence {_SEQ} writes {n_tokens} tokens, more "
-                                f"than max_write {self.config.max_write}")
+                                f"than max_write {self.config.max_write}; "
+                                f"{split_hint(self.config)}")
         return self._inner.declare_step(self._zeros[:n_tokens],
                                         blocks=self._block if block else ())
 
@@ -150,7 +153,12 @@ class SequenceCache:
         return self._inner.prepare_step(width)
 
     def commit_step(self) -> None:
-        """Advance the sequence by the step's tokens: `pos += n_tokens`, COMMITTED."""
+        """Advance the sequence by the step's tokens: `pos += n_tokens`, COMMITTED.
+
+        A step that wrote some layers and not others is refused (`StepProtocolError`
+        naming the unwritten layers; `abort_step` discards it); a step that wrote no
+        layer commits positions only.
+        """
         self._inner.commit_step()
 
     def abort_step(self) -> None:
@@ -162,11 +170,13 @@ class SequenceCache:
         """Write the prepared step's K and V `[width, n_kv_heads, head_dim]` into `layer`."""
         self._inner.write(layer, k, v)
 
-    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
         """Causal (windowed on ring layers) attention of the step's queries `[width,
         n_q_heads, head_dim]` over the sequence's history; padding rows of `out` are zero.
-        Default scale `1/sqrt(head_dim)`; `softcap` applies `c * tanh(s / c)`."""
-        return self._inner.attend(layer, q, out, scale=scale, softcap=softcap)
+        Default scale `1/sqrt(head_dim)`; `softcap` applies `c * tanh(s / c)`. `lse`
+        (float32 `[width, n_q_heads]`) receives each row's log-sum-exp of its scores
+        (`BatchedSequenceCache.attend`)."""
+        return self._inner.attend(layer, q, out, scale=scale, softcap=softcap, lse=lse)
 
     def update_and_attend(self, layer: int, q, k, v, **kw):
         """`write(layer, k, v)` then `attend(layer, q, **kw)`."""
@@ -253,7 +263,10 @@ class SequenceBatchControl:
         self._inner.seq_rm(seq)
 
     def seq_clone(self, src: int, upto: int | None = None) -> int:
-        """Always refused with `CloneRefusedError`: there is no second column. Changes nothing."""
+        """Always refused with `CloneRefusedError`: there is no second column (a session id
+        for `src` is a `SessionError`, as on every BatchControl). Changes nothing."""
+        if isinstance(src, SessionId):
+            raise src.refusal("seq_clone")
         raise CloneRefusedError(f"seq_clone: sequence {src!r} (upto {upto!r}) cannot be cloned: "
                                 f"a single-sequence cache has max_seqs 1 and no column for a "
                                 f"copy")
@@ -281,8 +294,8 @@ class SequenceBatchControl:
     def write(self, layer: int, k, v) -> None:
         self.cache.write(layer, k, v)
 
-    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None):
-        return self.cache.attend(layer, q, out, scale=scale, softcap=softcap)
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
+        return self.cache.attend(layer, q, out, scale=scale, softcap=softcap, lse=lse)
 
     def update_and_attend(self, layer: int, q, k, v, **kw):
         return self.cache.update_and_attend(layer, q, k, v, **kw)

@@ -3,8 +3,9 @@
 Hypothesis draws a face (`BatchedSequenceCache`, `SequenceCache`,
 `SequenceBatchControl`, `SessionTable`), a step state (idle, declared, prepared,
 prepared with a layer written), a verb and a bad argument: wrong types, bools,
-NaN/inf, ragged, 0-d and 2-D arrays, out-of-range and wrapped integers, read-only
-arrays, foreign array types. Each call must raise a `KVCacheError` (a shape
+NaN/inf, ragged, 0-d and 2-D arrays, out-of-range and wrapped integers, session ids
+where sequence ids belong, read-only arrays, foreign array types; and a commit of
+a step that wrote one layer of two. Each call must raise a `KVCacheError` (a shape
 problem is also a `ValueError`) and leave every byte of state as it was
 (`tests/snapshot.py`). Valid arguments in a state that forbids the verb are drawn
 too: those must be refused just the same.
@@ -132,6 +133,15 @@ def bad_index(n):
     return st.one_of(NOT_INT, HUGE, st.integers(max_value=-1), st.integers(min_value=n))
 
 
+#: session ids (never sequence ids, even when their value is a valid column)
+SESSION_IDS = st.builds(kv.SessionId, st.integers(0, SEQS - 1))
+
+
+def bad_seq(n):
+    """Anything that is not a sequence id in [0, n)."""
+    return st.one_of(bad_index(n), SESSION_IDS)
+
+
 BAD_REAL = st.sampled_from([float("nan"), float("inf"), -float("inf"), np.float32("nan"),
                             "1", [1.0], (1.0,), True, np.bool_(False), 1j, np.array([1.0]),
                             object()])
@@ -165,10 +175,13 @@ def bad_out(width):
 
 
 def bad_seq_ids(n):
-    elem = st.one_of(NOT_INT, HUGE, st.integers(max_value=-1), st.integers(min_value=n))
+    elem = st.one_of(NOT_INT, HUGE, st.integers(max_value=-1), st.integers(min_value=n),
+                     SESSION_IDS)
     ok = st.lists(st.integers(0, n - 1), max_size=3)
     with_bad = st.builds(lambda a, x, b: a + [x] + b, ok, elem, ok)
-    return st.one_of(with_bad, st.sampled_from([
+    sids = st.lists(SESSION_IDS, min_size=1, max_size=3)
+    return st.one_of(with_bad, sids.map(tuple), sids.map(lambda x: np.array(x, dtype=object)),
+                     st.sampled_from([
         [], np.zeros(0, np.int64), 5, "012", None, {0: 1}, {0, 1}, [[0], [0, 1]], [[0]],
         np.zeros((2, 2), np.int64), np.array(0), np.array([0.0]), np.array([True]),
         np.array([0], dtype=object), np.array(["0"]), np.array([2**64 - 1], np.uint64),
@@ -177,7 +190,8 @@ def bad_seq_ids(n):
 
 
 BAD_BLOCKS = st.sampled_from([1, "0", [None], ["0"], {0}, [2**70], [0.5], [True],
-                              [[0]], np.array([0.5]), [SEQS], [-1], [3], object()])
+                              [[0]], np.array([0.5]), [SEQS], [-1], [3], object(),
+                              [kv.SessionId(0)], np.array([kv.SessionId(0)], dtype=object)])
 
 
 #: rewind positions outside every face's [floor, pos] (pos 9 at most, floor 5 at least)
@@ -232,11 +246,13 @@ def control_call(data, c, state, n_seqs):
     """A BatchControl verb (batched cache or SequenceBatchControl)."""
     verbs = ["pos", "high_water", "state", "floor", "seq_rm", "seq_clone", "clone_upto",
              "rewind", "rewind_position", "declare", "blocks", "prepare", "layer_data",
-             "sequence_kv", "sequence_kv_layer", "seq_new", "data"]
+             "sequence_kv", "sequence_kv_layer", "seq_new", "commit", "data"]
     verb = data.draw(st.sampled_from(verbs), label="verb")
-    bad_id = bad_index(n_seqs)
+    bad_id = bad_seq(n_seqs)
     if verb == "data":
         return data_call(data, c, state)
+    if verb == "commit" and state != "prepared":   # idle, declared, or one layer of two written
+        return c.commit_step
     if verb in ("pos", "high_water", "state", "floor", "seq_rm", "seq_clone"):
         seq = data.draw(bad_id, label="seq")
         return lambda: getattr(c, verb)(seq)
@@ -276,9 +292,11 @@ def control_call(data, c, state, n_seqs):
 
 def single_call(data, c, state):
     verb = data.draw(st.sampled_from(["declare", "block", "rewind", "prepare", "layer_data",
-                                      "sequence_kv", "data", "clear"]), label="verb")
+                                      "sequence_kv", "data", "commit", "clear"]), label="verb")
     if verb == "data":
         return data_call(data, c, state)
+    if verb == "commit" and state != "prepared":   # idle, declared, or one layer of two written
+        return c.commit_step
     if verb == "declare":
         n = data.draw(st.one_of(NOT_INT, st.integers(max_value=0),
                                 st.integers(min_value=MAX_WRITE + 1),
@@ -405,8 +423,9 @@ def test_layer_spec_built_directly_is_checked(window):
 
 
 @pytest.mark.parametrize("fields", [
-    dict(n_kv_heads=10**9), dict(layers=[kv.ring(window=2**30)], capacity=2**31 - 1),
-    dict(max_seqs=2**24, head_dim=256, n_kv_heads=64),
+    dict(n_kv_heads=10**6, capacity=2**20, initial_rows=2**20),
+    dict(layers=[kv.ring(window=2**30)], capacity=2**31 - 1),
+    dict(max_seqs=2**20, head_dim=128, n_kv_heads=8),
     dict(capacity=2**31 - 1, initial_rows=2**31 - 1, n_kv_heads=1024),
 ])
 def test_storage_the_machine_cannot_hold_is_a_capacity_error(fields):
@@ -442,3 +461,84 @@ def test_caches_need_a_cache_config(bad):
             cls(bad)
     with pytest.raises(kv.ConfigError, match="SequenceCache"):
         kv.SequenceBatchControl(bad)
+
+
+# --- inputs the data path once took and answered wrongly ------------------------------
+def small_prepared_cache(tokens=2):
+    """A float32 cache with history, a step of `tokens` tokens prepared (head_dim 16)."""
+    cache = kv.BatchedSequenceCache(kv.CacheConfig(
+        layers=[kv.flat()], n_kv_heads=1, head_dim=16, capacity=16, max_seqs=2, max_write=4,
+        max_step=4, dtype="float32", initial_rows=8))
+    seq = cache.seq_new()
+    run_step(cache, [seq] * 3, np.random.default_rng(5))
+    cache.declare_step([seq] * tokens)
+    cache.prepare_step()
+    return cache
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "out"])
+def test_a_tensor_on_the_meta_device_is_refused_before_any_launch(where):
+    torch = pytest.importorskip("torch")
+    cache = small_prepared_cache()
+    args = {name: torch.zeros(2, 1, 16) for name in ("q", "k", "v", "out")}
+    args[where] = torch.zeros(2, 1, 16, device="meta")
+    before = snapshot(cache)
+    with pytest.raises(kv.ShapeError, match=rf"{where}: the array is on the meta device, "
+                                            r"the cache on cuda:0"):
+        cache.update_and_attend(0, args["q"], args["k"], args["v"], out=args["out"])
+    assert_unchanged(before, snapshot(cache))
+
+
+@pytest.mark.parametrize("keyword, value", [
+    ("scale", 1e300), ("scale", -1e39), ("scale", 1e-50), ("scale", -2.0 ** -61),
+    ("softcap", 1e300), ("softcap", 1e-50), ("softcap", 3.4e38), ("softcap", 2.0 ** 61)])
+def test_a_scale_or_softcap_outside_the_kernels_range_is_refused(keyword, value):
+    """Once narrowed to float32 (and folded into the kernels' constants) these were inf
+    (all-NaN outputs) or 0.0 (a softcap of 1e-50 silently meant none)."""
+    cache = small_prepared_cache()
+    q = np.ones((2, 1, 16), np.float32)
+    before = snapshot(cache)
+    with pytest.raises(kv.ConfigError, match=rf"{keyword}=.*\[2\*\*-60, 2\*\*60\]"):
+        cache.update_and_attend(0, q, q, q, **{keyword: value})
+    assert_unchanged(before, snapshot(cache))
+
+
+@pytest.mark.parametrize("kw", [{"softcap": 2.0 ** 60}, {"softcap": 2.0 ** -60},
+                                {"scale": 2.0 ** -60}, {"scale": -2.0 ** 60}])
+def test_a_scale_or_softcap_at_the_range_limits_is_computed_as_defined(kw):
+    """The extremes accepted are computed as the float64 reference computes them: the
+    largest softcap caps nothing, the smallest makes every score 0 (a plain mean), as
+    does the smallest scale; the most negative scale picks each row's lowest score."""
+    from kvnumba import reference
+    rng = np.random.default_rng(6)
+    cache = small_prepared_cache()
+    q, k, v = (rng.standard_normal((2, 1, 16)).astype(np.float32) for _ in range(3))
+    keys, values = (np.concatenate([history, x]) for history, x in
+                    zip(cache.sequence_kv(0, 0)[1:], (k, v)))
+    out = cache.update_and_attend(0, q, k, v, **kw)
+    want = reference.attention(q, keys, values, [3, 4], **kw)
+    np.testing.assert_allclose(out, want, atol=1e-5)
+
+
+def test_what_a_plan_hands_out_cannot_reach_the_cache():
+    """Every array of a StepPlan, and its base, is read-only for good; writing through
+    none of them changes the step the cache stages or a later step's logit rows."""
+    cache = kv.BatchedSequenceCache(config())
+    seqs = [cache.seq_new() for _ in range(3)]
+    for ids in (seqs, [seqs[0]] * 2 + [seqs[1]]):        # a decode step, then spans
+        plan = cache.declare_step(ids)
+        declared = plan.seq_info.copy()
+        exposed = [plan.seq_info, plan.logit_indices]
+        cache.prepare_step(WIDTH)
+        exposed += [plan.seq_cols, plan.positions]
+        for array in exposed:
+            for reached in (array, array.base):
+                with pytest.raises(ValueError):
+                    reached.setflags(write=True)
+                with pytest.raises(ValueError):
+                    reached.reshape(-1)[0] = 99
+        staged = cache._staging.device.copy_to_host()[2 * WIDTH:2 * WIDTH + declared.size]
+        assert (staged == declared.ravel()).all() and (plan.seq_info == declared).all()
+        cache.abort_step()
+    later = cache.declare_step(seqs[:2])
+    assert later.logit_indices.tolist() == [0, 1]

@@ -103,3 +103,31 @@ def test_floor_is_the_max_over_ring_layers():
     # R = 9 and 4: both wrapped, floor = hw - M on each, the same 18
     assert c.floor(s) == 18
     np.testing.assert_array_equal([c.layer_data(i)[0].shape[0] for i in range(2)], [9, 4])
+
+
+def test_floor_refusals_name_the_layer_from_rewind_and_seq_clone():
+    c = cache(4, 3)                      # ring layer 1: W 4, R 6
+    s = c.seq_new()
+    write_to(c, s, 21, 3)                # floor 18
+    names = "is below the floor 18 of sequence 0: ring layer 1 (window 4, 6 rows) holds only " \
+            "positions [15, 21)"
+    calls = {"rewind": lambda: c.rewind(s, 17),
+             "seq_clone": lambda: c.seq_clone(s, upto=17)}
+    for verb, call in calls.items():
+        with pytest.raises(kv.RingFloorError) as err:
+            call()
+        assert str(err.value).startswith(f"{verb}: target position 17 {names}")
+    assert (c.pos(s), c.state(s), c.state(1)) == (21, kv.SlotState.COMMITTED, kv.SlotState.FREE)
+
+
+def test_pack_floor_refusal_names_the_layer():
+    c = cache(4, 3)
+    t = kv.SessionTable(c, max_sessions=3, max_session_tokens=64)
+    sid = t.open()
+    write_to(c, t.seq(sid), 21, 3)
+    with pytest.raises(kv.RingFloorError) as err:
+        t.pack([(sid, 17, [1])])
+    assert f"session {sid}" in str(err.value) and "a rewind from its cursor 21" in str(err.value)
+    assert "target position 17 is below the floor 18 of sequence 0: ring layer 1 (window 4, " \
+           "6 rows)" in str(err.value)
+    assert (t.pos(sid), c.state(t.seq(sid))) == (21, kv.SlotState.COMMITTED)

@@ -148,6 +148,7 @@ def test_5_attend_refuses_a_layer_the_step_has_not_written():
     assert np.isfinite(c.attend(0, q)).all()
     with pytest.raises(kv.StepProtocolError):
         c.attend(1, q)
+    c.write(1, fill(rng, (2, H, D)), fill(rng, (2, H, D)))
     c.commit_step()
     c.declare_step([s])                            # a new step starts with nothing written
     c.prepare_step()

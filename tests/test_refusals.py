@@ -4,6 +4,7 @@ import pytest
 
 import kvnumba as kv
 from kvnumba.slots import SlotState
+from snapshot import assert_unchanged, snapshot
 
 
 def make(**kw):
@@ -174,3 +175,88 @@ def test_strict_mode_drives_the_transitions_models(monkeypatch):
     assert models is not None
     assert [m.state for m in models] == [c.state(s).name.lower() for s in range(3)]
     assert c._step._model.state == "idle"
+
+
+# ---------------------------------------------------------------- half-written steps
+def three_layers(single):
+    """A cache of three layers (flat, ring, flat) and its step verbs' sequence ids."""
+    cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4), kv.flat()], n_kv_heads=1,
+                         head_dim=2, capacity=16, max_seqs=1 if single else 2, max_write=4,
+                         max_step=6, dtype="float32", initial_rows=4)
+    if single:
+        c = kv.SequenceCache(cfg)
+        return c, lambda n: c.declare_step(n)
+    c = kv.BatchedSequenceCache(cfg)
+    a = c.seq_new()
+    return c, lambda n: c.declare_step([a] * n)
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["batched", "single"])
+def test_a_half_written_step_is_refused_naming_the_unwritten_layers(single):
+    c, declare = three_layers(single)
+    declare(2)
+    c.prepare_step()
+    c.commit_step()                      # no layer written: positions only
+    declare(2)
+    c.prepare_step(3)
+    c.write(1, np.ones((3, 1, 2), np.float32), np.ones((3, 1, 2), np.float32))
+    before = snapshot(c)
+    with pytest.raises(kv.StepProtocolError) as err:
+        c.commit_step()
+    assert "wrote layers [1] but not [0, 2]" in str(err.value)
+    assert "abort_step()" in str(err.value)
+    assert_unchanged(before, snapshot(c))
+    c.abort_step()                       # still open: the step is discarded
+    pos = c.pos if single else c.pos(0)
+    hw = c.high_water if single else c.high_water(0)
+    assert (c.step_state, pos, hw) == (kv.StepState.IDLE, 2, 4)
+
+
+# ---------------------------------------------------------------- limits
+def test_every_limit_is_a_capacity_error_from_every_face():
+    c = make()                           # capacity 16, max_write 4, max_step 6
+    t = kv.SessionTable(c, max_sessions=3, max_session_tokens=10)
+    a, b, d = t.open(), t.open(), t.open()
+    sa, sb = t.seq(a), t.seq(b)
+    for n in (4, 4, 4, 2):               # a reaches 14, past the table's own limit
+        run(c, [sa] * n)
+    refused(c, kv.CapacityError, lambda: c.declare_step([sb] * 5), "writes 5 tokens",
+            "more than max_write 4", "split it into chunks of at most max_write=4 tokens")
+    refused(c, kv.CapacityError, lambda: c.declare_step([sa] * 3), "pos 14 + 3 tokens",
+            "capacity 16")
+    refused(c, kv.CapacityError, lambda: c.declare_step([sa] * 2 + [sb] * 4 + [t.seq(d)]),
+            "7 tokens exceed max_step 6")
+    refused(c, kv.CapacityError, lambda: t.pack([(b, 0, [1] * 5)]), "writes 5 tokens",
+            "split it into chunks of at most max_write=4 tokens")
+    refused(c, kv.CapacityError, lambda: t.pack([(b, 0, [1] * 3), (b, 3, [1] * 2)]),
+            "writes 5 tokens")
+    refused(c, kv.CapacityError, lambda: t.pack([(a, 14, [1])]), "position 15",
+            "max_session_tokens 10")
+    refused(c, kv.CapacityError, lambda: t.clone(a, upto=11), "upto=11",
+            "max_session_tokens 10")
+    c.declare_step([sb] * 2)
+    refused(c, kv.CapacityError, lambda: c.prepare_step(7), "width 7", "max_step 6")
+    c.abort_step()
+    single = kv.SequenceCache(kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=2,
+                                             capacity=16, max_seqs=1, max_write=4, max_step=6,
+                                             dtype="float32", initial_rows=4))
+    before = snapshot(single)
+    with pytest.raises(kv.CapacityError, match="max_write 4; split it into chunks of at most "
+                                               "max_write=4 tokens"):
+        single.declare_step(5)
+    assert_unchanged(before, snapshot(single))
+
+
+def test_rows_of_a_padded_step_name_its_width():
+    c = make()
+    a = c.seq_new()
+    c.declare_step([a] * 2)
+    c.prepare_step(5)
+    two, five = np.zeros((2, 1, 2), np.float32), np.zeros((5, 1, 2), np.float32)
+    hint = "prepared with prepare_step(width=5) for 2 tokens: pass 5 rows"
+    refused(c, kv.ShapeError, lambda: c.write(0, two, two), hint)
+    refused(c, kv.ShapeError, lambda: c.write(0, five, two), "v: expected shape", hint)
+    refused(c, kv.ShapeError, lambda: c.attend(0, two), "q: expected shape", hint)
+    refused(c, kv.ShapeError, lambda: c.update_and_attend(0, five, five, two), hint)
+    err = refused(c, kv.ShapeError, lambda: c.write(0, np.zeros((3, 1, 2), np.float32), five))
+    assert "prepare_step(width=" not in str(err)   # 3 rows: not the step's token count

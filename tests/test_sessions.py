@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
+from snapshot import assert_unchanged, snapshot as full_snapshot
 
 H, D = 1, 4  # kv heads, head_dim: tiny for the simulator
 
@@ -34,6 +35,13 @@ def run_step(control, seq_ids, rng=None, width=None):
         written.append((k, v))
     control.commit_step()
     return written
+
+
+def advance(control, seq_ids):
+    """A step that writes no layer: positions only (control-plane tests need no kernels)."""
+    control.declare_step(seq_ids)
+    control.prepare_step()
+    control.commit_step()
 
 
 def snapshot(control):
@@ -117,8 +125,6 @@ def test_refused_batch_rewinds_nothing():
     (lambda a, b: [(a, 1, [1]), (b, 0, [2]), (a, 3, [3])], "gap"),
     (lambda a, b: [(a, 1, [1], 1)], "produce_output must be True or False"),
     (lambda a, b: [(a, 1, [1], True, 0)], "must be"),
-    (lambda a, b: [(a, 1, list(range(10)))], "max_session_tokens 10"),
-    (lambda a, b: [(a, 1, list(range(6))), (a, 7, list(range(4)))], "max_session_tokens 10"),
     (lambda a, b: [(a, 1, [1]), (99, 0, [2])], "unknown session 99"),
     (lambda a, b: [(a, 1, [])], "no tokens"),
     (lambda a, b: [(a, -1, [1])], "before position 0"),
@@ -133,6 +139,21 @@ def test_pack_refusals_change_nothing(inputs, pattern):
     before = snapshot(c)
     with pytest.raises(kv.SessionError, match=pattern):
         t.pack(inputs(a, b))
+    assert snapshot(c) == before and t.pos(a) == 1
+
+
+@pytest.mark.parametrize("inputs", [
+    lambda a: [(a, 1, list(range(10)))],
+    lambda a: [(a, 1, list(range(6))), (a, 7, list(range(4)))],
+])
+def test_pack_past_max_session_tokens_is_a_capacity_error(inputs):
+    c = batched()
+    t = kv.SessionTable(c, max_sessions=2, max_session_tokens=10)
+    a = t.open()
+    run_step(c, [t.seq(a)])
+    before = snapshot(c)
+    with pytest.raises(kv.CapacityError, match=r"position 11, past max_session_tokens 10"):
+        t.pack(inputs(a))
     assert snapshot(c) == before and t.pos(a) == 1
 
 
@@ -234,7 +255,7 @@ def test_clone_refusals():
         t.clone(s, upto=7)
     with pytest.raises(kv.SessionError, match=r"upto=0 outside"):
         t.clone(s, upto=0)
-    with pytest.raises(kv.SessionError, match="max_session_tokens 4"):
+    with pytest.raises(kv.CapacityError, match="upto=5 exceeds max_session_tokens 4"):
         t.clone(s, upto=5)
     assert snapshot(c) == before
     t.open()
@@ -318,3 +339,64 @@ def test_single_control_close_and_reopen_starts_empty():
     assert c.sequence_kv(0, 0)[0].size == 0
     with pytest.raises(kv.SessionError, match="gap"):
         t.pack([(s2, 1, [1])])
+
+
+# ---------------------------------------------------------------- session ids
+def session_id_calls(control, sid):
+    """Every BatchControl verb that takes a sequence id, given the session id `sid` there
+    (alone, in a list, a tuple, an object array, or among block owners)."""
+    return {
+        "seq_rm": lambda: control.seq_rm(sid),
+        "seq_clone": lambda: control.seq_clone(sid),
+        "rewind": lambda: control.rewind(sid, 0),
+        "pos": lambda: control.pos(sid),
+        "floor": lambda: control.floor(sid),
+        "high_water": lambda: control.high_water(sid),
+        "state": lambda: control.state(sid),
+        "declare_step": lambda: control.declare_step([0, sid]),
+        "declare_step (tuple)": lambda: control.declare_step((sid,)),
+        "declare_step (object array)": lambda: control.declare_step(np.array([sid], object)),
+        "declare_step blocks": lambda: control.declare_step([0], blocks=[sid]),
+        "sequence_kv": lambda: control.sequence_kv(sid, 0),
+    }
+
+
+@pytest.mark.parametrize("make", [batched, single])
+def test_session_ids_are_refused_by_every_control_verb(make):
+    c = make()
+    t = kv.SessionTable(c, max_sessions=c.max_seqs, max_session_tokens=20)
+    if c.max_seqs > 1:
+        t.close(t.open())        # session 1 closed: session 2 holds sequence 0
+    sid = t.open()
+    assert isinstance(sid, kv.SessionId) and isinstance(sid, int) and not isinstance(sid, bool)
+    seq = t.seq(sid)
+    assert type(seq) is int and seq == 0 and int(sid) != seq
+    advance(c, [seq] * 2)
+    before = full_snapshot(t)
+    for verb, call in session_id_calls(c, sid).items():
+        with pytest.raises(kv.SessionError) as err:
+            call()
+        assert f"{sid} is a session id; pass its sequence id table.seq({sid}) = {seq}" in \
+            str(err.value), (verb, str(err.value))
+        assert_unchanged(before, full_snapshot(t))
+    # the table takes its own ids and plain ints alike
+    assert t.sessions == (sid,) and sid in t and int(sid) in t
+    assert t.seq(int(sid)) == seq and t.pos(sid) == t.pos(int(sid)) == 2
+    packed = t.pack([(int(sid), 2, [7])])
+    assert packed.seq_ids.tolist() == [seq]
+    t.close(sid)
+    with pytest.raises(kv.SessionError, match=rf"{sid} is the id of a closed session"):
+        c.pos(sid)
+
+
+def test_session_ids_are_ints_the_table_hands_out_and_accepts():
+    c = batched()
+    t = kv.SessionTable(c, max_sessions=3, max_session_tokens=20)
+    a = t.open()
+    advance(c, [t.seq(a)] * 3)
+    b = t.clone(a, upto=2)
+    assert [type(s) for s in (a, b)] == [kv.SessionId] * 2 and (a, b) == (1, 2)
+    assert t.sessions == (1, 2) and {a: "x"}[1] == "x"
+    assert t.pos(2) == 2 and t.seq(2) == t.seq(b)
+    t.close(2)
+    assert t.sessions == (a,)

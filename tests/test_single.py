@@ -156,7 +156,8 @@ def test_control_frees_an_empty_cache_and_claims_on_seq_new():
         ctl.seq_new()
     ctl.declare_step([0, 0, 0])
     ctl.prepare_step(5)
-    ctl.write(0, np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32))
+    for layer in range(2):
+        ctl.write(layer, np.ones((5, H, D), np.float32), np.ones((5, H, D), np.float32))
     ctl.commit_step()
     assert (ctl.pos(0), ctl.high_water(0), cache.pos) == (3, 3, 3)
     with pytest.raises(kv.UnknownSequenceError):
