@@ -44,7 +44,9 @@ def record_path(date: str, device: str, folder: Path = RESULTS) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # run as a module, argv[0] is this file's path; as `kvnumba-bench`, argparse's own
+    prog = "python -m bench" if sys.argv[0].endswith("__main__.py") else None
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     kernels.add_size_arguments(parser)
     parser.add_argument("--results", type=Path, default=RESULTS,
                         help=f"folder for the JSON record (default ./{RESULTS})")
@@ -53,8 +55,9 @@ def main(argv=None) -> int:
     now = datetime.datetime.now().astimezone()
     device = kernels.device_name()
     mode = " [quick]" if args.quick else " [smoke]" if args.smoke else ""
-    print(f"kvnumba benchmarks on {device} ({kv_device.KIND}), {now:%Y-%m-%d %H:%M %Z}"
-          f"{mode}\n", flush=True)
+    where = f"the {device}" if device == kv_device.KIND else f"{device} ({kv_device.KIND})"
+    kv_device.announce()           # the simulator notice, before any table starts
+    print(f"kvnumba benchmarks on {where}, {now:%Y-%m-%d %H:%M %Z}{mode}\n", flush=True)
 
     print("\n".join(control.header_lines(kv_device.SIMULATOR)), flush=True)
     print(control.HEADER, flush=True)

@@ -352,9 +352,11 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.control",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run (a few ms per case)")
     args = parser.parse_args(argv)
+    kv_device.announce()           # the simulator notice, before the table starts
     print("\n".join(header_lines(kv_device.SIMULATOR)), flush=True)
     print(HEADER, flush=True)
     result = run(quick=args.quick, verbose=True)

@@ -207,8 +207,9 @@ class Bench:
         return self._on_device(host, dtype or self.sizes.dtype)
 
     def empty(self, shape, dtype=None):
-        """An uninitialised output on the device, as `random` makes inputs."""
-        return self._on_device(np.empty(shape, np.float32), dtype or self.sizes.dtype)
+        """An output on the device, as `random` makes inputs (zeros: uninitialised host
+        memory could hold float32 values float16 cannot, and warn when cast)."""
+        return self._on_device(np.zeros(shape, np.float32), dtype or self.sizes.dtype)
 
     def _on_device(self, host, dtype):
         if dtype == "bfloat16" and self.torch is not None:
@@ -631,12 +632,20 @@ def _f(value, fmt):
     return "-" if value is None else format(value, fmt)
 
 
+def _count(n: int, noun: str) -> str:
+    """`n noun`, the noun plural unless n is 1."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def report_header(result) -> str:
     s = result["sizes"]
     c = result["copy"]
     others = ", ".join(d for d in s["dtypes"] if d != s["dtype"])
-    return (f"kernels on {result['device']} ({s['dtype']} storage; attention also in "
-            f"{others}; {s['n_kv_heads']} kv heads, {s['n_q_heads']} q heads, head_dim "
+    device = result["device"]
+    where = f"the {device}" if device == "simulator" else device
+    return (f"kernels on {where} ({s['dtype']} storage; attention also in "
+            f"{others}; {_count(s['n_kv_heads'], 'kv head')}, "
+            f"{_count(s['n_q_heads'], 'q head')}, head_dim "
             f"{s['head_dim']}; PyTorch with CUDA: {result['torch'] or 'none, no peers'})\n"
             f"  roofline: d2d copy of {c['bytes'] >> 20} MiB = "
             f"{_f(c['traffic_gbps'], '.0f')} GB/s read+write; fp16 torch.matmul "
@@ -756,7 +765,8 @@ def sizes_for(args) -> Sizes:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.kernels",
+                                     description=__doc__.splitlines()[0])
     add_size_arguments(parser)
     args = parser.parse_args(argv)
     print(report(run(sizes_for(args))))

@@ -55,11 +55,13 @@ def test_mixed_step_fits_the_config():
         assert set(ids.tolist()) == set(range(batch))
 
 
-def bench_command(args, cwd):
-    """`python -m bench...` in `cwd` (any directory: the benchmarks are installed)."""
+def bench_command(args, cwd, merged=False):
+    """`python -m bench...` in `cwd` (any directory: the benchmarks are installed);
+    `merged`: stderr interleaved into stdout, in the order it was written."""
     env = {k: v for k, v in os.environ.items() if k != "KVNUMBA_DEVICE"}
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, text=True,
+                          timeout=300, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT if merged else subprocess.PIPE)
 
 
 @pytest.mark.skipif(not kv_device.SIMULATOR, reason="on a GPU the kernel bench runs")
@@ -72,9 +74,16 @@ def test_kernel_bench_skips_without_a_gpu(tmp_path):
 def test_bench_runs_from_any_directory_and_writes_where_it_is_told(tmp_path):
     proc = bench_command(["bench", "--help"], tmp_path)
     assert proc.returncode == 0 and "--results" in proc.stdout
+    assert proc.stdout.startswith("usage: python -m bench ")
     assert "kvnumba:" not in proc.stderr            # no simulator notice for --help
-    proc = bench_command(["bench", "--smoke", "--results", "out"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = bench_command(["bench", "--smoke", "--results", "out"], tmp_path, merged=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert "Warning" not in proc.stdout, proc.stdout    # e.g. an overflow casting to float16
+    notice = proc.stdout.find("kvnumba: no CUDA GPU")   # before every table, when shown
+    assert notice < proc.stdout.index("kvnumba benchmarks on ")
+    if kv_device.SIMULATOR:
+        assert "benchmarks on the simulator," in proc.stdout
+    assert "1 kv heads" not in proc.stdout and "1 kv head," in proc.stdout
     (record,) = (tmp_path / "out").glob("*.json")
     figures = json.loads(record.read_text())
     assert figures["smoke"] and figures["kernels"]["sizes"]["head_dim"] == 16

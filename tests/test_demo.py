@@ -77,6 +77,7 @@ def test_cli_help():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     assert "--seed" in out.stdout and "--decode-steps" in out.stdout
+    assert "{bfloat16,float16,float32}" in out.stdout        # --dtype, as the README says
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6])
