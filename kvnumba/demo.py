@@ -599,13 +599,8 @@ def run(*, out=sys.stdout, tamper=None, tamper_step=None, fail_fast=False, **opt
     opts = Options(**options)
     opts.validate()
     started = time.perf_counter()
-    switch = sys.getswitchinterval()
-    if device.SIMULATOR:  # simulated CUDA threads are Python threads: switch faster
-        sys.setswitchinterval(1e-4)
-    try:
+    with device.simulator_pace():
         return _run(opts, out, tamper, tamper_step, fail_fast, started)
-    finally:
-        sys.setswitchinterval(switch)
 
 
 def _run(opts, out, tamper, tamper_step, fail_fast, started) -> DemoResult:

@@ -6,11 +6,12 @@ import os
 import sys
 
 os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
-# the simulator runs CUDA threads as Python threads: each barrier costs ~16 ms per
-# block at the default switch interval, ~1.3 ms at 1e-4
-sys.setswitchinterval(1e-4)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
+
+from kvnumba import device  # noqa: E402
+
+sys.setswitchinterval(device.SIMULATOR_SWITCH_INTERVAL)   # why: at its definition
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -5,10 +5,8 @@ storage and the segment table are built by hand here, so nothing of the kernel's
 indexing is reused.
 """
 import os
-import sys
 
 os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
-sys.setswitchinterval(1e-4)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
