@@ -5,7 +5,8 @@ and a JSON record.
 
 The control-plane bench runs anywhere; the host-time bench too (without a GPU, in
 `KVNUMBA_DEVICE=compile` mode with the launches recorded); the kernel bench needs a
-CUDA GPU (`--smoke` runs its cases at toy sizes, on the simulator too). Every figure
+CUDA GPU (`--smoke` runs its cases at toy sizes, on the simulator too), and so does the
+Hugging Face engine against `model.generate()` (PyTorch with CUDA). Every figure
 goes to `DIR/<date>-<device>.json` (default `./bench-results`, under the current
 directory).
 """
@@ -22,10 +23,10 @@ from pathlib import Path
 
 import kvnumba.device as kv_device
 
-from . import control, host, kernels
+from . import control, engine, host, kernels
 
 RESULTS = Path("bench-results")   # relative: under the directory it runs from
-PACKAGES = ("numpy", "numba", "numba-cuda", "transitions", "torch")
+PACKAGES = ("numpy", "numba", "numba-cuda", "transitions", "torch", "transformers")
 
 
 def versions() -> dict:
@@ -71,11 +72,16 @@ def main(argv=None) -> int:
 
     kernel_result = kernels.run(kernels.sizes_for(args))
     print(kernels.report(kernel_result), flush=True)
+    print()
+
+    engine_result = engine.run(quick=args.quick or args.smoke)
+    print(engine.report(engine_result), flush=True)
 
     record = dict(date=now.isoformat(timespec="seconds"), device=device,
                   device_kind=kv_device.KIND, platform=platform.platform(),
                   argv=sys.argv[1:], quick=args.quick, smoke=args.smoke, versions=versions(),
-                  control=control_result, host=host_result, kernels=kernel_result)
+                  control=control_result, host=host_result, kernels=kernel_result,
+                  engine=engine_result)
     args.results.mkdir(parents=True, exist_ok=True)
     path = record_path(now.date().isoformat(), device, args.results)
     path.write_text(json.dumps(record, indent=2) + "\n")

@@ -1,13 +1,17 @@
-"""`python -m kvnumba demo [options]`: see `kvnumba.demo` (`python -m kvnumba demo --help`)."""
+"""`python -m kvnumba demo|generate [options]`: see `kvnumba.demo` and `kvnumba.hf.cli`
+(`python -m kvnumba demo --help`, `python -m kvnumba generate --help`)."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m kvnumba demo [--help] [options]
+USAGE = """usage: python -m kvnumba {demo,generate} [--help] [options]
 
 commands:
-  demo    serve several sessions of a small decoder through the cache, checked token by
-          token against a cache-free NumPy run (python -m kvnumba demo --help)"""
+  demo      serve several sessions of a small decoder through the cache, checked token
+            by token against a cache-free NumPy run (python -m kvnumba demo --help)
+  generate  serve a transformers model through kvnumba.hf.Engine; without --model, a
+            small random Llama checked against model.generate() (needs kvnumba[hf];
+            python -m kvnumba generate --help)"""
 
 
 def main(argv=None) -> int:
@@ -15,11 +19,14 @@ def main(argv=None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    if argv[0] != "demo":
-        print(f"python -m kvnumba: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
-        return 2
-    from .demo import main as demo_main
-    return demo_main(argv[1:])
+    if argv[0] == "demo":
+        from .demo import main as demo_main
+        return demo_main(argv[1:])
+    if argv[0] == "generate":
+        from .hf.cli import main as generate_main
+        return generate_main(argv[1:])
+    print(f"python -m kvnumba: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""A `transformers` model config mapped onto a `CacheConfig`, or refused.
+
+Only what the attention interface hands kvnumba is served: per-layer causal attention
+over the sequence's own keys, full or sliding-window (`layer_types`,
+`sliding_window`), grouped kv heads, a score scale and a logit softcap. What kvnumba
+cannot compute exactly (ALiBi, attention sinks, cross-attention, latent attention,
+chunked or linear attention layers) is a `ConfigError` naming the model type and the
+missing piece, never a silently different model.
+"""
+from __future__ import annotations
+
+from ..config import CacheConfig, flat, ring
+from ..errors import ConfigError
+
+#: storage dtypes by the model's torch dtype name
+_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
+
+
+def text_config(model_config):
+    """The decoder's config (a multimodal config's text part, else the config itself)."""
+    get = getattr(model_config, "get_text_config", None)
+    return get() if get is not None else model_config
+
+
+def unsupported(config) -> str | None:
+    """What of the model kvnumba cannot serve exactly, or None."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "cross-attention (an encoder-decoder model)"
+    if getattr(config, "alibi", False) or config.model_type in ("bloom", "mpt"):
+        return "ALiBi position biases"
+    if config.model_type == "gpt_oss" or getattr(config, "use_sinks", False):
+        return "attention sinks"
+    if getattr(config, "kv_lora_rank", None):
+        return "multi-head latent attention (MLA)"
+    for kind in set(getattr(config, "layer_types", None) or ()):
+        if kind not in ("full_attention", "sliding_attention"):
+            return f"{kind!r} layers"
+    return None
+
+
+def layer_specs(config) -> list:
+    """One `LayerSpec` per decoder layer: `layer_types` when the config has them, else
+    every layer sliding when `sliding_window` is set, else every layer flat."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        kinds = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    if len(kinds) != config.num_hidden_layers:
+        raise ConfigError(f"{config.model_type}: layer_types lists {len(kinds)} layers, the "
+                          f"model has {config.num_hidden_layers}")
+    if "sliding_attention" in kinds and not window:
+        raise ConfigError(f"{config.model_type}: sliding_attention layers without a "
+                          f"sliding_window")
+    return [ring(window=int(window)) if kind == "sliding_attention" else flat()
+            for kind in kinds]
+
+
+def storage_dtype(model, dtype) -> str:
+    """`dtype` if given, else the model's own (float32, float16 or bfloat16)."""
+    if dtype is not None:
+        return dtype
+    name = str(model.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"the model's dtype {name} has no kvnumba storage dtype; pass "
+                          f"dtype='float32', 'float16' or 'bfloat16'")
+    return _DTYPES[name]
+
+
+def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None = None,
+                 max_step: int | None = None, dtype: str | None = None,
+                 **options) -> CacheConfig:
+    """The `CacheConfig` that serves `model` (a `transformers` `PreTrainedModel`).
+
+    Layers from `layer_types` / `sliding_window`, `num_key_value_heads`, `head_dim`
+    (else `hidden_size // num_attention_heads`); storage dtype from the model unless
+    given. `max_write` (default `min(capacity, 256)`) and `max_step` (default
+    `max_write + max_seqs`) as in `CacheConfig`; `options` go to it too
+    (`initial_rows`). `ConfigError` for a model whose attention does not go through
+    `transformers`' attention interface or needs what kvnumba does not do.
+    """
+    config = text_config(model.config)
+    if not getattr(model, "_supports_attention_backend", False):
+        raise ConfigError(f"{config.model_type}: its attention does not go through "
+                          f"transformers' AttentionInterface, so kvnumba cannot serve it")
+    missing = unsupported(config)
+    if missing:
+        raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    max_write = min(capacity, 256) if max_write is None else max_write
+    max_step = max_write + max_seqs if max_step is None else max_step
+    return CacheConfig(layers=layer_specs(config),
+                       n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                       head_dim=head_dim, capacity=capacity, max_seqs=max_seqs,
+                       max_write=max_write, max_step=max_step,
+                       dtype=storage_dtype(model, dtype), **options)

@@ -1,0 +1,181 @@
+"""`kvnumba.hf`: `transformers` models served through the cache, token for token against
+`model.generate()` (tiny random models built from their config classes; float32
+storage unless said; on the simulator the kernels are the same as on a GPU). The
+models have one layer (Gemma-2 two: a sliding and a full one) and the runs a few
+tokens: the simulator runs each CUDA thread as a Python thread, and these tests are
+about the plumbing between `transformers` and the cache, not about size."""
+import numpy as np
+import pytest
+
+import kvnumba as kv
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+kvhf = pytest.importorskip("kvnumba.hf")
+
+WINDOW = 4          # smaller than every prompt
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64)
+ARCHITECTURES = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE),
+    "qwen2": lambda: transformers.Qwen2Config(**SHAPE),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=WINDOW),
+    "gemma2": lambda: transformers.Gemma2Config(**{**SHAPE, "num_hidden_layers": 2},
+                                                sliding_window=WINDOW,
+                                                query_pre_attn_scalar=12,
+                                                attn_logit_softcapping=0.5,
+                                                final_logit_softcapping=None),
+}
+PROMPTS = [[1, 5, 9, 3, 7], [4, 2, 8, 8, 1, 6, 3, 2, 9]]
+
+
+def tiny(arch, seed=0, **fields):
+    torch.manual_seed(seed)
+    config = ARCHITECTURES[arch]()
+    for name, value in fields.items():
+        setattr(config, name, value)
+    model = getattr(transformers, f"{type(config).__name__[:-6]}ForCausalLM")(config)
+    return model.eval()
+
+
+def generated(model, prompt, max_new_tokens):
+    """`model.generate()`'s greedy new tokens (no eos; every prompt token attended)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_continuous_batching_matches_generate(arch):
+    """Two requests submitted at different steps, the longer prompt prefilled in chunks
+    of max_write tokens beside the other's decode steps."""
+    model = tiny(arch)
+    want = [generated(model, p, 4) for p in PROMPTS]
+    engine = kvhf.Engine(model, max_seqs=2, capacity=24, max_write=4, dtype="float32")
+    first = engine.submit(PROMPTS[0], max_new_tokens=4)
+    done = dict(engine.step())
+    second = engine.submit(PROMPTS[1], max_new_tokens=4)
+    while engine.busy:
+        done.update(engine.step())
+    assert [done[first], done[second]] == want
+
+
+def test_forks_share_one_prefill_and_wait_for_free_sequences():
+    """n = 2: each prompt prefilled once and forked; with 3 sequences the second
+    request's two wait until the first's finish. Greedy: every fork is the model's
+    greedy output."""
+    model = tiny("llama")
+    want = [generated(model, p, 4) for p in PROMPTS]
+    engine = kvhf.Engine(model, max_seqs=3, capacity=24, max_write=8, dtype="float32")
+    first = engine.submit(PROMPTS[0], max_new_tokens=4, n=2)
+    second = engine.submit(PROMPTS[1], max_new_tokens=4, n=2)
+    engine.step()
+    assert len(engine.target.table) == 2       # forked; the second request waits
+    done = {}
+    while engine.busy:
+        done.update(engine.step())
+    assert done == {first: [want[0]] * 2, second: [want[1]] * 2}
+
+
+@pytest.mark.parametrize("own_draft", [False, True], ids=["random-draft", "own-draft"])
+def test_speculative_decoding_keeps_the_greedy_output(own_draft):
+    """A random draft model (most drafts rejected, each rewound) and the model as its
+    own draft (every draft accepted): the output is the model's greedy output."""
+    model = tiny("llama")
+    want = [generated(model, p, 5) for p in PROMPTS]
+    draft = model if own_draft else tiny("llama", seed=1)
+    engine = kvhf.Engine(model, max_seqs=2, capacity=24, max_write=8, dtype="float32",
+                         draft_model=draft, draft_len=3)
+    assert engine.generate(PROMPTS, max_new_tokens=5) == want
+    rate = engine.acceptance_rate
+    assert rate == 1 if own_draft else rate < 0.5, rate
+
+
+def test_bfloat16_storage_logits_stay_near_float32():
+    """Every logit of a prefill with bfloat16 K/V within 0.05 of the float32 run (the
+    logits are O(1); bfloat16 keeps 8 bits)."""
+    model = tiny("gemma2")
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = kvhf.Engine(model, max_seqs=1, capacity=16, max_write=16, dtype=dtype)
+        sid = engine.target.table.open()
+        prompt = PROMPTS[1]
+        logits[dtype] = engine.target.run([(sid, 0, prompt)], list(range(len(prompt))))
+    assert logits["float32"].abs().max() > 0.1
+    torch.testing.assert_close(logits["bfloat16"], logits["float32"], rtol=0, atol=5e-2)
+
+
+def test_sampling_is_seeded_and_top_p_near_zero_is_greedy():
+    model = tiny("llama")
+    engine = kvhf.Engine(model, max_seqs=2, capacity=24, max_write=8, dtype="float32")
+    runs = [engine.generate([PROMPTS[0]], max_new_tokens=3, temperature=5.0, seed=3)
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert engine.generate(PROMPTS[:1], max_new_tokens=3, temperature=1.0, top_p=1e-6) == \
+        [generated(model, PROMPTS[0], 3)]
+
+
+def test_refusals_leave_the_engine_usable():
+    model = tiny("llama")
+    engine = kvhf.Engine(model, max_seqs=2, capacity=12, max_write=4, dtype="float32")
+    for prompt, kw, error in (([1] * 12, {}, kv.CapacityError), ([], {}, kv.ConfigError),
+                              ([64], {}, kv.ConfigError), ([1], {"temperature": -1},
+                                                           kv.ConfigError),
+                              ([1], {"top_p": 0}, kv.ConfigError), ([1], {"n": 3},
+                                                                    kv.CapacityError),
+                              ([1], {"max_new_tokens": 0}, kv.ConfigError)):
+        with pytest.raises(error):
+            engine.submit(prompt, **{"max_new_tokens": 2, **kw})
+    assert not engine.busy
+    assert engine.generate([PROMPTS[0]], max_new_tokens=3) == [generated(model, PROMPTS[0], 3)]
+
+
+def test_models_kvnumba_cannot_serve_are_refused_naming_the_piece():
+    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
+    with pytest.raises(kv.ConfigError, match="bloom"):
+        kvhf.Engine(bloom, max_seqs=1, capacity=8)
+    model = tiny("llama")
+    model.config.layer_types = ["chunked_attention"] * 2
+    with pytest.raises(kv.ConfigError, match="llama: .*'chunked_attention' layers"):
+        kvhf.cache_config(model, max_seqs=1, capacity=8)
+
+
+def test_generate_serves_a_saved_model_directory(tmp_path, capsys):
+    """`python -m kvnumba generate --model DIR --ids ...`: the model loaded from its
+    `config.json` and safetensors weights, its output `model.generate()`'s."""
+    from kvnumba.hf import cli
+    model = tiny("qwen2")
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    prompt = PROMPTS[0]
+    code = cli.main(["--model", str(tmp_path), "--ids", ",".join(map(str, prompt)),
+                     "--max-new-tokens", "3", "--dtype", "float32"])
+    assert code == 0
+    assert f"{prompt} -> {generated(model, prompt, 3)}" in capsys.readouterr().out
+
+
+def test_generate_self_check_reports_each_run_and_fails_on_a_difference(monkeypatch, capsys):
+    """The self-check (no `--model`) compares every sequence of its three runs with
+    `model.generate()`: with the first run's last token changed, that run is reported
+    different, the fork and speculative runs the same, and the exit status is 1."""
+    from kvnumba.hf import cli
+    calls = []
+
+    def serve_then_change_the_first_run(*args, **kwargs):
+        outs, seconds = served(*args, **kwargs)
+        if not calls:
+            outs[0][-1] = (outs[0][-1] + 1) % 128
+        calls.append(outs)
+        return outs, seconds
+
+    served = cli.serve
+    monkeypatch.setattr(cli, "serve", serve_then_change_the_first_run)
+    assert cli.main(["--max-new-tokens", "3", "--draft-len", "1"]) == 1
+    out = capsys.readouterr().out
+    assert len(calls) == 3
+    verdicts = [line.rpartition(": ")[2] for line in out.splitlines() if "tokens/s" in line]
+    assert verdicts == ["DIFFERENT from model.generate()"] + ["same as model.generate()"] * 2
+    assert "FAILED: 1 of 3 runs differ" in out and "draft acceptance" in out
