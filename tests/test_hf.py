@@ -204,3 +204,10 @@ def test_generate_self_check_reports_each_run_and_fails_on_a_difference(monkeypa
     verdicts = [line.rpartition(": ")[2] for line in out.splitlines() if "tokens/s" in line]
     assert verdicts == ["DIFFERENT from model.generate()"] + ["same as model.generate()"] * 2
     assert "FAILED: 1 of 3 runs differ" in out and "draft acceptance" in out
+
+
+def test_generate_without_the_hf_extra_names_it(monkeypatch, capsys):
+    from kvnumba.hf import cli
+    monkeypatch.setattr(cli, "find_spec", lambda name: None if name == "transformers" else 1)
+    assert cli.main([]) == 2
+    assert "needs the hf extra (transformers not installed)" in capsys.readouterr().err

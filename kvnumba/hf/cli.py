@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from importlib.util import find_spec
 
 from .. import device
 
@@ -139,5 +140,11 @@ def main(argv=None) -> int:
     parser.add_argument("--draft", help="a draft model directory (speculative decoding)")
     parser.add_argument("--draft-len", type=int, default=3)
     args = parser.parse_args(argv)
+    missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
+    if missing:
+        print(f"python -m kvnumba generate: needs the hf extra ({' and '.join(missing)} "
+              f"not installed): python -m pip install 'kvnumba[hf]' (in a checkout: "
+              f"python -m pip install -e '.[hf]')", file=sys.stderr)
+        return 2
     with device.simulator_pace():
         return serve_directory(args) if args.model else self_check(args)
