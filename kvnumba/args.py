@@ -62,6 +62,14 @@ def as_int(value, what: str, error=ShapeError) -> int:
     return int(value)
 
 
+def as_count(value, what: str, least: int, error=ConfigError) -> int:
+    """`value` as a Python int of at least `least`, or `error` naming `what`."""
+    value = as_int(value, what, error)
+    if value < least:
+        raise error(f"{what}={value}: must be at least {least}")
+    return value
+
+
 def as_index(value, n: int, what: str, error=ShapeError) -> int:
     """An int in `[0, n)`, else `error` naming the value and the range."""
     index = as_int(value, what, error)

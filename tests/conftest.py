@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 from kvnumba import device  # noqa: E402
 
-sys.setswitchinterval(device.SIMULATOR_SWITCH_INTERVAL)   # why: at its definition
+if device.SIMULATOR:    # why this interval: at its definition
+    sys.setswitchinterval(device.SIMULATOR_SWITCH_INTERVAL)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -4,7 +4,6 @@ storage unless said; on the simulator the kernels are the same as on a GPU). The
 models have one layer (Gemma-2 two: a sliding and a full one) and the runs a few
 tokens: the simulator runs each CUDA thread as a Python thread, and these tests are
 about the plumbing between `transformers` and the cache, not about size."""
-import numpy as np
 import pytest
 
 import kvnumba as kv
@@ -144,8 +143,15 @@ def test_speculative_sampling_keeps_the_target_distribution():
 
 
 def test_refusals_leave_the_engine_usable():
+    """Each bad request is refused before it is queued: the engine stays idle, the
+    cache's states, positions and bytes stay as the served request left them, and the
+    next request is served right."""
+    from snapshot import snapshot
     model = tiny("llama")
     engine = kvhf.Engine(model, max_seqs=2, capacity=12, max_write=4, dtype="float32")
+    want = generated(model, PROMPTS[0], 3)
+    assert engine.generate([PROMPTS[0]], max_new_tokens=3) == [want]
+    before = snapshot(engine.target.table)
     for prompt, kw, error in (([1] * 12, {}, kv.CapacityError), ([], {}, kv.ConfigError),
                               ([64], {}, kv.ConfigError), ([1], {"temperature": -1},
                                                            kv.ConfigError),
@@ -155,7 +161,8 @@ def test_refusals_leave_the_engine_usable():
         with pytest.raises(error):
             engine.submit(prompt, **{"max_new_tokens": 2, **kw})
     assert not engine.busy
-    assert engine.generate([PROMPTS[0]], max_new_tokens=3) == [generated(model, PROMPTS[0], 3)]
+    assert snapshot(engine.target.table) == before
+    assert engine.generate([PROMPTS[0]], max_new_tokens=3) == [want]
 
 
 def test_models_kvnumba_cannot_serve_are_refused_naming_the_piece():

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..args import is_int
+from ..args import as_count, is_int
 from ..batched import BatchedSequenceCache
 from ..errors import CapacityError, ConfigError
 from ..sessions import SessionTable
 from .attention import ATTENTION, register
 from .config import cache_config, text_config
-from .sampling import Sampling, check_count
+from .sampling import Sampling
 
 
 @dataclass
@@ -124,31 +124,27 @@ class Engine:
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
                  draft_len: int = 4, **cache_options):
         register()
-        self.draft_len = check_count(draft_len, "draft_len", 1) if draft_model else 0
-        if max_write is None:
-            max_write = min(capacity, 256) if is_int(capacity) else capacity
-        if max_step is None and is_int(max_write) and is_int(max_seqs):
-            max_step = max_write + max_seqs * (self.draft_len + 1)
+        self.draft_len = as_count(draft_len, "draft_len", 1) if draft_model else 0
         config = cache_config(model, max_seqs=max_seqs, capacity=capacity,
                               max_write=max_write, max_step=max_step, dtype=dtype,
-                              **cache_options)
+                              tokens_per_decode=self.draft_len + 1, **cache_options)
         if config.max_write < self.draft_len + 1:
             raise ConfigError(f"max_write={config.max_write}: verifying a draft writes "
                               f"draft_len + 1 = {self.draft_len + 1} tokens of a request in "
                               f"one step; raise max_write or lower draft_len")
+        self.vocab = text_config(model.config).vocab_size
+        if draft_model is not None and text_config(draft_model.config).vocab_size != self.vocab:
+            raise ConfigError(f"draft_model: vocabulary of "
+                              f"{text_config(draft_model.config).vocab_size} tokens, the "
+                              f"model's has {self.vocab}")
         self.config = config
         self.target = Model(model, config)
         self.draft = None
         if draft_model is not None:
-            vocab, draft_vocab = (text_config(m.config).vocab_size for m in (model, draft_model))
-            if vocab != draft_vocab:
-                raise ConfigError(f"draft_model: vocabulary of {draft_vocab} tokens, the "
-                                  f"model's has {vocab}")
             self.draft = Model(draft_model, cache_config(
                 draft_model, max_seqs=max_seqs, capacity=capacity,
                 max_write=config.max_write, max_step=config.max_step, dtype=dtype,
                 **cache_options))
-        self.vocab = text_config(model.config).vocab_size
         self._ids = itertools.count(1)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -175,8 +171,8 @@ class Engine:
         `max_new_tokens` past `capacity`, `n` past `max_seqs`, bad sampling options."""
         import torch
         tokens = self._prompt(prompt)
-        max_new = check_count(max_new_tokens, "max_new_tokens", 1)
-        n = check_count(n, "n", 1)
+        max_new = as_count(max_new_tokens, "max_new_tokens", 1)
+        n = as_count(n, "n", 1)
         sampling = Sampling(temperature, top_p)
         if len(tokens) + max_new > self.config.capacity:
             raise CapacityError(f"a prompt of {len(tokens)} tokens and max_new_tokens="
@@ -249,7 +245,7 @@ class Engine:
             if len(feed) + k > budget:
                 continue
             budget -= len(feed) + k
-            plan.append((request, feed, max(k, 0)))
+            plan.append((request, feed, k))
         for request in self._running:
             if request.fed < request.n_prompt and budget > 0:
                 chunk = min(self.config.max_write, request.n_prompt - request.fed, budget)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..args import as_finite, is_int
+from ..args import as_finite
 from ..errors import ConfigError
 
 
@@ -77,9 +77,3 @@ class Sampling:
             return taken + [int(torch.multinomial(rest / rest.sum(), 1, generator=generator))]
         return taken + [int(torch.multinomial(p[len(drafts)], 1, generator=generator))]
 
-
-def check_count(value, what: str, least: int) -> int:
-    """An int >= `least`, else `ConfigError`."""
-    if not is_int(value) or value < least:
-        raise ConfigError(f"{what}={value!r}: must be an integer >= {least}")
-    return int(value)
