@@ -123,14 +123,15 @@ class Specialisation:
 
 
 def _decode_signature(t: str) -> str:
-    return (f"void({t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
-            f"{t}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
-            f"{', '.join(['int64'] * 7)}, float32, float32)")
+    return (f"void({t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[::1], "
+            f"int32[:, ::1], {t}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
+            f"{', '.join(['int64'] * 8)}, float32, float32)")
 
 
 def _prefill_signature(t: str) -> str:
-    return (f"void({t}[:, :, ::1], {t}[:, :, :, ::1], {t}[:, :, :, ::1], int32[::1], "
-            f"{t}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, float32, float32)")
+    return (f"void({t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
+            f"int32[::1], {t}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, "
+            f"float32, float32)")
 
 
 _DECODE = "kvnumba.kernels.decode:_decode_kernel"
@@ -140,10 +141,10 @@ _PREFILL = "kvnumba.kernels.prefill:_prefill_kernel"
 SPECIALISATIONS = (
     Specialisation("probe", "bench.sass:intrinsics_probe", PROBE_SIGNATURE),
     Specialisation("write", "kvnumba.kernels.write:_write_vectors",
-                   "void(float16[:, :, :, ::1], float16[:, :, :, ::1], float16[:, :, ::1], "
-                   "float16[:, :, ::1], int32[::1], int64, int64)"),
+                   "void(float16[:, :, ::1], float16[:, :, ::1], float16[:, :, ::1], "
+                   "float16[:, :, ::1], int32[::1], int64, int64, int32[:, ::1], int64)"),
     Specialisation("copy", "kvnumba.kernels.copy:_copy_vectors",
-                   "void(float16[:, :, :, :, :, ::1], int64, int64, int64)"),
+                   "void(float16[:, :, :, :, :, ::1], int32[::1], int64, int64)"),
     Specialisation("decode d128 float16", f"{_DECODE}(128, 'float16', 4, False)",
                    _decode_signature("float16")),
     Specialisation("decode d128 bfloat16", f"{_DECODE}(128, 'uint16', 4, False)",

@@ -2,7 +2,9 @@
 
 The oracle works from dense per-sequence histories and explicit boolean masks;
 storage and the segment table are built by hand here, so nothing of the kernel's
-indexing is reused.
+indexing is reused. Each case's storage is built as columns and handed to the kernel
+paged (`paging.paged`: shuffled pages, NaN in pages no column references and past a
+column's rows), so a slot looked up in the wrong page, or past the rows, shows up as NaN.
 """
 import os
 
@@ -17,6 +19,7 @@ from kvnumba.kernels import attention as att  # noqa: E402
 from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
 from oracle import visible_mask  # noqa: E402
+from paging import page_bits, paged  # noqa: E402
 
 
 # ---------------------------------------------------------------- the oracle
@@ -50,10 +53,12 @@ class Case:
 
 def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ring_rows=0,
               dtype=np.float32, q_dtype=None, out_dtype=None, pad=0, softcap=0.0,
-              spare_cols=2, qk_scale=1.0):
-    """segments: list of (q_len, pos_start, block). Storage [rows, n_cols, kvh, d] by hand."""
+              spare_cols=2, qk_scale=1.0, page_size=16):
+    """segments: list of (q_len, pos_start, block). Storage [rows, n_cols, kvh, d] by hand,
+    paged at `page_size` when launched (`device_storage`)."""
     c = Case()
     c.n_kv_heads, c.window, c.ring_rows, c.softcap = n_kv_heads, window, ring_rows, softcap
+    c.page_size = page_size
     c.scale = qk_scale / np.sqrt(head_dim)
     q_dtype = q_dtype or dtype
     out_dtype = out_dtype or q_dtype
@@ -97,7 +102,16 @@ def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ri
     c.out_dtype = out_dtype
     c.max_q_len = max(n for n, _, _ in segments)
     c.max_kv_len = max(kv_lens)
+    c.page_seed = int(rng.integers(2**31))
     return c
+
+
+def device_storage(case):
+    """`(k slots, v slots, pages)` on the device, and the `attend` keywords naming the pages."""
+    (k_slots, v_slots), pages = paged([case.k_store, case.v_store], case.page_size,
+                                      seed=case.page_seed)
+    arrays = [cuda.to_device(a) for a in (k_slots, v_slots, pages)]
+    return arrays, dict(pages=arrays[2], page_bits=page_bits(case.page_size))
 
 
 def tables_of(case, served=None):
@@ -112,8 +126,9 @@ def run(case, workspace=None, served=None, **kw):
     """Launch on the device (out poisoned with NaN first) and return the host result."""
     out = cuda.to_device(np.full(case.q.shape, np.nan, case.out_dtype))
     tables, offsets = tables_of(case, served)
-    att.attend(cuda.to_device(case.q), cuda.to_device(case.k_store),
-               cuda.to_device(case.v_store), cuda.to_device(tables), out, **offsets,
+    (k_slots, v_slots, _), paging = device_storage(case)
+    att.attend(cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(tables), out,
+               **paging, **offsets,
                max_q_len=case.max_q_len, max_kv_len=case.max_kv_len,
                ring_rows=case.ring_rows, window=case.window, scale=case.scale,
                softcap=case.softcap, workspace=workspace or att.AttentionWorkspace(), **kw)
@@ -201,11 +216,12 @@ def test_decode_batch(group):
     check(case, run(case))
 
 
-@pytest.mark.parametrize("window, ring", [(0, False), (12, False), (12, True)])
-def test_decode_split_k(window, ring):
+@pytest.mark.parametrize("window, ring, page_size", [(0, False, 8), (12, False, 256),
+                                                     (12, True, 16), (12, True, 256)])
+def test_decode_split_k(window, ring, page_size):
     rng = np.random.default_rng(window)
     case = make_case(rng, DECODE, n_kv_heads=1, group=4, window=window,
-                     ring_rows=window + 2 if ring else 0)
+                     ring_rows=window + 2 if ring else 0, page_size=page_size)
     plan = plan_path(case, kv_chunk=8)
     assert plan["path"] == "decode" and plan["n_splits"] > 1
     check(case, run(case, kv_chunk=8))
@@ -218,12 +234,12 @@ def test_prefill_chunks():
     check(case, run(case))
 
 
-@pytest.mark.parametrize("path, kv_chunk", [("decode", None), ("decode", 12), ("prefill", None),
-                                            ("prefill", 16)])
-def test_mixed_batch(path, kv_chunk):
+@pytest.mark.parametrize("path, kv_chunk, page_size", [
+    ("decode", None, 16), ("decode", 12, 8), ("prefill", None, 8), ("prefill", 16, 256)])
+def test_mixed_batch(path, kv_chunk, page_size):
     """Decode and prefill segments in one step, through either path (row tiles > 1 on decode)."""
     rng = np.random.default_rng(4)
-    case = make_case(rng, MIXED, n_kv_heads=1, group=4, pad=2)
+    case = make_case(rng, MIXED, n_kv_heads=1, group=4, pad=2, page_size=page_size)
     check(case, run(case, path=path, kv_chunk=kv_chunk))
 
 
@@ -244,11 +260,11 @@ def test_q_with_more_rows_than_32_bit_indices_take_is_refused_before_any_launch(
         def __init__(self, *shape):
             self.shape = shape
     q = Shaped(2**27, 16, 1)    # 2**31 (token, head) rows
-    store = Shaped(1, 1, 16, 1)
+    store = Shaped(16, 16, 1)
     with pytest.raises(ValueError, match=r"at most 2147483647 \(token, head\) rows"):
-        att.attend(q, store, store, None, q, seq_info_off=0, segments_off=0, n_segments=1,
-                   max_q_len=1, max_kv_len=1, ring_rows=0, window=0, scale=1.0, softcap=0.0,
-                   workspace=None)
+        att.attend(q, store, store, None, q, pages=Shaped(1, 1), page_bits=4, seq_info_off=0,
+                   segments_off=0, n_segments=1, max_q_len=1, max_kv_len=1, ring_rows=0,
+                   window=0, scale=1.0, softcap=0.0, workspace=None)
 
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
@@ -271,12 +287,14 @@ def test_windows_flat(window):
 
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-def test_ring_wrap(path):
-    """Histories several times longer than R: only the last R positions are held."""
+@pytest.mark.parametrize("page_size", [8, 256])
+def test_ring_wrap(path, page_size):
+    """Histories several times longer than R: only the last R positions are held. R = 12
+    at page size 8 wraps inside the second page, whose last 4 slots hold NaN."""
     rng = np.random.default_rng(8)
     window, max_write = 6, 7
     case = make_case(rng, segs_of((1, 40), (7, 29), (5, 3, True)), n_kv_heads=1, group=2,
-                     window=window, ring_rows=window + max_write - 1)
+                     window=window, ring_rows=window + max_write - 1, page_size=page_size)
     check(case, run(case, path=path, kv_chunk=4 if path == "decode" else None))
 
 
@@ -319,7 +337,8 @@ def test_workspace_reused_without_allocation(monkeypatch):
     check(case, run(case, workspace=ws, kv_chunk=8))
     part_acc, part_ml = ws.part_acc, ws.part_ml
     tables, offsets = tables_of(case)
-    args = [cuda.to_device(a) for a in (case.q, case.k_store, case.v_store, tables)]
+    (k_slots, v_slots, _), paging = device_storage(case)
+    args = [cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(tables)]
     out = cuda.to_device(np.full(case.q.shape, np.nan, case.out_dtype))
 
     def refuse(*a, **k):
@@ -327,7 +346,7 @@ def test_workspace_reused_without_allocation(monkeypatch):
     monkeypatch.setattr(cuda, "device_array", refuse)
     monkeypatch.setattr(cuda, "to_device", refuse)
     for kv_chunk in (8, None):
-        att.attend(*args, out, **offsets, max_q_len=1, max_kv_len=case.max_kv_len,
+        att.attend(*args, out, **paging, **offsets, max_q_len=1, max_kv_len=case.max_kv_len,
                    ring_rows=0, window=0, scale=case.scale, softcap=0.0, workspace=ws,
                    kv_chunk=kv_chunk)
         monkeypatch.undo()
@@ -391,7 +410,8 @@ def batches(draw):
         out_dtype=draw(st.sampled_from([np.float32, np.float16])),
         group=draw(st.sampled_from([1, 2, 4, 8])), n_kv_heads=draw(st.sampled_from([1, 2])),
         head_dim=draw(st.sampled_from([8, 16])), softcap=draw(st.sampled_from([0.0, 3.0])),
-        pad=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
+        pad=draw(st.integers(0, 2)), page_size=draw(st.sampled_from([8, 16, 256])),
+        seed=draw(st.integers(0, 2**32 - 1)),
         path=draw(st.sampled_from([None, "decode", "prefill"])),
         kv_chunk=draw(st.sampled_from([None, None, 5, 16])))
 

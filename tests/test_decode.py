@@ -3,7 +3,9 @@ independent float64 reference.
 
 Storage, histories and the flat `tables` array are built by hand here, so nothing of
 the kernels' indexing is reused: storage rows a segment must not read hold NaN, and
-rows of `out` that no served segment owns hold a sentinel that must survive. The
+rows of `out` that no served segment owns hold a sentinel that must survive. Each
+case's column storage reaches the kernel as slot storage through a page table in
+shuffled order (`paging.paged`), whose unreferenced pages hold NaN too. The
 reference (`oracle.dense_attention`) works from dense per-sequence histories and
 explicit boolean masks.
 """
@@ -18,8 +20,10 @@ from kvnumba.kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
 from kvnumba.kernels.masks import key_range
 from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import dense_attention, seen_positions, visible_mask
+from paging import page_bits, paged
 
 SENTINEL = -3.5          # exactly representable in float16 and float32
+PAGE_SIZE = 16           # the kernel tests' page size where they do not choose one
 
 
 # ---------------------------------------------------------------- the reference
@@ -105,19 +109,29 @@ def pack_tables(rng, case, plan):
     return np.concatenate(parts), offsets
 
 
-def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None):
-    """plan + run on the device (out holds SENTINEL first); returns (out on the host, plan).
-    `q`: the device array to pass as q (default: a copy of `case.q`)."""
+def paged_storage(case, page_size=PAGE_SIZE, seed=0):
+    """`(k slots, v slots, pages, page_bits)` of the case's storage on the device, in
+    pages of `page_size` handed out in shuffled order (`paging.paged`)."""
+    (k_slots, v_slots), pages = paged([case.k_store, case.v_store], page_size, seed=seed)
+    return (cuda.to_device(k_slots), cuda.to_device(v_slots), cuda.to_device(pages),
+            page_bits(page_size))
+
+
+def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=PAGE_SIZE):
+    """plan + run on the device (out holds SENTINEL first) on the case's storage in pages
+    of `page_size`; returns (out on the host, plan). `q`: the device array to pass as q
+    (default: a copy of `case.q`)."""
     rng = np.random.default_rng(seed)
     plan = dec.plan(case.info, case.served, window=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
     q = cuda.to_device(case.q) if q is None else q
-    dec.run(q, cuda.to_device(case.k_store), cuda.to_device(case.v_store),
-            cuda.to_device(tables), **offsets, n_items=plan.n_items, n_combine=plan.n_combine,
-            n_parts=plan.n_parts, max_q_len=plan.max_q_len, out=out,
-            workspace=workspace or AttentionWorkspace(), ring_rows=case.ring_rows,
-            window=case.window, scale=case.scale, softcap=case.softcap)
+    k_slots, v_slots, pages, bits = paged_storage(case, page_size, seed)
+    dec.run(q, k_slots, v_slots, cuda.to_device(tables), pages=pages, page_bits=bits,
+            **offsets, n_items=plan.n_items, n_combine=plan.n_combine, n_parts=plan.n_parts,
+            max_q_len=plan.max_q_len, out=out, workspace=workspace or AttentionWorkspace(),
+            ring_rows=case.ring_rows, window=case.window, scale=case.scale,
+            softcap=case.softcap)
     cuda.synchronize()
     return out.copy_to_host(), plan
 
@@ -330,14 +344,16 @@ def test_skewed_lengths_from_one_key_to_many_chunks():
     check(case, got)
 
 
-def test_lengths_around_chunk_boundaries_on_a_flat_layer():
+@pytest.mark.parametrize("page_size", [8, 256])
+def test_lengths_around_chunk_boundaries_on_a_flat_layer(page_size):
     """Segments of nominal - 1, nominal, nominal + 1, 1.5 x nominal and 2 x nominal + 1
     keys (nominal: 64): one chunk for the first three, then a last chunk of half a
-    chunk, then one of a chunk and a key."""
+    chunk, then one of a chunk and a key; read through pages of 8 (many per chunk) and
+    256 (a whole history in one)."""
     rng = np.random.default_rng(30)
     cuts = {63: [63], 64: [64], 65: [65], 96: [64, 32], 129: [64, 65]}
     case = make_case(rng, decode_segments(*cuts), head_dim=32, others=((1, 0),))
-    got, plan = run(case, chunk=dec.KEY_TILE)
+    got, plan = run(case, chunk=dec.KEY_TILE, page_size=page_size)
     for seg in case.served:
         q_start, q_len, pos_start, _ = case.segments[seg]
         assert chunk_lengths(plan, seg) == cuts[pos_start + q_len]
@@ -401,6 +417,24 @@ def test_ring_layers_after_several_wraps(window, max_write, positions):
     got, plan = run(case)
     assert max(p for _, p, *_ in positions) > 3 * ring_rows
     assert (plan.n_combine > 0) == (window > plan.chunk)
+    check(case, got)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 256])
+def test_a_shuffled_page_table_on_a_ring_after_several_wraps(page_size):
+    """A ring of 103 rows, no whole number of pages of 8 or 16 (and under one of 256),
+    after its rows wrapped several times, read through a page table in shuffled order:
+    a window over two chunks whose rows cross page boundaries and the ring's end."""
+    rng = np.random.default_rng(50 + page_size)
+    window, ring_rows = 100, 103
+    positions = [(1, 5 * ring_rows + 17), (3, 3 * ring_rows + 50, True)]
+    case = make_case(rng, positions, window=window, ring_rows=ring_rows, head_dim=32,
+                     others=((1, 0),))
+    for seg in case.served:                      # each segment's keys pass the ring's end
+        q_start, q_len, pos_start, _ = case.segments[seg]
+        assert (pos_start - window) // ring_rows < (pos_start + q_len - 1) // ring_rows
+    got, plan = run(case, page_size=page_size)
+    assert plan.n_combine == 2
     check(case, got)
 
 
@@ -503,16 +537,18 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
     buffers = workspace.part_acc, workspace.part_ml
     plan = dec.plan(case.info, case.served[:1], window=0, chunk=dec.KEY_TILE)
     tables, offsets = pack_tables(rng, case, plan)
-    args = [cuda.to_device(a) for a in (case.q, case.k_store, case.v_store, tables)]
+    k_slots, v_slots, pages, bits = paged_storage(case)
+    q, tables = cuda.to_device(case.q), cuda.to_device(tables)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
 
     def refuse(*a, **k):
         raise AssertionError("device allocation in a warm call")
     monkeypatch.setattr(cuda, "device_array", refuse)
     monkeypatch.setattr(cuda, "to_device", refuse)
-    dec.run(*args, **offsets, n_items=plan.n_items, n_combine=plan.n_combine,
-            n_parts=plan.n_parts, max_q_len=plan.max_q_len, out=out, workspace=workspace,
-            ring_rows=0, window=0, scale=case.scale, softcap=0.0)
+    dec.run(q, k_slots, v_slots, tables, pages=pages, page_bits=bits, **offsets,
+            n_items=plan.n_items, n_combine=plan.n_combine, n_parts=plan.n_parts,
+            max_q_len=plan.max_q_len, out=out, workspace=workspace, ring_rows=0, window=0,
+            scale=case.scale, softcap=0.0)
     monkeypatch.undo()
     assert workspace.part_acc is buffers[0] and workspace.part_ml is buffers[1]
     served = Case()
@@ -527,31 +563,50 @@ def test_nothing_to_serve_launches_nothing():
     case = make_case(rng, [(1, 4)])
     plan = dec.plan(case.info, [], window=0)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, np.float16))
-    dec.run(cuda.to_device(case.q), cuda.to_device(case.k_store), cuda.to_device(case.v_store),
-            cuda.to_device(case.info.reshape(-1)), seq_info_off=0, work_off=0, n_items=0,
-            combine_off=0, n_combine=0, n_parts=0, max_q_len=plan.max_q_len, out=out,
+    k_slots, v_slots, pages, bits = paged_storage(case)
+    dec.run(cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(case.info.reshape(-1)),
+            pages=pages, page_bits=bits, seq_info_off=0, work_off=0, n_items=0, combine_off=0,
+            n_combine=0, n_parts=0, max_q_len=plan.max_q_len, out=out,
             workspace=AttentionWorkspace(), ring_rows=0, window=0, scale=1.0, softcap=0.0)
     assert (out.copy_to_host() == SENTINEL).all()
+
+
+def refused_run(q, k_store, v_store, pages, bits):
+    """`dec.run` of one work item on host arrays, for storage refused before any launch."""
+    dec.run(q, k_store, v_store, np.zeros(16, np.int32), pages=pages, page_bits=bits,
+            seq_info_off=0, work_off=0, n_items=1, combine_off=0, n_combine=0, n_parts=0,
+            max_q_len=1, out=q.copy(), workspace=None, ring_rows=0, window=0, scale=1.0,
+            softcap=0.0)
 
 
 def test_storage_the_path_does_not_serve_is_refused():
     rng = np.random.default_rng(8)
     case = make_case(rng, [(1, 4)], head_dim=16, dtype=np.float32)
-    k_store = case.k_store[..., :12].copy()                 # head_dim 12: not served
+    (k_slots, v_slots), pages = paged([case.k_store, case.v_store], PAGE_SIZE)
     q = case.q[..., :12].copy()
-    with pytest.raises(ValueError, match="supports"):
-        dec.run(q, k_store, k_store, case.info.reshape(-1), seq_info_off=0, work_off=0,
-                n_items=1, combine_off=0, n_combine=0, n_parts=0, max_q_len=1, out=q.copy(),
-                workspace=None, ring_rows=0, window=0, scale=1.0, softcap=0.0)
+    with pytest.raises(ValueError, match="supports"):          # head_dim 12: not served
+        refused_run(q, k_slots[..., :12].copy(), v_slots[..., :12].copy(), pages,
+                    page_bits(PAGE_SIZE))
+    with pytest.raises(ValueError, match="supports"):          # K and V dtypes differ
+        refused_run(case.q, k_slots, v_slots.astype(np.float16), pages, page_bits(PAGE_SIZE))
 
 
-def test_storage_rows_of_4_gib_are_refused():
-    """One position of storage (all columns, kv heads, dims) must stay under 4 GiB: the
-    kernel's row offsets are 32-bit byte counts. A zero-stride view stands in for it."""
-    k_store = np.broadcast_to(np.zeros(1, np.float16), (1, 2**20, 16, 128))
-    q = np.zeros((1, 16, 128), np.float16)
-    assert k_store[0].nbytes == 2**32
-    with pytest.raises(ValueError, match="4 GiB"):
-        dec.run(q, k_store, k_store, np.zeros(16, np.int32), seq_info_off=0, work_off=0,
-                n_items=1, combine_off=0, n_combine=0, n_parts=0, max_q_len=1, out=q.copy(),
-                workspace=None, ring_rows=0, window=0, scale=1.0, softcap=0.0)
+def test_storage_that_is_not_slot_storage_is_refused():
+    """Column storage `[rows, n_cols, n_kv_heads, head_dim]` (the layout before pages), or
+    slots of another head_dim than q's, is not slot storage `[n_slots, n_kv_heads,
+    head_dim]`."""
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [(1, 4)], head_dim=32, dtype=np.float32)
+    (k_slots, v_slots), pages = paged([case.k_store, case.v_store], PAGE_SIZE)
+    with pytest.raises(ValueError, match="slot storage"):
+        refused_run(case.q, case.k_store, case.v_store, pages, page_bits(PAGE_SIZE))
+    with pytest.raises(ValueError, match="slot storage"):
+        refused_run(case.q[..., :16].copy(), k_slots, v_slots, pages, page_bits(PAGE_SIZE))
+
+
+def test_a_page_table_is_needed_without_a_prepared_step():
+    rng = np.random.default_rng(8)
+    case = make_case(rng, [(1, 4)], head_dim=16, dtype=np.float32)
+    (k_slots, v_slots), pages = paged([case.k_store, case.v_store], PAGE_SIZE)
+    with pytest.raises(TypeError, match="pages"):
+        refused_run(case.q, k_slots, v_slots, None, None)

@@ -1,13 +1,20 @@
-"""The write, clone-copy and padding kernels called directly, against NumPy references of
-what the arrays must hold afterwards.
+"""The write, page-copy, page-table patch and padding kernels called directly, against
+NumPy references of what the arrays must hold afterwards.
 
-Launch shapes: a block has `lanes` threads along a run (token or (plane, row)) and
-`rows` runs side by side, each lane moving two vectors a trip. The cases pick runs
-of 1, 3, 5, 16 and 576 vectors (lanes partly idle, a lane's second vector past the
-run, several trips per run) and element-wise runs longer than a block. The grid is
-capped at two blocks (`MAX_BLOCKS`), so every block row also takes several runs:
-the grid-stride stepping of tokens and of (plane, row) pairs is exercised with row
-counts that are no multiple of the block's rows.
+Storage is paged as a cache holds it: the write cases build column storage `[rows,
+n_seqs, n_kv_heads, head_dim]` (row `r` of sequence `s`), move it into slots through
+a shuffled page table (`paging.paged`: no sequence's pages adjacent or in order, spare
+pages and the slots past a sequence's last row hold junk) and compare the kernel's
+slots with the reference written into the columns and paged the same way. Page sizes
+8, 16 and 256; rows that end inside a page.
+
+Launch shapes: a block has `lanes` threads along a run (a token, or a page of one
+plane) and `rows` runs side by side, each lane moving two vectors a trip. The cases
+pick runs of 1, 3, 5, 8, 16, 256, 576 and 1536 vectors (lanes partly idle, a lane's
+second vector past the run, several trips per run) and element-wise runs longer than
+a block. The grid is capped at two blocks (`MAX_BLOCKS`), so every block row also
+takes several runs: the grid-stride stepping of tokens, of (plane, pair) runs and of
+patches is exercised with counts that are no multiple of the block's rows.
 
 Storage starts as random bit patterns (NaNs included), so a byte a kernel must not
 touch is checked as exactly that, and references compare raw bits.
@@ -17,9 +24,12 @@ import pytest
 
 from kvnumba.device import cuda
 from kvnumba.kernels import copy as copy_kernels
+from kvnumba.kernels import launch
 from kvnumba.kernels import write as write_kernels
 from kvnumba.kernels.padding import zero_rows
+from kvnumba.kernels.page_table import patch_pages
 from oracle import round_nearest_even
+from paging import page_bits, paged
 
 BF16 = np.uint16          # bfloat16 storage holds its bit patterns as uint16
 
@@ -28,6 +38,7 @@ BF16 = np.uint16          # bfloat16 storage holds its bit patterns as uint16
 def two_blocks(monkeypatch):
     """A grid of at most two blocks: every block row loops over several runs."""
     monkeypatch.setattr(write_kernels, "MAX_BLOCKS", 2)
+    monkeypatch.setattr(launch, "MAX_BLOCKS", 2)
 
 
 def random_bits(rng, shape, dtype):
@@ -40,72 +51,78 @@ def same_bits(got, want):
     return got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
 
 
-def write_tables(rng, width, rows, n_cols, ring_rows, n_padding):
-    """`(cols, positions)`: every token a distinct (row, col) slot, one of them in the last
-    row, except `n_padding` tokens at column -1; on a ring each position is its row plus
-    a random number of whole turns (the last row's token two: it wraps)."""
+# ---------------------------------------------------------------- write
+
+def write_tables(rng, width, rows, n_seqs, ring_rows, n_padding):
+    """`(seqs, positions)`: every token a distinct (row, sequence) place, one of them in
+    the last row, except `n_padding` tokens of a negative sequence; on a ring each
+    position is its row plus a random number of whole turns (the last row's token two:
+    it wraps)."""
     real = width - n_padding
-    last = (rows - 1) * n_cols + rng.integers(n_cols)
-    others = rng.permutation(np.setdiff1d(np.arange(rows * n_cols), [last]))[:real - 1]
-    slots = np.concatenate([[last], others])
-    assert slots.size == real, "test bug: fewer slots than tokens"
+    last = (rows - 1) * n_seqs + rng.integers(n_seqs)
+    others = rng.permutation(np.setdiff1d(np.arange(rows * n_seqs), [last]))[:real - 1]
+    places = np.concatenate([[last], others])
+    assert places.size == real, "test bug: fewer places than tokens"
     order = rng.permutation(width)[:real]
-    cols = np.full(width, -1, np.int64)
+    seqs = rng.integers(-5, 0, width)                            # padding: any negative
     positions = rng.integers(0, rows, width)                     # padding: anything
-    cols[order], positions[order] = slots % n_cols, slots // n_cols
+    seqs[order], positions[order] = places % n_seqs, places // n_seqs
     if ring_rows:
         turns = rng.integers(0, 4, width)
         turns[order[0]] = 2
         positions = positions + ring_rows * turns
-    return cols, positions
+    return seqs, positions
 
 
-def reference_write(store, values, cols, positions, ring_rows):
-    """`store` after token t's values land in row `positions[t] (% ring_rows)`, column
-    `cols[t]`, for every token with a column."""
+def reference_write(store, values, seqs, positions, ring_rows):
+    """Column storage `store` after token t's values land in row `positions[t] (%
+    ring_rows)` of sequence `seqs[t]`, for every token of a sequence."""
     want = store.copy()
-    for t, (col, p) in enumerate(zip(cols, positions)):
-        if col >= 0:
-            want[p % ring_rows if ring_rows else p, col] = values[t]
+    for t, (seq, p) in enumerate(zip(seqs, positions)):
+        if seq >= 0:
+            want[p % ring_rows if ring_rows else p, seq] = values[t]
     return want
 
 
-def check_write(rng, store_dtype, convert, k, v, rows, ring_rows, n_padding=3):
-    """Write `k`, `v` into random-bit storage of `rows` rows and enough columns; storage
-    must then hold exactly the reference's bits (`convert`: input -> storage values)."""
+def device_tables(seqs, positions):
+    return cuda.to_device(np.concatenate([seqs, positions]).astype(np.int32))
+
+
+def check_write(rng, store_dtype, convert, k, v, rows, ring_rows, page_size, n_padding=3):
+    """Write `k`, `v` into random-bit paged storage of `rows` rows a sequence and enough
+    sequences; its slots must then hold exactly the reference's bits, paged alike
+    (`convert`: input -> storage values)."""
     width, n_heads, head_dim = k.shape
-    n_cols = max(3, -(-width // rows) + 1)
-    cols, positions = write_tables(rng, width, rows, n_cols, ring_rows, n_padding)
-    tables = np.concatenate([cols, positions]).astype(np.int32)
-    for_k, for_v = (random_bits(rng, (rows, n_cols, n_heads, head_dim), store_dtype)
-                    for _ in range(2))
-    k_dev, v_dev = cuda.to_device(for_k), cuda.to_device(for_v)
+    n_seqs = max(3, -(-width // rows) + 1)
+    seqs, positions = write_tables(rng, width, rows, n_seqs, ring_rows, n_padding)
+    columns = [random_bits(rng, (rows, n_seqs, n_heads, head_dim), store_dtype)
+               for _ in range(2)]
+    seed = int(rng.integers(1 << 30))
+    (k_slots, v_slots), pages = paged(columns, page_size, seed=seed)
+    k_dev, v_dev = cuda.to_device(k_slots), cuda.to_device(v_slots)
     write_kernels.write_kv(k_dev, v_dev, cuda.to_device(k), cuda.to_device(v),
-                           cuda.to_device(tables), ring_rows)
-    want_k = reference_write(for_k, convert(k), cols, positions, ring_rows)
-    want_v = reference_write(for_v, convert(v), cols, positions, ring_rows)
+                           device_tables(seqs, positions), ring_rows, cuda.to_device(pages),
+                           page_bits(page_size))
+    (want_k, want_v), _ = paged([reference_write(c, convert(x), seqs, positions, ring_rows)
+                                 for c, x in zip(columns, (k, v))], page_size, seed=seed)
     assert same_bits(k_dev.copy_to_host(), want_k), "k"
     assert same_bits(v_dev.copy_to_host(), want_v), "v"
 
 
-# ---------------------------------------------------------------- write: 16-byte vectors
-
-@pytest.mark.parametrize("dtype,n_heads,head_dim,width,ring_rows", [
-    (np.float16, 1, 8, 300, 0),     # 1 vector a token: 1 lane, 256 tokens a block
-    (BF16, 3, 8, 150, 7),           # 3 vectors: 2 lanes, the second one's 2nd vector past it
-    (np.float16, 5, 8, 90, 5),      # 5 vectors: 4 lanes, 3 of them idle on the 2nd vector
-    (np.float32, 1, 64, 40, 0),     # 16 vectors: 8 lanes, 32 tokens a block
-    (np.float32, 9, 256, 5, 3),     # 576 vectors: 256 lanes, 2 trips a token
+@pytest.mark.parametrize("dtype,n_heads,head_dim,width,rows,ring_rows,page_size", [
+    (np.float16, 1, 8, 300, 150, 0, 8),   # 1 vector a token: 1 lane; 19 pages, the last partial
+    (BF16, 3, 8, 150, 20, 20, 16),        # 3 vectors: 2 lanes, the 2nd one's 2nd vector past it
+    (np.float16, 5, 8, 90, 13, 13, 8),    # 5 vectors: 4 lanes, 3 of them idle on the 2nd vector
+    (np.float32, 1, 64, 40, 300, 0, 256),  # 16 vectors: 8 lanes; 2 pages of 256
+    (np.float32, 9, 256, 5, 3, 3, 16),    # 576 vectors: 256 lanes, 2 trips a token
 ])
 def test_write_vectors_land_in_their_slots_and_nowhere_else(dtype, n_heads, head_dim, width,
-                                                            ring_rows):
+                                                            rows, ring_rows, page_size):
     rng = np.random.default_rng(n_heads * head_dim + width)
     k = random_bits(rng, (width, n_heads, head_dim), dtype)
     v = random_bits(rng, (width, n_heads, head_dim), dtype)
-    check_write(rng, dtype, lambda x: x, k, v, ring_rows or width // 2, ring_rows)
+    check_write(rng, dtype, lambda x: x, k, v, rows, ring_rows, page_size)
 
-
-# ---------------------------------------------------------------- write: element-wise
 
 def to_bf16(x):
     return round_nearest_even(np.asarray(x, np.float32), "bf16")
@@ -113,62 +130,125 @@ def to_bf16(x):
 
 @pytest.mark.parametrize("store_dtype,convert", [(np.float16, lambda x: x.astype(np.float16)),
                                                  (BF16, to_bf16)])
-@pytest.mark.parametrize("n_heads,head_dim", [(5, 3), (7, 40)])   # 15 and 280 elements a run
+@pytest.mark.parametrize("n_heads,head_dim,page_size", [(5, 3, 8), (7, 40, 256)])  # 15, 280
 def test_write_elements_convert_into_their_slots_and_nowhere_else(store_dtype, convert,
-                                                                  n_heads, head_dim):
+                                                                  n_heads, head_dim, page_size):
     rng = np.random.default_rng(n_heads * head_dim)
     k = rng.standard_normal((12, n_heads, head_dim)).astype(np.float32)
     v = rng.standard_normal((12, n_heads, head_dim)).astype(np.float32)
-    check_write(rng, store_dtype, convert, k, v, rows=5, ring_rows=5)
+    check_write(rng, store_dtype, convert, k, v, rows=11, ring_rows=11, page_size=page_size)
 
 
 def test_write_of_a_strided_view_takes_every_element():
     rng = np.random.default_rng(3)
-    width, n_heads, head_dim, rows, n_cols = 9, 2, 8, 4, 3
+    width, n_heads, head_dim, rows, n_seqs, page_size = 9, 2, 8, 20, 3, 16
     wide_k = rng.standard_normal((width, n_heads, 2 * head_dim)).astype(np.float16)
     wide_v = rng.standard_normal((width, n_heads, 2 * head_dim)).astype(np.float16)
-    cols, positions = write_tables(rng, width, rows, n_cols, 0, n_padding=2)
-    k_store = random_bits(rng, (rows, n_cols, n_heads, head_dim), np.float16)
-    v_store = random_bits(rng, (rows, n_cols, n_heads, head_dim), np.float16)
-    k_dev, v_dev = cuda.to_device(k_store), cuda.to_device(v_store)
+    seqs, positions = write_tables(rng, width, rows, n_seqs, 0, n_padding=2)
+    columns = [random_bits(rng, (rows, n_seqs, n_heads, head_dim), np.float16)
+               for _ in range(2)]
+    (k_slots, v_slots), pages = paged(columns, page_size, seed=5)
+    k_dev, v_dev = cuda.to_device(k_slots), cuda.to_device(v_slots)
     k_view, v_view = cuda.to_device(wide_k)[:, :, 1::2], cuda.to_device(wide_v)[:, :, 1::2]
     assert not write_kernels.wide_ok(k_dev, k_view)
-    write_kernels.write_kv(k_dev, v_dev, k_view, v_view,
-                           cuda.to_device(np.concatenate([cols, positions]).astype(np.int32)), 0)
-    assert same_bits(k_dev.copy_to_host(),
-                     reference_write(k_store, wide_k[:, :, 1::2], cols, positions, 0))
-    assert same_bits(v_dev.copy_to_host(),
-                     reference_write(v_store, wide_v[:, :, 1::2], cols, positions, 0))
+    write_kernels.write_kv(k_dev, v_dev, k_view, v_view, device_tables(seqs, positions), 0,
+                           cuda.to_device(pages), page_bits(page_size))
+    (want_k, want_v), _ = paged([reference_write(c, x[:, :, 1::2], seqs, positions, 0)
+                                 for c, x in zip(columns, (wide_k, wide_v))], page_size,
+                                seed=5)
+    assert same_bits(k_dev.copy_to_host(), want_k)
+    assert same_bits(v_dev.copy_to_host(), want_v)
 
 
-# ---------------------------------------------------------------- clone copy
+def test_one_prepared_write_serves_layers_of_both_kinds_through_their_own_pages():
+    """A step's writes are prepared once and called per layer: a flat layer and a ring
+    layer, each with its own page table and ring size, take the same tokens."""
+    rng = np.random.default_rng(8)
+    n_heads, head_dim, flat_rows, ring_rows, page_size = 2, 8, 40, 12, 8
+    spans = [(30, 8), (0, 6), (10, 4)]        # per sequence: first position, tokens
+    seqs = np.concatenate([np.full(n, s) for s, (_, n) in enumerate(spans)] + [[-1, -1]])
+    positions = np.concatenate([np.arange(p, p + n) for p, n in spans] + [[0, 0]])
+    order = rng.permutation(seqs.size)
+    seqs, positions = seqs[order], positions[order]
+    k = random_bits(rng, (seqs.size, n_heads, head_dim), np.float16)
+    v = random_bits(rng, (seqs.size, n_heads, head_dim), np.float16)
+    writes = write_kernels.prepare(device_tables(seqs, positions), seqs.size,
+                                   n_heads * head_dim, np.float16, page_bits(page_size))
+    for rows, ring, seed in ((flat_rows, 0, 1), (ring_rows, ring_rows, 2)):
+        columns = [random_bits(rng, (rows, len(spans), n_heads, head_dim), np.float16)
+                   for _ in range(2)]
+        (k_slots, v_slots), pages = paged(columns, page_size, seed=seed)
+        k_dev, v_dev = cuda.to_device(k_slots), cuda.to_device(v_slots)
+        writes(k_dev, v_dev, cuda.to_device(k), cuda.to_device(v), ring, cuda.to_device(pages))
+        (want_k, want_v), _ = paged([reference_write(c, x, seqs, positions, ring)
+                                     for c, x in zip(columns, (k, v))], page_size, seed=seed)
+        assert same_bits(k_dev.copy_to_host(), want_k), f"k, ring_rows {ring}"
+        assert same_bits(v_dev.copy_to_host(), want_v), f"v, ring_rows {ring}"
 
-@pytest.mark.parametrize("dtype,n_heads,head_dim,n_layers,n_rows", [
-    (np.float16, 1, 8, 3, 300),      # 1 vector a run: 256 runs a block, 1800 runs
-    (BF16, 2, 64, 2, 37),            # 16 vectors: 8 lanes, 32 runs a block; 37 rows
-    (np.float16, 3, 8, 2, 23),       # 3 vectors: 2 lanes
-    (np.float32, 9, 256, 1, 3),      # 576 vectors: 256 lanes, 2 trips a run
-    (np.float16, 2, 3, 2, 45),       # 12-byte runs: element-wise, 8 lanes
-    (np.float32, 7, 39, 1, 5),       # 273 elements a run: element-wise, 2 trips for some
+
+# ---------------------------------------------------------------- page copy
+
+def pair_tables(rng, pairs, pairs_off):
+    """int32 tables holding `pairs` from entry `pairs_off`, random entries around them."""
+    tables = rng.integers(-1000, 1000, pairs_off + pairs.size + 5).astype(np.int32)
+    tables[pairs_off:pairs_off + pairs.size] = pairs.reshape(-1)
+    return tables
+
+
+@pytest.mark.parametrize("dtype,n_heads,head_dim,n_layers,page_size,n_pairs", [
+    (np.float16, 1, 8, 3, 8, 5),       # 8 vectors a page: 4 lanes, 64 runs a block; 30 runs
+    (BF16, 2, 64, 2, 16, 3),           # 256 vectors: 128 lanes, 2 runs a block
+    (np.float16, 3, 8, 2, 8, 4),       # 24 vectors: 16 lanes, the last one's 2nd vector past it
+    (np.float32, 3, 8, 1, 256, 2),     # 1536 vectors: 256 lanes, 3 trips a run
+    (np.uint8, 3, 5, 2, 8, 3),         # 120-byte pages: element-wise, 128 lanes
+    (np.uint8, 1, 3, 1, 256, 2),       # 768 elements a page: element-wise, 3 trips a run
 ])
-def test_copy_column_copies_the_rows_and_nothing_else(dtype, n_heads, head_dim, n_layers,
-                                                      n_rows):
-    rng = np.random.default_rng(n_heads * head_dim + n_rows)
-    rows, n_cols, src, dst = n_rows + 2, 4, 3, 1
-    group = random_bits(rng, (n_layers, 2, rows, n_cols, n_heads, head_dim), dtype)
+def test_copy_pages_copies_each_page_in_every_layer_k_and_v_and_nothing_else(
+        dtype, n_heads, head_dim, n_layers, page_size, n_pairs):
+    rng = np.random.default_rng(n_heads * head_dim + page_size + n_pairs)
+    n_pages = 2 * n_pairs + 3
+    group = random_bits(rng, (n_layers, 2, n_pages, page_size, n_heads, head_dim), dtype)
+    pages = rng.permutation(n_pages)[:2 * n_pairs].reshape(2, n_pairs)
+    pairs = pages.T.astype(np.int32)                  # (source, destination), all distinct
+    pairs_off = 7
     device = cuda.to_device(group)
-    copy_kernels.copy_column(device, src, dst, n_rows)
+    copy_kernels.copy_pages(device, cuda.to_device(pair_tables(rng, pairs, pairs_off)),
+                            pairs_off, n_pairs)
     want = group.copy()
-    want[:, :, :n_rows, dst] = group[:, :, :n_rows, src]
+    want[:, :, pages[1]] = group[:, :, pages[0]]
     assert same_bits(device.copy_to_host(), want)
 
 
-def test_copy_of_no_rows_changes_nothing():
+def test_copy_of_no_pages_changes_nothing():
     rng = np.random.default_rng(4)
-    group = random_bits(rng, (2, 2, 3, 3, 2, 8), np.float16)
+    group = random_bits(rng, (2, 2, 3, 8, 2, 8), np.float16)
     device = cuda.to_device(group)
-    copy_kernels.copy_column(device, 0, 1, 0)
+    copy_kernels.copy_pages(device, cuda.to_device(np.array([0, 1], np.int32)), 0, 0)
     assert same_bits(device.copy_to_host(), group)
+
+
+# ---------------------------------------------------------------- page-table patches
+
+@pytest.mark.parametrize("n_patches", [1, 600])     # one thread; 600 over 512 threads
+def test_patch_pages_stores_each_value_at_its_index_and_nothing_else(n_patches):
+    rng = np.random.default_rng(n_patches)
+    table = rng.integers(-2**31, 2**31, 1000, dtype=np.int64).astype(np.int32)
+    at = rng.permutation(table.size)[:n_patches]
+    values = rng.integers(0, 2**31, n_patches).astype(np.int32)
+    patches_off = 3
+    device = cuda.to_device(table)
+    patch_pages(device, cuda.to_device(pair_tables(rng, np.stack([at, values], 1),
+                                                   patches_off)), patches_off, n_patches)
+    want = table.copy()
+    want[at] = values
+    assert np.array_equal(device.copy_to_host(), want)
+
+
+def test_no_patches_change_nothing():
+    table = np.arange(10, dtype=np.int32)
+    device = cuda.to_device(table)
+    patch_pages(device, cuda.to_device(np.array([0, 5], np.int32)), 0, 0)
+    assert np.array_equal(device.copy_to_host(), table)
 
 
 # ---------------------------------------------------------------- padding rows

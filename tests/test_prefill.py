@@ -2,9 +2,11 @@
 
 Storage, histories and the flat step table are built by hand here; storage is NaN
 wherever no query of a segment may look, and so is every row of `out` the kernel must
-not write. The reference (`oracle.dense_attention`) works from dense histories and
-explicit masks. On the simulator the tiles are tiny (16 rows x 16 keys) and the key
-counts small: every warp-wide instruction costs about a millisecond there.
+not write. The kernel reads the storage paged (`paging.paged`: pages in shuffled order,
+NaN in pages no column references and past a column's last row), at page size 16
+unless a test says otherwise. The reference (`oracle.dense_attention`) works from dense
+histories and explicit masks. On the simulator the tiles are tiny (16 rows x 16 keys)
+and the key counts small: every warp-wide instruction costs about a millisecond there.
 """
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from kvnumba.device import cuda
 from kvnumba.kernels import prefill
 from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values, dense_attention, round_nearest_even, seen_positions
+from paging import page_bits, paged
 
 SMALL = (16, 16)                # (block_rows, block_keys): one warp, one k16 step of keys
 TWO_WARPS = (32, 16, 16)        # ... and rows per warp: two warps of 16 rows
@@ -49,10 +52,12 @@ class Case:
 
 def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16, window=0,
               ring_rows=0, q_dtype=np.float16, out_dtype=np.float16, softcap=0.0,
-              storage="float16"):
+              storage="float16", page_size=16):
     """segments: (q_len, pos_start, block) per segment of the step table; `served`: the
     indices the kernel is given (default all). Each segment has its own column; a gap
-    token of NaN queries sits before each segment on the token axis."""
+    token of NaN queries sits before each segment on the token axis. The storage is
+    kept as columns (`c.columns`: K and V `[rows, n_cols, H, D]`) and as the kernel
+    reads it: slots `c.k_store`, `c.v_store` in pages of `page_size` rows, `c.pages`."""
     c = Case()
     c.window, c.ring_rows, c.softcap, c.storage = window, ring_rows, softcap, storage
     c.scale = 1.0 / np.sqrt(head_dim)
@@ -94,10 +99,11 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
         c.q = q.astype(q_dtype)
         c.q_values = c.q.astype(np.float64)
     if storage == "bfloat16":
-        c.k_store = round_nearest_even(k_store, "bf16")
-        c.v_store = round_nearest_even(v_store, "bf16")
+        c.columns = round_nearest_even(k_store, "bf16"), round_nearest_even(v_store, "bf16")
     else:
-        c.k_store, c.v_store = k_store.astype(np.float16), v_store.astype(np.float16)
+        c.columns = k_store.astype(np.float16), v_store.astype(np.float16)
+    (c.k_store, c.v_store), c.pages = paged(c.columns, page_size, seed=int(rng.integers(99)))
+    c.page_bits = page_bits(page_size)
     # one flat table: junk, the segment table at seq_info_off, junk, the served list
     c.seq_info_off = 3
     c.segments_off = c.seq_info_off + len(segments) * SEQ_INFO_FIELDS + 2
@@ -122,7 +128,8 @@ def run(c, tile=SMALL, served_order=None, q=None):
     out = cuda.to_device(c.out)
     q = cuda.to_device(c.q) if q is None else q
     prefill.run(q, cuda.to_device(c.k_store), cuda.to_device(c.v_store),
-                cuda.to_device(tables), seq_info_off=c.seq_info_off,
+                cuda.to_device(tables), pages=cuda.to_device(c.pages),
+                page_bits=c.page_bits, seq_info_off=c.seq_info_off,
                 segments_off=c.segments_off, n_segments=len(c.served),
                 max_q_len=c.max_q_len, out=out, ring_rows=c.ring_rows, window=c.window,
                 scale=c.scale, softcap=c.softcap, tile=tile)
@@ -213,31 +220,35 @@ def test_staging_of_head_dim_128_tiles_takes_8_copies_in_4_rows_per_thread():
 def test_run_refuses_what_it_cannot_serve_before_any_launch(head_dim, storage, q_dtype,
                                                             message):
     q = np.zeros((4, 2, head_dim), q_dtype)
-    store = np.zeros((8, 1, 1, head_dim), storage)
+    store = np.zeros((8, 1, head_dim), storage)
     with pytest.raises(ValueError, match=message):
-        prefill.run(q, store, store, np.zeros(8, np.int32), seq_info_off=0, segments_off=5,
-                    n_segments=1, max_q_len=4, out=np.zeros((4, 2, head_dim), np.float16),
-                    ring_rows=0, window=0, scale=1.0, softcap=0.0)
+        prefill.run(q, store, store, np.zeros(8, np.int32), pages=np.zeros((1, 1), np.int32),
+                    page_bits=3, seq_info_off=0, segments_off=5, n_segments=1, max_q_len=4,
+                    out=np.zeros((4, 2, head_dim), np.float16), ring_rows=0, window=0,
+                    scale=1.0, softcap=0.0)
 
 
-def test_run_refuses_storage_rows_of_4_gib_before_any_launch():
-    """Rows are walked in unsigned 32-bit byte strides: a row of 2**32 bytes (here a view
-    that only claims it; nothing is read) is refused."""
+@pytest.mark.parametrize("k_shape,v_shape", [((8, 1, 1, 16), (8, 1, 1, 16)),   # columns
+                                             ((8, 1, 16), (16, 1, 16)),
+                                             ((8, 1, 24), (8, 1, 24))])       # not head_dim
+def test_run_refuses_storage_other_than_slots_of_its_head_dim_before_any_launch(k_shape,
+                                                                                v_shape):
     q = np.zeros((4, 2, 16), np.float16)
-    store = np.lib.stride_tricks.as_strided(np.zeros(16, np.float16), shape=(2, 1, 1, 16),
-                                            strides=(2**32, 32, 32, 2))
-    with pytest.raises(ValueError, match="storage rows of 4294967296 bytes"):
-        prefill.run(q, store, store, np.zeros(8, np.int32), seq_info_off=0, segments_off=5,
-                    n_segments=1, max_q_len=4, out=np.zeros((4, 2, 16), np.float16),
-                    ring_rows=0, window=0, scale=1.0, softcap=0.0)
+    with pytest.raises(ValueError, match="is not slot storage"):
+        prefill.run(q, np.zeros(k_shape, np.float16), np.zeros(v_shape, np.float16),
+                    np.zeros(8, np.int32), pages=np.zeros((1, 1), np.int32), page_bits=3,
+                    seq_info_off=0, segments_off=5, n_segments=1, max_q_len=4,
+                    out=np.zeros((4, 2, 16), np.float16), ring_rows=0, window=0, scale=1.0,
+                    softcap=0.0)
 
 
 # ---------------------------------------------------------------- scenarios
 
-def test_causal_chunks_over_several_row_and_key_tiles():
+@pytest.mark.parametrize("page_size", [8, 256])    # a key tile over 2 pages; in 1
+def test_causal_chunks_over_several_row_and_key_tiles(page_size):
     rng = np.random.default_rng(1)
     # 5 tokens from 0; a chunk after 19 tokens of history; 3 row tiles x 3 key tiles
-    c = make_case(rng, [(5, 0, False), (6, 19, False), (23, 9, False)])
+    c = make_case(rng, [(5, 0, False), (6, 19, False), (23, 9, False)], page_size=page_size)
     check(c, run(c))
 
 
@@ -248,17 +259,19 @@ def test_sliding_window_smaller_and_larger_than_a_key_tile(window):
     check(c, run(c))
 
 
-@pytest.mark.parametrize("wrap_at", [1, 5, 8, 15])
-def test_ring_wraps_inside_a_key_tile_at_any_offset(wrap_at, stale_shared_memory):
+@pytest.mark.parametrize("wrap_at,page_size", [(1, 8), (5, 16), (8, 8), (15, 256)])
+def test_ring_wraps_inside_a_key_tile_at_any_offset(wrap_at, page_size, stale_shared_memory):
     """The block's first key (its first query's window start) sits `wrap_at` rows before
     the end of the ring, so the ring wraps that many keys into the first 16-key tile; the
-    second row tile starts its keys elsewhere."""
+    second row tile starts its keys elsewhere. Pages of 8 rows: the wrap falls on a page
+    boundary, the tile's first key too when wrap_at is 8; of 256: one page, rows from
+    the ring's 24 on junk."""
     rng = np.random.default_rng(20 + wrap_at)
     window, q_len = 16, 9
     ring = window + q_len - 1                       # 24 rows
     pos_start = 3 * ring - wrap_at + window - 1     # its first key: 3 ring - wrap_at
     c = make_case(rng, [(q_len, pos_start, False)], n_kv_heads=1, group=2, window=window,
-                  ring_rows=ring)
+                  ring_rows=ring, page_size=page_size)
     check(c, run(c))
 
 
@@ -266,8 +279,27 @@ def test_ring_layer_after_wraps_with_a_wrap_inside_a_key_tile(stale_shared_memor
     rng = np.random.default_rng(3)
     window, q_len = 8, 9
     ring = window + q_len - 1                       # 16 rows: positions 40.. wrap at 48
-    c = make_case(rng, [(q_len, 40, False), (5, 23, False)], window=window, ring_rows=ring)
+    c = make_case(rng, [(q_len, 40, False), (5, 23, False)], window=window, ring_rows=ring,
+                  page_size=8)
     check(c, run(c))
+
+
+def test_a_64_key_tile_crosses_pages_of_8_and_the_wrap_of_a_ring_after_several_wraps(
+        stale_shared_memory):
+    """One warp of 16 rows, tiles of 64 keys, a ring of 65 rows in pages of 8 (its ninth
+    page holds one row, then junk) after five wraps: the first row tile's one key tile,
+    positions 299 .. 362, reads rows 39 .. 64 and 0 .. 37, across 9 pages, two of them
+    partly, and the wrap; the second row tile's 57 keys start elsewhere in it."""
+    rng = np.random.default_rng(15)
+    window, q_len, page_size = 57, 9, 8
+    ring = window + q_len - 1                       # 65 rows
+    pos_start = 5 * ring + 30
+    first_key = pos_start - window + 1
+    rows = np.arange(first_key, first_key + 64) % ring
+    assert (np.diff(rows) < 0).sum() == 1 and len(set(rows // page_size)) == 9
+    c = make_case(rng, [(q_len, pos_start, False)], n_kv_heads=1, group=2, window=window,
+                  ring_rows=ring, page_size=page_size)
+    check(c, run(c, tile=(16, 64)))
 
 
 @pytest.mark.parametrize("window", [0, 4])
@@ -311,7 +343,7 @@ def test_bfloat16_storage_as_bit_patterns(q_dtype):
     """q converted from float32, or bfloat16 bits like the storage (copied as they are)."""
     rng = np.random.default_rng(8)
     c = make_case(rng, [(7, 6, False), (5, 0, True)], storage="bfloat16", q_dtype=q_dtype,
-                  out_dtype=np.float32)
+                  out_dtype=np.float32, page_size=8)
     check(c, run(c), tol=1e-2)
 
 
@@ -365,8 +397,8 @@ def test_served_segments_only_and_alone_equals_in_a_list():
 @pytest.mark.parametrize("seed", range(6))
 def test_random_steps_over_tile_shapes(seed):
     """Random segments (decode-sized to several tiles, chunks, blocks), windows with and
-    without a ring, GQA groups and tile shapes of 1 to 3 warps of 16 or 32 rows and 16 or
-    32 keys."""
+    without a ring, GQA groups, tile shapes of 1 to 3 warps of 16 or 32 rows and 16 or
+    32 keys, and pages of 8, 16 or 256 rows."""
     rng = np.random.default_rng(100 + seed)
     window = int(rng.choice([0, 3, 9, 20]))
     segments = [(int(rng.integers(1, 25)), int(rng.integers(0, 40)), bool(rng.random() < 0.3))
@@ -376,16 +408,17 @@ def test_random_steps_over_tile_shapes(seed):
     tile = [SMALL, TWO_WARPS, (16, 32), (48, 32), WIDE_WARP, TWO_WIDE_WARPS][seed]
     c = make_case(rng, segments, n_kv_heads=int(rng.integers(1, 3)),
                   group=int(rng.choice([1, 2, 4])), window=window, ring_rows=ring,
-                  softcap=float(rng.choice([0.0, 3.0])))
+                  softcap=float(rng.choice([0.0, 3.0])), page_size=(8, 16, 256)[seed % 3])
     check(c, run(c, tile=tile))
 
 
 def test_gpu_tile_shape_over_several_key_tiles(stale_shared_memory):
     """The GPU's own tiles for head_dim 64 (64 rows x 64 keys, 2 warps of 32 rows):
-    windowed ring layer after wraps, a chunk far into its history, a draft block."""
+    windowed ring layer after wraps, a chunk far into its history, a draft block; pages
+    of 8 rows, so a key tile spans 8 or 9 pages."""
     rng = np.random.default_rng(12)
     c = make_case(rng, [(40, 0, False), (30, 200, False), (16, 40, True)], n_kv_heads=1,
-                  group=2, head_dim=64, window=70, ring_rows=70 + 40 - 1)
+                  group=2, head_dim=64, window=70, ring_rows=70 + 40 - 1, page_size=8)
     check(c, run(c, tile=None))
 
 

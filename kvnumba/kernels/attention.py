@@ -17,6 +17,12 @@ read it (packed GQA). For its rows the block walks one key range in tiles of
      over K;
   d. each thread rescales and accumulates its `OWN` (row, dim) output elements.
 
+Keys live in paged slot storage `[n_pages * page_size, n_kv_heads, head_dim]`: storage
+row `r` of a sequence (its position on a flat layer, `position % ring_rows` on a ring)
+is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` of its layer kind's page
+table (`masks.page_slot`), looked up as each key is staged, so a tile may straddle pages
+and a ring's wrap alike.
+
 Every query's visible keys form one interval `[lo, hi)` (see `masks.key_range`), and
 these intervals only move forward with the token, so a row tile needs exactly the
 keys `[lo(first row), hi(last row))`: tiles outside the causal / window mask are
@@ -53,7 +59,8 @@ import numpy as np
 from ..device import cuda
 from . import ptx
 from .launch import Specialised, ceil_div, no_output
-from .masks import div32, divmod32, key_range, read_segment, step_on, storage_row, store_row
+from .masks import (div32, divmod32, key_range, page_slot, read_segment, step_on, storage_row,
+                    store_row)
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -101,17 +108,20 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 @cuda.jit(device=True)
-def _stage_keys(tile, store, row0, n_keys, col, kv_head, head_dim, dpad, ring_rows, tid,
-                threads):
-    """Copy `n_keys` keys from storage row `row0` on (wrapping a ring) into `tile` as float32.
+def _stage_keys(tile, store, pages, page_bits, seq, row0, n_keys, kv_head, head_dim, dpad,
+                ring_rows, tid, threads):
+    """Copy `n_keys` keys of sequence `seq`, from storage row `row0` on (wrapping a ring),
+    into `tile` as float32, each from its slot in the page table.
 
-    The block's threads stride over (key, dim) pairs, dims innermost: coalesced reads.
+    The block's threads stride over (key, dim) pairs, dims innermost: coalesced reads
+    (a page's rows are consecutive slots, so only a page boundary breaks a run).
     """
     for e in range(tid, n_keys * dpad, threads):
         c = e // dpad
         d = e - c * dpad
         if d < head_dim:
-            tile[c, d] = ptx.to_f32(store[store_row(row0, c, ring_rows), col, kv_head, d])
+            slot = page_slot(pages, seq, store_row(row0, c, ring_rows), page_bits)
+            tile[c, d] = ptx.to_f32(store[slot, kv_head, d])
 
 
 @lru_cache(maxsize=None)
@@ -128,9 +138,9 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
     assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad
 
     @cuda.jit
-    def attention(q, k_store, v_store, tables, seq_info_off, segments_off, out, lse,
-                  part_acc, part_ml, n_row_tiles, n_splits, chunk, group, ring_rows, window,
-                  scale, softcap):
+    def attention(q, k_store, v_store, pages, page_bits, tables, seq_info_off, segments_off,
+                  out, lse, part_acc, part_ml, n_row_tiles, n_splits, chunk, group, ring_rows,
+                  window, scale, softcap):
         tid = cuda.threadIdx.x
         kv_head = cuda.blockIdx.y
         row_tile, split = divmod32(cuda.blockIdx.x, n_splits)
@@ -185,8 +195,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             n_keys = min(BK, key_hi - key0)
             row0 = storage_row(key0, ring_rows)
             # a. stage K
-            _stage_keys(kv_tile, k_store, row0, n_keys, col, kv_head, head_dim, dpad,
-                        ring_rows, tid, THREADS)
+            _stage_keys(kv_tile, k_store, pages, page_bits, col, row0, n_keys, kv_head,
+                        head_dim, dpad, ring_rows, tid, THREADS)
             cuda.syncthreads()
             # b. scores of this thread's micro-tile (clamped indices: no stale reads)
             if ty < n_rows and tx < n_keys:
@@ -231,8 +241,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 run_sum = run_sum * alpha + tile_sum
                 row_alpha[tid] = alpha
                 row_sum[tid] = run_sum
-            _stage_keys(kv_tile, v_store, row0, n_keys, col, kv_head, head_dim, dpad,
-                        ring_rows, tid, THREADS)
+            _stage_keys(kv_tile, v_store, pages, page_bits, col, row0, n_keys, kv_head,
+                        head_dim, dpad, ring_rows, tid, THREADS)
             cuda.syncthreads()
             # d. rescale and accumulate this thread's output elements
             if own_first_row < n_rows:
@@ -390,17 +400,22 @@ def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, hea
                 grid=(n_segments * n_row_tiles * n_splits, n_kv_heads), threads=threads)
 
 
-def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_segments,
-           max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace, lse=None,
-           stream=0, path=None, kv_chunk=None):
-    """Attention of the served segments' queries over their own columns' keys, into `out`.
+def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, segments_off,
+           n_segments, max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace,
+           lse=None, stream=0, path=None, kv_chunk=None):
+    """Attention of the served segments' queries over their own sequences' keys, into `out`.
 
     q: [width, n_q_heads, head_dim] device array; out: same shape (only the served
     segments' rows are written); each float16, float32 or bfloat16 (uint16 bits).
-    k_store/v_store: [rows, n_cols, n_kv_heads, head_dim]. tables: the step's int32
-    device tables: segment `s`'s fields (`kvnumba.plan`) at `seq_info_off + s *
-    SEQ_INFO_FIELDS`, the served segments' indices at `segments_off .. + n_segments`.
-    max_q_len / max_kv_len: largest q_len / pos_start + q_len over them.
+    k_store/v_store: slot storage [n_pages * page_size, n_kv_heads, head_dim] (a page
+    pool [n_pages, page_size, ...] reshaped). pages: the layer kind's int32 device page
+    table [seq rows, pages per sequence] of page-aligned slot bases, indexed by a
+    segment's `COL`; page_bits: log2(page_size). Storage row r of sequence `seq` is slot
+    `pages[seq, r >> page_bits] | (r & (page_size - 1))` (`masks.page_slot`).
+    tables: the step's int32 device tables: segment `s`'s fields (`kvnumba.plan`) at
+    `seq_info_off + s * SEQ_INFO_FIELDS`, the served segments' indices at
+    `segments_off .. + n_segments`. max_q_len / max_kv_len: largest q_len /
+    pos_start + q_len over them.
     ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
     softcap: 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device array that
     receives each served row's natural-log log-sum-exp of its (scaled, capped) scores.
@@ -410,7 +425,7 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
     passes both.
     """
     width, n_q_heads, head_dim = q.shape
-    n_kv_heads = k_store.shape[2]
+    n_kv_heads = k_store.shape[1]
     assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
     if width * n_q_heads > MAX_QUERY_ROWS:
         raise ValueError(f"q [{width}, {n_q_heads}, {head_dim}]: the attention kernels take "
@@ -430,9 +445,10 @@ def attend(q, k_store, v_store, tables, out, *, seq_info_off, segments_off, n_se
     kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
                                plan["key_lanes"], plan["threads"])
     kernel(plan["grid"], plan["threads"], stream,
-           q, k_store, v_store, tables, int(seq_info_off), int(segments_off), out, lse,
-           part_acc, part_ml, plan["n_row_tiles"], n_splits, plan["chunk"], plan["group"],
-           int(ring_rows), int(window), np.float32(scale), np.float32(softcap))
+           q, k_store, v_store, pages, int(page_bits), tables, int(seq_info_off),
+           int(segments_off), out, lse, part_acc, part_ml, plan["n_row_tiles"], n_splits,
+           plan["chunk"], plan["group"], int(ring_rows), int(window), np.float32(scale),
+           np.float32(softcap))
     if n_splits > 1:
         _combine(n_segments * max_q_len, COMBINE_THREADS, stream,
                  tables, int(seq_info_off), int(segments_off), part_acc, part_ml, out, lse,

@@ -19,9 +19,17 @@ stream K and V at the chip's bandwidth with few instructions per key.
   q head `kv_head * group + r % group`. Every K/V byte a block loads serves all its
   rows; the rows of a segment that do not fit one block's registers
   (`Geometry.max_rows`) go to further row groups.
-* Start: one round trip reads the work row, which holds all the first K and V loads
-  need; they go out before anything waits for the query (16-byte loads) or the
-  segment's visibility fields.
+* Start: one round trip reads the work row, which holds all the first page-table
+  lookups need, and a second their slots; the first K and V loads go out before
+  anything waits for the query (16-byte loads) or the segment's visibility fields.
+* Storage: K and V are slot storage `[n_slots, n_kv_heads, head_dim]`, a cache's
+  page pool; the layer kind's page table `pages [n_seq_rows, pages_per_seq]` (int32,
+  each entry a page's first slot) puts storage row r of a sequence (its position,
+  or on a ring `position % ring_rows`) in slot `pages[seq, r >> page_bits] | (r &
+  (page_size - 1))` (`masks.page_slot`), `seq` being the sequence's column in the
+  segment table. A key's 16-byte pieces lie together in its slot, so a key takes
+  one lookup: the lanes that load the same keys of a trip share out their lookups
+  and pass the slots on with shuffles, one lookup per lane per trip.
 * Lanes: a key row (`head_dim * itemsize` bytes) is split into 16-byte pieces over
   `lanes` lanes, loaded with `ld.global.nc.v4` straight from storage (two pieces
   per lane past 32 lanes), so a warp takes `32 / lanes` keys per step and each
@@ -42,11 +50,12 @@ stream K and V at the chip's bandwidth with few instructions per key.
   `out` goes the row's log-sum-exp (natural log, from the base-2 max and sum) when
   an `lse` array with rows is passed.
 
-Index arithmetic is 32-bit (positions and offsets are int32, storage rows under
-4 GiB) with no 64-bit division, and the key loop is the kernel's only loop with a
-runtime trip count. Specialised per head_dim, storage dtype, rows per block, softcap
-on / off and q's dtype and alignment (`_decode_kernel`); q and out may each be
-float16, float32 or bfloat16 (as uint16 bits).
+Index arithmetic is 32-bit (positions, offsets and slots are int32; a slot's byte
+offset is one 32 x 32 -> 64-bit multiply) with no 64-bit division, and the key loop
+is the kernel's only loop with a runtime trip count. Specialised per head_dim,
+storage dtype, rows per block, softcap on / off and q's dtype and alignment
+(`_decode_kernel`); q and out may each be float16, float32 or bfloat16 (as uint16
+bits).
 """
 from __future__ import annotations
 
@@ -81,9 +90,6 @@ UNROLL = 4
 #: probabilities grow with rows too)
 REGISTER_BUDGET = 96
 MAX_ROWS = 4
-#: storage rows (all columns, heads and dims of one position) the kernel can address:
-#: its row offsets are 32-bit byte counts times 32-bit rows
-ROW_BYTES_LIMIT = 2**32
 #: blocks of THREADS the kernel must fit per SM: ptxas keeps it to 168 registers
 BLOCKS_PER_SM = 3
 #: (the simulator takes no launch bounds)
@@ -194,6 +200,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
     COPIES = (1 << COPY_BITS) - 1
     CAPPED = capped
     WARP_KEYS = UNROLL * KEY_SLOTS             # keys per warp per trip
+    LOOKUPS = max(1, UNROLL // LANES)          # page-table lookups per lane per trip
     BLOCK_KEYS = WARPS * WARP_KEYS             # keys per block per trip
     TRIP_BITS = BLOCK_KEYS.bit_length() - 1
     PIECE_BYTES = LANES * LOAD_BYTES           # from a lane's piece c to its piece c + 1
@@ -240,15 +247,31 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
                 found_in_group = in_group
         return found_index, found_in_group
 
+    # A key slot's UNROLL keys of a trip share the page-table lookups out among the
+    # slot's LANES lanes: lane `sub` looks up keys u = sub + s * LANES (s < LOOKUPS) and
+    # the others take their slots with one shuffle each, so a trip costs a lane one
+    # lookup (a shift, an address, one load, one logical operation), not UNROLL.
     @cuda.jit(device=True, inline="always")
-    def _key_rows(key_rows, off, last, store_lo, wrap_at, wrapped_lo):
-        """Storage rows of this lane's UNROLL keys of the trip whose key u = 0 is at
-        chunk offset `off`: offset o < `wrap_at` lives in row `store_lo + o`, a later
-        one (the ring wrapped) in row `wrapped_lo + o`. Keys past the chunk's `last`
-        offset re-read its last key (held, finite) and are masked."""
+    def _look_up(looked, look, store_last, wrap, pages, seq_pages, shift, in_page):
+        """Slots of the keys this lane looks up (`looked[s]`: its key slot's key u = sub
+        + s * LANES of the trip), the first named by `look`, its storage row before the
+        ring wraps. A key named r is in row r, or r - wrap once r reaches `wrap` (`min(r,
+        r - wrap)` unsigned), and row r in slot `pages.flat[seq_pages + (r >> shift)] |
+        (r & in_page)` (`masks.page_slot`, `seq_pages` the sequence's first table entry,
+        `shift` page_bits). Keys past the chunk's last one (`store_last`) look up the
+        last one (held, finite; masked)."""
+        for s in range(LOOKUPS):
+            at = min(uint32(look + s * LANES * KEY_SLOTS), store_last)
+            row = min(at, uint32(at - wrap))
+            page = uint32(seq_pages + uint32(row >> shift))
+            looked[s] = int32(pages.flat[page] | int32(row & in_page))
+
+    @cuda.jit(device=True, inline="always")
+    def _key_slots(key_slots, looked, first_lane):
+        """Slots of this lane's UNROLL keys of the trip, from the lanes of its key slot
+        (`first_lane` on) that looked them up (`_look_up`): one shuffle each."""
         for u in range(UNROLL):
-            at = min(int32(off + u * KEY_SLOTS), last)
-            key_rows[u] = int32(at + (wrapped_lo if at >= wrap_at else store_lo))
+            key_slots[u] = ptx.shfl_idx(looked[u // LANES], first_lane | (u % LANES))
 
     @cuda.jit(device=True, inline="always")
     def _after(value, x):
@@ -260,11 +283,11 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         return min(x, int32(x + int32(value != value)))
 
     @cuda.jit(device=True, inline="always")
-    def _load_keys(lane_bytes, words, key_rows, row_bytes, sub):
-        """Load this lane's pieces of the keys in `key_rows` (`lane_bytes`: K or V
-        storage from this lane's first piece of row 0 on) into `words`."""
+    def _load_keys(lane_bytes, words, key_slots, slot_bytes, sub):
+        """Load this lane's pieces of the keys in `key_slots` (`lane_bytes`: K or V
+        storage from this lane's first piece of slot 0 on) into `words`."""
         for u in range(UNROLL):
-            at = ptx.mul_wide_u32(key_rows[u], row_bytes)
+            at = ptx.mul_wide_u32(key_slots[u], slot_bytes)
             for c in range(PER_LANE):
                 if not IDLE_PIECES or c * LANES + sub < PIECES:
                     w0, w1, w2, w3 = ptx.ld_nc_v4(lane_bytes, at + c * PIECE_BYTES)
@@ -406,8 +429,9 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         return best, total
 
     @cuda.jit(**LAUNCH_BOUNDS)
-    def decode(q, k_store, v_store, tables, out, lse, part_acc, part_ml, seq_info_off,
-               work_off, max_q_len, group, row_group_bits, ring_rows, window, scale, softcap):
+    def decode(q, k_store, v_store, tables, pages, out, lse, part_acc, part_ml, seq_info_off,
+               work_off, max_q_len, group, row_group_bits, ring_rows, window, page_bits, scale,
+               softcap):
         tid = int32(cuda.threadIdx.x)
         warp = tid >> 5
         lane = tid & (WARP - 1)
@@ -419,7 +443,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         row_group = groups & int32((1 << row_group_bits) - 1)
         item = int32(work_off + (groups >> row_group_bits) * WORK_FIELDS)
         kv_head = int32(cuda.blockIdx.y)
-        kv_heads = k_store.shape[2]
+        kv_heads = k_store.shape[1]
         key_lo = tables[uint64(item + WORK_KEY_LO)]
         key_hi = tables[uint64(item + WORK_KEY_HI)]
         col = tables[uint64(item + WORK_COL)]
@@ -428,24 +452,35 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         if first_row >= group * q_len:         # a row group this segment does not fill
             return
 
-        # storage: key position p lives in row p (flat) or p % ring_rows (ring). A chunk
-        # lies in one segment's visible keys, at most ring_rows of them, so the row of
-        # the key at offset `off` wraps at most once, at offset `wrap_at`.
+        # storage: key position p lives in row p (flat) or p % ring_rows (ring), row r
+        # of the sequence (`col`, its page-table row) in slot pages[col, r >> page_bits]
+        # | (r & in_page). A chunk lies in one segment's visible keys, at most ring_rows
+        # of them, so the row of the key at chunk offset o, store_lo + o, passes the
+        # ring's end at most once.
         wrap = int32(ring_rows if ring_rows > 0 else INT32_MAX)
-        store_lo = int32(uint32(key_lo) % uint32(wrap))
+        store_lo = uint32(uint32(key_lo) % uint32(wrap))
         last = int32(key_hi - key_lo - 1)
-        wrap_at = int32(wrap - store_lo)
-        wrapped_lo = int32(store_lo - wrap)
-        row_bytes = uint32(k_store.shape[1] * kv_heads * head_dim * k_store.itemsize)
-        lane_first = (col * kv_heads + kv_head) * head_dim + sub * VEC
+        store_last = uint32(store_lo + last)
+        seq_pages = uint32(col * pages.shape[1])
+        shift = uint32(page_bits)
+        in_page = uint32((1 << shift) - 1)
+        slot_bytes = uint32(kv_heads * head_dim * k_store.itemsize)
+        lane_first = kv_head * head_dim + sub * VEC
         k_lane = ptx.bytes_from(k_store, lane_first)
         v_lane = ptx.bytes_from(v_store, lane_first)
-        off = int32(warp * WARP_KEYS + key_slot)   # chunk offset of this lane's key u = 0
-        key_rows = cuda.local.array(UNROLL, int32)
+        # the trip's first key this lane looks up (its key slot's key u = sub), named by
+        # its row before the ring wraps: `lead` on from the chunk offset of this lane's
+        # own key u = 0 (warp * WARP_KEYS + key_slot on the first trip)
+        look = uint32(store_lo + warp * WARP_KEYS + key_slot + sub * KEY_SLOTS)
+        lead = int32(store_lo + sub * KEY_SLOTS)
+        first_lane = lane & (WARP - LANES)     # the key slot's lane sub = 0
+        looked = cuda.local.array(LOOKUPS, int32)
+        key_slots = cuda.local.array(UNROLL, int32)
         k_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
         v_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
-        _key_rows(key_rows, off, last, store_lo, wrap_at, wrapped_lo)
-        _load_keys(k_lane, k_words, key_rows, row_bytes, sub)
+        _look_up(looked, look, store_last, wrap, pages, seq_pages, shift, in_page)
+        _key_slots(key_slots, looked, first_lane)
+        _load_keys(k_lane, k_words, key_slots, slot_bytes, sub)
 
         # the block's rows: lane k < ROWS of every warp works out row k's index in the
         # segment and q row (token * n_q_heads + head; a padding row reads the last real
@@ -485,7 +520,8 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
                 qr[j, e] *= q_scale
 
         # the rows this lane keeps the softmax of, own + j (j < HELD), see the chunk's
-        # keys at offsets [lo, lo + span) from key_lo (none for a padding row)
+        # keys at offsets [lo, lo + span) from key_lo (none for a padding row); held_lo
+        # is lo + lead, so that `look - held_lo` is this lane's key u = 0 offset from lo
         held_lo = cuda.local.array(HELD, int32)
         held_span = cuda.local.array(HELD, uint32)
         run_max = cuda.local.array(HELD, float32)    # reference max (base 2) and sum
@@ -495,7 +531,7 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
             lo, hi = key_range(min(i, q_len - 1), q_len, pos_start, in_block, window)
             lo = max(lo, key_lo)
             hi = min(hi, key_hi)
-            held_lo[j] = int32(lo - key_lo)
+            held_lo[j] = int32(lo - key_lo + lead)
             held_span[j] = uint32(max(hi - lo, 0)) if i < q_len else uint32(0)
             run_max[j] = NO_KEY
             run_sum[j] = ZERO
@@ -509,12 +545,15 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         alpha = cuda.local.array(ROWS, float32)
         rel = cuda.local.array(HELD, int32)
 
-        # A trip's V is loaded as it starts, the next trip's K once this trip's scores
-        # are summed (past the chunk's last trip they re-read its last key: no branch
-        # in the loop); `_after` holds the K loads back from the scores' registers.
+        # A trip's V is loaded as it starts, with the page-table lookups of the next
+        # trip's keys, and the next trip's K once this trip's scores are summed (past
+        # the chunk's last trip they re-read its last key: no branch in the loop);
+        # `_after` holds the K loads back from the scores' registers.
         trips = int32((last + BLOCK_KEYS) >> TRIP_BITS)
         for _ in range(trips):
-            _load_keys(v_lane, v_words, key_rows, row_bytes, sub)
+            _load_keys(v_lane, v_words, key_slots, slot_bytes, sub)
+            _look_up(looked, uint32(look + BLOCK_KEYS), store_last, wrap, pages, seq_pages,
+                     shift, in_page)
             # this lane's partial dot products of every local row with its keys
             _widen_words(k_words, values)
             for u in range(UNROLL):
@@ -525,17 +564,18 @@ def _decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
                     for u in range(UNROLL):
                         score[u, j] += qr[j, e] * values[u, e]
             _split_rows(score)
-            _key_rows(key_rows, int32(off + BLOCK_KEYS), _after(score[UNROLL - 1, 0], last),
-                      store_lo, wrap_at, wrapped_lo)
-            _load_keys(k_lane, k_words, key_rows, row_bytes, sub)
+            for s in range(LOOKUPS):
+                looked[s] = _after(score[UNROLL - 1, 0], looked[s])
+            _key_slots(key_slots, looked, first_lane)
+            _load_keys(k_lane, k_words, key_slots, slot_bytes, sub)
             for j in range(HELD):
-                rel[j] = int32(off - held_lo[j])
+                rel[j] = int32(look - held_lo[j])
             _online_softmax(score, alpha, run_max, run_sum, rel, held_span, softcap)
             _gather_rows(score, alpha)
             _rescale(acc, alpha)
             _widen_words(v_words, values)
             _accumulate(acc, score, values)
-            off = int32(off + BLOCK_KEYS)
+            look = uint32(look + BLOCK_KEYS)
 
         # merge the (warp, key slot) states of the block, then write out or the partial
         slot_ml = cuda.shared.array((2, ROWS, SLOTS), float32)    # reference max, sum
@@ -589,23 +629,24 @@ _FLOAT32 = np.float32
 
 def check_storage(head_dim: int, k_store, v_store) -> None:
     """Refuse (`ValueError`) K/V storage this path does not serve: a head_dim or dtype
-    outside `supports`, K and V of different dtypes, or a storage row (columns x kv
-    heads x head_dim) of 4 GiB or more (the kernel addresses rows with 32-bit byte
-    strides)."""
+    outside `supports`, K and V of different dtypes, or storage that is not slot
+    storage `[n_slots, n_kv_heads, head_dim]`."""
     storage = np.dtype(k_store.dtype)
     if not supports(head_dim, storage) or v_store.dtype != storage:
         raise ValueError(f"decode.run: head_dim {head_dim} with {storage} / {v_store.dtype} "
                          f"storage is not served (see decode.supports)")
-    row_bytes = k_store.shape[1] * k_store.shape[2] * head_dim * storage.itemsize
-    if row_bytes >= ROW_BYTES_LIMIT:
-        raise ValueError(f"decode.run: storage rows of {row_bytes} bytes (columns x kv heads "
-                         f"x head_dim) are not served: the kernel needs them under 4 GiB")
+    for store in (k_store, v_store):
+        if len(store.shape) != 3 or store.shape[2] != head_dim:
+            raise ValueError(f"decode.run: storage of shape {tuple(store.shape)} is not slot "
+                             f"storage [n_slots, n_kv_heads, {head_dim}]")
 
 
 class DecodeRun:
     """The decode launches of one step for the layers of one window (`prepare`): the
     step's tables (their device buffer, where the segment table sits in it, the window's
-    placed plan: `PlacedPlan`), the window's ring rows and the stream fixed.
+    placed plan: `PlacedPlan`), the window's ring rows, its layer kind's page table
+    (`pages`, int32 `[n_seq_rows, pages_per_seq]` on the device, and `page_bits`) and
+    the stream fixed.
 
     A call (`run(q, k_store, v_store, out, lse, scale, softcap)`, once per layer; `lse`
     a float32 `[width, n_q_heads]` device array, or one of no rows for none) looks its
@@ -613,15 +654,15 @@ class DecodeRun:
     first call of a signature checks the storage (`check_storage`), works out the block
     rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
     and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
-    One `DecodeRun` serves the layers of one cache: their storage shares a dtype and a
-    row shape.
+    One `DecodeRun` serves the layers of one cache that share the page table: their
+    storage shares a dtype and a slot shape.
     """
 
     def __init__(self, tables, seq_info_off: int, placed: PlacedPlan, workspace,
-                 ring_rows: int, window: int, stream=0):
+                 ring_rows: int, window: int, pages, page_bits: int, stream=0):
         self.tables, self.seq_info_off, self.placed = tables, seq_info_off, placed
         self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
-        self.stream = stream
+        self.pages, self.page_bits, self.stream = pages, page_bits, stream
         self.n_items = placed.n_items
         self._launches = {}    # (decode launch, combine launch or None) by signature
 
@@ -648,7 +689,7 @@ class DecodeRun:
 
     def _bind(self, q, k_store, v_store, dtype, n_q_heads, vectors, capped) -> tuple:
         self.check(q, k_store, v_store)
-        head_dim, n_kv_heads = q.shape[2], k_store.shape[2]
+        head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
         storage = np.dtype(k_store.dtype)
         placed, seq_info_off = self.placed, self.seq_info_off
         max_q_len, n_parts = placed.max_q_len, placed.n_parts
@@ -666,10 +707,10 @@ class DecodeRun:
         kernel = _decode_kernel(head_dim, storage.name, rows, bool(capped),
                                 np.dtype(dtype).name, vectors)
         decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
-                             self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, PER_CALL,
-                             PER_CALL, part_acc, part_ml, seq_info_off, placed.work_off,
-                             max_q_len, group, row_group_bits, self.ring_rows, self.window,
-                             PER_CALL, PER_CALL)
+                             self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, self.pages,
+                             PER_CALL, PER_CALL, part_acc, part_ml, seq_info_off,
+                             placed.work_off, max_q_len, group, row_group_bits, self.ring_rows,
+                             self.window, self.page_bits, PER_CALL, PER_CALL)
         merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
                                 combine_off=placed.combine_off, n_combine=placed.n_combine,
                                 max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
@@ -678,24 +719,29 @@ class DecodeRun:
 
 
 def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, n_parts,
-            max_q_len, workspace, ring_rows, window, stream=0) -> DecodeRun:
+            max_q_len, workspace, ring_rows, window, pages, page_bits, stream=0) -> DecodeRun:
     """The plan side of `run`: what a step fixes for its layers of one window, once
     (`DecodeRun`); the arguments are `run`'s."""
     placed = PlacedPlan(int(work_off), int(n_items), int(combine_off), int(n_combine),
                         int(n_parts), int(max_q_len))
     return DecodeRun(tables, int(seq_info_off), placed, workspace, int(ring_rows),
-                     int(window), stream)
+                     int(window), pages, int(page_bits), stream)
 
 
-def run(q, k_store, v_store, tables, *, out, scale, softcap, lse=None, stream=0, planned=None,
-        **step):
+def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, softcap,
+        lse=None, stream=0, planned=None, **step):
     """Attention of the planned segments' queries; writes their rows of `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
     (uint16 bits); q is read in 16-byte vectors when it is 16-byte aligned, else element
-    by element. k_store, v_store: [rows, n_cols, n_kv_heads, head_dim], float16,
-    float32 or bfloat16 as uint16 (`supports`), a storage row under 4 GiB (the kernel
-    addresses rows with 32-bit byte strides). tables: int32 device array holding the
+    by element. k_store, v_store: slot storage [n_slots, n_kv_heads, head_dim]
+    (C-contiguous, n_slots = n_pages * page_size under 2**31), float16, float32 or
+    bfloat16 as uint16 (`supports`). pages: the layer kind's page table, an int32
+    [n_seq_rows, pages_per_seq] device array whose entries are pages' first slots (page
+    id * page_size), page_bits: log2 page_size (a power of two, 8 to 256): storage row
+    r (a position, or on a ring its slot `position % ring_rows`) of the sequence in
+    column `col` of the segment table lives in slot `pages[col, r >> page_bits] | (r &
+    (page_size - 1))` (`masks.page_slot`). tables: int32 device array holding the
     segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
     row-major. softcap: 0 = off. lse: None, or a float32 `[width, n_q_heads]` device array
@@ -703,9 +749,10 @@ def run(q, k_store, v_store, tables, *, out, scale, softcap, lse=None, stream=0,
 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
     `n_combine`, `n_parts` and `max_q_len` (the plan's), the `workspace`, `ring_rows`
-    (0: flat, or R) and `window` (0 or W), as `prepare` takes them; or `planned`, what
-    `prepare` returned for this step and window (a cache plans once per step, and its
-    layers pass their own arrays only).
+    (0: flat, or R) and `window` (0 or W), as `prepare` takes them with `pages` and
+    `page_bits`; or `planned`, what `prepare` returned for this step and window (a cache
+    plans once per step, and its layers pass their own storage only: `pages` and
+    `page_bits` are the plan's then).
 
     Writes exactly `out[token, head, :]` for every query token of a planned segment
     and every head: no padding row, no other segment's row. Partials (float32, in
@@ -714,7 +761,9 @@ def run(q, k_store, v_store, tables, *, out, scale, softcap, lse=None, stream=0,
     synchronisation, no device allocation once `workspace` is warm.
     """
     if planned is None:
-        planned = prepare(tables, stream=stream, **step)
+        if pages is None or page_bits is None:
+            raise TypeError("decode.run: pages and page_bits are needed without `planned`")
+        planned = prepare(tables, pages=pages, page_bits=page_bits, stream=stream, **step)
         planned.check(q, k_store, v_store)       # refused before q itself is read
     planned(q, k_store, v_store, out, no_output() if lse is None else lse, scale, softcap)
     return out

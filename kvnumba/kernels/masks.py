@@ -5,6 +5,11 @@ Segments are read from the step's flat int32 tables (`read_segment`). Visibility
 one interval per query, `[lo, hi)`, moving forward with the query's position (see
 `key_range`); a ring layer keeps position `p` in storage row `p % ring_rows` (see
 `storage_row`, and `store_row` for walking a tile's rows without a division per key).
+Storage is paged: row `r` of a sequence lives in slot `page_slot(pages, seq, r, page_bits)`
+of its layer's slot storage `[n_pages * page_size, n_kv_heads, head_dim]`, where
+`pages [seq rows, pages per sequence]` (int32) is its layer kind's device page table,
+each entry a page's first slot (page id times page_size): one load, a shift and one
+logical operation per row, no multiplication.
 
 Numba types integer arithmetic as int64, and a 64-bit division compiles to a test of
 both operands' widths, a 32-bit path and a call of a software routine
@@ -17,7 +22,17 @@ from __future__ import annotations
 from ..device import cuda
 from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 
-from numba import int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import int32, int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
+
+
+@cuda.jit(device=True, inline="always")
+def page_slot(pages, seq, row, page_bits):
+    """Slot of storage row `row` (`>= 0`, a position or a ring slot) of sequence `seq`:
+    `pages[seq, row >> page_bits] | (row & (page_size - 1))` as int32 (the table's
+    entries are page-aligned slot bases, so `|` adds the offset in the page)."""
+    r = uint32(row)
+    base = pages[uint32(seq), r >> uint32(page_bits)]
+    return int32(base | int32(r & ((uint32(1) << uint32(page_bits)) - uint32(1))))
 
 
 @cuda.jit(device=True)

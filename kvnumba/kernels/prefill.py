@@ -29,8 +29,17 @@ tile's keys, the columns from head_dim to the padded head dim) is zero-filled by
 same instruction: no NaN from stale shared memory or padding meets an mma. A tile's
 keys are consecutive positions, so a ring (position p in row p % ring_rows) wraps at
 most once inside it: the key at unwrapped row r < 2 ring_rows lives in row min(r, r -
-ring_rows) as unsigned 32-bit numbers (before the wrap, r - ring_rows underflows), and
-its 64-bit address is one multiply-add. No 64-bit division anywhere.
+ring_rows) as unsigned 32-bit numbers (before the wrap, r - ring_rows underflows).
+
+Storage is paged: K and V are slot storage [n_slots, n_kv_heads, head_dim] (a page pool
+[n_pages, page_size, ...] reshaped), and row r of sequence `seq` (the segment's `COL`)
+is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` of its layer kind's page
+table (`masks.page_slot`). Each thread looks up the slot of each key row it stages
+(one page-table load, a shift and two logical operations), so a tile may straddle
+pages and the ring's wrap alike; K(j) and V(j) share rows, so V reuses K's slots, kept
+in registers. A key's 64-bit address is one multiply-add, its slot times the slot's
+bytes (slots are below 2**31) on the thread's head and chunk in slot 0. No 64-bit
+division anywhere.
 
 One K buffer and one V buffer, overlapped: V(j) loads while S(j) and its softmax run,
 K(j+1) while O += P V(j). With Q in registers, Q is staged in V's rows together with the
@@ -71,7 +80,7 @@ from ..config import INT32_MAX, MAX_HEAD_DIM
 from ..device import cuda
 from . import ptx
 from .launch import Specialised, ceil_div, no_output
-from .masks import key_range, read_segment
+from .masks import key_range, page_slot, read_segment
 
 from numba import float32, int32, int64, uint16, uint32, uint64  # noqa: E402  (after device)
 
@@ -90,7 +99,6 @@ STORAGE_TYPES = ("float16", "bfloat16")
 LOG2E = float32(math.log2(math.e))
 NEG_INF = float32(-math.inf)
 FLAT_RING = INT32_MAX     # the ring size a flat layer's rows are walked with: never wraps
-ROW_BYTES_LIMIT = 2**32   # storage rows are strided in unsigned 32-bit bytes
 CHUNK = 8                 # 16-bit values in a 16-byte cp.async chunk
 LINE_CHUNKS = 8           # chunks in a 128-byte line
 #: a pair of 16-bit ones in each storage type: the B operand of the row-sum mma
@@ -197,20 +205,29 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     pack = ptx.f32x2_to_f16x2 if storage == "float16" else ptx.f32x2_to_bf16x2
 
     @cuda.jit(device=True)
-    def stage_keys(tile, dst, src, row_bytes, row, n_keys, ring, first_key, d0):
-        """cp.async this thread's chunks of a K or V tile: key first_key + p KEY_STEP in
-        pass p, chunks d0 + c KEY_LANES, to tile index `dst` (its first key and chunk)
-        on, from `src` (its column, head and d0 in storage row 0) plus the key's storage
-        row: `row` (the tile's first key's, < ring) plus the key, wrapped. Keys from
-        n_keys on (n_keys <= ring: their rows stay in the storage) and padding columns
-        are zero-filled."""
-        unwrapped = int64(row) + first_key      # 64-bit sums, 32-bit results: they wrap
+    def find_slots(slots, pages, seq, page_bits, row, n_keys, ring, first_key):
+        """slots[p]: the slot, in sequence `seq`'s pages, of this thread's key first_key +
+        p KEY_STEP of a tile (see `stage_keys`): of storage row `row` (the tile's first
+        key's, < ring) plus the key, wrapped. A key from n_keys on (1 <= n_keys <= ring)
+        takes the last key's slot, so that its page-table load stays inside the
+        sequence's pages (the key itself is zero-filled)."""
         for p in range(KEY_PASSES):
             key = int32(first_key + p * KEY_STEP)
             if KEYS_EXACT or key < BK:
-                r = min(uint32(unwrapped + p * KEY_STEP),
-                        uint32(unwrapped + p * KEY_STEP - ring))
-                at = ptx.mul_wide_u32(r, row_bytes)
+                unwrapped = int64(row) + min(key, int32(n_keys - 1))    # below 2 ring
+                r = min(uint32(unwrapped), uint32(unwrapped - ring))
+                slots[p] = page_slot(pages, seq, r, page_bits)
+
+    @cuda.jit(device=True)
+    def stage_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
+        """cp.async this thread's chunks of a K or V tile: key first_key + p KEY_STEP in
+        pass p, chunks d0 + c KEY_LANES, to tile index `dst` (its first key and chunk)
+        on, from `src` (its head and d0 in slot 0) plus slots[p] times slot_bytes. Keys
+        from n_keys on and padding columns are zero-filled."""
+        for p in range(KEY_PASSES):
+            key = int32(first_key + p * KEY_STEP)
+            if KEYS_EXACT or key < BK:
+                at = ptx.mul_wide_u32(slots[p], slot_bytes)
                 for c in range(KEY_COPIES):
                     pad = PADDED and d0 + c * KEY_LANES * CHUNK >= head_dim
                     ptx.cp_async_16_zfill(tile, int32(dst + (p * KEY_STEP * PITCH
@@ -264,16 +281,20 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
 
     @cuda.jit(device=True)
     def stage_tile(tile, j, staging, values):
-        """cp.async key tile j of K (`values` False) or V into its buffer, as one group."""
-        k_dst, k_src, v_dst, v_src, row_bytes, row0, ring, max_keys, span, first_key, d0 = \
-            staging
-        # the row of its first key: unwrapped below 2 ring (j BK < span <= ring), wrapped,
-        # and kept below ring (a table whose window exceeds its ring reads wrong keys, but
-        # inside the storage)
-        start = uint32(row0 + uint32(j * BK))
-        row = min(start, uint32(int64(start) - ring), uint32(ring - 1))
-        stage_keys(tile, v_dst if values else k_dst, v_src if values else k_src, row_bytes,
-                   row, min(max_keys, int32(span - j * BK)), ring, first_key, d0)
+        """cp.async key tile j of K (`values` False) or V into its buffer, as one group.
+        K(j) is always staged right before V(j): K finds the keys' slots, V reuses them."""
+        (k_dst, k_src, v_dst, v_src, slots, pages, seq, page_bits, slot_bytes, row0, ring,
+         max_keys, span, first_key, d0) = staging
+        n_keys = min(max_keys, int32(span - j * BK))
+        if not values:
+            # the row of its first key: unwrapped below 2 ring (j BK < span <= ring),
+            # wrapped, and kept below ring (a table whose window exceeds its ring reads
+            # wrong keys, but inside the sequence's pages)
+            start = uint32(row0 + uint32(j * BK))
+            row = min(start, uint32(int64(start) - ring), uint32(ring - 1))
+            find_slots(slots, pages, seq, page_bits, row, n_keys, ring, first_key)
+        stage_keys(tile, v_dst if values else k_dst, v_src if values else k_src, slots,
+                   slot_bytes, n_keys, first_key, d0)
         ptx.cp_async_commit()
 
     @cuda.jit(device=True)
@@ -477,8 +498,10 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
     unmasked_tiles = key_tiles(False)
 
     @cuda.jit
-    def prefill(q, k_store, v_store, tables, out, lse, seq_info_off, segments_off,
-                n_row_tiles, group, ring_rows, window, scale, softcap):
+    def prefill(q, k_store, v_store, pages, page_bits, tables, out, lse, seq_info_off,
+                segments_off, n_row_tiles, group, ring_rows, window, scale, softcap):
+        """`run`'s launch: pages and page_bits follow the slot storage they address, as
+        in `attention`'s kernel; grid (kv heads, served segments, row tiles)."""
         tid = cuda.threadIdx.x
         lane = cuda.laneid
         g = lane // 4
@@ -533,11 +556,12 @@ def _prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: st
         q_d0 = int32(tid % Q_LANES * CHUNK)
         first_key = int32(tid // KEY_LANES if tid < KEY_STEP * KEY_LANES else BK)
         key_d0 = int32(tid % KEY_LANES * CHUNK)
-        src = (col * k_store.shape[2] + kv_head) * head_dim + key_d0
+        src = kv_head * head_dim + key_d0       # in slot 0: slots add slot_bytes each
         ring = int32(ring_rows if ring_rows > 0 else FLAT_RING)
+        slots = cuda.local.array(KEY_PASSES, int32)     # the thread's keys' slots in a tile
         staging = (int32(K_BASE + first_key * PITCH + key_d0), ptx.bytes_from(k_store, src),
                    int32(V_BASE + first_key * PITCH + key_d0), ptx.bytes_from(v_store, src),
-                   uint32(2 * k_store.shape[1] * k_store.shape[2] * head_dim),
+                   slots, pages, col, page_bits, uint32(2 * k_store.shape[1] * head_dim),
                    uint32(uint32(key_lo) % uint32(ring)), ring,
                    int32(min(BK, ring)), int32(key_hi - key_lo), first_key, key_d0)
 
@@ -607,37 +631,42 @@ def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> str:
     return storage
 
 
-def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, max_q_len,
-        out, ring_rows, window, scale, softcap, lse=None, stream=0, tile=None):
-    """Attention of the listed segments' queries over their own column's keys, into `out`.
+def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments_off,
+        n_segments, max_q_len, out, ring_rows, window, scale, softcap, lse=None, stream=0,
+        tile=None):
+    """Attention of the listed segments' queries over their own sequence's keys, into `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
-    (uint16 bits); only the
-    listed segments' rows of `out` are written. k_store, v_store: [rows, n_cols,
-    n_kv_heads, head_dim] 16-bit (see `storage_type`), C-contiguous, a row (one position of
-    every column) under ROW_BYTES_LIMIT bytes: the kernel walks rows in 32-bit byte
-    strides. tables: flat int32
-    device array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`;
-    the segments served are `tables[segments_off + i]`, `i < n_segments`, none longer
-    than `max_q_len`. ring_rows: 0 (flat) or R (position p in row p % R); window: 0
-    (none) or W; softcap 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device
-    array that receives each listed row's natural-log log-sum-exp of its (scaled, capped)
-    scores. One launch on `stream`: no synchronisation, no
-    allocation. `tile`: (block_rows, block_keys), multiples of 16, and optionally
-    warp_rows (16 or 32, dividing block_rows; else `default_warp_rows`), instead of
-    `tile_shape(head_dim)`.
+    (uint16 bits); only the listed segments' rows of `out` are written. k_store, v_store:
+    slot storage [n_slots, n_kv_heads, head_dim] (a page pool [n_pages, page_size,
+    n_kv_heads, head_dim] reshaped; n_slots <= INT32_MAX), 16-bit (see `storage_type`),
+    C-contiguous. pages: the layer kind's int32 device page table [seq rows, pages per
+    sequence], C-contiguous, indexed by a segment's `COL`, each entry a page's first slot
+    (page id times page_size); page_bits: log2(page_size). Storage row r of sequence
+    `seq` (its position on a flat layer, position % ring_rows on a ring) is slot
+    `pages[seq, r >> page_bits] | (r & (page_size - 1))`; a sequence's pages cover rows
+    up to its keys' last (flat) or all ring_rows rows (ring). tables: flat int32 device
+    array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`; the
+    segments served are `tables[segments_off + i]`, `i < n_segments`, none longer than
+    `max_q_len`. ring_rows: 0 (flat) or R; window: 0 (none) or W; softcap 0.0 = off.
+    lse: None, or a float32 `[width, n_q_heads]` device array that receives each listed
+    row's natural-log log-sum-exp of its (scaled, capped) scores. One launch on
+    `stream`: no synchronisation, no allocation. `tile`: (block_rows, block_keys),
+    multiples of 16, and optionally warp_rows (16 or 32, dividing block_rows; else
+    `default_warp_rows`), instead of `tile_shape(head_dim)`.
     """
     if n_segments == 0 or max_q_len == 0:
         return out
     if not scale > 0:
         raise ValueError(f"prefill: scale {scale} must be positive")
     head_dim = q.shape[2]
-    n_q_heads, n_kv_heads = q.shape[1], k_store.shape[2]
-    group = n_q_heads // n_kv_heads
     storage = _served(head_dim, k_store.dtype, q.dtype, out.dtype)
-    if k_store.strides[0] >= ROW_BYTES_LIMIT:
-        raise ValueError(f"prefill: storage rows of {k_store.strides[0]} bytes, not under "
-                         f"{ROW_BYTES_LIMIT}")
+    shape = tuple(k_store.shape)
+    if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
+        raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
+                         f"storage [n_slots, n_kv_heads, {head_dim}] of one shape")
+    n_q_heads, n_kv_heads = q.shape[1], shape[1]
+    group = n_q_heads // n_kv_heads
     block_rows, block_keys, *warp_rows = tile or tile_shape(head_dim)
     warp_rows = warp_rows[0] if warp_rows else None
     q_copy = q.dtype == k_store.dtype and aligned(q, 16)   # Q in the mma type: cp.async
@@ -646,7 +675,8 @@ def run(q, k_store, v_store, tables, *, seq_info_off, segments_off, n_segments, 
     warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
     n_row_tiles = ceil_div(group * max_q_len, block_rows)
     kernel((n_kv_heads, n_segments, n_row_tiles), 32 * warps, stream,
-           q, k_store, v_store, tables, out, no_output() if lse is None else lse,
+           q, k_store, v_store, pages, int(page_bits), tables, out,
+           no_output() if lse is None else lse,
            int(seq_info_off), int(segments_off), n_row_tiles, group, int(ring_rows),
            int(window), np.float32(scale), np.float32(softcap))
     return out

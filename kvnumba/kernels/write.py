@@ -1,21 +1,27 @@
-"""Write a step's K and V into their columns, wrapping ring layers (one launch per layer).
+"""Write a step's K and V into their sequences' pages, wrapping ring layers (one launch
+per layer).
 
-A token's K (all heads) is one contiguous run of `n_kv_heads * head_dim` elements in
-the input and one in storage (row `row(position)`, column `seq_cols[token]`). Each
-block row (`threadIdx.y`) takes tokens in a grid stride; its `blockDim.x` lanes
-(`run_block`) move the token's run, so a token's column, position and row are read
-and computed once per token, and the loop over a run's items only adds a stride.
+A layer's K (and V) is slot storage `[n_pages * page_size, n_kv_heads, head_dim]`: its
+page pool seen as slots. Storage row `r` of sequence `seq` (its position on a flat
+layer, the position modulo `ring_rows` on a ring, `masks.storage_row`) is slot
+`masks.page_slot(pages, seq, r, page_bits)`, `pages` the layer kind's device page table.
+A token's K (all heads) is one contiguous run of `n_kv_heads * head_dim` elements in the
+input and one in storage (its slot). Each block row (`threadIdx.y`) takes tokens in a
+grid stride; its `blockDim.x` lanes (`run_block`) move the token's run, so a token's
+sequence, position, row and slot are read and computed once per token, and the loop
+over a run's items only adds a stride.
 
 The wide path moves 16-byte vectors. It needs the input in the storage dtype,
 C-contiguous and 16-byte aligned, and a run length that is a whole number of
 vectors; anything else (a float32 input into float16 storage, a strided view)
 takes the element-wise path.
 
-Index ranges: tokens (`< max_step`), positions and rows (`< capacity`) and columns
-(`<= max_seqs`) are below 2**31 (`CacheConfig` bounds each by `INT32_MAX`), so the
-ring modulo is a 32-bit division (`masks.storage_row`). Nothing bounds a layer's
-`rows * columns * n_kv_heads * head_dim` elements below 2**31, so flat element
-indices stay int64: they are made by multiplication only, once per token.
+Index ranges: tokens (`< max_step`), positions and rows (`< capacity`), sequences and
+slots (`n_pages * page_size`) are below 2**31 (`CacheConfig` bounds each by
+`INT32_MAX`), so the ring modulo is a 32-bit division (`masks.storage_row`) and a slot
+is an int32. Nothing bounds a layer's `slots * n_kv_heads * head_dim` elements below
+2**31, so flat element indices stay int64: they are made by multiplication only, once
+per token.
 """
 from __future__ import annotations
 
@@ -26,9 +32,9 @@ from ..device import cuda
 from . import ptx
 from .launch import (MAX_BLOCKS, PER_CALL, STRIDE_THREADS, VECTOR_BYTES, Specialised,
                      ceil_div)
-from .masks import div32, divmod32, step_on, storage_row
+from .masks import div32, divmod32, page_slot, step_on, storage_row
 
-from numba import uint32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 #: 16-byte vectors a lane moves per trip of the wide loops (written for a pair: both
 #: loads go out before the stores, and the per-run work is shared by twice the bytes)
@@ -49,32 +55,32 @@ def run_grid(runs: int, rows: int) -> int:
 
 
 @cuda.jit(device=True)
-def _token_slot(tables, width, token):
-    """`(column, position)` of `token` in the write tables. The indices are uint32 (Numba
+def _seq_and_position(tables, width, token):
+    """`(sequence, position)` of `token` in the write tables. The indices are uint32 (Numba
     adds no negative-index fix-up to an unsigned index): `token < width <= max_step`."""
     return tables[uint32(token)], tables[uint32(width + token)]
 
 
 @cuda.jit
-def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows):
+def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits):
     """Lane `threadIdx.x` of a block row moves vectors `lane`, `lane + blockDim.x`, ... of
     each of the row's tokens, K and V, `PAIR` of them a trip (all loads before the stores).
 
-    `tables[token]` is the token's column (negative: write nowhere), `tables[width +
-    token]` its position. Indices are in elements of a flat view of each array.
+    `tables[token]` is the token's sequence (its row of `pages`; negative: write
+    nowhere), `tables[width + token]` its position. Indices are in elements of a flat
+    view of each array.
     """
     run = k.shape[1] * k.shape[2]                  # elements per token
     elems = div32(VECTOR_BYTES, k.itemsize)        # elements per vector (itemsize: a field)
     first = cuda.threadIdx.x * elems
     step = cuda.blockDim.x * elems
-    n_cols = k_store.shape[1]
     token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
     while token < width:
-        col, position = _token_slot(tables, width, token)
-        if col >= 0:
-            row = storage_row(position, ring_rows)
+        seq, position = _seq_and_position(tables, width, token)
+        if seq >= 0:
+            slot = page_slot(pages, seq, storage_row(position, ring_rows), page_bits)
             last = token * run + run - elems              # the token's last vector
-            shift = (row * n_cols + col) * run - token * run  # storage index - input index
+            shift = (int64(slot) - token) * run           # storage index - input index
             e = token * run + first
             while e <= last:                              # not `range`: it divides by its step
                 far = min(e + step, last)                 # past the run: loaded, not stored
@@ -92,7 +98,7 @@ def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows):
 
 
 @cuda.jit
-def _write_elements(k_store, v_store, k, v, tables, width, ring_rows):
+def _write_elements(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits):
     """As `_write_vectors`, one (head, dim) element per lane and trip, converting to the
     storage dtype (float16, float32, or bfloat16 held as uint16 bits)."""
     n_heads, head_dim = k.shape[1], k.shape[2]
@@ -100,15 +106,15 @@ def _write_elements(k_store, v_store, k, v, tables, width, ring_rows):
     skip_heads, skip_dims = divmod32(cuda.blockDim.x, head_dim)
     token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
     while token < width:
-        col, position = _token_slot(tables, width, token)
-        if col >= 0:
-            row = storage_row(position, ring_rows)
+        seq, position = _seq_and_position(tables, width, token)
+        if seq >= 0:
+            slot = uint32(page_slot(pages, seq, storage_row(position, ring_rows), page_bits))
             head, dim = first_head, first_dim
             while head < n_heads:
-                k_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(k[token, head, dim]),
-                                                            k_store)
-                v_store[row, col, head, dim] = ptx.from_f32(ptx.to_f32(v[token, head, dim]),
-                                                            v_store)
+                k_store[slot, head, dim] = ptx.from_f32(ptx.to_f32(k[token, head, dim]),
+                                                        k_store)
+                v_store[slot, head, dim] = ptx.from_f32(ptx.to_f32(v[token, head, dim]),
+                                                        v_store)
                 head, dim = step_on(head, dim, skip_heads, skip_dims, head_dim)
         token += cuda.gridDim.x * cuda.blockDim.y
 
@@ -135,19 +141,20 @@ def vectors_fit(array, dtype) -> bool:
 
 
 class WriteRun:
-    """The writes of one step into storage of one dtype (`prepare`): its tables and width
-    bound, and for each input layout (16-byte vectors or elements) the launch shape
-    worked out once, so a call (`run(k_store, v_store, k, v, ring_rows)`, once per
-    layer) only tells its inputs' layout (`vectors_fit`) and packs its arrays."""
+    """The writes of one step into paged storage of one dtype and page size (`prepare`):
+    its tables, width bound and `page_bits`, and for each input layout (16-byte vectors
+    or elements) the launch shape worked out once, so a call (`run(k_store, v_store, k,
+    v, ring_rows, pages)`, once per layer, `pages` its layer kind's page table) only
+    tells its inputs' layout (`vectors_fit`) and packs its arrays."""
 
-    def __init__(self, tables, width: int, run: int, dtype, stream):
+    def __init__(self, tables, width: int, run: int, dtype, page_bits: int, stream):
         self.tables, self.width, self.run, self.dtype = tables, width, run, dtype
-        self.stream = stream
+        self.page_bits, self.stream = page_bits, stream
         self._any = width * run > 0
         self._whole = whole_vectors(run, dtype)
         self._launches = {}      # the bound launch by layout: True for vectors
 
-    def __call__(self, k_store, v_store, k, v, ring_rows: int) -> None:
+    def __call__(self, k_store, v_store, k, v, ring_rows: int, pages) -> None:
         if not self._any:
             return
         dtype = self.dtype
@@ -157,7 +164,7 @@ class WriteRun:
         launch = self._launches.get(vectors)
         if launch is None:
             launch = self._launches[vectors] = self._bind(vectors)
-        launch(k_store, v_store, k, v, ring_rows)
+        launch(k_store, v_store, k, v, ring_rows, pages)
 
     def _bind(self, vectors: bool):
         if vectors:                                  # items: pairs of vectors
@@ -168,21 +175,24 @@ class WriteRun:
         lanes, rows = run_block(items)
         return kernel.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
                            PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables, self.width,
-                           PER_CALL)
+                           PER_CALL, PER_CALL, self.page_bits)
 
 
-def prepare(tables, width: int, run: int, dtype, stream=0) -> WriteRun:
+def prepare(tables, width: int, run: int, dtype, page_bits: int, stream=0) -> WriteRun:
     """The plan side of `write_kv` for a step of `width` tokens of `run` elements each
-    (`n_kv_heads * head_dim`) into storage of `dtype`: what `write_kv` works out per
-    call, once per step and input layout."""
-    return WriteRun(tables, int(width), int(run), np.dtype(dtype), stream)
+    (`n_kv_heads * head_dim`) into storage of `dtype` in pages of `2**page_bits` slots:
+    what `write_kv` works out per call, once per step and input layout."""
+    return WriteRun(tables, int(width), int(run), np.dtype(dtype), int(page_bits), stream)
 
 
-def write_kv(k_store, v_store, k, v, tables, ring_rows: int, stream=0) -> None:
-    """Scatter `k`, `v` `[width, n_kv_heads, head_dim]` into `[rows, cols, n_kv_heads, head_dim]`.
+def write_kv(k_store, v_store, k, v, tables, ring_rows: int, pages, page_bits: int,
+             stream=0) -> None:
+    """Scatter `k`, `v` `[width, n_kv_heads, head_dim]` into slot storage `[n_slots,
+    n_kv_heads, head_dim]` through the page table `pages` (int32 `[sequences, pages per
+    sequence]`, page-aligned slot bases; pages of `2**page_bits` slots).
 
-    `tables`: int32 device array: `[0, width)` the column of each token, `[width,
-    2 * width)` its position. One launch, on `stream`.
+    `tables`: int32 device array: `[0, width)` the sequence of each token (negative:
+    none), `[width, 2 * width)` its position. One launch, on `stream`.
     """
-    prepare(tables, k.shape[0], k.shape[1] * k.shape[2], k_store.dtype, stream)(
-        k_store, v_store, k, v, int(ring_rows))
+    prepare(tables, k.shape[0], k.shape[1] * k.shape[2], k_store.dtype, page_bits, stream)(
+        k_store, v_store, k, v, int(ring_rows), pages)
