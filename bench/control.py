@@ -14,7 +14,9 @@ bookkeeping that builds the same `seq_info` / `seq_cols` / `positions` tables
 (checked equal to kvnumba's before timing) and uploads them the same way.
 
 On Numba's CUDA simulator the host-to-device upload is a simulated copy, so it is
-replaced by a no-op for both drivers while timing; on a GPU it is included.
+replaced by a no-op for both drivers while timing, and so are the page-table patch and
+page-copy launches kvnumba's `prepare_step` makes when a step takes pages (simulated
+kernels, reading what the upload would have carried); on a GPU all are included.
 
     python -m bench.control [--quick]
 """
@@ -30,6 +32,7 @@ import numpy as np
 
 import kvnumba as kv
 import kvnumba.device as kv_device
+import kvnumba.pool as kv_pool
 import kvnumba.staging as kv_staging
 from kvnumba.plan import SEQ_INFO_FIELDS
 from statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
@@ -63,7 +66,7 @@ def step_ids(batch: int, kind: str) -> np.ndarray:
 def _config(batch: int) -> kv.CacheConfig:
     return kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=HEAD_DIM,
                           capacity=CAPACITY, max_seqs=batch, max_write=MAX_WRITE,
-                          max_step=MAX_STEP, dtype="float16", initial_rows=CAPACITY)
+                          max_step=MAX_STEP, dtype="float16", initial_pages=CAPACITY)
 
 
 class KvDriver:
@@ -229,16 +232,19 @@ class NaiveDriver:
 # ---------------------------------------------------------------------------- timing
 @contextmanager
 def _no_simulated_upload():
-    """On the simulator, make the (simulated) host-to-device copy a no-op."""
+    """On the simulator, make the (simulated) host-to-device copy a no-op, and with it the
+    kernels that read what it would have carried (the page-table patches and page copies,
+    which kvnumba launches in `prepare_step` when a step takes pages)."""
     if not kv_device.SIMULATOR:
         yield
         return
-    saved = kv_staging.upload_prefix
-    kv_staging.upload_prefix = lambda *args, **kwargs: None
+    saved = kv_staging.upload_prefix, kv_pool.patch_pages, kv_pool.copy_pages
+    kv_staging.upload_prefix = kv_pool.patch_pages = kv_pool.copy_pages = \
+        lambda *args, **kwargs: None
     try:
         yield
     finally:
-        kv_staging.upload_prefix = saved
+        kv_staging.upload_prefix, kv_pool.patch_pages, kv_pool.copy_pages = saved
 
 
 def _time_driver(driver, ids, *, repeats: int, budget_s: float) -> tuple:

@@ -267,7 +267,7 @@ def make_cache(batch: int):
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4096)], n_kv_heads=N_KV_HEADS,
                             head_dim=HEAD_DIM, capacity=4096, max_seqs=max(BATCHES),
                             max_write=HISTORY, max_step=HISTORY, dtype="float16",
-                            initial_rows=1024)
+                            initial_pages=1024)
     cache = kv.BatchedSequenceCache(config)
     for seq in range(batch):
         cache.seq_new()

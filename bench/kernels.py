@@ -13,10 +13,11 @@ Every figure is a ratio against a ceiling or a peer measured in the same run:
   with the largest |difference| of the outputs as a check.
 
 Cases (float16 storage, 8 kv heads, 32 q heads, head_dim 128): the write of a
-4 x 1024 prefill step and of a 256 x 1 decode step; a clone of 4096 positions over 4
-layers (64 MiB); decode of B in {1, 32, 128} sequences x {512, 4096, 16384} keys;
-a skewed decode batch (64 sequences, `geomspace(32, 32768)` keys) on a flat and on a
-ring layer (window 4096); prefill 4 x 1024, 1 x 4096, 4 x 512 after 4096 cached
+4 x 1024 prefill step and of a 256 x 1 decode step; a clone's ring copies (rings of
+4096 positions over 4 layers, 64 MiB: flat layers share their pages instead);
+decode of B in {1, 32, 128} sequences x {512, 4096, 16384} keys; a skewed decode
+batch (64 sequences, `geomspace(32, 32768)` keys) on a flat and on a ring layer
+(window 4096); prefill 4 x 1024, 1 x 4096, 4 x 512 after 4096 cached
 tokens; a mixed step (4 x 1024 chunks plus 64 decode tokens) against its parts.
 
 GPU ms are CUDA events around back-to-back calls (median of repeats); host µs is
@@ -78,7 +79,7 @@ FULL = Sizes()
 QUICK = dataclasses.replace(FULL, copy_mib=256, decode_batches=(1, 32),
                             decode_histories=(512, 4096), warmup=2, iters=5, repeats=3)
 SMOKE = Sizes(n_kv_heads=1, n_q_heads=2, head_dim=16, copy_mib=1, write_prefill=(2, 4),
-              write_decode=3, clone=(6, 2), decode_batches=(1, 2), decode_histories=(5,),
+              write_decode=3, clone=(32, 2), decode_batches=(1, 2), decode_histories=(5,),
               skewed=(3, 2, 9), ring_window=4, prefill=(("2x5", 2, 5, 0), ("1x5@3", 1, 5, 3)),
               mixed=(1, 5, 2, 3), matmul=64, warmup=0, iters=1, repeats=1)
 
@@ -230,7 +231,7 @@ class Bench:
         config = kv.CacheConfig(layers=layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim,
                                 capacity=capacity, max_seqs=max_seqs, max_write=max_write,
                                 max_step=max_step, dtype=dtype or s.dtype,
-                                initial_rows=capacity)
+                                initial_pages=capacity)
         return kv.BatchedSequenceCache(config, stream=self.stream)
 
     def kv_source(self, tokens, dtype=None):
@@ -292,16 +293,22 @@ class Peers:
         """`[sum(lengths), n_kv_heads, d]` K and V of each sequence's positions in order
         (ring layers: the last `lengths` positions, unwrapped), and `cu_seqlens_k`."""
         torch = self.torch
-        ring = cache.config.layers[layer].window
-        k_store, v_store = (self.tensor(a, cache.config.dtype) for a in cache.layer_data(layer))
-        rows_total = k_store.shape[0]
+        config = cache.config
+        ring = int(config.ring_rows()[layer])
+        page = config.page_size
+        k_store, v_store = (self.tensor(a, config.dtype).reshape(-1, config.n_kv_heads,
+                                                                 config.head_dim)
+                            for a in cache.layer_data(layer))     # slots [pages x page]
         parts_k, parts_v = [], []
         for seq, length in zip(seqs, lengths):
             end = cache.pos(seq)
             positions = torch.arange(end - length, end, device="cuda")
-            rows = positions % rows_total if ring else positions
-            parts_k.append(k_store[rows, seq])
-            parts_v.append(v_store[rows, seq])
+            rows = positions % ring if ring else positions
+            table = torch.as_tensor(cache.page_table(seq, layer).astype(np.int64),
+                                    device="cuda")
+            slots = table[rows // page] * page + rows % page
+            parts_k.append(k_store[slots])
+            parts_v.append(v_store[slots])
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32, device="cuda")
         cu[1:] = torch.cumsum(torch.as_tensor(lengths, device="cuda"), 0)
         return torch.cat(parts_k), torch.cat(parts_v), cu
@@ -363,10 +370,14 @@ def bench_write(bench) -> list:
 
 
 def bench_clone(bench) -> list:
+    """A fork of a sequence holding `tokens` positions on `layers` ring layers of a ring
+    of `tokens` positions: flat layers share their pages (nothing to time but the table
+    work), ring layers copy theirs, so this is the clone's copy bandwidth."""
     s = bench.sizes
     tokens, layers = s.clone
-    cache = bench.cache(layers=[kv.flat()] * layers, capacity=tokens, max_seqs=2,
-                        max_write=tokens, max_step=tokens)
+    chunk = 16
+    cache = bench.cache(layers=[kv.ring(window=tokens - chunk + 1)] * layers,
+                        capacity=2 * tokens, max_seqs=2, max_write=chunk, max_step=chunk)
     k_src, v_src = bench.kv_source(tokens)
     src = cache.seq_new()
     bench.fill(cache, [src], tokens, k_src, v_src)
@@ -376,11 +387,13 @@ def bench_clone(bench) -> list:
 
     ms = bench.gpu_ms(clone)
     host = bench.host_us(clone)
-    nbytes = layers * 2 * tokens * s.n_kv_heads * s.head_dim * np.dtype(s.dtype).itemsize
+    page = cache.config.page_size
+    ring_slots = -(-int(cache.config.ring_rows()[0]) // page) * page
+    nbytes = layers * 2 * ring_slots * s.n_kv_heads * s.head_dim * np.dtype(s.dtype).itemsize
     del cache, k_src, v_src
     bench.release()
-    return [dict(case=f"clone {tokens} positions x {layers} layers", bytes=nbytes, ms=ms,
-                 host_us=host, of_copy=bench.of_copy(2 * nbytes, ms))]
+    return [dict(case=f"clone: rings of {tokens} positions x {layers} layers", bytes=nbytes,
+                 ms=ms, host_us=host, of_copy=bench.of_copy(2 * nbytes, ms))]
 
 
 def _decode_row(bench, peers, cache, seqs, lengths, layer=0) -> dict:

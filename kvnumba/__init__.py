@@ -1,19 +1,20 @@
 """kvnumba: a batched-sequence KV cache for LLM serving, with Numba CUDA kernels.
 
-Many sequences share one cache, each owning a column of every layer's storage.
+Many sequences share one cache, each holding pages of every layer's page pool.
 `BatchedSequenceCache` offers the BatchControl face (contract §7); every slot's
 lifecycle is validated through the machines declared in `statemachines`. The code
 cites the sections of the contract, docs/contract.md, as "contract §n".
 """
 from . import device  # first: chooses GPU or simulator before numba.cuda is imported
 from .device import DeviceError, torch_stream
-from .batched import BatchedSequenceCache
+from .batched import BatchedSequenceCache, PageDemand
 from .config import CacheConfig, LayerSpec, flat, ring
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
                      RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
                      UnknownSequenceError)
 from .plan import Segment, StepPlan
+from .pool import PoolPages
 from .sessions import PackedStep, SessionId, SessionTable
 from .single import SequenceBatchControl, SequenceCache
 from .slots import SlotState, StepState
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
     "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "KVCacheError",
-    "LayerSpec", "OwnerRunError", "PackedStep", "PositionError", "RingFloorError", "Segment",
+    "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages", "PositionError", "RingFloorError", "Segment",
     "SequenceBatchControl", "SequenceCache", "SessionError", "SessionId", "SessionTable",
     "ShapeError", "SlotState", "SlotStateError", "StepPlan", "StepProtocolError", "StepState",
     "UnknownSequenceError", "device", "flat", "ring", "torch_stream",

@@ -1,4 +1,4 @@
-"""`BatchedSequenceCache`: many sequences, one column each, behind the BatchControl face.
+"""`BatchedSequenceCache`: many sequences in shared page pools, behind the BatchControl face.
 
 Host planning (declare/prepare/commit, validated a whole batch at a time through
 the compiled slot machine) is kept apart from device work (the write, copy and
@@ -7,6 +7,7 @@ attention kernels, all launched on the cache's stream).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,11 +21,12 @@ from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, 
                      RingFloorError, ShapeError, StepProtocolError)
 from .kernels import padding, write
 from .kernels.launch import no_output
+from .pages import flashinfer_tables
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
                    StepTables, decode_segments, frozen, held_positions, layer_rows,
                    ring_floor, span_offsets, stage_tables)
 from .paths import AttentionPaths, tables_size
-from .pool import Pool
+from .pool import Pool, PoolPages
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
 
@@ -36,11 +38,31 @@ _max = np.maximum.reduce
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
 
 
-class BatchedSequenceCache:
-    """A KV cache whose sequences each own column `seq` of every layer.
+#: int32 entries a clone's upload starts with (its table patches and page pairs); grown
+#: on demand
+CLONE_TABLES = 4096
 
-    Storage per layer: K and V `[rows, max_seqs + 1, n_kv_heads, head_dim]`; column
-    `max_seqs` is scratch for padding tokens.
+
+class PageDemand(NamedTuple):
+    """What a step would take from the flat layers' pool (`page_demand`): `needed` new
+    pages (copy-on-write pages included) and `free`, the pages it can still give under
+    `max_pages`; `declare_step` refuses the step when `needed > free`."""
+
+    needed: int
+    free: int
+
+
+class BatchedSequenceCache:
+    """A KV cache whose sequences share every layer's page pool, each through its page
+    tables.
+
+    Storage per layer: K and V pools `[n_pages, page_size, n_kv_heads, head_dim]`
+    (`layer_data`). A sequence slot's flat-layer page table lists the pages of its
+    positions in order (position `p`: slot `p % page_size` of its page `p //
+    page_size`); its ring-layer tables the `ceil(R / page_size)` pages of each ring
+    (position `p`: ring slot `p % R`). Flat pages are taken by `prepare_step` as
+    positions need them and shared by `seq_clone` (copy-on-write); ring pages come with
+    `seq_new`. Page 0 of every pool is scratch for padding tokens.
 
     `device`: the CUDA device holding the storage, an int id or a Numba device (None:
     the current one; the simulator has device 0 only; another id is `ConfigError`).
@@ -51,10 +73,9 @@ class BatchedSequenceCache:
 
     `stream`: the CUDA stream every launch and copy goes on (Numba's default if None).
 
-    `scratch_column=False` builds storage without the scratch column,
-    `[rows, max_seqs, n_kv_heads, head_dim]`: padding tokens get column -1 and are
-    written nowhere. `SequenceCache` is built this way, so its storage holds its one
-    sequence and nothing else.
+    `scratch_column=False` builds pools without the scratch page: padding tokens get
+    sequence -1 and are written nowhere. `SequenceCache` is built this way, so its
+    storage holds its one sequence and nothing else.
     """
 
     def __init__(self, config: CacheConfig, device=None, stream=None, *,
@@ -77,9 +98,13 @@ class BatchedSequenceCache:
         with allocating(f"BatchedSequenceCache({n} sequences, capacity {config.capacity}, "
                         f"max_step {config.max_step})"):
             self._slots = SlotTable(n)
-            self._pool = Pool(config, n + 1 if scratch_column else n, self.stream)
+            self._pool = Pool(config, n + 1 if scratch_column else n, scratch_column,
+                              self.stream)
             self._staging = Staging(tables_size(config), self.stream)
-            self._paths = AttentionPaths(config, self.stream)
+            self._clone_staging = Staging(CLONE_TABLES, self.stream)
+            self._paths = AttentionPaths(config, self.stream,
+                                         {kind.rows: kind.pages for kind in self._pool.kinds},
+                                         self._pool.page_bits)
             # read-only ramps reused by every decode step (no per-step allocation); a step
             # whose every token is its own run of a distinct sequence has at most this many
             ramp = min(config.max_step, n)
@@ -92,9 +117,11 @@ class BatchedSequenceCache:
         self._routes = None    # the prepared step's attention paths (`paths.StepPaths`)
         self._writes = None    # the K/V writes (`write.WriteRun`) of the last prepared step
         self._zero = None      # its padding rows' zeroing launch, or None without padding
-        # what a launch needs of each layer, as Python ints: (ring rows R or 0, window or 0)
-        self._layer_geometry = [(int(rows), spec.window or 0) for rows, spec in
-                                zip(self._pool.ring_rows, config.layers)]
+        self._pages_needed = 0  # new flat pages the declared step takes
+        # what a launch needs of each layer: (ring rows R or 0, window or 0, device table)
+        self._layer_geometry = [(int(rows), spec.window or 0, kind.pages) for rows, spec, kind
+                                in zip(self._pool.ring_rows, config.layers,
+                                       self._pool.kind_of)]
         # the kernels take scale and softcap as float32: the defaults converted once
         self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
         self._kv_shape = None   # the prepared step's K/V shape [width, n_kv_heads, head_dim]
@@ -104,7 +131,7 @@ class BatchedSequenceCache:
     # ------------------------------------------------------------------ queries
     @property
     def max_seqs(self) -> int:
-        """Sequence columns handed out (ids `0 .. max_seqs - 1`)."""
+        """Sequence slots handed out (ids `0 .. max_seqs - 1`)."""
         return self._n
 
     @property
@@ -118,13 +145,77 @@ class BatchedSequenceCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V storage over all layers."""
+        """Bytes of K/V storage allocated over all layers (every pool's pages)."""
         return self._pool.nbytes
 
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of the pages live sequences hold over all layers, a page shared by
+        clones counted once (the scratch page not at all)."""
+        return self._pool.nbytes_held
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
     def layer_data(self, layer: int):
-        """`(k, v)` device arrays of `layer`, `[rows, n_cols, n_kv_heads, head_dim]`."""
+        """`(k, v)` page pools of `layer`, `[n_pages, page_size, n_kv_heads, head_dim]`
+        device arrays (they move when the pool grows)."""
         layer = self._layer(layer, "layer_data")
         return self._pool.k[layer], self._pool.v[layer]
+
+    def pool_pages(self) -> tuple:
+        """One `PoolPages` per layer kind (flat layers first, then each ring size): its
+        layers, pages in use, free (under `max_pages`), allocated and `max_pages`."""
+        return tuple(kind.report() for kind in self._pool.kinds)
+
+    def page_demand(self, seq_ids) -> PageDemand:
+        """How many new flat pages `declare_step(seq_ids)` would take and how many the
+        pool can give, without declaring (ids as `declare_step` takes them; ring pages
+        come with `seq_new`, never with a step). Changes nothing."""
+        ids = as_ids(seq_ids, self._n, "page_demand seq_ids")
+        flat = self._pool.flat
+        if flat is None or ids.size == 0:
+            return PageDemand(0, 0 if flat is None else flat.available)
+        counts = np.bincount(ids, minlength=self._n)
+        seqs = np.flatnonzero(counts)
+        return PageDemand(self._pool.step_demand(seqs, counts[seqs], self._slots.pos),
+                          flat.available)
+
+    def page_table(self, seq: int, layer: int) -> np.ndarray:
+        """A host copy of the page ids `seq` holds on `layer`'s kind, in order (flat:
+        position `p` in page `[p // page_size]`; ring: ring slot `s` in `[s //
+        page_size]`)."""
+        seq = self._id(seq, "page_table")
+        kind = self._pool.kind_of[self._layer(layer, "page_table")]
+        return kind.table[seq, :kind.held[seq]].copy()
+
+    def paged_kv(self, seqs=None) -> tuple:
+        """The flat layers' pages of sequences `seqs` in FlashInfer's paged-KV format:
+        `(kv_indptr [n + 1], kv_indices, kv_last_page_len [n])`, int32 host arrays over
+        any flat layer's pools (`layer_data`, NHD layout; all flat layers share page ids).
+
+        `seqs` None: the prepared step's sequences, in the order of their first spans,
+        each described through the positions the step writes (`pos` + its tokens);
+        given (ids), between steps or in a step, each through the positions it holds now.
+        """
+        flat = self._pool.flat
+        if flat is None:
+            raise ConfigError("paged_kv: the cache has no flat layers (ring layers are "
+                              "rings of pages, not FlashInfer's paged format)")
+        pos = self._slots.pos
+        if seqs is None:
+            self._require_prepared("paged_kv")
+            run_seqs = self._tables.runs[0]
+            order = np.unique(run_seqs, return_index=True)[1]
+            ids = run_seqs[np.sort(order)]
+            written = np.zeros(self._n, np.int64)
+            written[self._seq_totals[0]] = self._seq_totals[1]   # its sequences are distinct
+            lengths = pos[ids] + written[ids]
+        else:
+            ids = as_ids(seqs, self._n, "paged_kv seqs")
+            lengths = pos[ids]
+        return flashinfer_tables(flat.table, ids, lengths.astype(np.int64), self.page_size)
 
     def pos(self, seq: int) -> int:
         """Positions the sequence holds (the next token takes this position)."""
@@ -148,27 +239,39 @@ class BatchedSequenceCache:
                           self.config.max_write)
 
     # ------------------------------------------------------------------ sequence verbs
+    @on_its_device
     def seq_new(self) -> int:
-        """Claim the lowest free column: state CLAIMED, pos 0, high-water 0."""
+        """Claim the lowest free slot: state CLAIMED, pos 0, high-water 0, and its ring
+        pages (`CapacityError`, nothing claimed, when a ring pool cannot give them)."""
         self._step.require_idle("seq_new")
         seq = self._lowest_free("seq_new")
-        self._slots.apply("seq_new", seq, self._slots.check_one("seq_new", seq))
+        nxt = self._slots.check_one("seq_new", seq)
+        self._pool.claim_rings(seq, "seq_new")
+        self._slots.apply("seq_new", seq, nxt)
         self._slots.pos[seq] = self._slots.high_water[seq] = 0
         return seq
 
     def seq_rm(self, seq: int) -> None:
-        """Free the sequence: state FREE, pos 0, high-water 0 (bytes are not zeroed)."""
+        """Free the sequence and its pages: state FREE, pos 0, high-water 0 (bytes are not
+        zeroed; a page shared with a clone stays with the clone)."""
         self._step.require_idle("seq_rm")
         seq = self._id(seq, "seq_rm")
-        self._slots.apply("seq_rm", seq, self._slots.check_one("seq_rm", seq))
+        nxt = self._slots.check_one("seq_rm", seq)
+        self._pool.release(seq)
+        self._slots.apply("seq_rm", seq, nxt)
         self._slots.pos[seq] = self._slots.high_water[seq] = 0
 
     @on_its_device
     def seq_clone(self, src: int, upto: int | None = None) -> int:
-        """Copy `src`'s first `upto` positions (default all) into the lowest free column.
+        """A new sequence in the lowest free slot holding `src`'s first `upto` positions
+        (default all).
 
-        The clone is COMMITTED with `pos = upto` and `src`'s high-water. Refused:
-        `src` not COMMITTED/REWOUND, `upto` outside `[max(1, floor), pos]`, no free column.
+        Flat layers share `src`'s pages wholly below `upto` and copy the one that
+        straddles it; ring layers get pages of their own, copied. Neither sequence sees
+        the other's later writes (a write into a shared page copies it first). The clone
+        is COMMITTED with `pos = upto` and `src`'s high-water. Refused: `src` not
+        COMMITTED/REWOUND, `upto` outside `[max(1, floor), pos]`, no free slot, a pool
+        that cannot give the clone's new pages (`CapacityError`).
         """
         self._step.require_idle("seq_clone")
         src = self._id(src, "seq_clone")
@@ -184,14 +287,15 @@ class BatchedSequenceCache:
         dst = self._lowest_free("seq_clone")
         nxt = self._slots.check_one("clone_into", dst)
         high_water = int(self._slots.high_water[src])
-        self._pool.copy_sequence(src, dst, keep, high_water)
+        self._pool.clone(src, dst, keep, self._clone_staging, "seq_clone")
         self._slots.apply("clone_into", dst, nxt)
         self._slots.pos[dst] = keep
         self._slots.high_water[dst] = high_water
         return dst
 
     def rewind(self, seq: int, position: int) -> None:
-        """Move the sequence back to `position` (`floor <= position <= pos`); no bytes move."""
+        """Move the sequence back to `position` (`floor <= position <= pos`); no bytes move.
+        Its flat pages wholly at or past `position` are released."""
         self._step.require_idle("rewind")
         seq = self._id(seq, "rewind")
         nxt = self._slots.check_one("rewind", seq)
@@ -201,6 +305,7 @@ class BatchedSequenceCache:
             raise PositionError(f"rewind: position {position} outside [{self._floor(seq)}, {pos}] "
                                 f"for sequence {seq}")
         self._check_floor(seq, position, "rewind")
+        self._pool.rewind(seq, position)
         self._slots.apply("rewind", seq, nxt)
         self._slots.pos[seq] = position
 
@@ -251,6 +356,7 @@ class BatchedSequenceCache:
         if max_kv_len > self.config.capacity:
             self._refuse_capacity(ids, ones, furthest)
         self._check_step_tokens(n_tokens)
+        self._check_pages(ids, ones)
         if block_ids is not None:
             seq_info[:, FLAGS] = flags
         self._slots.declare(ids)
@@ -277,6 +383,7 @@ class BatchedSequenceCache:
             pos_start = pos_start + offsets
         max_kv_len = self._check_totals(seqs, totals)
         self._check_step_tokens(n_tokens)
+        self._check_pages(seqs, totals)
         seq_info = np.empty((run_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
         seq_info[:, Q_START] = run_starts
         seq_info[:, Q_LEN] = run_lens
@@ -292,9 +399,13 @@ class BatchedSequenceCache:
     def prepare_step(self, width: int | None = None) -> StepPlan:
         """Stage the declared step at `width` tokens (default: no padding).
 
-        Grows flat layers if the step needs rows they lack (transactional), builds
-        `seq_cols` / `positions` (padding -> scratch column, position 0) and uploads
-        them with the segment table in one host-to-device copy, without a host sync.
+        Takes the flat pages the step's positions need (growing the pool when allowed,
+        transactionally: a failed growth is `CapacityError` with the step still
+        declared), replaces each shared page the step writes into by a copy
+        (copy-on-write), builds `seq_cols` / `positions` (padding -> the scratch row,
+        position 0) and uploads them with the segment table and the page-table changes
+        in one host-to-device copy, without a host sync; the table patches and the
+        copies run on the device before any write.
         """
         nxt_step = self._step.check("prepare", "prepare_step")
         plan = self._tables
@@ -302,22 +413,31 @@ class BatchedSequenceCache:
         if not plan.n_tokens <= width <= self.config.max_step:
             raise CapacityError(f"prepare_step: width {width} outside [n_tokens "
                                 f"{plan.n_tokens}, max_step {self.config.max_step}]")
-        if plan.max_kv_len > self._pool.flat_rows:
-            self._pool.ensure_row(plan.max_kv_len - 1, int(_max(self._slots.high_water)))
+        patches, copies = self._pool.claim_step(*self._seq_totals, self._slots.pos,
+                                                self._pages_needed, "prepare_step")
         info, staging = plan.seq_info, self._staging
         # each token's column and position, then the segment table, then the paths' plans
         host = staging.begin(2 * width + info.size)
         at = stage_tables(host, *plan.runs, info, plan.n_tokens, width, self._pad_col, True)
         routes, end = self._paths.plan(info, plan.max_q_len, plan.max_kv_len, staging,
                                        info_at=2 * width, at=at)
+        patches_at = end
+        if patches is not None:
+            end = staging.put(patches, end)
+        copies_at = end
+        if copies is not None:
+            end = staging.put(copies, end)
         staging.send(end)
         tables, stream = staging.device, self.stream
+        self._pool.run_step_tables(tables, patches_at, 0 if patches is None else len(patches),
+                                   copies_at, 0 if copies is None else len(copies))
         routes.buffers = self._buffer_addresses
         plan.routes = self._routes = routes
         writes = self._writes      # the last step's, with its launches, if it fits this one
         if writes is None or writes.width != width or writes.tables is not tables:
             self._writes = write.prepare(tables, width, self._kv_run,
-                                         self.config.storage_dtype, stream)
+                                         self.config.storage_dtype, self._pool.page_bits,
+                                         stream)
         self._zero = padding.prepare(width, plan.n_tokens, stream)
         plan.width, plan.pad_col = width, self._pad_col
         self._kv_shape = (width, self.config.n_kv_heads, self.config.head_dim)
@@ -330,7 +450,7 @@ class BatchedSequenceCache:
         groups, the step tables and the attention partials (0 while there are none)."""
         workspace = self._paths.workspace
         return tuple(0 if array is None else device_pointer(array) for array in
-                     (*self._pool.groups.values(), self._staging.device,
+                     (*self._pool.groups(), self._pool.device_tables, self._staging.device,
                       workspace.part_acc, workspace.part_ml))
 
     def commit_step(self) -> None:
@@ -355,7 +475,8 @@ class BatchedSequenceCache:
         """Return every sequence of the step to its earlier state; nothing advances.
 
         After `prepare_step` the kernels may have written, so each sequence's
-        high-water rises to the end of its last span.
+        high-water rises to the end of its last span, and the flat pages the step took
+        past its positions are released.
         """
         nxt_step = self._step.check("abort", "abort_step")
         seqs, totals = self._seq_totals
@@ -363,6 +484,7 @@ class BatchedSequenceCache:
         if self._step.index == StepState.PREPARED:
             hw = self._slots.high_water
             hw[seqs] = np.maximum(hw[seqs], self._slots.pos[seqs] + totals)
+            self._pool.abort(seqs, self._slots.pos)
         self._close(nxt_step, "abort")
 
     def check_declarable(self, seqs: np.ndarray) -> None:
@@ -435,8 +557,9 @@ class BatchedSequenceCache:
 
     def _launch_write(self, layer, k, v) -> None:
         pool, stream = self._pool, self.stream
-        self._writes(pool.k[layer], pool.v[layer], device_view(k, stream),
-                     device_view(v, stream), self._layer_geometry[layer][0])
+        ring_rows, _, pages = self._layer_geometry[layer]
+        self._writes(pool.k_slots[layer], pool.v_slots[layer], device_view(k, stream),
+                     device_view(v, stream), ring_rows, pages)
         self._written[layer] = True
 
     def _attend_args(self, layer, q, out, scale, softcap, lse) -> tuple:
@@ -462,11 +585,11 @@ class BatchedSequenceCache:
         lse_device = no_output() if row_lse is None else row_lse.device
         if self._zero is not None:
             self._zero(result.device, lse_device)
-        ring_rows, window = self._layer_geometry[layer]
-        self._paths.run(self._routes, device_view(q, stream), self._pool.k[layer],
-                        self._pool.v[layer], self._staging.device, result.device, lse_device,
-                        ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
-                        stream=stream)
+        ring_rows, window, pages = self._layer_geometry[layer]
+        self._paths.run(self._routes, device_view(q, stream), self._pool.k_slots[layer],
+                        self._pool.v_slots[layer], self._staging.device, result.device,
+                        lse_device, ring_rows=ring_rows, window=window, pages=pages,
+                        scale=scale, softcap=softcap, stream=stream)
         if row_lse is not None:
             row_lse.value()          # a host `lse` is filled from the device
         return result.value()
@@ -484,11 +607,10 @@ class BatchedSequenceCache:
                                      int(self._slots.high_water[seq]), ring)
         positions = np.arange(start, stop, dtype=np.int64)
         rows = positions % ring if ring else positions
-        n_rows = int(rows.max()) + 1 if rows.size else 0
+        slots = self._pool.slots(layer, seq, rows)
         host = self.config.np_dtype
-        k, v = (store[:n_rows].copy_to_host(stream=self.stream)[rows, seq].view(host)
-                if n_rows else np.zeros((0,) + store.shape[2:], host)
-                for store in (self._pool.k[layer], self._pool.v[layer]))
+        k, v = (store.copy_to_host(stream=self.stream)[slots].view(host)
+                for store in (self._pool.k_slots[layer], self._pool.v_slots[layer]))
         return positions, k, v
 
     # ------------------------------------------------------------------ checks
@@ -542,7 +664,7 @@ class BatchedSequenceCache:
     def _lowest_free(self, verb: str) -> int:
         free = np.flatnonzero(self._slots.state == SlotState.FREE)
         if free.size == 0:
-            raise CacheFullError(f"{verb}: all {self._n} sequence columns are in use")
+            raise CacheFullError(f"{verb}: all {self._n} sequence slots are in use")
         return int(free[0])
 
     def _check_floor(self, seq: int, target: int, verb: str) -> None:
@@ -568,6 +690,14 @@ class BatchedSequenceCache:
         raise CapacityError(f"declare_step: sequence {int(seqs[i])} at pos "
                             f"{int(self._slots.pos[seqs[i]])} + {int(totals[i])} tokens "
                             f"exceeds capacity {self.config.capacity}")
+
+    def _check_pages(self, seqs, totals) -> None:
+        """Refuse a step whose new flat pages do not fit under `max_pages`; keeps the
+        count for `prepare_step`."""
+        needed = self._pool.step_demand(seqs, totals, self._slots.pos)
+        if needed:
+            self._pool.flat.require(needed, "declare_step")
+        self._pages_needed = needed
 
     def _check_step_tokens(self, n_tokens: int) -> None:
         if n_tokens > self.config.max_step:

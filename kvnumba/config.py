@@ -6,12 +6,13 @@ field and the rule it broke.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .args import describe, is_int
+from .args import as_count, describe, is_int
 from .errors import ConfigError
+from .pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
 from .plan import layer_rows
 
 #: storage dtypes, by name: the dtype of the device arrays (bfloat16: its bit patterns as
@@ -19,11 +20,11 @@ from .plan import layer_rows
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 #: the largest head_dim the attention kernels are built for
 MAX_HEAD_DIM = 256
-#: positions and token indices travel to the kernels as int32
+#: positions, token indices, storage slots and page-table entries travel to the kernels
+#: as int32
 INT32_MAX = 2**31 - 1
-#: the attention kernels step from one storage row (every column's kv heads) to the next
-#: in unsigned 32-bit byte strides, so a row must stay under 4 GiB
-ROW_BYTES_LIMIT = 2**32
+#: the default pool's first pages per flat kind hold this many positions of one sequence
+INITIAL_POSITIONS = 256
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,18 @@ class CacheConfig:
     n_kv_heads:   K/V heads per layer.
     head_dim:     elements per head, 1..256.
     capacity:     most positions one sequence may hold (a hard bound).
-    max_seqs:     sequence columns handed out; column `max_seqs` is scratch.
+    max_seqs:     sequence slots handed out (ids `0 .. max_seqs - 1`).
     max_write:    most tokens one sequence writes in one step (`M`).
     max_step:     most tokens, padding included, in one step.
     dtype:        storage dtype, "float32", "float16" or "bfloat16" (bfloat16 needs the
                   ml_dtypes package for its host arrays: `kvnumba[bf16]`).
-    initial_rows: rows a flat layer starts with (capped at capacity); grows by whole rows.
+    page_size:    positions per page, a power of two from 8 to 256 (default 16).
+    initial_pages: pages each layer kind's pool starts with (None: one sequence's worth,
+                  `kind_pages`); the pool grows by doubling up to `max_pages`.
+    max_pages:    the most pages each layer kind's pool may hold (None: enough for every
+                  sequence at capacity, so the pool never binds); `initial_pages ==
+                  max_pages` is a fixed pool that never moves (`fixed_pool` sizes one
+                  from a byte budget). A pool's pages include one scratch page.
     """
 
     layers: list = field(default_factory=lambda: [flat()])
@@ -99,7 +106,9 @@ class CacheConfig:
     max_write: int = 512
     max_step: int = 1024
     dtype: str = "float16"
-    initial_rows: int = 256
+    page_size: int = DEFAULT_PAGE_SIZE
+    initial_pages: int | None = None
+    max_pages: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.layers, (list, tuple)):
@@ -122,20 +131,79 @@ class CacheConfig:
                      rule=f"1 <= max_write <= capacity ({self.capacity})")
         _require_int("max_step", self.max_step, self.max_write, INT32_MAX,
                      rule=f"max_step >= max_write ({self.max_write}) and max_step <= {INT32_MAX}")
-        _require_int("initial_rows", self.initial_rows, 1)
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
-        row_bytes = ((self.max_seqs + 1) * self.n_kv_heads * self.head_dim
-                     * self.storage_dtype.itemsize)
-        if row_bytes >= ROW_BYTES_LIMIT:
-            raise ConfigError(f"max_seqs={self.max_seqs}: a storage row holds max_seqs + 1 "
-                              f"columns x {self.n_kv_heads} kv heads x head_dim "
-                              f"{self.head_dim} x {self.storage_dtype.itemsize} bytes = "
-                              f"{row_bytes} bytes, and rows must stay under 4 GiB "
-                              f"({ROW_BYTES_LIMIT}): use fewer sequences per cache")
+        self._check_pages()
         if self.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
             raise ConfigError("dtype='bfloat16': host arrays of bfloat16 need the ml_dtypes "
                               "package: pip install 'kvnumba[bf16]' (or ml_dtypes)")
+
+    def _check_pages(self) -> None:
+        size = _require_int("page_size", self.page_size, MIN_PAGE_SIZE, MAX_PAGE_SIZE)
+        if size & (size - 1):
+            raise ConfigError(f"page_size={size}: requires a power of two from "
+                              f"{MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}")
+        slot_bound = INT32_MAX // size      # a pool's slots are int32 in the kernels
+        if self.max_pages is not None:
+            _require_int("max_pages", self.max_pages, 1, slot_bound,
+                         rule=f"1 <= max_pages <= {slot_bound} (max_pages x page_size "
+                              f"{size} slots must stay int32)")
+        if self.initial_pages is not None:
+            hi = self.max_pages if self.max_pages is not None else slot_bound
+            _require_int("initial_pages", self.initial_pages, 1, hi,
+                         rule=f"1 <= initial_pages <= max_pages ({hi})")
+        entries = (self.max_seqs + 1) * sum(self.table_width(rows) for rows in
+                                            set(self.ring_rows().tolist()))
+        if entries > INT32_MAX:
+            raise ConfigError(f"max_seqs={self.max_seqs}, capacity={self.capacity}, "
+                              f"page_size={size}: the page tables would hold {entries} "
+                              f"entries, more than {INT32_MAX} (their indices are int32): "
+                              f"use larger pages or fewer sequences per cache")
+
+    def ring_rows(self) -> np.ndarray:
+        """`R` per layer, 0 for a flat layer."""
+        return layer_rows([s.window for s in self.layers], self.max_write, self.capacity)
+
+    def table_width(self, rows: int) -> int:
+        """Pages per sequence of a layer kind: `ceil(capacity / P)` for flat layers (rows
+        0), `ceil(R / P)` for ring layers of `R` rows."""
+        return pages_for(rows or self.capacity, self.page_size)
+
+    def kind_pages(self, rows: int) -> tuple[int, int]:
+        """`(initial, max)` pages of the pool of one layer kind (rows 0: flat, else R).
+
+        Defaults: initially one sequence's worth (`min(capacity, 256)` positions on a flat
+        kind, one ring on a ring kind) plus the scratch page; at most every sequence at its
+        worst (`max_seqs` tables full) plus the scratch page, so the pool never binds
+        (within the int32 slot bound). A given `initial_pages` past that default bound is
+        capped at it: the pool never needs more."""
+        width = self.table_width(rows)
+        bound = INT32_MAX // self.page_size
+        most = self.max_pages if self.max_pages is not None else \
+            min(bound, self.max_seqs * width + 1)
+        first = pages_for(min(self.capacity, INITIAL_POSITIONS), self.page_size) \
+            if not rows else width
+        initial = first + 1 if self.initial_pages is None else self.initial_pages
+        return min(initial, most), most
+
+    def fixed_pool(self, nbytes: int) -> "CacheConfig":
+        """This config with a fixed pool (`initial_pages == max_pages`) of as many pages per
+        layer kind as fit `nbytes` bytes: each page id is a page in every layer, `page_size
+        x bytes_per_token` bytes, so `n = nbytes // (page_size x bytes_per_token)`."""
+        per_page = self.page_size * self.bytes_per_token
+        n = as_count(nbytes, "fixed_pool nbytes", 0) // per_page
+        if n < 2:
+            raise ConfigError(f"fixed_pool({nbytes}): a pool needs at least 2 pages of "
+                              f"{per_page} bytes (page_size {self.page_size} x "
+                              f"bytes_per_token {self.bytes_per_token}), so at least "
+                              f"{2 * per_page} bytes")
+        n = min(n, INT32_MAX // self.page_size)
+        return replace(self, initial_pages=n, max_pages=n)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer, K and V."""
+        return 2 * self.page_size * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -156,17 +224,5 @@ class CacheConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one position in one column over all layers, K and V."""
+        """Bytes of one position of one sequence over all layers, K and V."""
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
-
-    def nbytes_at(self, rows: int, columns: int | None = None) -> int:
-        """Storage bytes when flat layers hold `rows` rows (ring layers always hold their R).
-
-        `columns`: storage columns, by default `max_seqs + 1` (a `BatchedSequenceCache`:
-        the last is scratch); a `SequenceCache` has 1. Flat growth grows every column at
-        once, so this is the cost of the longest sequence times every column.
-        """
-        columns = self.max_seqs + 1 if columns is None else columns
-        per_row = columns * 2 * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
-        ring = layer_rows([s.window for s in self.layers], self.max_write, self.capacity)
-        return per_row * int(np.where(ring > 0, ring, rows).sum())

@@ -575,7 +575,8 @@ def cache_config(opts: Options) -> CacheConfig:
     layers = [flat() if w is None else ring(window=w) for w in opts.layers]
     return CacheConfig(layers=layers, n_kv_heads=opts.kv_heads, head_dim=opts.head_dim,
                        capacity=256, max_seqs=opts.sessions + 1, max_write=opts.max_write,
-                       max_step=max_step_for(opts), dtype=opts.dtype, initial_rows=16)
+                       max_step=max_step_for(opts), dtype=opts.dtype, page_size=8,
+                       initial_pages=2)
 
 
 def build_model(opts: Options) -> DemoModel:
@@ -615,7 +616,7 @@ def _run(opts, out, tamper, tamper_step, fail_fast, started) -> DemoResult:
         print(_header(opts, config, prompts, cached.cache), file=out, flush=True)
         print(STEP_HEADER, file=out, flush=True)
     flat_layers = [i for i, w in enumerate(opts.layers) if w is None]
-    rows_before = cached.cache.layer_data(flat_layers[0])[0].shape[0] if flat_layers else None
+    pages_before = cached.cache.layer_data(flat_layers[0])[0].shape[0] if flat_layers else None
     scenario = Scenario(checked, model, opts, prompts)
     completed = True
     try:
@@ -652,14 +653,16 @@ def _run(opts, out, tamper, tamper_step, fail_fast, started) -> DemoResult:
                                  f"{rows} rows; sessions wrote up to position "
                                  f"{scenario.max_pos - 1}")
     if flat_layers:
-        rows_after = cached.cache.layer_data(flat_layers[0])[0].shape[0]
-        features["flat growth"] = f"flat layers grew from {rows_before} to {rows_after} rows"
+        pages_after = cached.cache.layer_data(flat_layers[0])[0].shape[0]
+        features["flat growth"] = (f"the flat layers' pool grew from {pages_before} to "
+                                   f"{pages_after} pages of {config.page_size} positions; "
+                                   f"forks shared their prefixes' pages")
     if completed:
         freed = all(int(cached.cache.state(s)) == 0 for s in range(config.max_seqs))
-        features["close"] = "every session closed, every column free" if freed else \
-            "columns still in use after closing every session"
+        features["close"] = "every session closed, every sequence slot free" if freed else \
+            "sequence slots still in use after closing every session"
         if not freed:
-            mismatches.append("columns still in use after closing every session")
+            mismatches.append("sequence slots still in use after closing every session")
     ok = completed and not mismatches
     result = DemoResult(ok, sessions, checked.reports, mismatches, features,
                         time.perf_counter() - started, completed)

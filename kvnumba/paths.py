@@ -80,7 +80,7 @@ class StepPaths:
 class AttentionPaths:
     """The attention paths of one cache (chosen once from its config) and their workspace."""
 
-    def __init__(self, config, stream=0):
+    def __init__(self, config, stream, pages: dict, page_bits: int):
         self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
         self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
         self.windows = sorted({spec.window or 0 for spec in config.layers})
@@ -88,6 +88,9 @@ class AttentionPaths:
         self.ring_rows = {window: int(rows) for window, rows in zip(
             self.windows, layer_rows([w or None for w in self.windows], config.max_write,
                                      config.capacity))}
+        # the device page table of the layers of each window, by window
+        self.pages = {window: pages[rows] for window, rows in self.ring_rows.items()}
+        self.page_bits = page_bits
         self.stream = stream
         self.workspace = AttentionWorkspace()
         self._ramp = np.arange(0, dtype=np.int32)    # every segment's index, grown on demand
@@ -159,32 +162,38 @@ class AttentionPaths:
             if run is None or run.tables is not tables or run.seq_info_off != info_at or \
                     run.placed != found:
                 runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace,
-                                                self.ring_rows[window], window, self.stream)
+                                                self.ring_rows[window], window,
+                                                self.pages[window], self.page_bits,
+                                                self.stream)
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
     def run(self, paths: StepPaths, q, k_store, v_store, tables, out, lse, *, ring_rows,
-            window, scale, softcap, stream) -> None:
-        """Launch the step's paths for one layer: each writes its segments' rows of `out`,
+            window, pages, scale, softcap, stream) -> None:
+        """Launch the step's paths for one layer (`k_store`, `v_store`: its slot storage,
+        `pages`: its kind's device page table): each writes its segments' rows of `out`,
         and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
         rows (`launch.no_output()`)."""
+        page_bits = self.page_bits
         if paths.decode.n and self.decode_fast:
             decode.run(q, k_store, v_store, tables, out=out, lse=lse, scale=scale,
                        softcap=softcap, stream=stream, planned=paths.decode_runs[window])
         elif paths.decode.n:
             generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
+                           pages=pages, page_bits=page_bits,
                            path="decode", kv_chunk=decode.CHUNK, ring_rows=ring_rows,
                            window=window, scale=scale, softcap=softcap, stream=stream,
                            **paths.decode_args)
         if not paths.prefill.n:
             return
         if self.prefill_fast and scale > 0:
-            prefill.run(q, k_store, v_store, tables, out=out, lse=lse, ring_rows=ring_rows,
+            prefill.run(q, k_store, v_store, tables, pages=pages, page_bits=page_bits,
+                        out=out, lse=lse, ring_rows=ring_rows,
                         window=window, scale=scale, softcap=softcap, stream=stream,
                         **paths.prefill_args)
         else:
             generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
-                           path="prefill", max_kv_len=paths.prefill.max_kv_len,
+                           pages=pages, page_bits=page_bits, path="prefill", max_kv_len=paths.prefill.max_kv_len,
                            ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
                            stream=stream, **paths.prefill_args)
 

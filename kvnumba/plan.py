@@ -13,7 +13,7 @@ from numba import njit, uint64
 # --- the segment table the attention kernel reads: seq_info[segment, field] (int32) ---
 Q_START = 0      # first token of the segment on the step's token axis
 Q_LEN = 1        # tokens in the segment
-COL = 2          # the sequence's storage column
+COL = 2          # the sequence (its slot: the row of its page tables)
 POS_START = 3    # position of its first token (pos(seq) for a first span; later ones follow)
 FLAGS = 4        # bit field, see FLAG_BLOCK
 SEQ_INFO_FIELDS = 5
@@ -105,9 +105,9 @@ def span_offsets(run_seqs: np.ndarray, run_lens: np.ndarray):
 
 def token_tables(run_seqs: np.ndarray, run_lens: np.ndarray, seq_info: np.ndarray,
                  n_tokens: int, width: int, pad_col: int) -> tuple:
-    """`(seq_cols, positions)` [width] int32 of a step: each token's column and position,
+    """`(seq_cols, positions)` [width] int32 of a step: each token's sequence and position,
     from its spans (`run_seqs`, `run_lens`, in token order) and its segment table; the
-    `width - n_tokens` padding tokens take column `pad_col` and position 0. Read-only
+    `width - n_tokens` padding tokens take sequence `pad_col` and position 0. Read-only
     (views of one frozen buffer)."""
     tables = np.empty(2 * width, dtype=np.int32)
     stage_tables(tables, run_seqs, run_lens, seq_info, n_tokens, width, pad_col, False)
@@ -118,7 +118,7 @@ def token_tables(run_seqs: np.ndarray, run_lens: np.ndarray, seq_info: np.ndarra
 @njit(cache=True)
 def stage_tables(out, run_seqs, run_lens, seq_info, n_tokens, width, pad_col, with_segments):
     """Write a step's token tables into the flat int32 buffer `out` (one compiled pass):
-    each token's column at `[0, width)`, its position at `[width, 2 * width)` (see
+    each token's sequence at `[0, width)`, its position at `[width, 2 * width)` (see
     `token_tables`), then, `with_segments`, the segment table's rows; returns where they
     end. (The buffer is indexed unsigned: Numba adds no negative-index fix-up to it.)"""
     columns = uint64(0)
@@ -180,7 +180,7 @@ class StepTables:
 
     n_tokens, width (None until prepared), seq_info [n_segments, SEQ_INFO_FIELDS],
     logit_indices [n_segments], max_q_len, max_kv_len, runs (the spans' sequences and
-    lengths, in token order), and once prepared pad_col (the padding tokens' column),
+    lengths, in token order), and once prepared pad_col (the padding tokens' sequence: the scratch row),
     the attention routes and seq_cols / positions [width]; every array read-only. The
     kernels read the token tables staged (`stage_tables`); the arrays are built from the
     runs when first read.
@@ -273,8 +273,9 @@ class StepPlan:
     logit_indices = _read("logit_indices", "[n_segments] int64: each segment's last token.")
     max_q_len = _read("max_q_len", "The longest segment (tokens).")
     max_kv_len = _read("max_kv_len", "The furthest position + 1 any segment reaches.")
-    seq_cols = _read("seq_cols", "[width] int32 storage column per token (padding -> scratch "
-                                 "column, or -1 without one); None until prepared.")
+    seq_cols = _read("seq_cols", "[width] int32 sequence per token (padding -> the scratch "
+                                 "marker max_seqs, or -1 without a scratch page); None until "
+                                 "prepared.")
     positions = _read("positions", "[width] int32 position per token (padding -> 0); None "
                                    "until prepared.")
     launch_key = _read("launch_key", "A hashable summary of the prepared step's kernel "

@@ -1,7 +1,7 @@
 """`SessionTable`: sessions mapped onto sequences through BatchControl alone (contract §10).
 
 A session is what a serving loop calls a conversation; a sequence is a cache
-column. The table hands out session ids (from 1, monotonic, never reused), keeps
+sequence slot. The table hands out session ids (from 1, monotonic, never reused), keeps
 one sequence per session, and packs a batch of `(sid, start, tokens)` inputs
 into one step's token axis (`PackedStep`), queueing the rewinds that inputs
 starting before a session's cursor imply. A session may have several inputs in

@@ -1,8 +1,8 @@
 """The single-sequence cache and its BatchControl face (contract §10).
 
 `SequenceCache` holds exactly one sequence. It is built on the same machinery as
-the batched cache — a `BatchedSequenceCache` with one column and *no* scratch
-column, holding sequence 0 — so planning, the declared slot lifecycle, the
+the batched cache — a `BatchedSequenceCache` with one sequence slot and *no*
+scratch page, holding sequence 0 — so planning, the declared slot lifecycle, the
 kernels and every refusal are shared. Padding tokens of a padded step get
 `seq_cols` entry -1 and are written nowhere.
 
@@ -20,14 +20,14 @@ from .errors import CapacityError, CloneRefusedError, ConfigError, ShapeError, S
 from .plan import StepPlan
 from .slots import SlotState, StepState
 
-_SEQ = 0  # the one sequence's id and column
+_SEQ = 0  # the one sequence's id
 
 
 class SequenceCache:
     """A KV cache for exactly one sequence (`config.max_seqs` must be 1).
 
-    Storage per layer: K and V `[rows, 1, n_kv_heads, head_dim]` (no scratch
-    column). A fresh cache holds its sequence CLAIMED and empty. The sequence
+    Storage per layer: K and V page pools `[n_pages, page_size, n_kv_heads, head_dim]`
+    holding only its sequence's pages (no scratch page). A fresh cache holds its sequence CLAIMED and empty. The sequence
     follows the declared slot lifecycle of contract §6: `rewind` needs history
     (COMMITTED or REWOUND), the step verbs follow the step protocol, and every
     refusal is typed and changes nothing.
@@ -97,11 +97,16 @@ class SequenceCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of K/V storage over all layers (one column: no scratch)."""
+        """Bytes of K/V storage allocated over all layers (its pools' pages)."""
         return self._inner.nbytes
 
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of the pages the sequence holds over all layers."""
+        return self._inner.nbytes_held
+
     def layer_data(self, layer: int):
-        """`(k, v)` device arrays of `layer`, `[rows, 1, n_kv_heads, head_dim]`."""
+        """`(k, v)` page pools of `layer`, `[n_pages, page_size, n_kv_heads, head_dim]`."""
         return self._inner.layer_data(layer)
 
     # ------------------------------------------------------------------ sequence verbs
@@ -263,12 +268,13 @@ class SequenceBatchControl:
         self._inner.seq_rm(seq)
 
     def seq_clone(self, src: int, upto: int | None = None) -> int:
-        """Always refused with `CloneRefusedError`: there is no second column (a session id
-        for `src` is a `SessionError`, as on every BatchControl). Changes nothing."""
+        """Always refused with `CloneRefusedError`: there is no second sequence slot (a
+        session id for `src` is a `SessionError`, as on every BatchControl). Changes
+        nothing."""
         if isinstance(src, SessionId):
             raise src.refusal("seq_clone")
         raise CloneRefusedError(f"seq_clone: sequence {src!r} (upto {upto!r}) cannot be cloned: "
-                                f"a single-sequence cache has max_seqs 1 and no column for a "
+                                f"a single-sequence cache has max_seqs 1 and no slot for a "
                                 f"copy")
 
     def rewind(self, seq: int, position: int) -> None:

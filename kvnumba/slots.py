@@ -202,7 +202,7 @@ def _advance(state, pos, high_water, next_of, seqs, totals):
 def state_refusal(seq: int, state: SlotState, doing: str, allowed) -> SlotStateError:
     """The error for `doing` on sequence `seq` in `state` (FREE: also an unknown sequence)."""
     if state == SlotState.FREE:
-        return FreeSequenceError(f"sequence {seq} is FREE (no live sequence holds that column; "
+        return FreeSequenceError(f"sequence {seq} is FREE (no live sequence holds that slot; "
                                  f"claim one with seq_new()): {doing} is allowed only from "
                                  f"{', '.join(allowed)}")
     return SlotStateError(f"sequence {seq} is {state.name}: {doing} is allowed only from "

@@ -27,6 +27,15 @@ def _plan(plan):
                                                 for a in arrays)
 
 
+def _pages(cache):
+    """Every kind's host tables, holdings, reference counts and free stack, the device
+    tables and the patches waiting for the next upload."""
+    pool = cache._pool
+    kinds = [(k.table.tobytes(), k.held.tobytes(), k.refs.tobytes(), k.n_free,
+              k.free[:k.n_free].tobytes()) for k in pool.kinds]
+    return [kinds, pool.device_tables.copy_to_host().tobytes(), sorted(pool.pending.items())]
+
+
 def snapshot(face):
     cache = _cache(face)
     slots = [(cache.state(s), cache.pos(s), cache.high_water(s), cache.floor(s))
@@ -36,7 +45,8 @@ def snapshot(face):
         k, v = cache.layer_data(layer)
         storage.append((k.shape, k.copy_to_host().tobytes(), v.copy_to_host().tobytes()))
     state = (slots, cache.step_state, _plan(cache.plan), cache._written.tobytes(),
-             cache._staging.device.copy_to_host().tobytes(), storage, cache.nbytes)
+             cache._staging.device.copy_to_host().tobytes(), storage + _pages(cache),
+             cache.nbytes)
     if isinstance(face, kv.SessionTable):
         sessions = [(sid, face.seq(sid)) for sid in face.sessions]
         state += (sessions, face._next_sid)
@@ -45,7 +55,7 @@ def snapshot(face):
 
 def assert_unchanged(before, after):
     """Compare two snapshots, naming the first part that differs."""
-    names = ("slots", "step_state", "plan", "written layers", "staged tables", "storage",
+    names = ("slots", "step_state", "plan", "written layers", "staged tables", "storage or page tables",
              "nbytes", "sessions", "next session id")
     for name, a, b in zip(names, before, after):
         assert a == b, f"a refused call changed the {name}"

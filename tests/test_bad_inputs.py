@@ -31,7 +31,7 @@ EXAMPLES = 6 * settings.default.max_examples
 def config(max_seqs=SEQS):
     return kv.CacheConfig(layers=[kv.flat(), kv.ring(window=3)], n_kv_heads=H, head_dim=D,
                           capacity=CAPACITY, max_seqs=max_seqs, max_write=MAX_WRITE,
-                          max_step=MAX_STEP, dtype="float32", initial_rows=4)
+                          max_step=MAX_STEP, dtype="float32", initial_pages=4)
 
 
 def open_step(control, ids, state, rng):
@@ -396,8 +396,9 @@ BAD_FIELDS = st.sampled_from([
     ("n_kv_heads", 2.0), ("head_dim", 0), ("head_dim", 257), ("head_dim", "64"),
     ("capacity", 0), ("capacity", 2**31), ("capacity", np.uint64(2**64 - 1)),
     ("capacity", float("inf")), ("max_seqs", 0), ("max_seqs", 2**31), ("max_write", 0),
-    ("max_write", 17), ("max_step", 3), ("max_step", 2**31), ("initial_rows", 0),
-    ("initial_rows", None), ("dtype", "int8"), ("dtype", "float64"), ("dtype", ["float16"]),
+    ("max_write", 17), ("max_step", 3), ("max_step", 2**31), ("initial_pages", 0),
+    ("initial_pages", "8"), ("max_pages", 0), ("max_pages", 2**31), ("page_size", 24),
+    ("page_size", 4), ("page_size", 2.0), ("dtype", "int8"), ("dtype", "float64"), ("dtype", ["float16"]),
     ("dtype", np.float16), ("dtype", None), ("dtype", {"a": 1}),
 ])
 
@@ -423,10 +424,10 @@ def test_layer_spec_built_directly_is_checked(window):
 
 
 @pytest.mark.parametrize("fields", [
-    dict(n_kv_heads=10**6, capacity=2**20, initial_rows=2**20),
-    dict(layers=[kv.ring(window=2**30)], capacity=2**31 - 1),
-    dict(max_seqs=2**20, head_dim=128, n_kv_heads=8),
-    dict(capacity=2**31 - 1, initial_rows=2**31 - 1, n_kv_heads=1024),
+    dict(n_kv_heads=10**6, capacity=2**20, initial_pages=2**16),
+    dict(layers=[kv.ring(window=2**30)], capacity=2**31 - 1, page_size=256),
+    dict(max_seqs=2**20, head_dim=128, n_kv_heads=8, initial_pages=2**20),
+    dict(capacity=2**24, page_size=256, initial_pages=2**16, n_kv_heads=1024),
 ])
 def test_storage_the_machine_cannot_hold_is_a_capacity_error(fields):
     base = dict(layers=[kv.flat()], n_kv_heads=1, head_dim=64, capacity=16, max_seqs=2,
@@ -468,7 +469,7 @@ def small_prepared_cache(tokens=2):
     """A float32 cache with history, a step of `tokens` tokens prepared (head_dim 16)."""
     cache = kv.BatchedSequenceCache(kv.CacheConfig(
         layers=[kv.flat()], n_kv_heads=1, head_dim=16, capacity=16, max_seqs=2, max_write=4,
-        max_step=4, dtype="float32", initial_rows=8))
+        max_step=4, dtype="float32", initial_pages=8))
     seq = cache.seq_new()
     run_step(cache, [seq] * 3, np.random.default_rng(5))
     cache.declare_step([seq] * tokens)

@@ -19,7 +19,7 @@ def make(head_dim, layers=(None, 4), max_seqs=3):
     config = kv.CacheConfig(layers=[kv.flat() if w is None else kv.ring(window=w)
                                     for w in layers], n_kv_heads=H, head_dim=head_dim,
                             capacity=40, max_seqs=max_seqs, max_write=8, max_step=16,
-                            dtype="bfloat16", initial_rows=8)
+                            dtype="bfloat16", initial_pages=8)
     return kv.BatchedSequenceCache(config)
 
 

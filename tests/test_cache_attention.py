@@ -77,7 +77,7 @@ class Histories:
 def test_serving_trace_over_poisoned_storage(nan_storage, dtype):
     cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=3)], n_kv_heads=H, head_dim=D,
                          capacity=32, max_seqs=3, max_write=6, max_step=10,
-                         dtype=np.dtype(dtype).name, initial_rows=2)
+                         dtype=np.dtype(dtype).name, initial_pages=2)
     c = kv.BatchedSequenceCache(cfg)
     h = Histories(c, dtype, np.random.default_rng(0))
     a, b = c.seq_new(), c.seq_new()
@@ -99,7 +99,7 @@ def test_serving_trace_over_poisoned_storage(nan_storage, dtype):
 def test_gqa_group_reads_its_own_kv_head():
     """Two kv heads with different values: query heads 0-1 read head 0, heads 2-3 head 1."""
     cfg = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=2, head_dim=2, capacity=4, max_seqs=1,
-                         max_write=2, max_step=2, dtype="float32", initial_rows=4)
+                         max_write=2, max_step=2, dtype="float32", initial_pages=4)
     c = kv.BatchedSequenceCache(cfg)
     s = c.seq_new()
     c.declare_step([s, s])
@@ -113,7 +113,7 @@ def test_gqa_group_reads_its_own_kv_head():
 
 def test_attend_refusals_launch_nothing():
     cfg = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=2, head_dim=2, capacity=4, max_seqs=1,
-                         max_write=2, max_step=2, dtype="float32", initial_rows=4)
+                         max_write=2, max_step=2, dtype="float32", initial_pages=4)
     c = kv.BatchedSequenceCache(cfg)
     s = c.seq_new()
     c.declare_step([s])

@@ -5,7 +5,10 @@ high-water and floors as plain Python, the StepPlan tables rebuilt token by
 token, full per-position K/V histories per sequence and layer, and attention
 from those histories (tests/oracle.py). Every refusal must raise the predicted
 error class and leave states, positions, high-waters, the step and every byte
-of storage as they were.
+of storage as they were. Pages are modelled too, as counts: which pages each sequence
+holds (shared after a fork, copied on a write into a shared page), how many each pool
+has, and the `CapacityError` of a step, a fork or a `seq_new` the small fixed pools
+cannot serve.
 """
 from collections import Counter
 
@@ -20,6 +23,10 @@ from oracle import dense_attention, floor, ring_rows
 WINDOWS = [None, 3]          # one flat layer, one ring layer
 MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 48
 HEADS, Q_HEADS, DIM = 1, 2, 4
+#: a small pool bound: 8 positions a page; the flat pool's 9 pages (one scratch) hold 64
+#: positions over all sequences (each may reach 48)
+PAGE, FLAT_PAGES = 8, 9
+RING_PAGES = FLAT_PAGES     # max_pages bounds every pool: three rings always fit
 LIVE = ("claimed", "committed", "rewound")
 #: steps, spans and refusals the search ran (printed at the end of the pytest run)
 COUNTS = Counter()
@@ -41,6 +48,27 @@ class Model:
         self.pos = [0] * MAX_SEQS
         self.hw = [0] * MAX_SEQS
         self.hist = [[{} for _ in WINDOWS] for _ in range(MAX_SEQS)]
+        # flat pages: each sequence's list of page names, and how many hold each name
+        self.pages = [[] for _ in range(MAX_SEQS)]
+        self.holders = Counter()
+        self.names = iter(range(10**9))
+        self.rings = 0
+
+    def flat_free(self):
+        return FLAT_PAGES - 1 - len(self.holders)
+
+    def hold(self, s, keep):
+        """Sequence `s` keeps its first `keep` flat pages; a page nobody holds goes back."""
+        for name in self.pages[s][keep:]:
+            self.holders[name] -= 1
+            if not self.holders[name]:
+                del self.holders[name]
+        del self.pages[s][keep:]
+
+    def take(self):
+        name = next(self.names)
+        self.holders[name] = 1
+        return name
 
     def floor(self, s):
         return floor(self.hw[s], WINDOWS, MAX_WRITE, CAPACITY)
@@ -50,6 +78,9 @@ class Model:
         if not free:
             raise Refused(kv.CacheFullError)
         s = free[0]
+        if self.rings == RING_PAGES - 1:
+            raise Refused(kv.CapacityError)
+        self.rings += 1
         self.state[s], self.pos[s], self.hw[s] = "claimed", 0, 0
         self.hist[s] = [{} for _ in WINDOWS]
         return s
@@ -62,6 +93,8 @@ class Model:
 
     def seq_rm(self, s):
         self._live(s, LIVE)
+        self.hold(s, 0)
+        self.rings -= 1
         self.state[s], self.pos[s], self.hw[s] = "free", 0, 0
 
     def rewind(self, s, position):
@@ -70,6 +103,7 @@ class Model:
             raise Refused(kv.PositionError)
         if position < self.floor(s):
             raise Refused(kv.RingFloorError)
+        self.hold(s, -(-position // PAGE))
         self.state[s], self.pos[s] = "rewound", position
 
     def seq_clone(self, s, upto):
@@ -83,6 +117,14 @@ class Model:
         if not free:
             raise Refused(kv.CacheFullError)
         d = free[0]
+        straddles = keep % PAGE != 0
+        if straddles > self.flat_free() or self.rings == RING_PAGES - 1:
+            raise Refused(kv.CapacityError)
+        self.rings += 1
+        self.pages[d] = self.pages[s][:keep // PAGE]
+        self.holders.update(self.pages[d])
+        if straddles:
+            self.pages[d].append(self.take())
         self.state[d], self.pos[d], self.hw[d] = "committed", keep, self.hw[s]
         self.hist[d] = [{p: kv_ for p, kv_ in h.items() if p < keep} for h in self.hist[s]]
         return d
@@ -112,12 +154,44 @@ class Model:
             raise Refused(kv.CapacityError)
         if len(ids) > MAX_STEP:
             raise Refused(kv.CapacityError)
+        if self.new_pages(totals) > self.flat_free():
+            raise Refused(kv.CapacityError)
         cursor = {s: self.pos[s] for s in totals}
         segments = []
         for s, q0, n in runs:
             segments.append((s, q0, n, cursor[s], s in blocks))
             cursor[s] += n
         return segments
+
+    def new_pages(self, totals, take=False):
+        """Flat pages a step of `totals` (tokens by sequence) takes: pages its positions
+        reach, and a copy of a page a sequence writes into while another holds it (each
+        sequence in turn, by id). With `take`, the pages change hands."""
+        holders = Counter(self.holders)
+        needed = 0
+        for s in sorted(totals):
+            start = self.pos[s]
+            if start % PAGE and holders[self.pages[s][start // PAGE]] > 1:
+                needed += 1
+                holders[self.pages[s][start // PAGE]] -= 1
+                if take:
+                    self.holders[self.pages[s][start // PAGE]] -= 1
+                    self.pages[s][start // PAGE] = self.take()
+            reach = -(-(start + totals[s]) // PAGE)
+            needed += max(0, reach - len(self.pages[s]))
+            if take:
+                self.pages[s] += [self.take() for _ in range(reach - len(self.pages[s]))]
+        return needed
+
+    def prepare(self, segments):
+        totals = Counter()
+        for s, _, n, _, _ in segments:
+            totals[s] += n
+        self.new_pages(totals, take=True)
+
+    def abort_prepared(self, segments):
+        for s, *_ in segments:
+            self.hold(s, -(-self.pos[s] // PAGE))
 
     def advance(self, segments, commit):
         """Commit (pos and hw to each sequence's end) or a prepared abort (hw only)."""
@@ -132,7 +206,9 @@ def snapshot(cache):
     """Everything a refusal must leave untouched."""
     slots = [(cache.state(s), cache.pos(s), cache.high_water(s)) for s in range(MAX_SEQS)]
     data = [tuple(a.copy_to_host() for a in cache.layer_data(i)) for i in range(len(WINDOWS))]
-    return slots, cache.step_state, data
+    tables = [cache.page_table(s, layer).tolist() for s in range(MAX_SEQS)
+              for layer in range(len(WINDOWS))]
+    return slots, cache.step_state, data, tables, cache.pool_pages()
 
 
 def assert_unchanged(before, after):
@@ -161,7 +237,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.config = kv.CacheConfig(
             layers=[kv.flat() if w is None else kv.ring(window=w) for w in WINDOWS],
             n_kv_heads=HEADS, head_dim=DIM, capacity=CAPACITY, max_seqs=MAX_SEQS,
-            max_write=MAX_WRITE, max_step=MAX_STEP, dtype="float32", initial_rows=4)
+            max_write=MAX_WRITE, max_step=MAX_STEP, dtype="float32", page_size=PAGE,
+            initial_pages=4, max_pages=FLAT_PAGES)
         self.cache = kv.BatchedSequenceCache(self.config)
         self.model = Model()
         self.rng = np.random.default_rng(0)
@@ -221,6 +298,15 @@ class CacheMachine(RuleBasedStateMachine):
             runs = data.draw(st.lists(st.tuples(st.integers(-1, MAX_SEQS), st.integers(1, 4)),
                                       min_size=1, max_size=4), label="runs")
         self.run_step(data, runs, pad, meddle, ending)
+
+    @rule(data=st.data(), seq=st.integers(0, MAX_SEQS - 1), steps=st.integers(2, 4))
+    def fill_pages(self, data, seq, steps):
+        """A few full steps of one sequence, so that forks share whole pages and rewinds
+        land in them (then copy-on-write), and the pool's bound is reached."""
+        for _ in range(steps):
+            if self.model.state[seq] == "free":
+                return
+            self.run_step(data, [(seq, MAX_WRITE)], 0, None, "commit")
 
     @rule(**STEP_ARGS)
     @live_at_least(2)  # one sequence's spans alone would merge back into one run
@@ -288,14 +374,17 @@ class CacheMachine(RuleBasedStateMachine):
                 assert_unchanged(before, snapshot(self.cache))
             width = MAX_STEP
         plan = self.cache.prepare_step(width)
+        self.model.prepare(segments)
         self.check_prepared(plan, segments, width)
         if ending == "abort_prepared":
             self.cache.abort_step()
+            self.model.abort_prepared(segments)
             self.model.advance(segments, commit=False)
             return
         self.write_and_attend(plan, segments, width)
         if ending == "abort_written":
             self.cache.abort_step()
+            self.model.abort_prepared(segments)
             self.model.advance(segments, commit=False)
             return
         self.cache.commit_step()
@@ -378,6 +467,22 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.cache.pos(s) == self.model.pos[s], s
             assert self.cache.high_water(s) == self.model.hw[s], s
             assert self.cache.floor(s) == self.model.floor(s), s
+
+    @invariant()
+    def pages_match_the_model(self):
+        """Each sequence holds the model's flat pages, shared exactly where the model's are,
+        and the pool counts them once."""
+        flat = self.cache.pool_pages()[0]
+        assert flat.in_use == 1 + len(self.model.holders)
+        tables = [self.cache.page_table(s, 0).tolist() for s in range(MAX_SEQS)]
+        names = {}
+        for s in range(MAX_SEQS):
+            assert len(tables[s]) == len(self.model.pages[s]), s
+            for page, name in zip(tables[s], self.model.pages[s]):
+                assert names.setdefault(name, page) == page, (s, name)
+        assert len(set(names.values())) == len(names)
+        if any(self.model.holders[n] > 1 for n in self.model.holders):
+            COUNTS["states with a shared page"] += 1
 
     @invariant()
     def storage_matches_the_histories(self):

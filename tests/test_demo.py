@@ -44,7 +44,8 @@ def _flip_one_byte(cache, table):
     _, v = cache.layer_data(0)
     host = v.copy_to_host()
     raw = host.view(np.uint8).reshape(host.shape + (host.itemsize,))
-    raw[0, table.seq(1), 0, 0, 2] ^= 0x80     # little-endian float32: byte 2 bit 7
+    page = cache.page_table(table.seq(1), 0)[0]     # position 0 is slot 0 of its first page
+    raw[page, 0, 0, 0, 2] ^= 0x80             # little-endian float32: byte 2 bit 7
     v.copy_to_device(host)
 
 

@@ -81,7 +81,7 @@ def test_numba_imported_first_is_reconfigured_before_numba_cuda():
 
 def make():
     cfg = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=4, capacity=8, max_seqs=2,
-                         max_write=4, max_step=4, dtype="float32", initial_rows=4)
+                         max_write=4, max_step=4, dtype="float32", initial_pages=4)
     return kv.BatchedSequenceCache(cfg)
 
 
@@ -155,14 +155,16 @@ def test_attention_launch_is_repeatable_on_the_device():
     from kvnumba.kernels import attention
 
     rng = np.random.default_rng(3)
-    k = cuda.to_device(rng.standard_normal((4, 2, 1, 4)).astype(np.float32))
+    k = cuda.to_device(rng.standard_normal((8, 1, 4)).astype(np.float32))  # one page of 8
+    pages = cuda.to_device(np.zeros((2, 1), np.int32))
     q = cuda.to_device(rng.standard_normal((2, 2, 4)).astype(np.float32))
     tables = cuda.to_device(np.array([0, 2, 0, 0, 0, 0], np.int32))  # one segment, served
     ws = attention.AttentionWorkspace()
     runs = []
     for _ in range(30):
         out = cuda.device_array((2, 2, 4), np.float32)
-        attention.attend(q, k, k, tables, out, seq_info_off=0, segments_off=5, n_segments=1,
+        attention.attend(q, k, k, tables, out, pages=pages, page_bits=3, seq_info_off=0,
+                         segments_off=5, n_segments=1,
                          max_q_len=2, max_kv_len=2, ring_rows=0, window=0, scale=0.5,
                          softcap=0.0, workspace=ws)
         runs.append(out.copy_to_host())
@@ -173,7 +175,7 @@ def test_attention_launch_is_repeatable_on_the_device():
 def small_config(max_seqs=2):
     return kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=16, capacity=8,
                           max_seqs=max_seqs, max_write=2, max_step=2, dtype="float32",
-                          initial_rows=4)
+                          initial_pages=4)
 
 
 def test_the_cache_is_placed_on_the_device_asked_for():

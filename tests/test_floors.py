@@ -8,7 +8,7 @@ import kvnumba as kv
 def cache(window, max_write, max_seqs=3):
     cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=window)], n_kv_heads=1, head_dim=2,
                          capacity=64, max_seqs=max_seqs, max_write=max_write,
-                         max_step=max_write * max_seqs, dtype="float32", initial_rows=8)
+                         max_step=max_write * max_seqs, dtype="float32", initial_pages=8)
     return kv.BatchedSequenceCache(cfg)
 
 
@@ -22,8 +22,10 @@ def write_to(c, seq, upto, chunk):
 
 def test_ring_rows_is_window_plus_max_write_minus_one():
     c = cache(4, 3)
-    assert c.layer_data(1)[0].shape[0] == 6
-    assert c.layer_data(0)[0].shape[1] == 3 + 1  # scratch column
+    assert [p.kind for p in c.pool_pages()] == ["flat layers", "ring layers of 6 rows"]
+    s = c.seq_new()
+    write_to(c, s, 10, 3)
+    assert c.sequence_kv(s, 1)[0].tolist() == list(range(4, 10))   # [hw - R, pos)
 
 
 def test_w4_m3_written_to_21_rewind_to_18_allowed():
@@ -85,7 +87,7 @@ def test_w4_m3_written_to_6_never_wrapped_rewind_to_0():
 
 def test_flat_only_cache_has_floor_zero():
     cfg = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=2, capacity=32, max_seqs=1,
-                         max_write=4, max_step=4, dtype="float32", initial_rows=4)
+                         max_write=4, max_step=4, dtype="float32", initial_pages=4)
     c = kv.BatchedSequenceCache(cfg)
     s = c.seq_new()
     write_to(c, s, 30, 4)
@@ -102,7 +104,7 @@ def test_floor_is_the_max_over_ring_layers():
     write_to(c, s, 20, 2)
     # R = 9 and 4: both wrapped, floor = hw - M on each, the same 18
     assert c.floor(s) == 18
-    np.testing.assert_array_equal([c.layer_data(i)[0].shape[0] for i in range(2)], [9, 4])
+    assert [p.kind for p in c.pool_pages()] == ["ring layers of 4 rows", "ring layers of 9 rows"]
 
 
 def test_floor_refusals_name_the_layer_from_rewind_and_seq_clone():

@@ -77,16 +77,16 @@ def test_the_launch_key_moves_with_the_buffers_the_launches_use():
     import kvnumba as kv
     config = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=16, capacity=64,
                             max_seqs=2, max_write=8, max_step=8, dtype="float16",
-                            initial_rows=4)
+                            page_size=8, initial_pages=2)     # the scratch page and one
     cache = kv.BatchedSequenceCache(config)
     seq = cache.seq_new()
     keys = []
-    for _ in range(6):        # positions 0 .. 5: the 4 rows grow to 8 for position 4
+    for _ in range(10):       # positions 0 .. 9: the pool of 2 pages grows to 4 at position 8
         plan = cache.declare_step([seq])
         cache.prepare_step()
         keys.append(plan.launch_key)
         cache.commit_step()
-    assert keys[0] == keys[1] == keys[2] == keys[3] != keys[4] == keys[5]
+    assert len(set(keys[:8])) == 1 and keys[7] != keys[8] == keys[9]
 
 
 @pytest.mark.skipif(COMPILE, reason="a cache needs the simulator or a GPU")
@@ -100,7 +100,7 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     from kvnumba.paths import tables_size
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=300)], n_kv_heads=1,
                             head_dim=16, capacity=2048, max_seqs=2, max_write=64,
-                            max_step=128, dtype="float16", initial_rows=2048)
+                            max_step=128, dtype="float16", initial_pages=2048)
     cache = kv.BatchedSequenceCache(config)
     a, b = cache.seq_new(), cache.seq_new()
     for _ in range(31):                    # positions only: steps that write nothing
@@ -256,6 +256,7 @@ def test_steps_of_one_shape_bind_their_launches_once(device, calls, monkeypatch)
     cache = host.make_cache(4)
     cache.abort_step()
     inputs = host.make_inputs(4, "device")
+    first = len(calls)
     bound = []
     for _ in range(3):               # 512, 513, 514 keys: two chunks each time
         cache.declare_step(np.arange(4))
@@ -267,7 +268,12 @@ def test_steps_of_one_shape_bind_their_launches_once(device, calls, monkeypatch)
         bound.append(len(binds) - before)
         cache.commit_step()
     assert bound[0] >= 3 and bound[1:] == [0, 0], bound
-    assert len(calls) == len(recorder.launches) == 3 * 3 * cache.config.n_layers
+    # write, decode and combine per layer and step; the step to position 512 takes a page
+    # for each sequence: one page-table patch launch in its prepare_step
+    stepped = [kernel.name for kernel, *_ in calls[first:]]
+    assert len(stepped) == 3 * 3 * cache.config.n_layers + 1
+    assert stepped.count("_patch_pages") == 1
+    assert len(calls) == len(recorder.launches)
     for (kernel, _, _, stream, args), record in zip(calls, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
 
@@ -369,7 +375,7 @@ def test_a_decode_step_launches_each_layer_on_its_own_storage_and_the_caches_str
     stream = kv_device.cuda.external_stream(0x5150)
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=64)], n_kv_heads=2, head_dim=128,
                             capacity=512, max_seqs=4, max_write=300, max_step=300,
-                            dtype="float16", initial_rows=512)
+                            dtype="float16", initial_pages=512)
     cache = kv.BatchedSequenceCache(config, stream=stream)
     for seq in range(3):
         cache.seq_new()

@@ -54,7 +54,7 @@ class Run:
         config = kv.CacheConfig(layers=[kv.ring(window=w) if w else kv.flat()
                                         for w in windows], n_kv_heads=H, head_dim=head_dim,
                                 capacity=capacity, max_seqs=len(lengths), max_write=max_write,
-                                max_step=max_step, dtype="float16", initial_rows=capacity)
+                                max_step=max_step, dtype="float16", initial_pages=capacity)
         self.cache = kv.BatchedSequenceCache(config)
         self.windows = windows
         self.scale = 1 / np.sqrt(head_dim)

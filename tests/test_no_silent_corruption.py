@@ -20,7 +20,7 @@ H, HQ, D = 1, 2, 4
 
 def make(max_seqs=3, **kw):
     base = dict(layers=[kv.flat(), kv.ring(window=3)], n_kv_heads=H, head_dim=D, capacity=16,
-                max_seqs=max_seqs, max_write=4, max_step=8, dtype="float32", initial_rows=4)
+                max_seqs=max_seqs, max_write=4, max_step=8, dtype="float32", initial_pages=4)
     base.update(kw)
     return kv.BatchedSequenceCache(kv.CacheConfig(**base))
 

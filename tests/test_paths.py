@@ -28,7 +28,7 @@ def make(dtype, head_dim, max_seqs=4):
     config = kv.CacheConfig(layers=[kv.flat() if w is None else kv.ring(window=w)
                                     for w in WINDOWS], n_kv_heads=H, head_dim=head_dim,
                             capacity=CAPACITY, max_seqs=max_seqs, max_write=MAX_WRITE,
-                            max_step=MAX_STEP, dtype=dtype, initial_rows=8)
+                            max_step=MAX_STEP, dtype=dtype, initial_pages=8)
     return kv.BatchedSequenceCache(config)
 
 
@@ -162,7 +162,7 @@ def test_the_launch_key_changes_only_with_the_launches(head_dim, fast):
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H,
                             head_dim=head_dim, capacity=2 * CHUNK, max_seqs=2,
                             max_write=2 * CHUNK, max_step=2 * CHUNK + 8, dtype="float16",
-                            initial_rows=2 * CHUNK)          # no growth moves the storage
+                            initial_pages=2 * CHUNK)          # no growth moves the storage
     cache = kv.BatchedSequenceCache(config)
     a, b = cache.seq_new(), cache.seq_new()
     cache.declare_step([a] * (boundary - 4) + [b] * 5)

@@ -25,7 +25,7 @@ def through_both_paths(dtype):
     """`(decode rows, prefill rows, q, keys, values)`: the 4 shared rows of both paths,
     and what they attend over (K/V as stored, float64)."""
     config = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=H, head_dim=D, capacity=16,
-                            max_seqs=1, max_write=8, max_step=8, dtype=dtype, initial_rows=16)
+                            max_seqs=1, max_write=8, max_step=8, dtype=dtype, initial_pages=16)
     cache = kv.BatchedSequenceCache(config)
     assert cache._paths.prefill_fast, "the 5-token span must take the tensor-core path"
     seq = cache.seq_new()

@@ -9,7 +9,7 @@ from snapshot import assert_unchanged, snapshot
 
 def make(**kw):
     base = dict(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=1, head_dim=2, capacity=16,
-                max_seqs=3, max_write=4, max_step=6, dtype="float32", initial_rows=4)
+                max_seqs=3, max_write=4, max_step=6, dtype="float32", initial_pages=4)
     base.update(kw)
     return kv.BatchedSequenceCache(kv.CacheConfig(**base))
 
@@ -182,7 +182,7 @@ def three_layers(single):
     """A cache of three layers (flat, ring, flat) and its step verbs' sequence ids."""
     cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4), kv.flat()], n_kv_heads=1,
                          head_dim=2, capacity=16, max_seqs=1 if single else 2, max_write=4,
-                         max_step=6, dtype="float32", initial_rows=4)
+                         max_step=6, dtype="float32", initial_pages=4)
     if single:
         c = kv.SequenceCache(cfg)
         return c, lambda n: c.declare_step(n)
@@ -239,7 +239,7 @@ def test_every_limit_is_a_capacity_error_from_every_face():
     c.abort_step()
     single = kv.SequenceCache(kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=2,
                                              capacity=16, max_seqs=1, max_write=4, max_step=6,
-                                             dtype="float32", initial_rows=4))
+                                             dtype="float32", initial_pages=4))
     before = snapshot(single)
     with pytest.raises(kv.CapacityError, match="max_write 4; split it into chunks of at most "
                                                "max_write=4 tokens"):

@@ -10,14 +10,14 @@ H, D = 1, 4  # kv heads, head_dim: tiny for the simulator
 
 def batched(max_seqs=3, **kw):
     cfg = dict(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H, head_dim=D, capacity=32,
-               max_seqs=max_seqs, max_write=8, max_step=16, dtype="float32", initial_rows=8)
+               max_seqs=max_seqs, max_write=8, max_step=16, dtype="float32", initial_pages=8)
     cfg.update(kw)
     return kv.BatchedSequenceCache(kv.CacheConfig(**cfg))
 
 
 def single(**kw):
     cfg = dict(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H, head_dim=D, capacity=32,
-               max_seqs=1, max_write=8, max_step=16, dtype="float32", initial_rows=8)
+               max_seqs=1, max_write=8, max_step=16, dtype="float32", initial_pages=8)
     cfg.update(kw)
     return kv.SequenceBatchControl(kv.SequenceCache(kv.CacheConfig(**cfg)))
 

@@ -14,7 +14,7 @@ W, M = 3, 4         # ring window, max_write
 
 def config(max_seqs=1, **kw):
     cfg = dict(layers=[kv.flat(), kv.ring(window=W)], n_kv_heads=H, head_dim=D, capacity=24,
-               max_seqs=max_seqs, max_write=M, max_step=8, dtype="float32", initial_rows=4)
+               max_seqs=max_seqs, max_write=M, max_step=8, dtype="float32", initial_pages=4, page_size=8)
     cfg.update(kw)
     return kv.CacheConfig(**cfg)
 
@@ -40,16 +40,27 @@ def test_fresh_cache_faces():
     assert c.config.max_seqs == 1
     for layer in range(2):
         k, v = c.layer_data(layer)
-        assert k.shape[1] == 1 and v.shape[1] == 1  # no scratch column
+        # initial_pages (the ring's capped at its bound: a ring of 1 page + 1), page_size
+        assert k.shape == v.shape == ((4, 2)[layer], 8, H, D)
 
 
 @pytest.mark.parametrize("dtype, itemsize", [("float32", 4), ("float16", 2)])
-def test_nbytes_has_no_scratch_column(dtype, itemsize):
+def test_nbytes_has_no_scratch_page(dtype, itemsize):
     cfg = config(layers=[kv.flat(), kv.ring(window=W), kv.flat()], n_kv_heads=2, head_dim=8,
-                 dtype=dtype, initial_rows=5)
+                 dtype=dtype, initial_pages=3, page_size=8)
     c = kv.SequenceCache(cfg)
-    rows = [5, W + M - 1, 5]  # flat: min(initial_rows, capacity); ring: min(capacity, W + M - 1)
-    assert c.nbytes == sum(r * 1 * 2 * 8 * itemsize * 2 for r in rows)
+    page = 8 * 2 * 8 * itemsize * 2                 # positions x heads x dim x bytes, K and V
+    # 3 pages in each flat layer; the ring's pool capped at its bound: a ring of 1 page + 1
+    assert c.nbytes == (3 + 2 + 3) * page
+    # held: the ring's ceil((W + M - 1) / 8) = 1 page; no scratch page, no flat page yet
+    assert c.nbytes_held == 1 * page
+    c.declare_step(M)
+    c.prepare_step()
+    for layer in range(3):
+        x = np.zeros((M, 2, 8), np.dtype(dtype))
+        c.write(layer, x, x)
+    c.commit_step()
+    assert c.nbytes_held == (1 + 2) * page          # + one flat page in each flat layer
 
 
 def ref_attention(keys, values, q, positions, window, scale):

@@ -23,7 +23,7 @@ def make():
     config = kv.CacheConfig(layers=[kv.flat() if w is None else kv.ring(window=w)
                                     for w in WINDOWS], n_kv_heads=H, head_dim=D,
                             capacity=CAPACITY, max_seqs=3, max_write=MAX_WRITE,
-                            max_step=MAX_STEP, dtype="float32", initial_rows=4)
+                            max_step=MAX_STEP, dtype="float32", initial_pages=4)
     return kv.BatchedSequenceCache(config)
 
 

@@ -1,4 +1,5 @@
-"""Storage and the write/copy kernels: columns, scratch, ring wrap, growth, dtypes, edges."""
+"""Storage and the write/copy kernels: page pools, the scratch page, ring wrap, growth, dtypes,
+edges."""
 import numpy as np
 import pytest
 
@@ -8,11 +9,12 @@ from kvnumba import pool as pool_module
 H, D = 2, 4
 
 
-def make(layers=None, *, max_seqs=3, max_write=4, max_step=8, capacity=32, initial_rows=4,
-         dtype="float32"):
+def make(layers=None, *, max_seqs=3, max_write=4, max_step=8, capacity=32, initial_pages=4,
+         dtype="float32", page_size=8):
     cfg = kv.CacheConfig(layers=layers or [kv.flat(), kv.ring(window=3)], n_kv_heads=H,
                          head_dim=D, capacity=capacity, max_seqs=max_seqs, max_write=max_write,
-                         max_step=max_step, dtype=dtype, initial_rows=initial_rows)
+                         max_step=max_step, dtype=dtype, initial_pages=initial_pages,
+                         page_size=page_size)
     return kv.BatchedSequenceCache(cfg)
 
 
@@ -40,15 +42,30 @@ def bits(a):
     return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
 
 
-def test_layout_has_a_scratch_column_and_ring_rows():
+def slot_of(cache, seq, layer, row):
+    """(page, slot in the page) of storage row `row` of `seq` on `layer`, from its table."""
+    page_size = cache.config.page_size
+    return int(cache.page_table(seq, layer)[row // page_size]), row % page_size
+
+
+def test_layout_is_page_pools_with_a_scratch_page():
     c = make()
     k, v = c.layer_data(0)
-    assert k.shape == (4, 4, H, D) and v.shape == k.shape  # initial rows, max_seqs + 1 cols
-    assert c.layer_data(1)[0].shape == (3 + 4 - 1, 4, H, D)
-    assert c.nbytes == (4 + 6) * 4 * H * D * 4 * 2
+    assert k.shape == (4, 8, H, D) and v.shape == k.shape  # initial_pages, page_size
+    assert c.layer_data(1)[0].shape == (4, 8, H, D)
+    assert c.nbytes == 2 * 4 * 8 * H * D * 4 * 2            # 2 layers x 4 pages, K and V
+    a = c.seq_new()
+    # the ring (R = 3 + 4 - 1 = 6) takes ceil(6 / 8) = 1 page with the sequence; page 0 of
+    # every pool is the scratch page
+    assert c.page_table(a, 0).size == 0 and c.page_table(a, 1).tolist() == [1]
+    step(c, [a] * 4, np.random.default_rng(0))
+    step(c, [a] * 4, np.random.default_rng(0))
+    step(c, [a], np.random.default_rng(0))
+    assert c.page_table(a, 0).tolist() == [1, 2]            # positions [0, 8), [8, 9)
+    assert [p.in_use for p in c.pool_pages()] == [3, 2]
 
 
-def test_padding_lands_only_in_the_scratch_column():
+def test_padding_lands_only_in_the_scratch_page():
     rng = np.random.default_rng(1)
     c = make()
     a, b = c.seq_new(), c.seq_new()
@@ -57,17 +74,17 @@ def test_padding_lands_only_in_the_scratch_column():
     written = step(c, [a, b], rng, width=8)
     after = storage(c)
     for layer, ((k0, v0), (k1, v1)) in enumerate(zip(before, after)):
-        rows = k0.shape[0] if layer == 0 else 6
+        rows = {a: 2, b: 1}     # a writes position 2, b position 1 (ring R = 6: the same rows)
+        want = {slot_of(c, s, layer, r) for s, r in rows.items()}
         for arr0, arr1, new in ((k0, k1, written[layer][0]), (v0, v1, written[layer][1])):
-            changed = np.argwhere(np.any(arr0[:rows] != arr1[:rows], axis=(2, 3)))
-            # a writes position 2, b position 1: rows 2 and 1 on both layers (R = 6)
-            got = {(int(r), int(col)) for r, col in changed if col != 3}
-            assert got == {(2, a), (1, b)}, (layer, got)
-            # the scratch column took the six padding tokens, all at row 0 (position 0);
+            changed = np.argwhere(np.any(arr0 != arr1, axis=(2, 3)))
+            got = {(int(page), int(slot)) for page, slot in changed if page != 0}
+            assert got == want, (layer, got)
+            # the scratch page took the six padding tokens, all at its slot 0 (position 0);
             # which one lands last is a race (vector by vector), so each element is one of
             # the padding tokens' elements
             padding = np.stack([bits(new[i]) for i in range(2, 8)])
-            assert (padding == arr1[0, 3]).any(axis=0).all()
+            assert (padding == arr1[0, 0]).any(axis=0).all()
 
 
 def test_ring_wraps_at_the_last_row():
@@ -83,60 +100,66 @@ def test_ring_wraps_at_the_last_row():
     np.testing.assert_array_equal(k_held, np.stack(history[7:10]))
     store = c.layer_data(0)[0].copy_to_host()
     for p in (7, 8, 9):
-        np.testing.assert_array_equal(store[p % 3, s], history[p])
+        np.testing.assert_array_equal(store[slot_of(c, s, 0, p % 3)], history[p])
 
 
-def test_growth_over_several_doublings_keeps_every_row():
+def test_growth_over_several_doublings_keeps_every_position():
     rng = np.random.default_rng(3)
-    c = make(layers=[kv.flat()], max_seqs=2, initial_rows=2, capacity=40, max_write=4)
+    c = make(layers=[kv.flat()], max_seqs=2, initial_pages=2, capacity=40, max_write=4)
     a, b = c.seq_new(), c.seq_new()
     hist = {a: [], b: []}
-    rows_seen = []
+    pages_seen = []
     while c.pos(a) < 37:
         n = min(4, 37 - c.pos(a))
         k, _ = step(c, [a] * n + [b], rng)[0]
         hist[a] += list(k[:n])
         hist[b].append(k[n])
-        rows_seen.append(c.layer_data(0)[0].shape[0])
-    assert sorted(set(rows_seen)) == [4, 8, 16, 32, 40]  # doublings, capped at capacity
+        pages_seen.append(c.layer_data(0)[0].shape[0])
+    # a holds ceil(37 / 8) = 5 pages, b ceil(10 / 8) = 2, and the scratch page: 8, reached
+    # by doubling from 2 (the first step already needs 3; the bound, 2 x 5 + 1 = 11, never
+    # binds)
+    assert sorted(set(pages_seen)) == [4, 8]
+    assert c.pool_pages()[0].in_use == 8
     for s in (a, b):
         positions, k, _ = c.sequence_kv(s, 0)
         np.testing.assert_array_equal(k, np.stack(hist[s]))
 
 
 def test_growth_is_exactly_the_contract_formula():
-    c = make(layers=[kv.flat()], max_seqs=1, initial_rows=3, capacity=100, max_write=8,
+    c = make(layers=[kv.flat()], max_seqs=1, initial_pages=2, capacity=100, max_write=8,
              max_step=8)
     s = c.seq_new()
+    step(c, [s] * 8, np.random.default_rng(0))       # page 1 (page 0 is scratch): full pool
+    assert c.layer_data(0)[0].shape[0] == 2
     c.declare_step([s] * 8)
-    c.prepare_step()   # needs row 7: max(7 + 1, 2 * 3) = 8
-    assert c.layer_data(0)[0].shape[0] == 8
+    c.prepare_step()   # a third page: min(max_pages 14, max(2 + 1, 2 x 2)) = 4
+    assert c.layer_data(0)[0].shape[0] == 4
     c.commit_step()
 
 
 def test_failed_growth_keeps_the_old_storage_and_the_step_declared(monkeypatch):
+    from snapshot import assert_unchanged, snapshot
     rng = np.random.default_rng(4)
-    c = make(layers=[kv.flat(), kv.ring(window=3)], max_seqs=1, initial_rows=4)
+    c = make(layers=[kv.flat(), kv.ring(window=3)], max_seqs=1, initial_pages=2)
     s = c.seq_new()
     step(c, [s] * 4, rng)
-    before = storage(c)
+    step(c, [s] * 4, rng)                           # the flat pool's 2 pages are in use
+    c.declare_step([s, s])
+    before = snapshot(c)
     arrays = [c.layer_data(i) for i in range(2)]
 
-    def failing(self, n_layers, rows):
+    def failing(self, kind, n_pages):
         raise MemoryError("simulated out of device memory")
 
     monkeypatch.setattr(pool_module.Pool, "_allocate", failing)
-    c.declare_step([s, s])
-    with pytest.raises(kv.CapacityError, match="old storage is kept"):
+    with pytest.raises(kv.CapacityError, match="old pool is kept"):
         c.prepare_step()
     assert c.step_state == kv.StepState.DECLARED
     assert all(c.layer_data(i)[0] is arrays[i][0] for i in range(2))
-    for (k0, v0), (k1, v1) in zip(before, storage(c)):
-        np.testing.assert_array_equal(k0, k1)
-        np.testing.assert_array_equal(v0, v1)
+    assert_unchanged(before, snapshot(c))
     monkeypatch.undo()
     c.prepare_step()  # the same step prepares once memory is back
-    assert c.layer_data(0)[0].shape[0] == 8
+    assert c.layer_data(0)[0].shape[0] == 4
     c.abort_step()
 
 
@@ -158,7 +181,7 @@ def test_float16_storage_round_trips():
 def test_edges_last_row_last_column_full_width():
     rng = np.random.default_rng(6)
     c = make(layers=[kv.flat(), kv.ring(window=2)], max_seqs=3, max_write=4, max_step=12,
-             capacity=8, initial_rows=8)  # flat rows == capacity, ring R = 5
+             capacity=8, initial_pages=8)  # flat rows == capacity, ring R = 5
     seqs = [c.seq_new() for _ in range(3)]
     step(c, [x for x in seqs for _ in range(4)], rng)  # width == max_step, last column 2
     written = step(c, [x for x in seqs for _ in range(4)], rng)  # positions 4..7: last row 7
@@ -237,7 +260,7 @@ def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtyp
     rng = np.random.default_rng(9)
     cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=2)], n_kv_heads=1,
                          head_dim=head_dim, capacity=16, max_seqs=2, max_write=4, max_step=8,
-                         dtype=storage_dtype, initial_rows=4)
+                         dtype=storage_dtype, initial_pages=4)
     c = kv.BatchedSequenceCache(cfg)
     a, b = c.seq_new(), c.seq_new()
     history = {(layer, s): ([], []) for layer in range(2) for s in (a, b)}   # (k rows, v rows)
@@ -278,12 +301,12 @@ def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtyp
 
 
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 8), ("float16", 3), ("float32", 4)])
-def test_clone_copies_every_group_in_one_launch_each(dtype, head_dim, monkeypatch):
+def test_clone_copies_every_kind_in_one_launch_each(dtype, head_dim, monkeypatch):
     from kvnumba.kernels import copy as copy_module
     rng = np.random.default_rng(10)
     layers = [kv.flat(), kv.ring(window=3), kv.flat(), kv.ring(window=5), kv.ring(window=3)]
     cfg = kv.CacheConfig(layers=layers, n_kv_heads=2, head_dim=head_dim, capacity=32,
-                         max_seqs=3, max_write=4, max_step=8, dtype=dtype, initial_rows=4)
+                         max_seqs=3, max_write=4, max_step=8, dtype=dtype, initial_pages=4)
     c = kv.BatchedSequenceCache(cfg)
     a = c.seq_new()
     sent = [[] for _ in layers]                             # K rows per layer, position order
@@ -296,11 +319,12 @@ def test_clone_copies_every_group_in_one_launch_each(dtype, head_dim, monkeypatc
             sent[layer] += list(k[:n])
         c.commit_step()
     launches = []
-    real = copy_module.copy_column
-    monkeypatch.setattr("kvnumba.pool.copy_column",
+    real = copy_module.copy_pages
+    monkeypatch.setattr("kvnumba.pool.copy_pages",
                         lambda *args, **kw: launches.append(args[0].shape) or real(*args, **kw))
     b = c.seq_clone(a, upto=9)
-    assert sorted(s[0] for s in launches) == [1, 2, 2]     # ring R=8 alone; R=6 and flat pairs
+    # ring R=8 alone; R=6 and flat pairs (the flat page straddling position 9 is copied)
+    assert sorted(s[0] for s in launches) == [1, 2, 2]
     # a: pos 11, hw 11; the clone: pos 9, hw 11. Flat: [0, pos). Ring w=3: R = 3 + 4 - 1 = 6,
     # holds [11 - 6, pos); ring w=5: R = 8, holds [11 - 8, pos).
     held_a = [range(11), range(5, 11), range(11), range(3, 11), range(5, 11)]

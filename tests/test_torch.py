@@ -17,7 +17,7 @@ H, HQ, D = 1, 2, 16
 def prepared(dtype="float16", tokens=3):
     config = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=H, head_dim=D, capacity=16,
                             max_seqs=2, max_write=8, max_step=8, dtype=dtype,
-                            initial_rows=8)
+                            initial_pages=8)
     c = kv.BatchedSequenceCache(config)
     s = c.seq_new()
     c.declare_step([s] * tokens)

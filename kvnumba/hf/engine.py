@@ -117,7 +117,7 @@ class Engine:
     dtype (default: the model's). `draft_model`: a smaller model with the same
     vocabulary that proposes `draft_len` tokens per step for the model to verify
     (speculative decoding; with `temperature=0` the output is the model's own greedy
-    output). `cache_options` go to `CacheConfig` (`initial_rows`).
+    output). `cache_options` go to `CacheConfig` (`page_size`, `initial_pages`, `max_pages`).
     """
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
