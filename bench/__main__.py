@@ -23,7 +23,7 @@ from pathlib import Path
 
 import kvnumba.device as kv_device
 
-from . import control, engine, host, kernels
+from . import control, engine, host, kernels, memory
 
 RESULTS = Path("bench-results")   # relative: under the directory it runs from
 PACKAGES = ("numpy", "numba", "numba-cuda", "transitions", "torch", "transformers")
@@ -70,6 +70,10 @@ def main(argv=None) -> int:
     print(host.report(host_result), flush=True)
     print()
 
+    memory_result = memory.run(quick=args.quick or args.smoke)
+    print(memory.report(memory_result), flush=True)
+    print()
+
     kernel_result = kernels.run(kernels.sizes_for(args))
     print(kernels.report(kernel_result), flush=True)
     print()
@@ -80,7 +84,8 @@ def main(argv=None) -> int:
     record = dict(date=now.isoformat(timespec="seconds"), device=device,
                   device_kind=kv_device.KIND, platform=platform.platform(),
                   argv=sys.argv[1:], quick=args.quick, smoke=args.smoke, versions=versions(),
-                  control=control_result, host=host_result, kernels=kernel_result,
+                  control=control_result, host=host_result, memory=memory_result,
+                  kernels=kernel_result,
                   engine=engine_result)
     args.results.mkdir(parents=True, exist_ok=True)
     path = record_path(now.date().isoformat(), device, args.results)
