@@ -30,11 +30,12 @@ from .pages import claim_step, grown_pages, page_bits, pages_for, release_pages,
 
 class PoolPages(NamedTuple):
     """One layer kind's pool (`BatchedSequenceCache.pool_pages`): `kind` ("flat layers" or
-    "ring layers of R rows"), its `layers`, `page_size`, pages `in_use` (the scratch
-    page included), `free` (pages it can still give under `max_pages`), `allocated`
-    and `max_pages`."""
+    "ring layers of R rows"), `rows` (0, or that R), its `layers`, `page_size`, pages
+    `in_use` (the scratch page included), `free` (pages it can still give under
+    `max_pages`), `allocated` and `max_pages`."""
 
     kind: str
+    rows: int
     layers: tuple
     page_size: int
     in_use: int
@@ -85,8 +86,8 @@ class Kind:
         return self.max_pages - self.in_use
 
     def report(self) -> PoolPages:
-        return PoolPages(self.name, tuple(self.layers), self.pool.page_size, self.in_use,
-                         self.available, self.n_pages, self.max_pages)
+        return PoolPages(self.name, self.rows, tuple(self.layers), self.pool.page_size,
+                         self.in_use, self.available, self.n_pages, self.max_pages)
 
     def require(self, needed: int, verb: str) -> None:
         """Refuse (`CapacityError`) taking `needed` pages past `max_pages`."""

@@ -1,6 +1,9 @@
 """Test setup: the simulator by default, fast thread switching, hypothesis profiles.
 
 `HYPOTHESIS_PROFILE=thorough` runs the long stateful searches (10,000+ steps).
+`KVNUMBA_TEST_PAGE_SIZE=8` (or 256, any size the config takes) makes that the page size
+of every `CacheConfig` that does not name one, so the whole suite runs at it: the tests
+that name a page size (the kernels', the page tests') keep theirs.
 """
 import os
 import sys
@@ -13,6 +16,20 @@ from kvnumba import device  # noqa: E402
 
 if device.SIMULATOR:    # why this interval: at its definition
     sys.setswitchinterval(device.SIMULATOR_SWITCH_INTERVAL)
+
+def _default_page_size(size: int) -> None:
+    """Every `CacheConfig` built without `page_size` takes `size` (its dataclass default)."""
+    import dataclasses
+
+    import kvnumba as kv
+    names = [f.name for f in dataclasses.fields(kv.CacheConfig)]
+    defaults = list(kv.CacheConfig.__init__.__defaults__)
+    defaults[names.index("page_size") - (len(names) - len(defaults))] = size
+    kv.CacheConfig.__init__.__defaults__ = tuple(defaults)
+
+
+if os.environ.get("KVNUMBA_TEST_PAGE_SIZE"):
+    _default_page_size(int(os.environ["KVNUMBA_TEST_PAGE_SIZE"]))
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -79,6 +79,28 @@ def test_forks_share_one_prefill_and_wait_for_free_sequences():
     assert done == {first: [want[0]] * 2, second: [want[1]] * 2}
 
 
+def test_a_bounded_page_pool_admits_requests_as_their_pages_fit():
+    """Pages of 8, a pool of 4 (3 besides the scratch page): the first request (5 + 4
+    positions: 2 pages) runs, the second (9 + 4: 2 pages) waits with sequences free until
+    the first's pages come back; one that could never fit is refused at submit."""
+    model = tiny("llama")
+    want = [generated(model, p, 4) for p in PROMPTS]
+    engine = kvhf.Engine(model, max_seqs=3, capacity=24, max_write=8, dtype="float32",
+                         page_size=8, max_pages=4)
+    with pytest.raises(kv.CapacityError, match=r"may hold 4 pages of 8 positions on the "
+                                               r"flat layers, more than their pool's 3"):
+        engine.submit(PROMPTS[1], max_new_tokens=4, n=2)
+    assert not engine.busy
+    first = engine.submit(PROMPTS[0], max_new_tokens=4)
+    second = engine.submit(PROMPTS[1], max_new_tokens=4)
+    engine.step()
+    assert len(engine.target.table) == 1        # three sequences free, but not the pages
+    done = {}
+    while engine.busy:
+        done.update(engine.step())
+    assert done == {first: want[0], second: want[1]}
+
+
 @pytest.mark.parametrize("own_draft", [False, True], ids=["random-draft", "own-draft"])
 def test_speculative_decoding_keeps_the_greedy_output(own_draft):
     """A random draft model (most drafts rejected, each rewound) and the model as its

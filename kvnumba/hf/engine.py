@@ -7,7 +7,10 @@ token and the draft's proposals to verify), and chunks of at most `max_write` pr
 tokens of requests still prefilling, within `max_step` tokens. The model runs once
 over the packed axis with the step's positions; logits are computed only at the rows
 that choose a token. Requests join (`submit`) and leave (`step` returns them) between
-steps; one that cannot be admitted (no free sequence) waits.
+steps; one that cannot be admitted waits: until enough sequences are free, and, with a
+bounded page pool (`max_pages`), until the pages its sequences may come to hold are
+(each of its `n` sequences at its prompt plus `max_new_tokens`, and their rings), so a
+step of the running requests never finds a pool exhausted.
 """
 from __future__ import annotations
 
@@ -71,6 +74,30 @@ class Model:
         self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
                                   max_session_tokens=config.capacity)
         self.device = next(model.parameters()).device
+        # per layer kind: (its ring rows, 0 for the flat layers; the pages its pool hands
+        # out at most: all it can give while the cache holds nothing)
+        self.kinds = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
+
+    def pages_for(self, positions: int, n: int) -> list:
+        """Per layer kind, the most pages `n` sequences of up to `positions` positions
+        hold (no sharing counted: forks may hold fewer)."""
+        config = self.cache.config
+        return [n * (config.table_width(rows) if rows else
+                     -(-positions // config.page_size)) for rows, _ in self.kinds]
+
+    def need(self, request) -> list:
+        """Per layer kind, the most pages `request`'s sequences come to hold."""
+        return self.pages_for(request.n_prompt + request.max_new, request.n)
+
+    def reserved(self, requests) -> list:
+        """Per layer kind, what `requests` may come to hold together."""
+        return [sum(column) for column in zip([0] * len(self.kinds),
+                                              *map(self.need, requests))]
+
+    def fits(self, reserved: list, request) -> bool:
+        """Whether `request`'s sequences fit the pools beside `reserved` pages."""
+        return all(r + n <= bound for r, n, (_, bound) in
+                   zip(reserved, self.need(request), self.kinds))
 
     @contextlib.contextmanager
     def _attention(self):
@@ -181,6 +208,16 @@ class Engine:
         if n > self.config.max_seqs:
             raise CapacityError(f"n={n} sequences: the engine holds max_seqs="
                                 f"{self.config.max_seqs}")
+        for model in self._models():
+            need = model.pages_for(len(tokens) + max_new, n)
+            for (rows, bound), pages in zip(model.kinds, need):
+                if pages > bound:
+                    raise CapacityError(
+                        f"a prompt of {len(tokens)} tokens and max_new_tokens={max_new} "
+                        f"in {n} sequences may hold {pages} pages of "
+                        f"{model.cache.config.page_size} positions on the "
+                        f"{'flat layers' if not rows else f'ring layers of {rows} rows'}, "
+                        f"more than their pool's {bound}: raise max_pages")
         if seed is not None and not is_int(seed):
             raise ConfigError(f"seed={seed!r}: must be an int or None")
         generator = torch.Generator(device=self.target.device)
@@ -222,12 +259,21 @@ class Engine:
         self._verify(plan, drafts)
         return self._retire()
 
+    def _models(self) -> list:
+        return [self.target] + ([self.draft] if self.draft else [])
+
     def _admit(self) -> None:
-        """Open sessions for waiting requests, in order, while sequences are free."""
+        """Open sessions for waiting requests, in order, while sequences are free and
+        every pool can hold what the running requests and the next may come to hold."""
         free = self.config.max_seqs - sum(r.n for r in self._running)
-        while self._waiting and self._waiting[0].n <= free:
+        models = self._models()
+        reserved = [model.reserved(self._running) for model in models]
+        while self._waiting and self._waiting[0].n <= free and all(
+                model.fits(r, self._waiting[0]) for model, r in zip(models, reserved)):
             request = self._waiting.popleft()
             free -= request.n
+            reserved = [[a + b for a, b in zip(r, model.need(request))]
+                        for model, r in zip(models, reserved)]
             request.sid = self.target.table.open()
             if self.draft:
                 request.dsid = self.draft.table.open()
