@@ -79,6 +79,36 @@ def test_forks_share_one_prefill_and_wait_for_free_sequences():
     assert done == {first: [want[0]] * 2, second: [want[1]] * 2}
 
 
+def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
+    """A layer call whose sliding window is not its cache layer's, attention dropout, and
+    a call outside a kvnumba step: each a ConfigError naming the piece, with nothing
+    written into the prepared step."""
+    from types import SimpleNamespace
+
+    from kvnumba.hf.attention import attend
+    cache = kv.BatchedSequenceCache(kv.CacheConfig(
+        layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=1, head_dim=8, capacity=8,
+        max_seqs=1, max_write=2, max_step=2, dtype="float32"))
+    cache.declare_step([cache.seq_new()] * 2)
+    cache.prepare_step()
+    q, k = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)
+    refusals = [
+        (dict(module=SimpleNamespace(layer_idx=0), sliding_window=4, kvnumba_cache=cache),
+         r"layer 0: the model attends with sliding_window=4, the cache's layer has window "
+         r"None"),
+        (dict(module=SimpleNamespace(layer_idx=1), sliding_window=None, kvnumba_cache=cache),
+         r"layer 1: .*sliding_window=None, the cache's layer has window 4"),
+        (dict(module=SimpleNamespace(layer_idx=1), sliding_window=4, dropout=0.1,
+              kvnumba_cache=cache), r"attention dropout 0.1 \(put the model in eval mode\)"),
+        (dict(module=SimpleNamespace(layer_idx=0)), r"runs inside a kvnumba step"),
+    ]
+    for kw, match in refusals:
+        module = kw.pop("module")
+        with pytest.raises(kv.ConfigError, match=match):
+            attend(module, q, k, k, **kw)
+    assert not cache._written.any() and cache.step_state == kv.StepState.PREPARED
+
+
 def test_a_bounded_page_pool_admits_requests_as_their_pages_fit():
     """Pages of 8, a pool of 4 (3 besides the scratch page): the first request (5 + 4
     positions: 2 pages) runs, the second (9 + 4: 2 pages) waits with sequences free until
