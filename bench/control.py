@@ -231,7 +231,7 @@ class NaiveDriver:
 
 # ---------------------------------------------------------------------------- timing
 @contextmanager
-def _no_simulated_upload():
+def no_simulated_device_work():
     """On the simulator, make the (simulated) host-to-device copy a no-op, and with it the
     kernels that read what it would have carried (the page-table patches and page copies,
     which kvnumba launches in `prepare_step` when a step takes pages)."""
@@ -292,7 +292,7 @@ def run(quick: bool = False, batches=BATCHES, verbose: bool = False) -> dict:
     repeats = 3 if quick else 40
     budget = 0.01 if quick else 1.0   # seconds of timed steps per (driver, B, kind)
     rows = []
-    with _no_simulated_upload():
+    with no_simulated_device_work():
         for batch in batches:
             for kind in KINDS:
                 ids = step_ids(batch, kind)

@@ -8,8 +8,10 @@
   columns of the longest sequence, rings for every slot).
 * Forks: 8 clones of one long sequence; the flat pages they add (the page straddling the
   fork point, at most one each).
-* A fork's cost: wall time of `seq_clone` (host work and, on the simulator, its
-  simulated launches) at a short and a long prefix: it does not grow with the prefix.
+* A fork's cost: wall time of `seq_clone` + `seq_rm` at a short and a long prefix, with
+  its device work (on the simulator: simulated launches, threads in Python), and its
+  host work alone (on the simulator the upload, patch and copy launches made no-ops,
+  as the control-plane bench does): neither grows with the prefix.
 
 Steps are declared, prepared and committed without writing K/V (the control plane
 alone moves pages), so no kernel runs but the page-table patches and the page copies.
@@ -21,6 +23,8 @@ import time
 import numpy as np
 
 import kvnumba as kv
+
+from .control import no_simulated_device_work
 
 HEADER = "Memory (paged storage)"
 
@@ -86,31 +90,38 @@ def forks(quick: bool) -> dict:
                 added=cache.pool_pages()[0].in_use - before)
 
 
-def fork_time(prefix: int, repeats: int) -> float:
+def fork_time(prefix: int, repeats: int) -> tuple:
     """Median seconds of one `seq_clone` (+ its `seq_rm`) of a `prefix`-position sequence
-    on a flat + ring cache."""
+    on a flat + ring cache: with its device work, and host work alone (on a GPU the
+    launches are asynchronous: both are host time)."""
     cache = _cache([kv.flat(), kv.ring(window=64)], capacity=prefix + 16, max_seqs=2,
                    max_write=512, page_size=16, initial_pages=prefix // 8 + 16)
     src, = _fill(cache, [prefix - 5], 4096)                   # a straddling page to copy
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        cache.seq_rm(cache.seq_clone(src))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    def median(runs):
+        times = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            cache.seq_rm(cache.seq_clone(src))
+            times.append(time.perf_counter() - start)
+        return float(np.median(times))
+
+    with_device = median(repeats)
+    with no_simulated_device_work():
+        host = median(20 * repeats)
+    return with_device, host
 
 
 def run(quick: bool = False) -> dict:
     short, long = (1024, 4096) if quick else (1024, 32768)
     repeats = 3 if quick else 7
     return dict(skewed=skewed(quick), forks=forks(quick),
-                fork_ms={short: 1e3 * fork_time(short, repeats),
-                         long: 1e3 * fork_time(long, repeats)})
+                fork_ms={short: [1e3 * t for t in fork_time(short, repeats)],
+                         long: [1e3 * t for t in fork_time(long, repeats)]})
 
 
 def report(result: dict) -> str:
     s, f = result["skewed"], result["forks"]
-    (short, t_short), (long, t_long) = sorted(result["fork_ms"].items())
+    (short, (t_short, h_short)), (long, (t_long, h_long)) = sorted(result["fork_ms"].items())
     mib = 2**20
     return "\n".join([
         HEADER,
@@ -120,5 +131,6 @@ def report(result: dict) -> str:
         f"MiB ({s['saving']:.0f}x)",
         f"  {f['case']}: {f['added']} pages added (target <= 8)",
         f"  fork (seq_clone + seq_rm, flat + ring): {t_short:.2f} ms at {short} positions, "
-        f"{t_long:.2f} ms at {long} ({t_long / t_short:.2f}x)",
+        f"{t_long:.2f} ms at {long} ({t_long / t_short:.2f}x); host work alone "
+        f"{1e3 * h_short:.0f} µs and {1e3 * h_long:.0f} µs ({h_long / h_short:.2f}x)",
     ])
