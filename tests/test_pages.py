@@ -122,7 +122,7 @@ def test_a_fork_shares_whole_pages_and_copies_the_straddling_one(page_size, dtyp
     model.check_held()
 
 
-@pytest.mark.parametrize("page_size", [8, 16, 256])
+@pytest.mark.parametrize("page_size", [8, 256])   # 16, the default: the rest of the suite
 def test_rewinds_into_shared_pages_copy_on_write_on_both_sides(page_size):
     c = make(layers=[kv.flat(), kv.flat()], page_size=page_size, capacity=64, max_write=8)
     rng = np.random.default_rng(2)
@@ -218,7 +218,7 @@ def test_ring_pages_come_with_the_sequence_and_a_full_ring_pool_refuses_seq_new(
     assert c.seq_new() == a
 
 
-@pytest.mark.parametrize("page_size", [8, 16, 256])
+@pytest.mark.parametrize("page_size", [8, 256])   # 16, the default: the rest of the suite
 def test_mixed_layers_through_forks_and_rewinds(page_size):
     c = make(layers=[kv.flat(), kv.ring(window=5), kv.flat()], page_size=page_size,
              capacity=48, max_write=4, max_step=12, dtype="float16")
