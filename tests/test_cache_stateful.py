@@ -502,4 +502,4 @@ class CacheMachine(RuleBasedStateMachine):
 TestCacheMachine = CacheMachine.TestCase
 # more programs than the suite-wide CI profile: this machine is where most bugs would show
 TestCacheMachine.settings = settings(settings.default,
-                                     max_examples=max(40, settings.default.max_examples))
+                                     max_examples=max(30, settings.default.max_examples))
