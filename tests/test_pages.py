@@ -100,8 +100,8 @@ def test_flat_pages_follow_positions(page_size):
     assert c.nbytes_held == 0
 
 
-@pytest.mark.parametrize("page_size", [8, 16])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("page_size, dtype", [(8, "float32"), (16, "float16"),
+                                             (8, "bfloat16")])
 def test_a_fork_shares_whole_pages_and_copies_the_straddling_one(page_size, dtype):
     c = make(page_size=page_size, dtype=dtype, capacity=64)
     rng = np.random.default_rng(1)

@@ -15,8 +15,6 @@ from __future__ import annotations
 from ..device import cuda
 from .launch import STRIDE_THREADS, Specialised, stride_blocks
 
-WARP = 32
-
 from numba import uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 
@@ -47,7 +45,8 @@ def patch_pages(table, tables, patches_off: int, n_patches: int, stream=0) -> No
     patches land in any order): one launch, none without patches."""
     if n_patches <= 0:
         return
-    # a step's patches are usually a few: a warp's worth of threads, not a full block
-    threads = min(STRIDE_THREADS, -(-n_patches // WARP) * WARP)
+    # a step's patches are usually a few: a thread each (one warp runs them), not a
+    # full block (on the simulator every thread is a Python thread)
+    threads = min(STRIDE_THREADS, n_patches)
     _patch(stride_blocks(n_patches), threads, stream,
            table, tables, int(patches_off), int(n_patches))
