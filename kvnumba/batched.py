@@ -23,10 +23,10 @@ from .kernels import padding, write
 from .kernels.launch import no_output
 from .pages import flashinfer_tables
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
-                   StepTables, decode_segments, frozen, held_positions, layer_rows,
+                   StepTables, decode_segments, frozen, held_positions,
                    ring_floor, span_offsets, stage_tables)
 from .paths import AttentionPaths, tables_size
-from .pool import Pool, PoolPages
+from .pool import Pool
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
 from .staging import Staging
 
@@ -737,8 +737,7 @@ def floor_binding(config: CacheConfig) -> tuple[int, int]:
     Every ring layer's floor is `hw - M` once `hw > R`: the one with the fewest rows
     wraps first, and its floor is the sequence's (contract §5).
     """
-    rows = layer_rows([spec.window for spec in config.layers], config.max_write,
-                      config.capacity)
+    rows = config.ring_rows()
     rings = [(int(r), i) for i, r in enumerate(rows) if r]
     return min(rings) if rings else (0, -1)
 

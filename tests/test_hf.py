@@ -117,10 +117,12 @@ def test_a_bounded_page_pool_admits_requests_as_their_pages_fit():
     want = [generated(model, p, 4) for p in PROMPTS]
     engine = kvhf.Engine(model, max_seqs=3, capacity=24, max_write=8, dtype="float32",
                          page_size=8, max_pages=4)
+    from snapshot import snapshot
+    before = snapshot(engine.target.table)
     with pytest.raises(kv.CapacityError, match=r"may hold 4 pages of 8 positions on the "
                                                r"flat layers, more than their pool's 3"):
         engine.submit(PROMPTS[1], max_new_tokens=4, n=2)
-    assert not engine.busy
+    assert not engine.busy and snapshot(engine.target.table) == before
     first = engine.submit(PROMPTS[0], max_new_tokens=4)
     second = engine.submit(PROMPTS[1], max_new_tokens=4)
     engine.step()

@@ -197,8 +197,10 @@ def test_a_step_past_max_pages_is_refused_naming_pages_and_nothing_changes():
         c.declare_step([a, b])
     assert_unchanged(before, snapshot(c))
     model.step([a], rng)                                       # one page fits
+    before = snapshot(c)
     with pytest.raises(kv.CapacityError, match="need 1 new pages"):
         c.seq_clone(b, upto=5)                                 # its straddling page
+    assert_unchanged(before, snapshot(c))
     c.seq_rm(a)
     model.step([b], rng)                                       # a's pages came back
     assert c.layer_data(0)[0].shape[0] == 4                    # a fixed pool never moves
