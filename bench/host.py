@@ -43,7 +43,7 @@ import numpy as np
 
 import kvnumba as kv
 import kvnumba.device as kv_device
-from kvnumba.kernels import launch
+from kvnumba.kernels import launch, lean
 
 BATCHES = (1, 32, 128)
 KINDS = ("device", "interface")
@@ -71,7 +71,7 @@ _record = tuple.__new__
 
 
 class Recorder:
-    """Stands in for `kvnumba.kernels.launch.driver`: records every launch (`launches`)
+    """Stands in for `kvnumba.kernels.lean.driver`: records every launch (`launches`)
     instead of calling `cuLaunchKernel`, after the same grid and stream conversions.
 
     While `counting` (timed loops), a launch is made into its record as ever but only the
@@ -92,7 +92,7 @@ class Recorder:
             self.launches.append(launched)
 
     def launch(self, kernel, grid, block, stream) -> None:
-        self.send(kernel, launch.dim3(grid), launch.dim3(block), launch.stream_handle(stream))
+        self.send(kernel, lean.dim3(grid), lean.dim3(block), lean.stream_handle(stream))
 
     def send(self, kernel, grid: tuple, block: tuple, stream: int) -> None:
         if self.keep_parameters:
@@ -206,15 +206,15 @@ def fake_device(recorder: Recorder):
         raise RuntimeError(f"fake_device needs KVNUMBA_DEVICE=compile (running on the "
                            f"{kv_device.KIND})")
     saved = (devices._runtime, driver.driver, codegen.CUDACodeLibrary.get_cufunc,
-             launch.driver)
+             lean.driver)
     devices._runtime, driver.driver = _FakeRuntime(), _NoDriver()
     codegen.CUDACodeLibrary.get_cufunc = _loaded_function
-    launch.driver = recorder
+    lean.driver = recorder
     try:
         yield recorder
     finally:
         (devices._runtime, driver.driver, codegen.CUDACodeLibrary.get_cufunc,
-         launch.driver) = saved
+         lean.driver) = saved
 
 
 @contextlib.contextmanager
@@ -238,13 +238,13 @@ def numba_launch(recorder: Recorder):
     def recorded(stream, config, kernel, *kernel_args):
         recorder.record(Launched("", config.grid, config.block, 0, None, None))
 
-    saved = launch.LeanKernel.__call__, launch.LeanLaunch.__call__, dispatcher.launch
-    launch.LeanKernel.__call__, launch.LeanLaunch.__call__, dispatcher.launch = \
+    saved = lean.LeanKernel.__call__, lean.LeanLaunch.__call__, dispatcher.launch
+    lean.LeanKernel.__call__, lean.LeanLaunch.__call__, dispatcher.launch = \
         call, bound, recorded
     try:
         yield
     finally:
-        launch.LeanKernel.__call__, launch.LeanLaunch.__call__, dispatcher.launch = saved
+        lean.LeanKernel.__call__, lean.LeanLaunch.__call__, dispatcher.launch = saved
 
 
 class InterfaceArray:

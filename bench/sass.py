@@ -11,9 +11,9 @@ same and exits 1 when one of them exceeds a budget of BUDGET_FILE (default
 named as `module:function` with a Numba signature, e.g.
 `kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1], int64, int64,
 int64)"`, or as the kernel a factory makes for literal arguments,
-`module:factory(ARGS)`, e.g. `kvnumba.kernels.decode:_decode_kernel(128, 'float16',
-4, False)`. `intrinsics_probe` below (every `kvnumba.kernels.ptx` function) is always
-built.
+`module:factory(ARGS)`, e.g. `kvnumba.kernels.decode_kernel:decode_kernel(128,
+'float16', 4, False)`. `intrinsics_probe` below (every `kvnumba.kernels.ptx` and
+`tensorcore` function) is always built.
 
 Each kernel is compiled to PTX by numba-cuda in GPU mode (`KVNUMBA_DEVICE=compile`;
 libNVVM needed), assembled by `ptxas -arch=sm_90a -v` and disassembled by `nvdisasm`.
@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 
 import kvnumba.device as kv_device  # noqa: E402
 from kvnumba.device import cuda  # noqa: E402
-from kvnumba.kernels import ptx  # noqa: E402
+from kvnumba.kernels import ptx, tensorcore  # noqa: E402
 
 from . import sassbudget, sassfigures  # noqa: E402
 
@@ -77,23 +77,23 @@ TILE = 16 * 16                  # one 16x16 float16 tile: 32 lanes x 16 bytes
 
 @cuda.jit
 def intrinsics_probe(keys, values, out, scratch):
-    """Every `ptx` function as the attention kernels use them, in one warp: stage a
-    16x16 float16 K tile with cp.async, load mma fragments with ldmatrix, multiply
-    (f16 and bf16), reduce over the lanes of a row with shuffles, and stream 16-byte
+    """Every `ptx` and `tensorcore` function as the attention kernels use them, in one
+    warp: stage a 16x16 float16 K tile with cp.async, load mma fragments with ldmatrix,
+    multiply (f16 and bf16), reduce over the lanes of a row with shuffles, and stream 16-byte
     chunks of V through registers (f16 and bf16 unpacked, scaled, repacked)."""
     lane = cuda.laneid
     tile = cuda.shared.array(TILE, np.float16)
-    ptx.cp_async_16(tile, lane * 8, keys, lane * 8)
-    ptx.cp_async_commit()
-    ptx.cp_async_wait(0)
+    tensorcore.cp_async_16(tile, lane * 8, keys, lane * 8)
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(0)
     cuda.syncthreads()
     frag = (lane % 16) * 16 + (lane // 16) * 8
-    a0, a1, a2, a3 = ptx.ldmatrix_x4(tile, frag)
-    b0, b1, b2, b3 = ptx.ldmatrix_x4_trans(tile, frag)
-    d0, d1, d2, d3 = ptx.mma_f16_f32(a0, a1, a2, a3, b0, b1, 0.0, 0.0, 0.0, 0.0)
+    a0, a1, a2, a3 = tensorcore.ldmatrix_x4(tile, frag)
+    b0, b1, b2, b3 = tensorcore.ldmatrix_x4_trans(tile, frag)
+    d0, d1, d2, d3 = tensorcore.mma_f16_f32(a0, a1, a2, a3, b0, b1, 0.0, 0.0, 0.0, 0.0)
     p = ptx.f32x2_to_bf16x2(d0, d1)
     q = ptx.f32x2_to_bf16x2(d2, d3)
-    e0, e1, e2, e3 = ptx.mma_bf16_f32(p, q, p, q, b2, b3, d0, d1, d2, d3)
+    e0, e1, e2, e3 = tensorcore.mma_bf16_f32(p, q, p, q, b2, b3, d0, d1, d2, d3)
     row_max = max(e0, e1)                             # a row of D lives in 4 lanes
     row_max = max(row_max, ptx.shfl_xor(row_max, 1))
     row_max = max(row_max, ptx.shfl_xor(row_max, 2))
@@ -134,8 +134,8 @@ def _prefill_signature(t: str) -> str:
             f"float32, float32)")
 
 
-_DECODE = "kvnumba.kernels.decode:_decode_kernel"
-_PREFILL = "kvnumba.kernels.prefill:_prefill_kernel"
+_DECODE = "kvnumba.kernels.decode_kernel:decode_kernel"
+_PREFILL = "kvnumba.kernels.prefill_kernel:prefill_kernel"
 #: what --report and --check build: the kernels docs/benchmarks.md reports, at the
 #: specialisations it lists (bfloat16 storage is held as uint16 bits)
 SPECIALISATIONS = (

@@ -118,12 +118,12 @@ def decode_figures(flow: Flow, arguments: dict) -> Figures:
     `WARPS * UNROLL * key_slots` keys: sum over chunks of WARPS * (F + B *
     ceil(len / keys per trip)), over the keys."""
     from kvnumba import plan as fields
-    from kvnumba.kernels import decode
+    from kvnumba.kernels import decode, decode_shape
     planning = sys.modules[decode.plan.__module__]     # the work table's field constants
 
     itemsize = np.dtype(arguments["storage"]).itemsize
-    keys_per_trip = decode.WARPS * decode.UNROLL * \
-        decode.Geometry.of(arguments["head_dim"], itemsize).key_slots
+    keys_per_trip = decode_shape.WARPS * decode_shape.UNROLL * \
+        decode_shape.Geometry.of(arguments["head_dim"], itemsize).key_slots
     loop = _main_loop(flow, is_wide_load, "the K/V loads (LDG.E.128)")
     body = len(loop.instructions)
     fixed = len(flow.executed) - body
@@ -132,14 +132,14 @@ def decode_figures(flow: Flow, arguments: dict) -> Figures:
         (0, 1, 0, DECODE_HISTORY, 0)
     work = decode.plan(seq_info, [0], window=0).work
     lengths = work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]
-    warp_instructions = sum(decode.WARPS * (fixed + body * math.ceil(n / keys_per_trip))
+    warp_instructions = sum(decode_shape.WARPS * (fixed + body * math.ceil(n / keys_per_trip))
                             for n in lengths)
     keys = int(lengths.sum())
     notes = [f"main loop at {loop.header:#x}: B = {body} instructions per {keys_per_trip}-key "
              f"block trip ({body / keys_per_trip:.1f} per key), {loop.count(is_wide_load)} "
              f"LDG.E.128; fixed work F = {fixed} per warp per chunk",
              f"{keys} keys in {len(lengths)} chunks ({', '.join(map(str, sorted(set(lengths))))} "
-             f"keys) of {decode.WARPS} warps: {warp_instructions} warp instructions",
+             f"keys) of {decode_shape.WARPS} warps: {warp_instructions} warp instructions",
              *_other_loops(flow, loop, is_wide_load, "LDG.E.128",
                            ", their bodies counted once in F"),
              *_fallback_note(flow)]
@@ -203,8 +203,8 @@ def combine_figures(flow: Flow, arguments: dict) -> Figures:
 
 #: `module:function` (a kernel, or the factory that makes it) -> its model figures
 KINDS = {
-    "kvnumba.kernels.decode:_decode_kernel": decode_figures,
-    "kvnumba.kernels.prefill:_prefill_kernel": prefill_figures,
+    "kvnumba.kernels.decode_kernel:decode_kernel": decode_figures,
+    "kvnumba.kernels.prefill_kernel:prefill_kernel": prefill_figures,
     "kvnumba.kernels.write:_write_vectors": stride_figures,
     "kvnumba.kernels.copy:_copy_vectors": stride_figures,
     "kvnumba.kernels.combine:_combine_kernel": combine_figures,

@@ -25,8 +25,8 @@ import numpy as np
 
 from .device import GPU_COUNT, SIMULATOR, cuda, pointer_device
 from .errors import ShapeError
-from .kernels.launch import (ARGUMENT, POINTER, array_fields, c_strides, describe,
-                             kernel_argument)
+from .kernels.abi import c_strides
+from .kernels.launch import DeviceView, device_pointer
 
 BFLOAT16 = "bfloat16"
 
@@ -256,79 +256,6 @@ def _typestr_dtype(typestr: str) -> np.dtype:
 #: the dtypes the kernels see for a PyTorch tensor of each name
 _TORCH_KERNEL_DTYPES = {"float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
                         BFLOAT16: np.dtype(np.uint16)}
-
-
-class DeviceView:
-    """Device memory the kernels read or write in place: what a launch needs of it and
-    nothing more (a Numba device array costs far more to build, once per call).
-
-    `owner` is the object whose memory it is (kept alive with the view); `ptr` the
-    address of element 0; `strides` in bytes. A view is C-contiguous when its strides
-    are those of its shape (an axis of extent 1 may have any stride), and typed for
-    Numba as such (`_numba_type_`); it carries its kernel argument
-    (`kernels.launch.ARGUMENT`) from the start.
-    """
-
-    __slots__ = ("owner", "ptr", "shape", "strides", "dtype", "size", "_c_contiguous",
-                 "_numba_type_", ARGUMENT)
-
-    def __init__(self, owner, ptr: int, shape: tuple, strides: tuple, dtype: np.dtype):
-        self.owner, self.ptr, self.shape, self.strides, self.dtype = \
-            owner, ptr, shape, strides, dtype
-        self.size, self._c_contiguous, self._numba_type_, before, after = \
-            _layout(shape, strides, dtype)
-        setattr(self, ARGUMENT, kernel_argument(self._numba_type_.name, (*before, ptr, *after)))
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
-
-    def is_c_contiguous(self) -> bool:
-        return self._c_contiguous
-
-    @property
-    def device_ctypes_pointer(self):
-        import ctypes
-        return ctypes.c_void_p(self.ptr)
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
-                "data": (self.ptr, False), "version": 3}
-
-
-@lru_cache(maxsize=256)
-def _layout(shape: tuple, strides: tuple, dtype: np.dtype) -> tuple:
-    """What a view of this geometry is, its pointer aside (cached: a step's shapes repeat
-    every layer): `(size, C-contiguous, Numba type, ABI fields before the pointer, ABI
-    fields after it)`. Numba's layout is "C" when C-contiguous, else "A" (any)."""
-    from numba.cuda import types
-    from numba.cuda.np.numpy_support import from_dtype
-
-    dense = c_strides(shape, dtype.itemsize)
-    contiguous = strides == dense or all(s == c or n == 1 for s, c, n in
-                                         zip(strides, dense, shape))
-    numba_type = types.Array(from_dtype(dtype), len(shape), "C" if contiguous else "A")
-    fields = array_fields(0, shape, strides, dtype.itemsize)
-    return fields[2], contiguous, numba_type, fields[:POINTER], fields[POINTER + 1:]
-
-
-def device_pointer(array) -> int:
-    """The address of a device array's data, as a launch passes it (described once per
-    Numba device array); on the simulator, the address of the memory it simulates."""
-    if SIMULATOR:
-        return array._ary.ctypes.data
-    described = getattr(array, ARGUMENT, None)     # `describe`'s own first look, inlined
-    return (described or describe(array))[1][POINTER]
-
-
-def aligned(array, alignment: int) -> bool:
-    """Whether a device array's data starts at a multiple of `alignment` bytes."""
-    return device_pointer(array) % alignment == 0
 
 
 class Result:

@@ -15,12 +15,12 @@ from statemachines import CLONE_SOURCE_STATES
 
 from .args import as_finite, as_id, as_ids, as_int, describe, is_int
 from .config import CacheConfig
-from .arrays import Result, check, check_out, device_pointer, device_view
+from .arrays import Result, check, check_out, device_view
 from .device import allocating, announce, cuda, device_id, on_its_device, placed_on
 from .errors import (CacheFullError, CapacityError, ConfigError, OwnerRunError, PositionError,
                      RingFloorError, ShapeError, StepProtocolError)
 from .kernels import padding, write
-from .kernels.launch import no_output
+from .kernels.launch import device_pointer, no_output
 from .pages import flashinfer_tables
 from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS, StepPlan,
                    StepTables, decode_segments, frozen, held_positions,

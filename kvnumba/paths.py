@@ -7,7 +7,7 @@ segments. Each group runs on its own path, over its own list of segments, so a
 step launches at most two attention kernels (plus the decode path's combine) and a
 segment's output never depends on what shares its step:
 
-* decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK`) where it
+* decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK_KEYS`) where it
   serves the storage, else `kernels.attention` split-K in chunks of the same length;
 * prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
   the storage, else `kernels.attention` (CUDA cores, exact for float32).
@@ -73,7 +73,7 @@ class StepPaths:
             decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
                                for window, f in sorted(self.decode_plans.items()))
         else:
-            decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK))
+            decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS))
         return decode_key, (p.n, p.max_q_len), self.buffers()
 
 
@@ -181,7 +181,7 @@ class AttentionPaths:
         elif paths.decode.n:
             generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
                            pages=pages, page_bits=page_bits,
-                           path="decode", kv_chunk=decode.CHUNK, ring_rows=ring_rows,
+                           path="decode", kv_chunk=decode.CHUNK_KEYS, ring_rows=ring_rows,
                            window=window, scale=scale, softcap=softcap, stream=stream,
                            **paths.decode_args)
         if not paths.prefill.n:
@@ -205,7 +205,7 @@ def tables_size(config) -> int:
     sequences at capacity. A step that needs more grows the buffer (`staging`)."""
     per_token = 2 + SEQ_INFO_FIELDS + 1
     chunks = config.max_step + min(config.max_step, config.max_seqs) * \
-        -(-config.capacity // decode.CHUNK)
+        -(-config.capacity // decode.CHUNK_KEYS)
     windows = len({spec.window for spec in config.layers})
     return per_token * config.max_step + windows * (decode.WORK_FIELDS * chunks +
                                                    decode.COMBINE_FIELDS * config.max_step)

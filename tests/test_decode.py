@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from kvnumba import device
-from kvnumba.arrays import aligned
 from kvnumba.device import cuda
 from kvnumba.kernels import decode as dec
 from kvnumba.kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
+from kvnumba.kernels.decode_trip import RESCALE_SLACK
+from kvnumba.kernels.launch import aligned
 from kvnumba.kernels.masks import key_range
 from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import dense_attention, seen_positions, visible_mask
@@ -254,10 +255,10 @@ def test_plan_balances_a_skewed_batch():
     info = table_of([(1, n - 1) for n in kv_lens])
     segments = np.arange(64)
     plan = dec.plan(info, segments, window=0)
-    check_plan(plan, info, segments, 0, dec.CHUNK)
+    check_plan(plan, info, segments, 0, dec.CHUNK_KEYS)
     lengths = plan.work[:, dec.WORK_KEY_HI] - plan.work[:, dec.WORK_KEY_LO]
-    assert lengths.max() < dec.CHUNK + dec.CHUNK // 2
-    assert (plan.work[:, dec.WORK_SEG] == 63).sum() == 32768 // dec.CHUNK
+    assert lengths.max() < dec.CHUNK_KEYS + dec.CHUNK_KEYS // 2
+    assert (plan.work[:, dec.WORK_SEG] == 63).sum() == 32768 // dec.CHUNK_KEYS
 
 
 def test_a_remainder_under_half_a_chunk_joins_the_last_chunk():
@@ -287,7 +288,7 @@ def test_plan_tiles_every_key_range_exactly(window):
              bool(rng.integers(0, 2))) for _ in range(40)]
     info = table_of(rows)
     segments = rng.permutation(40)[:30]
-    for chunk in (dec.KEY_TILE, 2 * dec.KEY_TILE, dec.CHUNK, 2048):
+    for chunk in (dec.KEY_TILE, 2 * dec.KEY_TILE, dec.CHUNK_KEYS, 2048):
         check_plan(dec.plan(info, segments, window=window, chunk=chunk), info, segments,
                    window, chunk)
 
@@ -482,7 +483,7 @@ def test_scores_that_keep_growing_rescale_each_row_on_its_own(head_dim, position
         visible = case.hist_k[long][:pos_start + i + 1, 0]
         scores = case.scale * visible @ case.q[q_start + i].T.astype(np.float64)
         climb = (scores.max(axis=0) - scores[:16].max(axis=0)) / np.log(2)
-        assert (climb > 4 * dec.RESCALE_SLACK).all()
+        assert (climb > 4 * RESCALE_SLACK).all()
     got, plan = run(case, chunk=chunk)
     assert plan.n_combine == (head_dim == 128)
     check(case, got)
@@ -523,7 +524,7 @@ def test_model_shapes_on_a_gpu(dtype):
     for window, ring_rows in ((0, 0), (1000, 1007)):
         case = make_case(rng, segments, n_kv_heads=8, group=4, head_dim=128, dtype=dtype,
                          window=window, ring_rows=ring_rows)
-        got, plan = run(case, chunk=dec.CHUNK)
+        got, plan = run(case, chunk=dec.CHUNK_KEYS)
         assert plan.n_combine > 0
         check(case, got)
 

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import kvnumba.device as kv_device
-from kvnumba.arrays import DeviceView
-from kvnumba.kernels import launch
+from kvnumba.kernels import abi, launch, lean
+from kvnumba.kernels.launch import DeviceView
 
 COMPILE = kv_device.KIND == "compile"
 compile_mode = pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile only (run by "
@@ -37,10 +37,10 @@ compile_mode = pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile on
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32])
 def test_dense_strides_and_fields_are_numpys(shape, dtype):
     array = np.empty(shape, dtype)
-    assert launch.c_strides(shape, array.itemsize) == array.strides
-    fields = launch.array_fields(1234, shape, array.strides, array.itemsize)
+    assert abi.c_strides(shape, array.itemsize) == array.strides
+    fields = abi.array_fields(1234, shape, array.strides, array.itemsize)
     assert fields == (0, 0, array.size, array.itemsize, 1234, *shape, *array.strides)
-    assert fields[launch.POINTER] == 1234
+    assert fields[abi.POINTER] == 1234
 
 
 def _numpy_views():
@@ -58,16 +58,16 @@ def test_a_view_is_c_contiguous_exactly_when_numpy_says_so(view):
     assert got._numba_type_.layout == ("C" if view.flags.c_contiguous else "A")
     assert got._numba_type_.ndim == view.ndim and got.size == view.size
     fields = (0, 0, view.size, 2, view.ctypes.data, *view.shape, *view.strides)
-    name, described, packed = getattr(got, launch.ARGUMENT)
+    name, described, packed = getattr(got, abi.ARGUMENT)
     assert (name, described) == (got._numba_type_.name, fields)
     assert packed == np.array(fields, "<i8").tobytes()       # as the launch buffer holds them
 
 
 def test_launch_extents_are_three_dimensional():
-    assert launch.dim3(5) == (5, 1, 1)
-    assert launch.dim3((2, 3)) == (2, 3, 1)
-    assert launch.dim3((np.int64(2), 3, 4)) == (2, 3, 4)
-    assert launch.stream_handle(0) == 0
+    assert lean.dim3(5) == (5, 1, 1)
+    assert lean.dim3((2, 3)) == (2, 3, 1)
+    assert lean.dim3((np.int64(2), 3, 4)) == (2, 3, 4)
+    assert lean.stream_handle(0) == 0
 
 
 @pytest.mark.skipif(COMPILE, reason="a cache needs the simulator or a GPU")
@@ -204,7 +204,7 @@ def calls(monkeypatch):
     """Every launch, of a `LeanKernel` or of a bound `LeanLaunch`: (kernel, grid, block,
     stream, the kernel's whole argument list)."""
     seen = []
-    plain, bound = launch.LeanKernel.__call__, launch.LeanLaunch.__call__
+    plain, bound = lean.LeanKernel.__call__, lean.LeanLaunch.__call__
 
     def spy(self, grid, block, stream, *args):
         seen.append((self, grid, block, stream, args))
@@ -214,8 +214,8 @@ def calls(monkeypatch):
         seen.append((self.kernel, self.grid, self.block, self.stream, self.arguments(values)))
         bound(self, *values)
 
-    monkeypatch.setattr(launch.LeanKernel, "__call__", spy)
-    monkeypatch.setattr(launch.LeanLaunch, "__call__", spy_bound)
+    monkeypatch.setattr(lean.LeanKernel, "__call__", spy)
+    monkeypatch.setattr(lean.LeanLaunch, "__call__", spy_bound)
     return seen
 
 
@@ -250,8 +250,8 @@ def test_steps_of_one_shape_bind_their_launches_once(device, calls, monkeypatch)
     still packs what Numba's launch would."""
     host, recorder = device
     binds = []
-    bind = launch.LeanKernel.bind
-    monkeypatch.setattr(launch.LeanKernel, "bind",
+    bind = lean.LeanKernel.bind
+    monkeypatch.setattr(lean.LeanKernel, "bind",
                         lambda self, *args: binds.append(self.name) or bind(self, *args))
     cache = host.make_cache(4)
     cache.abort_step()
@@ -307,7 +307,7 @@ def test_every_parameter_kind_packs_what_numbas_launch_would(device, calls):
     assert record.raw == numba_parameters(kernel, passed, stream)
     assert record.grid == (2, 3, 1) and record.block == (64, 1, 1)
     assert record.arguments[2:7] == [(-7,), (np.float32(0.1),), (2.5,), (True,), (2 ** 63 + 5,)]
-    assert record.arguments[1][launch.POINTER:] == (strided.ptr, 4, 3, 8, 96, 32, 2)
+    assert record.arguments[1][abi.POINTER:] == (strided.ptr, 4, 3, 8, 96, 32, 2)
 
 
 @compile_mode
@@ -335,7 +335,7 @@ def test_a_bound_launch_packs_what_numbas_launch_would_for_each_call(device, cal
         assert record.stream == 0x99
     assert [r.arguments[3] for r in recorder.launches] == [(np.float32(f),)
                                                             for f in (0.1, 0.2, 0.3)]
-    assert recorder.launches[1].arguments[1][launch.POINTER:] == (strided.ptr, 4, 3, 8, 96,
+    assert recorder.launches[1].arguments[1][abi.POINTER:] == (strided.ptr, 4, 3, 8, 96,
                                                                   32, 2)
     with pytest.raises(TypeError, match="3 per-call"):
         bound(first, strided)
@@ -348,9 +348,9 @@ def test_the_driver_gets_each_launch_as_culaunchkernel_takes_it(device, monkeypa
     from cuda.bindings import driver as binding
     from numba.cuda.cudadrv.driver import CudaAPIError
     seen, result = [], [binding.CUresult.CUDA_SUCCESS]
-    real = launch.Driver()
+    real = lean.Driver()
     monkeypatch.setattr(real, "_launch", lambda *a: seen.append(a) or (result[0],))
-    monkeypatch.setattr(launch, "driver", real)
+    monkeypatch.setattr(lean, "driver", real)
     cuda = kv_device.cuda
     args = (cuda.device_array(5, np.float32), cuda.device_array((4, 3, 8), np.float16),
             np.int32(1), np.float32(1), 1.0, False, np.uint64(1),
@@ -398,7 +398,7 @@ def test_a_decode_step_launches_each_layer_on_its_own_storage_and_the_caches_str
         cache.update_and_attend(layer, q, k, v, out=out, scale=0.25)
         write, *attention = recorder.launches
         assert all(r.stream == 0x5150 for r in recorder.launches)
-        arrays = [{a[launch.POINTER] for a in r.arguments if len(a) > 1} for r in
+        arrays = [{a[abi.POINTER] for a in r.arguments if len(a) > 1} for r in
                   recorder.launches]
         scalars = [[a[0] for a in r.arguments if len(a) == 1] for r in recorder.launches]
         assert {pointer(k), pointer(v)} | stores[layer] <= arrays[0]

@@ -147,7 +147,7 @@ def test_lse_of_a_decode_segment_split_into_chunks(path, monkeypatch):
     one in a single chunk, in a padded decode step."""
     monkeypatch.setattr(decode, "plan_into",
                         functools.partial(decode.plan_into, chunk=decode.KEY_TILE))
-    monkeypatch.setattr(decode, "CHUNK", decode.KEY_TILE)      # the generic split-K
+    monkeypatch.setattr(decode, "CHUNK_KEYS", decode.KEY_TILE)      # the generic split-K
     run = Run(PATHS[path], (None,), capacity=192, max_write=64, max_step=72,
               lengths=(3 * decode.KEY_TILE, 8))
     for _ in range(2):
@@ -161,7 +161,7 @@ def test_lse_of_a_decode_segment_split_into_chunks(path, monkeypatch):
     if routes.decode_plans:                 # fast: one segment split, one not
         assert routes.decode_plans[0].n_combine == 1 and routes.decode_plans[0].n_parts > 1
     else:                                   # generic: split-K over the longest history
-        assert routes.decode_args["max_kv_len"] > 2 * decode.CHUNK
+        assert routes.decode_args["max_kv_len"] > 2 * decode.CHUNK_KEYS
     lse = np.full((3, HQ), np.nan, np.float32)
     run.cache.update_and_attend(0, run.gather(rows, "q", 0, 3), run.gather(rows, "k", 0, 3),
                                 run.gather(rows, "v", 0, 3), lse=lse)

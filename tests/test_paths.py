@@ -157,12 +157,12 @@ def test_the_launch_key_changes_only_with_the_launches(head_dim, fast):
     """Decode steps keep one key until a sequence's history reaches another chunk count:
     1.5 chunks on the fast path (a remainder under half a chunk joins the last chunk),
     one chunk + 1 key on the generic path's split-K (hand-computed boundaries)."""
-    from kvnumba.kernels.decode import CHUNK
-    boundary = CHUNK + CHUNK // 2 if fast else CHUNK + 1   # first key count of 2 chunks
+    from kvnumba.kernels.decode import CHUNK_KEYS
+    boundary = CHUNK_KEYS + CHUNK_KEYS // 2 if fast else CHUNK_KEYS + 1   # first key count of 2 chunks
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H,
-                            head_dim=head_dim, capacity=2 * CHUNK, max_seqs=2,
-                            max_write=2 * CHUNK, max_step=2 * CHUNK + 8, dtype="float16",
-                            initial_pages=2 * CHUNK)          # no growth moves the storage
+                            head_dim=head_dim, capacity=2 * CHUNK_KEYS, max_seqs=2,
+                            max_write=2 * CHUNK_KEYS, max_step=2 * CHUNK_KEYS + 8, dtype="float16",
+                            initial_pages=2 * CHUNK_KEYS)          # no growth moves the storage
     cache = kv.BatchedSequenceCache(config)
     a, b = cache.seq_new(), cache.seq_new()
     cache.declare_step([a] * (boundary - 4) + [b] * 5)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from kvnumba import device
-from kvnumba.arrays import aligned
 from kvnumba.device import cuda
-from kvnumba.kernels import prefill
+from kvnumba.kernels import prefill, prefill_shape
+from kvnumba.kernels.launch import aligned
 from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values, dense_attention, round_nearest_even, seen_positions
 from paging import page_bits, paged
@@ -177,17 +177,17 @@ def test_supports_16_bit_storage_and_head_dims_in_16_byte_chunks():
 
 def test_gpu_tiles_keep_q_k_and_v_apart_in_48_kib_of_shared_memory():
     for head_dim in (8, 24, 64, 80, 96, 128, 256):
-        rows, keys = prefill.tile_shape(head_dim)
-        q_row, k_row, v_row, buffer_rows = prefill.shared_layout(head_dim, rows, keys)
+        rows, keys = prefill_shape.tile_shape(head_dim)
+        q_row, k_row, v_row, buffer_rows = prefill_shape.shared_layout(head_dim, rows, keys)
         q, k, v = (set(range(first, first + n)) for first, n in
                    ((q_row, rows), (k_row, keys), (v_row, keys)))
         assert not q & k and not k & v      # Q and the first K tile are staged together
-        if head_dim > prefill.Q_REGISTERS_MAX_DIM:
+        if head_dim > prefill_shape.Q_REGISTERS_MAX_DIM:
             assert not q & v                # Q stays in shared memory, read every tile
         assert max(q | k | v) < buffer_rows
-        assert buffer_rows * (prefill.padded_head_dim(head_dim) + 8) * 2 <= 48 * 1024
+        assert buffer_rows * (prefill_shape.padded_head_dim(head_dim) + 8) * 2 <= 48 * 1024
         assert rows % 16 == 0 and keys % 16 == 0
-        assert rows % prefill.default_warp_rows(head_dim, rows) == 0
+        assert rows % prefill_shape.default_warp_rows(head_dim, rows) == 0
 
 
 @pytest.mark.parametrize("chunks,threads,rows", [(16, 128, 64), (8, 64, 64), (32, 96, 16),
@@ -198,7 +198,7 @@ def test_staging_copies_every_chunk_once_a_128_byte_line_per_row_at_a_time(chunk
     """Thread tid copies chunks tid % lanes + c lanes of rows tid // lanes + p step (step =
     threads // lanes): together every chunk of every row exactly once, and the lanes of a
     row cover whole 128-byte lines (8 chunks) of it per instruction."""
-    lanes, passes = prefill.staging_layout(chunks, threads, rows)
+    lanes, passes = prefill_shape.staging_layout(chunks, threads, rows)
     step = threads // lanes
     copied = [(tid // lanes + p * step, tid % lanes + c * lanes) for tid in range(step * lanes)
               for p in range(passes) for c in range(chunks // lanes)
@@ -209,7 +209,7 @@ def test_staging_copies_every_chunk_once_a_128_byte_line_per_row_at_a_time(chunk
 
 def test_staging_of_head_dim_128_tiles_takes_8_copies_in_4_rows_per_thread():
     # 64 rows x 16 chunks over 128 threads: 8 lanes per row (128 bytes), 16 rows per pass
-    assert prefill.staging_layout(16, 128, 64) == (8, 4)
+    assert prefill_shape.staging_layout(16, 128, 64) == (8, 4)
 
 
 @pytest.mark.parametrize("head_dim,storage,q_dtype,message", [

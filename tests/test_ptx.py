@@ -12,7 +12,7 @@ import pytest
 
 from kvnumba import device
 from kvnumba.device import cuda
-from kvnumba.kernels import ptx
+from kvnumba.kernels import ptx, tensorcore
 from oracle import FORMATS, round_nearest_even
 
 RNG_SEED = 20240607
@@ -269,9 +269,9 @@ def load_matrices(tile_in, row_starts, registers, trans):
         tile[e] = tile_in[e]
     cuda.syncthreads()
     if trans:
-        r = ptx.ldmatrix_x4_trans(tile, row_starts[lane])
+        r = tensorcore.ldmatrix_x4_trans(tile, row_starts[lane])
     else:
-        r = ptx.ldmatrix_x4(tile, row_starts[lane])
+        r = tensorcore.ldmatrix_x4(tile, row_starts[lane])
     registers[lane, 0] = r[0]
     registers[lane, 1] = r[1]
     registers[lane, 2] = r[2]
@@ -318,7 +318,7 @@ def reload_matrices(rounds, registers):
         for e in range(lane, 256, 32):
             tile[e] = k * 256 + e
         cuda.syncthreads()
-        r = ptx.ldmatrix_x4(tile, lane * 8)
+        r = tensorcore.ldmatrix_x4(tile, lane * 8)
         registers[k, lane] = r[0]
         cuda.syncthreads()
 
@@ -378,11 +378,11 @@ def gather_d(registers):
 def multiply(a, b, c, d, bf16):
     tid = cuda.threadIdx.x + cuda.blockIdx.x * cuda.blockDim.x   # each warp its own problem
     if bf16:
-        d0, d1, d2, d3 = ptx.mma_bf16_f32(a[tid, 0], a[tid, 1], a[tid, 2], a[tid, 3],
+        d0, d1, d2, d3 = tensorcore.mma_bf16_f32(a[tid, 0], a[tid, 1], a[tid, 2], a[tid, 3],
                                           b[tid, 0], b[tid, 1],
                                           c[tid, 0], c[tid, 1], c[tid, 2], c[tid, 3])
     else:
-        d0, d1, d2, d3 = ptx.mma_f16_f32(a[tid, 0], a[tid, 1], a[tid, 2], a[tid, 3],
+        d0, d1, d2, d3 = tensorcore.mma_f16_f32(a[tid, 0], a[tid, 1], a[tid, 2], a[tid, 3],
                                          b[tid, 0], b[tid, 1],
                                          c[tid, 0], c[tid, 1], c[tid, 2], c[tid, 3])
     d[tid, 0] = d0
@@ -439,24 +439,24 @@ def attention_tiles(qkvp, s_out, o_out):
     for chunk in range(lane, 4 * 16 * 2, 32):          # 16-byte chunks: (tile, row, half)
         row = chunk // 2                                 # row of the 64 stacked rows
         col = (chunk % 2) * 8
-        ptx.cp_async_16(tiles, row * STRIDE + col, qkvp, row * 16 + col)
-    ptx.cp_async_commit()
-    ptx.cp_async_wait(0)
+        tensorcore.cp_async_16(tiles, row * STRIDE + col, qkvp, row * 16 + col)
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(0)
     cuda.syncthreads()
     q, k, v, p = 0, TILE, 2 * TILE, 3 * TILE
     # A operands: lane l supplies row l % 16, columns 8 (l // 16) onwards
     a_row = (lane % 16) * STRIDE + (lane // 16) * 8
-    qa = ptx.ldmatrix_x4(tiles, q + a_row)
-    pa = ptx.ldmatrix_x4(tiles, p + a_row)
+    qa = tensorcore.ldmatrix_x4(tiles, q + a_row)
+    pa = tensorcore.ldmatrix_x4(tiles, p + a_row)
     # B = K^T from K's rows (non-trans): key l % 8 + 8 (l // 16), dims 8 (l // 8 % 2) on
-    kb = ptx.ldmatrix_x4(tiles, k + (lane % 8 + 8 * (lane // 16)) * STRIDE
+    kb = tensorcore.ldmatrix_x4(tiles, k + (lane % 8 + 8 * (lane // 16)) * STRIDE
                          + (lane // 8 % 2) * 8)
     # B = V (trans): key l % 16, dims 8 (l // 16) on
-    vb = ptx.ldmatrix_x4_trans(tiles, v + a_row)
+    vb = tensorcore.ldmatrix_x4_trans(tiles, v + a_row)
     for n in range(2):                                  # keys (S) or dims (O) 8n .. 8n + 7
-        s = ptx.mma_f16_f32(qa[0], qa[1], qa[2], qa[3], kb[2 * n], kb[2 * n + 1],
+        s = tensorcore.mma_f16_f32(qa[0], qa[1], qa[2], qa[3], kb[2 * n], kb[2 * n + 1],
                             0.0, 0.0, 0.0, 0.0)
-        o = ptx.mma_f16_f32(pa[0], pa[1], pa[2], pa[3], vb[2 * n], vb[2 * n + 1],
+        o = tensorcore.mma_f16_f32(pa[0], pa[1], pa[2], pa[3], vb[2 * n], vb[2 * n + 1],
                             0.0, 0.0, 0.0, 0.0)
         for j in range(4):
             s_out[n, lane, j] = s[j]
@@ -481,15 +481,15 @@ def async_round_trip(src, dst, first):
     """Two committed groups of 16-byte copies into shared memory, then back out."""
     tid = cuda.threadIdx.x
     staged = cuda.shared.array(256, np.float32)
-    ptx.cp_async_16(staged, tid * 4, src, first + tid * 4)              # group 1
-    ptx.cp_async_commit()
-    ptx.cp_async_16(staged, 128 + tid * 4, src, first + 128 + tid * 4)  # group 2
-    ptx.cp_async_commit()
-    ptx.cp_async_wait(1)                                                # group 1 landed
+    tensorcore.cp_async_16(staged, tid * 4, src, first + tid * 4)              # group 1
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_16(staged, 128 + tid * 4, src, first + 128 + tid * 4)  # group 2
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(1)                                                # group 1 landed
     cuda.syncthreads()
     for e in range(tid, 128, 32):
         dst[e] = staged[e]
-    ptx.cp_async_wait(0)                                                # all landed
+    tensorcore.cp_async_wait(0)                                                # all landed
     cuda.syncthreads()
     for e in range(128 + tid, 256, 32):
         dst[e] = staged[e]
@@ -528,7 +528,7 @@ def lanes_disagree(values, out):
         out[tid] = ptx.shfl_xor(values[tid], 1)
     else:
         a = ptx.f32_as_u32(values[tid])
-        r = ptx.mma_f16_f32(a, a, a, a, a, a, 0.0, 0.0, 0.0, 0.0)
+        r = tensorcore.mma_f16_f32(a, a, a, a, a, a, 0.0, 0.0, 0.0, 0.0)
         out[tid] = r[0]
 
 
@@ -602,9 +602,9 @@ def zfill_round_trip(src, dst, zero_every):
     """Each lane stages 16 bytes of `src`, or zeros on every `zero_every`-th lane."""
     lane = cuda.laneid
     staged = cuda.shared.array(256, np.float16)
-    ptx.cp_async_16_zfill(staged, lane * 8, src, lane * 8, lane % zero_every == 0)
-    ptx.cp_async_commit()
-    ptx.cp_async_wait(0)
+    tensorcore.cp_async_16_zfill(staged, lane * 8, src, lane * 8, lane % zero_every == 0)
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(0)
     cuda.syncthreads()
     for e in range(lane, 256, 32):
         dst[e] = staged[e]
@@ -625,9 +625,9 @@ def bytes_round_trip(src, first, dst, size):
     lane = cuda.laneid
     view = ptx.bytes_from(src, first)
     staged = cuda.shared.array(128, np.float32)
-    ptx.cp_async_16(staged, lane * 4, view, lane * 16)
-    ptx.cp_async_commit()
-    ptx.cp_async_wait(0)
+    tensorcore.cp_async_16(staged, lane * 4, view, lane * 16)
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(0)
     cuda.syncthreads()
     for e in range(lane, 128, 32):
         dst[e] = staged[e]

@@ -277,7 +277,7 @@ DECODE_LIKE = sass_text("""\
 
 def test_decode_instructions_per_key_count_each_chunk_fixed_work_once_per_warp():
     from kvnumba import plan as fields
-    from kvnumba.kernels import decode
+    from kvnumba.kernels import decode, decode_shape
     figures = sassfigures.decode_figures(Flow(parse(DECODE_LIKE)[0]),
                                          {"head_dim": 128, "storage": "float16"})
     seq_info = np.zeros((1, fields.SEQ_INFO_FIELDS), np.int32)
@@ -286,9 +286,10 @@ def test_decode_instructions_per_key_count_each_chunk_fixed_work_once_per_warp()
     work = decode.plan(seq_info, [0], window=0).work
     lengths = work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]
     assert lengths.sum() == 4097
-    trip = decode.WARPS * decode.UNROLL * decode.Geometry.of(128, 2).key_slots
+    warps = decode_shape.WARPS
+    trip = warps * decode_shape.UNROLL * decode_shape.Geometry.of(128, 2).key_slots
     body, fixed = 4, 4                    # the loop 0x20..0x50; 0x00, 0x10, 0x60, 0x70
-    expected = sum(decode.WARPS * (fixed + body * math.ceil(n / trip)) for n in lengths) / 4097
+    expected = sum(warps * (fixed + body * math.ceil(n / trip)) for n in lengths) / 4097
     assert figures.values == {"instructions_per_key": pytest.approx(expected)}
 
 
@@ -369,16 +370,16 @@ def test_checked_in_budgets_name_documented_kernels_and_known_budgets():
 # --- specialisations and tools --------------------------------------------------------------
 
 def test_a_factory_kernel_is_named_by_its_literal_arguments():
-    from kvnumba.kernels import decode
-    kernel = decode._decode_kernel(16, "float16", 1, False)
-    got = sass.load_kernel("kvnumba.kernels.decode:_decode_kernel(16, 'float16', 1, False)")
+    from kvnumba.kernels import decode_kernel
+    kernel = decode_kernel.decode_kernel(16, "float16", 1, False)
+    got = sass.load_kernel("kvnumba.kernels.decode_kernel:decode_kernel(16, 'float16', 1, False)")
     assert got is kernel.dispatcher
-    assert sass.factory_arguments("kvnumba.kernels.decode:_decode_kernel(16, 'float16', 1, "
-                                  "False)")["head_dim"] == 16
+    assert sass.factory_arguments("kvnumba.kernels.decode_kernel:decode_kernel(16, 'float16', "
+                                  "1, False)")["head_dim"] == 16
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
-        sass.load_kernel("_decode_kernel(16)")
+        sass.load_kernel("decode_kernel(16)")
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
-        sass.load_kernel("kvnumba.kernels.decode:_decode_kernel(16, 'float16'")
+        sass.load_kernel("kvnumba.kernels.decode_kernel:decode_kernel(16, 'float16'")
 
 
 def test_each_specialisation_keeps_its_own_files():

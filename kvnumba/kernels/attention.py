@@ -33,7 +33,7 @@ from `max_q_len`):
 
 * decode (`max_q_len <= DECODE_MAX_Q_LEN`): `DECODE_TILES` (few rows, wide key
   tiles) and split-K (flash-decoding): the key range of each row tile is cut into
-  `n_splits` chunks, one block each (the cache fixes the chunk at `decode.CHUNK` keys,
+  `n_splits` chunks, one block each (the cache fixes the chunk at `decode.CHUNK_KEYS` keys,
   so a segment's result never depends on the rest of the step; without `kv_chunk`
   `launch_plan` sizes it to fill the GPU), writing unnormalised partials (acc, max, sum)
   to the workspace; `_combine_kernel` merges them (log-sum-exp) into `out`. With a
@@ -58,6 +58,7 @@ import numpy as np
 
 from ..device import cuda
 from . import ptx
+from .constants import NEG_INF
 from .launch import Specialised, ceil_div, no_output
 from .masks import (div32, divmod32, key_range, page_slot, read_segment, step_on, storage_row,
                     store_row)
@@ -96,7 +97,6 @@ COMBINE_THREADS = 128
 #: block indices, positions, keys) as 32-bit integers (`masks.div32`)
 MAX_QUERY_ROWS = 2**31 - 1
 
-NEG_INF = float32(-math.inf)
 
 
 def head_dim_bucket(head_dim: int) -> int:

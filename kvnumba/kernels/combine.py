@@ -35,7 +35,7 @@ element merges the `slots` states left and writes `out`.
 Round trips (`round_trips`): a thread waits on global memory `TABLE_TRIPS` times for
 its tables (the combine row, then the segment's fields, which it names) and once per
 loop trip: `TABLE_TRIPS + ceil(n_parts / PARTS_PER_TRIP)`, whatever head_dim. The
-129 chunks of a 32K-key segment (`decode.CHUNK` = 256): 2 + 3 = 5, where walking
+129 chunks of a 32K-key segment (`decode.CHUNK_KEYS` = 256): 2 + 3 = 5, where walking
 the parts one dependent load at a time would take hundreds.
 
 Determinism: which thread takes which part, the order in which a thread folds its
@@ -53,13 +53,13 @@ from functools import lru_cache
 from ..config import MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
 from . import ptx
+from .constants import LN2, NEG_INF, WARP
 from .launch import PER_CALL, Specialised, ceil_div, no_output
 from .decode_plan import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from .masks import read_segment
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device)
 
-WARP = 32
 #: part groups per block: threads over parts (each group `lanes` threads over head_dim)
 PART_GROUPS = 8
 #: parts a thread loads per loop trip, all before it uses any (a compile-time unroll)
@@ -78,8 +78,6 @@ ML_LOADS_PER_TRIP = 2 * UNROLL
 #: grid extents: (combine row, query, q head) on x, y, z
 MAX_GRID_Y = MAX_GRID_Z = 65535
 
-NEG_INF = float32(-math.inf)
-LN2 = 0.6931471805599453
 ZERO = float32(0.0)
 
 assert PART_GROUPS & (PART_GROUPS - 1) == 0 and UNROLL & (UNROLL - 1) == 0
@@ -262,7 +260,7 @@ def _combine_kernel(head_dim: int):
                 value += weight * slot_acc[j, tid]
             out[q_start + i, head, tid] = ptx.from_f32(value / total, out)
             if tid == 0 and lse.shape[0] > 0:
-                lse[q_start + i, head] = best * float32(LN2) + math.log(total)
+                lse[q_start + i, head] = best * LN2 + math.log(total)
 
     return Specialised(combine)
 

@@ -23,10 +23,9 @@ element indices into the group stay int64 (nothing bounds a group's size below
 """
 from __future__ import annotations
 
-from ..arrays import aligned
 from ..device import cuda
 from . import ptx
-from .launch import VECTOR_BYTES, Specialised, ceil_div
+from .launch import VECTOR_BYTES, Specialised, aligned, ceil_div
 from .masks import div32, divmod32, step_on
 from .write import PAIR, run_block, run_grid
 

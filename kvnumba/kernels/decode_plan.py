@@ -37,10 +37,11 @@ KEY_TILE = 64
 #: the nominal chunk (keys): few enough that a long sequence spreads over many blocks,
 #: enough that a block's fixed costs stay small against its loads. Every chunk of a
 #: segment but its last has this length; the last also takes the keys left over past
-#: the whole chunks when they are fewer than half a chunk, so it holds CHUNK / 2 to
-#: 3 * CHUNK / 2 - 1 keys, and a segment of fewer than 3 * CHUNK / 2 keys is one chunk.
-#: A segment of n keys never has more than ceil(n / CHUNK) chunks.
-CHUNK = 256
+#: the whole chunks when they are fewer than half a chunk, so it holds CHUNK_KEYS / 2 to
+#: 3 * CHUNK_KEYS / 2 - 1 keys, and a segment of fewer than 3 * CHUNK_KEYS / 2 keys is one
+#: chunk.
+#: A segment of n keys never has more than ceil(n / CHUNK_KEYS) chunks.
+CHUNK_KEYS = 256
 
 
 class DecodePlan(NamedTuple):
@@ -67,13 +68,13 @@ class DecodePlan(NamedTuple):
 
 
 @njit(cache=True)
-def chunk_count(keys, chunk=CHUNK):
+def chunk_count(keys, chunk=CHUNK_KEYS):
     """Chunks `plan` cuts a segment of `keys` keys into: its whole chunks, the remainder
     a chunk of its own only when it holds at least half a chunk, and at least one."""
     return max(1, (keys + chunk // 2) // chunk)
 
 
-def plan(seq_info, segments, *, window: int, chunk: int = CHUNK) -> DecodePlan:
+def plan(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) -> DecodePlan:
     """Cut the served segments' key ranges into chunks of `chunk` keys (host only, one
     compiled pass).
 
@@ -112,12 +113,12 @@ class PlacedPlan(NamedTuple):
 
 
 def plan_into(seq_info, segments, *, window: int, staging, at: int,
-              chunk: int = CHUNK) -> PlacedPlan:
+              chunk: int = CHUNK_KEYS) -> PlacedPlan:
     """`plan`, its work and combine tables written straight into the host buffer of
     `staging` (a `Staging`) from entry `at`, back to back (one compiled call; the buffer
     grows first in the rare step whose tables do not fit). `seq_info` and `segments`:
     int32 arrays, as `plan` takes them."""
-    bits = _CHUNK_BITS if chunk == CHUNK else _chunk_bits(chunk)
+    bits = _CHUNK_BITS if chunk == CHUNK_KEYS else _chunk_bits(chunk)
     n_items, n_split, n_parts, shortest, longest = _cut_into(
         seq_info, segments, window, bits, staging.host, at)
     if n_parts < 0:             # no room: grow, keeping what the step wrote before `at`
@@ -137,7 +138,7 @@ def _chunk_bits(chunk: int) -> int:
     return int(chunk).bit_length() - 1
 
 
-_CHUNK_BITS = _chunk_bits(CHUNK)
+_CHUNK_BITS = _chunk_bits(CHUNK_KEYS)
 
 
 def _check_queries(shortest: int, longest: int) -> None:

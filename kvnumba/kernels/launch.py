@@ -1,45 +1,28 @@
-"""Launch a compiled kernel with as little host work per call as the device allows.
+"""How kvnumba's kernels are called: the calling convention every host wrapper uses.
 
-`Specialised(kernel)(grid, block, stream, *args)` launches `kernel[grid, block,
-stream](*args)`. Every kernel of kvnumba is launched this way, so what it saves, every
-call site saves.
-
-On Numba's CUDA simulator it asks Numba once per argument signature for the kernel
-specialised to it (`Dispatcher.specialize`) and launches that.
-
-On a GPU, Numba's own launch would convert and pack every argument again on every call
-(about 100 µs of host time for a 16-argument kernel on a slow host). Here, once per
-argument signature, the kernel is specialised and its parameters laid out in a reused
-buffer (`DriverLaunch`); a call then only reads each array's kernel argument (computed
-once per array object and kept on it, already packed, see `describe`), packs the buffer
-in one `struct.pack_into` and calls `cuLaunchKernel` with it. The parameters are the
-ones Numba's kernel ABI takes (`_Kernel._prepare_args` in numba-cuda): each array is
-flattened into meminfo, parent, item count, item size, data pointer, shape and strides
-(bytes); each scalar is passed as the type it was specialised for.
-
-A kernel launched many times with most of its arguments unchanged (a step's launches,
-layer after layer) is bound once: `Specialised(kernel).bind(grid, block, stream, *args)`
-with `PER_CALL` in place of each argument the calls pass. The bound launch converts the
-grid, block and stream and packs the fixed arguments once; a call describes and packs
-only its own arguments (on the simulator it merges them back and launches as above).
-
-`driver` is the one object that calls into the CUDA driver; a stand-in with the same
-`launch` and `send` methods can record launches instead (the host-time benchmark does,
-without a GPU).
+* `Specialised(kernel)(grid, block, stream, *args)` launches `kernel[grid, block,
+  stream](*args)`, and `Specialised(kernel).bind(grid, block, stream, *args)`, with
+  `PER_CALL` in place of each argument the calls pass, binds a launch made many times
+  with most of its arguments unchanged (a step's launches, layer after layer). On a GPU
+  that is `lean.LeanKernel` (straight to `cuLaunchKernel`); on Numba's CUDA simulator,
+  `SimulatedKernel` (Numba's own launch, its type dispatch done once per signature).
+* Arrays reach a kernel as Numba device arrays or as `DeviceView`s (any memory with a
+  device pointer, described once); `device_pointer` and `aligned` read where their data
+  is; `no_output()` stands for an optional output the caller did not ask for.
+* The grid-stride kernels share a block size, a vector width and a cap on blocks
+  (`STRIDE_THREADS`, `VECTOR_BYTES`, `MAX_BLOCKS`).
 """
 from __future__ import annotations
 
-import ctypes
-import math
-import struct
-import threading
 from functools import lru_cache
-from itertools import chain
-from operator import attrgetter, itemgetter
 
 import numpy as np
 
 from ..device import SIMULATOR
+from .abi import (ARGUMENT, POINTER, array_fields, c_strides, describe, kernel_argument,
+                  merge)
+from .abi import PER_CALL  # noqa: F401  (the calling convention: bound launches' marker)
+from .lean import LeanKernel
 
 #: the grid-stride kernels (write, clone copy): threads per block, 16-byte vectors, and
 #: a cap on blocks that still fills a large GPU several times over
@@ -118,420 +101,79 @@ class SimulatedLaunch:
         self.kernel(self.grid, self.block, self.stream, *self.arguments(values))
 
 
-# ------------------------------------------------------------------ bound arguments
+# ------------------------------------------------------------------ device memory
 
-class _PerCall:
-    __slots__ = ()
+class DeviceView:
+    """Device memory the kernels read or write in place: what a launch needs of it and
+    nothing more (a Numba device array costs far more to build, once per call).
 
-    def __repr__(self):
-        return "PER_CALL"
-
-
-#: in a `bind`'s arguments: one that each call of the bound launch passes (in order)
-PER_CALL = _PerCall()
-
-
-def merge(args: tuple, values: tuple) -> tuple:
-    """`args` with its `PER_CALL` places filled by `values`, in order."""
-    places = sum(arg is PER_CALL for arg in args)     # not `count`: it compares by ==
-    if len(values) != places:
-        raise TypeError(f"a bound launch takes {places} per-call arguments, got "
-                        f"{len(values)}")
-    given = iter(values)
-    return tuple(next(given) if arg is PER_CALL else arg for arg in args)
-
-
-# ------------------------------------------------------------------ kernel arguments
-
-#: the attribute under which a device array keeps its kernel argument once described
-ARGUMENT = "_kvnumba_argument"
-_argument = attrgetter(ARGUMENT)
-_type_name, _packed = itemgetter(0), itemgetter(2)      # of a described argument
-
-
-#: where the data pointer sits among an array's ABI fields
-POINTER = 4
-
-
-def array_fields(pointer: int, shape: tuple, strides: tuple, itemsize: int) -> tuple:
-    """The parameters Numba's kernel ABI passes for one array: meminfo and parent (none:
-    0), item count, item size, data pointer, then the shape and the strides in bytes."""
-    return (0, 0, math.prod(shape), itemsize, pointer, *shape, *strides)
-
-
-@lru_cache(maxsize=1024)
-def c_strides(shape: tuple, itemsize: int) -> tuple:
-    """Byte strides of a C-contiguous array of `shape` (cached: a step's shapes repeat
-    every layer)."""
-    strides = []
-    step = itemsize
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= extent
-    return tuple(reversed(strides))
-
-
-def kernel_argument(type_name: str, fields: tuple) -> tuple:
-    """An array's kernel argument as `describe` gives it: `(name of its Numba type, ABI
-    fields, the fields packed as a launch's buffer holds them)` (8-byte integers)."""
-    return type_name, fields, _fields_struct(len(fields)).pack(*fields)
-
-
-@lru_cache(maxsize=None)
-def _fields_struct(n: int) -> struct.Struct:
-    """The packing of `n` ABI fields (8-byte integers)."""
-    return struct.Struct(f"<{n}q")
-
-
-def describe(array) -> tuple:
-    """`(name of its Numba type, ABI fields, packed fields)` of a device array as a kernel
-    argument (`kernel_argument`; the type's name is what tells specialisations apart, and
-    it hashes fast).
-
-    A Numba device array never changes its pointer or shape, so its description is kept
-    on it (later launches read it back in one attribute lookup); an array that carries
-    one from the start (`arrays.DeviceView`) is taken at its word; any other is read from
-    its `__cuda_array_interface__` and typed as Numba types it, at every launch.
+    `owner` is the object whose memory it is (kept alive with the view); `ptr` the
+    address of element 0; `strides` in bytes. A view is C-contiguous when its strides
+    are those of its shape (an axis of extent 1 may have any stride), and typed for
+    Numba as such (`_numba_type_`); it carries its kernel argument
+    (`abi.ARGUMENT`) from the start.
     """
-    found = getattr(array, ARGUMENT, None)
-    if found is not None:
-        return found
-    from numba.cuda.cudadrv.devicearray import DeviceNDArray
-    from numba.cuda.typing.typeof import Purpose, typeof
 
-    if isinstance(array, DeviceNDArray):
-        described = kernel_argument(
-            array._numba_type_.name, array_fields(array.device_ctypes_pointer.value or 0,
-                                                  array.shape, array.strides,
-                                                  array.dtype.itemsize))
-        setattr(array, ARGUMENT, described)
-        return described
-    interface = getattr(array, "__cuda_array_interface__", None)
-    if interface is None:
-        raise TypeError(f"a kernel takes device arrays (with __cuda_array_interface__), got "
-                        f"{type(array).__name__}")
-    shape = tuple(interface["shape"])
-    itemsize = np.dtype(interface["typestr"]).itemsize
-    strides = tuple(interface.get("strides") or c_strides(shape, itemsize))
-    return kernel_argument(typeof(array, Purpose.argument).name,
-                           array_fields(interface["data"][0] or 0, shape, strides, itemsize))
+    __slots__ = ("owner", "ptr", "shape", "strides", "dtype", "size", "_c_contiguous",
+                 "_numba_type_", ARGUMENT)
 
+    def __init__(self, owner, ptr: int, shape: tuple, strides: tuple, dtype: np.dtype):
+        self.owner, self.ptr, self.shape, self.strides, self.dtype = \
+            owner, ptr, shape, strides, dtype
+        self.size, self._c_contiguous, self._numba_type_, before, after = \
+            _layout(shape, strides, dtype)
+        setattr(self, ARGUMENT, kernel_argument(self._numba_type_.name, (*before, ptr, *after)))
 
-def is_device_array(arg) -> bool:
-    """What `describe` takes: an object with `__cuda_array_interface__` (a NumPy array
-    counts too, to be refused there by name rather than packed as a scalar)."""
-    interface = "__cuda_array_interface__"    # asked of the type first: a property costs
-    return hasattr(type(arg), interface) or isinstance(arg, np.ndarray) or hasattr(arg, interface)
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
 
-def _picker(positions: tuple):
-    """`args -> tuple(args[i] for i in positions)`, in C for two or more positions."""
-    if len(positions) >= 2:
-        return itemgetter(*positions)
-    if positions:
-        index, = positions
-        return lambda args: (args[index],)
-    return lambda args: ()
+    def is_c_contiguous(self) -> bool:
+        return self._c_contiguous
+
+    @property
+    def device_ctypes_pointer(self):
+        import ctypes
+        return ctypes.c_void_p(self.ptr)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "strides": self.strides, "typestr": self.dtype.str,
+                "data": (self.ptr, False), "version": 3}
 
 
-# ------------------------------------------------------------------ parameter layout
-
-#: struct codes of the scalar parameters the launch packs itself (8-byte slots)
-_SCALAR_CODES = {"int8": "b", "int16": "h", "int32": "i", "int64": "q", "uint8": "B",
-                 "uint16": "H", "uint32": "I", "uint64": "Q", "float32": "f",
-                 "float64": "d", "bool": "?"}
-SLOT = 8
-
-
-def parameter_codes(argument_type) -> tuple:
-    """The struct codes of the kernel parameters one argument of `argument_type` (a Numba
-    type) becomes: an array's 5 + 2 * ndim 8-byte integers, or one scalar."""
+@lru_cache(maxsize=256)
+def _layout(shape: tuple, strides: tuple, dtype: np.dtype) -> tuple:
+    """What a view of this geometry is, its pointer aside (cached: a step's shapes repeat
+    every layer): `(size, C-contiguous, Numba type, ABI fields before the pointer, ABI
+    fields after it)`. Numba's layout is "C" when C-contiguous, else "A" (any)."""
     from numba.cuda import types
+    from numba.cuda.np.numpy_support import from_dtype
 
-    if isinstance(argument_type, types.Array):
-        return ("q",) * (5 + 2 * argument_type.ndim)
-    code = _SCALAR_CODES.get(str(argument_type))
-    if code is None:
-        raise TypeError(f"launch: a kernel parameter of Numba type {argument_type} is not "
-                        f"packed here (arrays, integers, float32/64 and bool are)")
-    return (code,)
-
-
-def item_format(argument_type) -> str:
-    """How one argument is handed to a buffer's `pack_into` (a struct format): an array
-    as its packed fields (`describe`: one bytes item), a scalar as its value in an 8-byte
-    slot."""
-    from numba.cuda import types
-
-    codes = parameter_codes(argument_type)
-    if isinstance(argument_type, types.Array):
-        return f"{SLOT * len(codes)}s"
-    code, = codes
-    pad = SLOT - struct.calcsize(code)
-    return f"{code}{pad}x" if pad else code
+    dense = c_strides(shape, dtype.itemsize)
+    contiguous = strides == dense or all(s == c or n == 1 for s, c, n in
+                                         zip(strides, dense, shape))
+    numba_type = types.Array(from_dtype(dtype), len(shape), "C" if contiguous else "A")
+    fields = array_fields(0, shape, strides, dtype.itemsize)
+    return fields[2], contiguous, numba_type, fields[:POINTER], fields[POINTER + 1:]
 
 
-class DriverLaunch:
-    """One specialised kernel for one argument signature: its function handle and a
-    reused parameter buffer.
-
-    The buffer holds every parameter in an 8-byte slot, the arguments' in `order` (a
-    permutation of the argument indices: the caller's packing order, e.g. the arrays
-    first and the scalars after them), so a call packs each array's packed fields and
-    each scalar in that order in one `struct.pack_into`. A bound launch (`LeanLaunch`)
-    packs the last `n_fixed` arguments of the order once (`pack_fixed`) and hands them
-    over as one more bytes item; `n_fixed` None: every argument is packed per call.
-    `address` is the array of pointers, in the kernel's parameter order, that
-    `cuLaunchKernel` reads the parameters through. The driver copies them at the launch
-    (a CUDA graph captures the copy), so the buffer is reused at once; `lock` keeps
-    another thread from packing it while the driver reads it.
-    """
-
-    def __init__(self, name: str, function, argument_types, order, n_fixed=None):
-        self.name = name
-        self.function = function
-        codes = [parameter_codes(t) for t in argument_types]
-        self.codes = tuple(chain.from_iterable(codes))     # kernel order
-        self.counts = tuple(map(len, codes))               # parameters per argument
-        items = [item_format(argument_types[i]) for i in order]
-        split = len(order) - (n_fixed or 0)
-        self._fixed = struct.Struct("<" + "".join(items[split:]))
-        fixed_item = [] if n_fixed is None else [f"{self._fixed.size}s"]
-        self._struct = struct.Struct("<" + "".join(items[:split] + fixed_item))
-        slots, first = {}, 0
-        for i in order:
-            slots[i] = first
-            first += len(codes[i])
-        self.buffer = ctypes.create_string_buffer(self._struct.size)
-        base = ctypes.addressof(self.buffer)
-        pointers = [base + SLOT * (slots[i] + j) for i in range(len(codes))
-                    for j in range(len(codes[i]))]
-        self._pointers = (ctypes.c_void_p * max(1, len(pointers)))(*pointers)
-        self.address = ctypes.addressof(self._pointers)
-        self.pack = self._struct.pack_into
-        self.lock = threading.Lock()
-
-    def pack_fixed(self, values) -> bytes:
-        """The fixed arguments (the last `n_fixed` of the order: each array's packed
-        fields, each scalar's value) as the one bytes item a bound launch's calls pass."""
-        return self._fixed.pack(*values)
-
-    def parameter_bytes(self) -> list:
-        """What the driver reads for each kernel parameter, in the kernel's order: the
-        bytes at each pointer of `address`, as wide as the parameter's type."""
-        return [ctypes.string_at(self._pointers[i], struct.calcsize(code))
-                for i, code in enumerate(self.codes)]
-
-    def parameters(self) -> list:
-        """`parameter_bytes`, decoded: one tuple of values per kernel argument."""
-        values = iter(struct.unpack("<" + code, raw)[0]
-                      for code, raw in zip(self.codes, self.parameter_bytes()))
-        return [tuple(next(values) for _ in range(n)) for n in self.counts]
+def device_pointer(array) -> int:
+    """The address of a device array's data, as a launch passes it (described once per
+    Numba device array); on the simulator, the address of the memory it simulates."""
+    if SIMULATOR:
+        return array._ary.ctypes.data
+    described = getattr(array, ARGUMENT, None)     # `describe`'s own first look, inlined
+    return (described or describe(array))[1][POINTER]
 
 
-def function_handle(kernel) -> int:
-    """The `CUfunction` (a `CUkernel` cast to one) of a compiled Numba kernel, as an int."""
-    return int(kernel._codelibrary.get_cufunc().handle)
+def aligned(array, alignment: int) -> bool:
+    """Whether a device array's data starts at a multiple of `alignment` bytes."""
+    return device_pointer(array) % alignment == 0
 
 
-class LeanKernel:
-    """`LeanKernel(kernel)(grid, block, stream, *args)`: `kernel[grid, block,
-    stream](*args)` through a `DriverLaunch` per argument signature.
-
-    The signature is the Numba type of each array and the Python type of each scalar.
-    Which arguments are arrays is fixed by the kernel's first call (a kernel's
-    parameters do not change kind); a later call that passes something else where an
-    array went is refused.
-    """
-
-    def __init__(self, dispatcher):
-        self.dispatcher = dispatcher
-        self.name = dispatcher.py_func.__name__
-        self._launches = {}
-        self._bound = {}       # bound launches' DriverLaunch by signature and layout
-        self._arrays = self._scalars = None
-        self._order = None
-
-    def __call__(self, grid, block, stream, *args):
-        if self._arrays is None:
-            self._bind(args)
-        arrays = self._arrays(args)
-        try:
-            types, _, packed = zip(*map(_argument, arrays))
-        except AttributeError:
-            types, _, packed = zip(*map(self._described, arrays))
-        scalars = self._scalars(args)
-        key = (types, *map(type, scalars))
-        launch = self._launches.get(key)
-        if launch is None:
-            launch = self._launches[key] = self._specialise(args, self._order)
-        with launch.lock:     # one buffer per signature: held until the driver has read it
-            launch.pack(launch.buffer, 0, *packed, *scalars)
-            driver.launch(launch, grid, block, stream)
-
-    def bind(self, grid, block, stream, *args) -> "LeanLaunch":
-        """This kernel's launch on `grid`, `block` and `stream` with `args`, each call
-        passing the `PER_CALL` ones (module doc, `LeanLaunch`)."""
-        return LeanLaunch(self, grid, block, stream, args)
-
-    def _bind(self, args) -> None:
-        positions = tuple(i for i, arg in enumerate(args) if is_device_array(arg))
-        if not positions:
-            raise TypeError(f"{self.name}: a kernel launched here takes device arrays")
-        scalars = tuple(i for i in range(len(args)) if i not in positions)
-        self._order = positions + scalars
-        self._arrays = _picker(positions)
-        self._scalars = _picker(scalars)
-
-    def _described(self, array):
-        if not is_device_array(array):
-            raise TypeError(f"{self.name}: argument {type(array).__name__} where its first "
-                            f"launch passed a device array")
-        return describe(array)
-
-    def bound_launch(self, args, order: tuple, n_fixed: int) -> DriverLaunch:
-        """The `DriverLaunch` of `args`' signature laid out in `order`, its last `n_fixed`
-        arguments packed once (a bound launch's; made once per signature and layout)."""
-        key = (tuple(self._described(a)[0] if is_device_array(a) else type(a)
-                     for a in args), order, n_fixed)
-        launch = self._bound.get(key)
-        if launch is None:
-            launch = self._bound[key] = self._specialise(args, order, n_fixed)
-        return launch
-
-    def _specialise(self, args, order: tuple, n_fixed=None) -> DriverLaunch:
-        specialised = self.dispatcher.specialize(*args)
-        kernel, = specialised.overloads.values()
-        if kernel.cooperative or kernel.debug or kernel.extensions:
-            raise TypeError(f"{self.name}: cooperative kernels, debug kernels and argument "
-                            f"extensions are launched by Numba, not here")
-        return DriverLaunch(self.name, function_handle(kernel), kernel.argument_types, order,
-                            n_fixed)
-
-
-class LeanLaunch:
-    """A `LeanKernel` bound to a grid, block, stream and every argument but the
-    `PER_CALL` ones (`LeanKernel.bind`); `launch(*values)` passes those, in order.
-
-    The grid, block and stream are converted and the fixed arguments described once.
-    They sit after the call's arguments in the buffer (a `DriverLaunch` whose order is
-    the call's arrays, the call's scalars, then the fixed arguments), packed once into
-    one bytes item, so a call describes its own arrays, looks its signature up (the Numba
-    type of each of its arrays, the Python type of each of its scalars) and packs
-    `(*its arrays, *its scalars, fixed)`. Which of a call's arguments are arrays is fixed
-    by the first call.
-    """
-
-    __slots__ = ("kernel", "grid", "block", "stream", "args", "_handle", "_fixed_values",
-                 "_fixed_order", "_fixed", "_places", "_order", "_arrays", "_scalars",
-                 "_count", "_launches")
-
-    def __init__(self, kernel: LeanKernel, grid, block, stream, args: tuple):
-        self.kernel = kernel
-        self.grid, self.block, self.stream = dim3(grid), dim3(block), stream
-        self._handle = stream_handle(stream)
-        self.args = args
-        self._places = tuple(i for i, arg in enumerate(args) if arg is PER_CALL)
-        fixed = [i for i, arg in enumerate(args) if arg is not PER_CALL]
-        arrays = [i for i in fixed if is_device_array(args[i])]
-        scalars = [i for i in fixed if i not in arrays]
-        self._fixed_values = (*(kernel._described(args[i])[2] for i in arrays),
-                              *(args[i] for i in scalars))
-        self._fixed_order = (*arrays, *scalars)
-        self._fixed = None         # the fixed arguments packed, once the layout is known
-        self._order = self._arrays = self._scalars = self._count = None
-        self._launches = {}
-
-    def arguments(self, values: tuple) -> tuple:
-        """The kernel's whole argument list for a call passing `values`."""
-        return merge(self.args, values)
-
-    def __call__(self, *values):
-        if len(values) != self._count:
-            self._split(values)      # the first call (or one refused there)
-        try:
-            described = tuple(map(_argument, self._arrays(values)))
-        except AttributeError:
-            described = tuple(map(self.kernel._described, self._arrays(values)))
-        scalars = self._scalars(values)
-        key = (tuple(map(_type_name, described)), *map(type, scalars))
-        launch = self._launches.get(key)
-        if launch is None:
-            launch = self._launches[key] = self._resolve(values)
-        lock = launch.lock    # the kernel's buffer for this signature and layout
-        lock.acquire()
-        try:
-            launch.pack(launch.buffer, 0, *map(_packed, described), *scalars, self._fixed)
-            driver.send(launch, self.grid, self.block, self._handle)
-        finally:
-            lock.release()
-
-    def _split(self, values) -> None:
-        """Which of a call's arguments are arrays (from the first call), and the buffer
-        order that follows."""
-        if len(values) != len(self._places) or self._count is not None:
-            raise TypeError(f"{self.kernel.name}: a bound launch takes "
-                            f"{len(self._places)} per-call arguments, got {len(values)}")
-        arrays = tuple(i for i, value in enumerate(values) if is_device_array(value))
-        if not arrays:
-            raise TypeError(f"{self.kernel.name}: a bound launch's per-call arguments "
-                            f"include a device array")
-        scalars = tuple(i for i in range(len(values)) if i not in arrays)
-        self._order = (*(self._places[i] for i in arrays),
-                       *(self._places[i] for i in scalars), *self._fixed_order)
-        self._arrays = _picker(arrays)
-        self._scalars = _picker(scalars)
-        self._count = len(values)
-
-    def _resolve(self, values) -> DriverLaunch:
-        launch = self.kernel.bound_launch(self.arguments(values), self._order,
-                                          len(self._fixed_order))
-        if self._fixed is None:    # the fixed arguments' types, so their packing, never change
-            self._fixed = launch.pack_fixed(self._fixed_values)
-        return launch
-
-
-# ------------------------------------------------------------------ the driver call
-
-@lru_cache(maxsize=1024)
-def dim3(extent) -> tuple:
-    """A grid or block extent (an int or a tuple of up to 3) as (x, y, z) (cached: a
-    step's launch shapes repeat every layer)."""
-    if isinstance(extent, tuple):
-        return (*map(int, extent), 1, 1)[:3]
-    return int(extent), 1, 1
-
-
-def stream_handle(stream) -> int:
-    """The `CUstream` of a Numba or `cuda.core` stream (or 0, the default stream), as an
-    int."""
-    handle = getattr(stream, "handle", stream)
-    return int(handle) if handle else 0
-
-
-class Driver:
-    """`cuLaunchKernel` of a `DriverLaunch` (the CUDA driver, through `cuda.bindings`):
-    `launch` takes any grid, block and stream, `send` them converted (`dim3`,
-    `stream_handle`), as a bound launch keeps them."""
-
-    def __init__(self):
-        from cuda.bindings import driver as binding
-        self._launch = binding.cuLaunchKernel
-        self._success = binding.CUresult.CUDA_SUCCESS
-
-    def launch(self, launch: DriverLaunch, grid, block, stream) -> None:
-        self.send(launch, dim3(grid), dim3(block), stream_handle(stream))
-
-    def send(self, launch: DriverLaunch, grid: tuple, block: tuple, stream: int) -> None:
-        gx, gy, gz = grid
-        bx, by, bz = block
-        error = self._launch(launch.function, gx, gy, gz, bx, by, bz, 0, stream,
-                             launch.address, 0)[0]
-        if error != self._success:
-            from numba.cuda.cudadrv.driver import CudaAPIError
-            raise CudaAPIError(error, f"cuLaunchKernel of {launch.name} (grid {grid}, block "
-                                      f"{block}) failed: {error.name}")
-
-
-driver = None if SIMULATOR else Driver()
 Specialised = SimulatedKernel if SIMULATOR else LeanKernel

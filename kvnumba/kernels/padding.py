@@ -2,17 +2,13 @@
 those of its log-sum-exp output, when there is one, to -inf (a row over no key)."""
 from __future__ import annotations
 
-import math
-
 from ..device import cuda
 from . import ptx
+from .constants import NEG_INF
 from .launch import PER_CALL, Specialised, no_output
 from .masks import divmod32, step_on
 
-from numba import float32  # noqa: E402  (after kvnumba.device chose the target)
-
 THREADS = 128
-NEG_INF = float32(-math.inf)
 
 
 @cuda.jit

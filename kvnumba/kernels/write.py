@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..arrays import aligned
 from ..device import cuda
 from . import ptx
-from .launch import (MAX_BLOCKS, PER_CALL, STRIDE_THREADS, VECTOR_BYTES, Specialised,
+from .launch import (MAX_BLOCKS, PER_CALL, STRIDE_THREADS, VECTOR_BYTES, Specialised, aligned,
                      ceil_div)
 from .masks import div32, divmod32, page_slot, step_on, storage_row
 

@@ -1,0 +1,15 @@
+"""The numbers every kernel shares (float32 where they meet float32 arithmetic)."""
+from __future__ import annotations
+
+import math
+
+from numba import float32
+
+#: threads of a warp
+WARP = 32
+#: a masked score, and the log-sum-exp of a row over no key
+NEG_INF = float32(-math.inf)
+#: log2(e): scores scaled by it go through exp2 as natural exponentials
+LOG2E = float32(math.log2(math.e))
+#: ln(2): a base-2 log-sum-exp times it is the natural one
+LN2 = float32(math.log(2.0))
