@@ -9,12 +9,14 @@ from . import device  # first: chooses GPU or simulator before numba.cuda is imp
 from .device import DeviceError, torch_stream
 from .batched import BatchedSequenceCache, PageDemand
 from .config import CacheConfig, LayerSpec, flat, ring
+from .driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
                      RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
                      UnknownSequenceError)
 from .plan import Segment, StepPlan
 from .pool import PoolPages
+from .protocol import BatchControl, StepData
 from .sessions import PackedStep, SessionId, SessionTable
 from .single import SequenceBatchControl, SequenceCache
 from .slots import SlotState, StepState
@@ -22,10 +24,11 @@ from .slots import SlotState, StepState
 __version__ = "0.1.0"
 
 __all__ = [
-    "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
+    "BatchControl", "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
     "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "KVCacheError",
-    "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages", "PositionError", "RingFloorError", "Segment",
-    "SequenceBatchControl", "SequenceCache", "SessionError", "SessionId", "SessionTable",
-    "ShapeError", "SlotState", "SlotStateError", "StepPlan", "StepProtocolError", "StepState",
-    "UnknownSequenceError", "device", "flat", "ring", "torch_stream",
+    "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages", "PositionError",
+    "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
+    "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
+    "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "device", "flat",
+    "ring", "run_inputs", "run_step", "torch_stream",
 ]

@@ -1,0 +1,105 @@
+"""The BatchControl face written down (contract §7, §8): what the session table, the step
+driver and an integration may call on any cache.
+
+`BatchControl` is the neutral control face every cache offers (`BatchedSequenceCache`,
+`SequenceBatchControl`): sequence verbs, per-slot queries and the step protocol.
+`StepData` is the data path inside a prepared step. Both are `typing.Protocol`s, so a
+type checker holds an implementation to them and `isinstance(x, BatchControl)` tells
+whether `x` has every member (by name, as runtime protocols do).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:   # names for the annotations only: the face imports no implementation
+    import numpy as np
+
+    from .config import CacheConfig
+    from .slots import SlotState, StepState
+    from .step import StepPlan
+
+
+@runtime_checkable
+class BatchControl(Protocol):
+    """Sequence slots `0 .. max_seqs - 1` and the step protocol over them.
+
+    Sequence verbs run between steps; a refused call raises a typed `KVCacheError` and
+    changes nothing. Ids are ints (a session id is refused).
+    """
+
+    @property
+    def config(self) -> CacheConfig:
+        """The cache's shape and limits (`capacity`, `max_write`, `max_step`, ...)."""
+
+    @property
+    def max_seqs(self) -> int:
+        """Sequence slots handed out."""
+
+    @property
+    def step_state(self) -> StepState:
+        """`IDLE`, `DECLARED` or `PREPARED`."""
+
+    @property
+    def plan(self) -> StepPlan | None:
+        """The open step's read-only plan, or None between steps."""
+
+    def seq_new(self) -> int:
+        """Claim the lowest free slot (CLAIMED, pos 0)."""
+
+    def seq_rm(self, seq: int) -> None:
+        """Free a sequence (FREE, pos 0, high-water 0)."""
+
+    def seq_clone(self, src: int, upto: int | None = None) -> int:
+        """A new COMMITTED sequence holding `src`'s first `upto` positions."""
+
+    def rewind(self, seq: int, position: int) -> None:
+        """Move back to `position`, `floor <= position <= pos`."""
+
+    def pos(self, seq: int) -> int:
+        """Positions the sequence holds (0 for a free slot)."""
+
+    def floor(self, seq: int) -> int:
+        """Lowest position it can rewind or be cloned to."""
+
+    def high_water(self, seq: int) -> int:
+        """Most positions ever written since it was claimed."""
+
+    def state(self, seq: int) -> SlotState:
+        """Its lifecycle state (`FREE` for a free slot)."""
+
+    def declare_step(self, seq_ids, *, blocks=()) -> StepPlan:
+        """Open a step: one sequence id per token (`int` list or int array `[n_tokens]`)."""
+
+    def prepare_step(self, width: int | None = None) -> StepPlan:
+        """Stage the declared step at `width` tokens (`n_tokens <= width <= max_step`)."""
+
+    def commit_step(self) -> None:
+        """Advance every sequence of the step by its tokens."""
+
+    def abort_step(self) -> None:
+        """Close the step without advancing."""
+
+
+@runtime_checkable
+class StepData(Protocol):
+    """The data path of a prepared step of `width` tokens (contract §8)."""
+
+    def write(self, layer: int, k, v) -> None:
+        """Write K and V, each `[width, n_kv_heads, head_dim]`, into `layer`."""
+
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
+        """Attention of q `[width, n_q_heads, head_dim]` over each token's own history;
+        returns `out` `[width, n_q_heads, head_dim]` (q's dtype unless given)."""
+
+    def update_and_attend(self, layer: int, q, k, v, **kw):
+        """`write(layer, k, v)`, then `attend(layer, q, **kw)`, every argument checked
+        first."""
+
+    def sequence_kv(self, seq: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host copies `(positions [n], k [n, n_kv_heads, head_dim], v [n, ...])` of what
+        `layer` still holds for `seq`, in position order."""
+
+
+#: the members a BatchControl has, in the order the protocol lists them
+BATCH_CONTROL_MEMBERS = tuple(name for name in vars(BatchControl)
+                              if not name.startswith("_"))
