@@ -32,8 +32,8 @@ import numpy as np
 
 import kvnumba as kv
 import kvnumba.device as kv_device
-import kvnumba.pool as kv_pool
-import kvnumba.staging as kv_staging
+import kvnumba.storage as kv_storage
+import kvnumba.upload as kv_upload
 from kvnumba.plan import SEQ_INFO_FIELDS
 from statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 
@@ -192,7 +192,7 @@ class NaiveDriver:
         tokens = host[self.info_size:self.info_size + 2 * width].reshape(width, 2)
         tokens[:, 0] = seq_cols
         tokens[:, 1] = pos
-        kv_staging.upload_prefix(self.device, host, self.info_size + 2 * width, self.stream)
+        kv_device.upload_prefix(self.device, host, self.info_size + 2 * width, self.stream)
         self.tables = (self.seq_info, seq_cols, pos)
 
     def commit_step(self):
@@ -238,13 +238,13 @@ def no_simulated_device_work():
     if not kv_device.SIMULATOR:
         yield
         return
-    saved = kv_staging.upload_prefix, kv_pool.patch_pages, kv_pool.copy_pages
-    kv_staging.upload_prefix = kv_pool.patch_pages = kv_pool.copy_pages = \
+    saved = kv_upload.upload_prefix, kv_storage.patch_pages, kv_storage.copy_pages
+    kv_upload.upload_prefix = kv_storage.patch_pages = kv_storage.copy_pages = \
         lambda *args, **kwargs: None
     try:
         yield
     finally:
-        kv_staging.upload_prefix, kv_pool.patch_pages, kv_pool.copy_pages = saved
+        kv_upload.upload_prefix, kv_storage.patch_pages, kv_storage.copy_pages = saved
 
 
 def _time_driver(driver, ids, *, repeats: int, budget_s: float) -> tuple:

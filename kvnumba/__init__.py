@@ -14,12 +14,13 @@ from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigErr
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
                      RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
                      UnknownSequenceError)
-from .plan import Segment, StepPlan
-from .pool import PoolPages
+from .page_accounting import PoolPages
+from .plan import Segment
 from .protocol import BatchControl, StepData
 from .sessions import PackedStep, SessionId, SessionTable
 from .single import SequenceBatchControl, SequenceCache
 from .slots import SlotState, StepState
+from .step import StepPlan
 
 __version__ = "0.1.0"
 

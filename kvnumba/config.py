@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,6 +67,24 @@ def ring(window: int) -> LayerSpec:
         raise ConfigError("ring(window=None): window must be an integer >= 1 (use flat() for "
                           "a layer without a window)")
     return LayerSpec(window)
+
+
+class LayerKind(NamedTuple):
+    """The layers that share page ids (contract §4): all flat layers (`rows` 0), or the
+    ring layers of one ring size `rows` (R). `layers`: their indices; `table_pages`: the
+    pages one sequence's page table can list (`CacheConfig.table_pages`); `initial_pages`
+    and `max_pages`: the pool's first and most pages (`CacheConfig.kind_pages`)."""
+
+    rows: int
+    layers: tuple
+    table_pages: int
+    initial_pages: int
+    max_pages: int
+
+    @property
+    def name(self) -> str:
+        """How refusals and reports call it: "flat layers" or "ring layers of R rows"."""
+        return "flat layers" if self.rows == 0 else f"ring layers of {self.rows} rows"
 
 
 def _require_int(name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
@@ -152,7 +172,7 @@ class CacheConfig:
             hi = self.max_pages if self.max_pages is not None else slot_bound
             _require_int("initial_pages", self.initial_pages, 1, hi,
                          rule=f"1 <= initial_pages <= max_pages ({hi})")
-        entries = (self.max_seqs + 1) * sum(self.table_width(rows) for rows in
+        entries = (self.max_seqs + 1) * sum(self.table_pages(rows) for rows in
                                             set(self.ring_rows().tolist()))
         if entries > INT32_MAX:
             raise ConfigError(f"max_seqs={self.max_seqs}, capacity={self.capacity}, "
@@ -161,10 +181,35 @@ class CacheConfig:
                               f"use larger pages or fewer sequences per cache")
 
     def ring_rows(self) -> np.ndarray:
-        """`R` per layer, 0 for a flat layer."""
+        """`R` per layer (int64 `[n_layers]`), 0 for a flat layer: the one place ring
+        sizes are worked out (`plan.ring_rows`)."""
         return layer_rows([s.window for s in self.layers], self.max_write, self.capacity)
 
-    def table_width(self, rows: int) -> int:
+    @cached_property
+    def layer_kinds(self) -> tuple:
+        """The `LayerKind`s of the layers, flat layers first, then by ring size."""
+        members: dict = {}
+        for layer, rows in enumerate(self.ring_rows().tolist()):
+            members.setdefault(int(rows), []).append(layer)
+        return tuple(LayerKind(rows, tuple(layers), self.table_pages(rows),
+                               *self.kind_pages(rows)) for rows, layers in sorted(members.items()))
+
+    def sequence_pages(self, positions: int) -> tuple:
+        """Per layer kind (`layer_kinds` order), the pages one sequence of `positions`
+        positions holds: `ceil(positions / page_size)` on the flat layers, its whole ring
+        (`table_pages`) on a ring kind, claimed with the sequence."""
+        return tuple(kind.table_pages if kind.rows else pages_for(positions, self.page_size)
+                     for kind in self.layer_kinds)
+
+    @cached_property
+    def floor_ring(self) -> tuple[int, int]:
+        """`(R, layer)` of the ring layer whose floor binds, or `(0, -1)` without ring
+        layers: every ring layer's floor is `hw - M` once `hw > R`, so the one with the
+        fewest rows wraps first, and its floor is the sequence's (contract §5)."""
+        rings = [(int(r), i) for i, r in enumerate(self.ring_rows()) if r]
+        return min(rings) if rings else (0, -1)
+
+    def table_pages(self, rows: int) -> int:
         """Pages per sequence of a layer kind: `ceil(capacity / P)` for flat layers (rows
         0), `ceil(R / P)` for ring layers of `R` rows."""
         return pages_for(rows or self.capacity, self.page_size)
@@ -177,12 +222,12 @@ class CacheConfig:
         worst (`max_seqs` tables full) plus the scratch page, so the pool never binds
         (within the int32 slot bound). A given `initial_pages` past that default bound is
         capped at it: the pool never needs more."""
-        width = self.table_width(rows)
+        table_pages = self.table_pages(rows)
         bound = INT32_MAX // self.page_size
         most = self.max_pages if self.max_pages is not None else \
-            min(bound, self.max_seqs * width + 1)
+            min(bound, self.max_seqs * table_pages + 1)
         first = pages_for(min(self.capacity, INITIAL_POSITIONS), self.page_size) \
-            if not rows else width
+            if not rows else table_pages
         initial = first + 1 if self.initial_pages is None else self.initial_pages
         return min(initial, most), most
 

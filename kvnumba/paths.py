@@ -1,5 +1,5 @@
-"""Which attention kernel serves which segments of a step: planned in `prepare_step`,
-launched in `attend` (a FlashInfer-style plan / run split).
+"""Which attention kernel serves which segments of a step: planned once per step in
+`prepare_step`, launched per layer in `attend` (FlashInfer's plan() / run() split).
 
 A step's segments fall in two groups by length (contract §8): *decode* segments
 (`q_len <= DECODE_MAX_Q_LEN`: a token, or a short speculative draft) and *prefill*
@@ -12,10 +12,12 @@ segment's output never depends on what shares its step:
 * prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
   the storage, else `kernels.attention` (CUDA cores, exact for float32).
 
-`plan` writes the step's int32 sections straight into its one upload: the two
-segment lists, and for the decode path one work / combine table per distinct layer
-window (the window decides which keys a chunk covers); and it fixes what each path
-launches for the step's layers. `run` then launches with nothing left to plan.
+`AttentionPaths.plan` writes the step's sections into its upload (`upload.Upload`): for
+the fast decode path one work / combine table per distinct layer window (the window
+decides which keys a chunk covers), for the others their segment lists; and it makes
+each path's run for the step (`decode.DecodeRun` per window, `prefill.PrefillRun`,
+`attention.GenericRun`), so `run` launches with nothing left to plan: a layer adds only
+its own arrays and scalars.
 """
 from __future__ import annotations
 
@@ -23,10 +25,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .config import CacheConfig
 from .kernels import attention as generic, decode, prefill
 from .kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
-from .kernels.decode import COMBINE_FIELDS
-from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS, layer_rows
+from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS
 
 _max = np.maximum.reduce
 _min = np.minimum.reduce
@@ -45,51 +47,47 @@ _NONE = Group(0, 0, 0)
 
 
 class StepPaths:
-    """A prepared step's routing (`AttentionPaths.plan`): the two groups, the decode plans
-    by window (`decode.PlacedPlan`), and what each path launches for every layer of the
-    step, so a layer adds only its own arrays and scalars: the fast decode path's
-    `decode.DecodeRun` by layer window, the other paths' launch arguments."""
+    """A prepared step's routing (`AttentionPaths.plan`): the two groups and each path's
+    run for the step: the fast decode path's `decode.DecodeRun` by layer window
+    (`decode_runs`, with their placed plans `decode_plans`) or the generic decode run,
+    and the prefill group's tensor-core run with its generic fallback (float32 storage,
+    or a layer whose scale is not positive)."""
 
-    __slots__ = ("decode", "prefill", "decode_plans", "decode_runs", "decode_args",
-                 "prefill_args", "buffers")
+    __slots__ = ("decode", "prefill", "decode_plans", "decode_runs", "decode_generic",
+                 "prefill_fast", "prefill_generic")
 
     def __init__(self, decode_group, prefill_group):
-        self.decode = decode_group
-        self.prefill = prefill_group
-        self.decode_plans = {}
-        self.decode_runs = self.decode_args = self.prefill_args = None
-        self.buffers = tuple    # the cache's: the addresses of the buffers launches use
+        self.decode, self.prefill = decode_group, prefill_group
+        self.decode_plans, self.decode_runs = {}, {}
+        self.decode_generic = self.prefill_fast = self.prefill_generic = None
 
     def launch_key(self) -> tuple:
-        """What the launches' grids and buffers depend on, besides the step's width: the
-        decode plans' sizes (or, on the generic path, the split-K chunks of the longest
-        history), the prefill group's size, and where the buffers every launch uses
-        (storage, step tables, partials) are now, read when the key is: a buffer that
-        grows moves. Two steps with equal keys (and widths) launch the same grids on the
-        same buffers, so a CUDA graph of one replays the other (the positions and columns
-        it reads are the staged tables' contents)."""
+        """What the launches' grids depend on, besides the step's width and the buffers'
+        addresses: the decode plans' sizes (or, on the generic path, the split-K chunks
+        of the longest history) and the prefill group's size. Two steps with equal keys
+        (widths and addresses) launch the same grids, so a CUDA graph of one replays the
+        other (the positions and columns it reads are the upload's contents)."""
         d, p = self.decode, self.prefill
         if self.decode_plans:
             decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
                                for window, f in sorted(self.decode_plans.items()))
         else:
             decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS))
-        return decode_key, (p.n, p.max_q_len), self.buffers()
+        return decode_key, (p.n, p.max_q_len)
 
 
 class AttentionPaths:
-    """The attention paths of one cache (chosen once from its config) and their workspace."""
+    """The attention paths of one cache (chosen once from its config) and their workspace.
 
-    def __init__(self, config, stream, pages: dict, page_bits: int):
+    `window_tables`: for each distinct layer window W (0: flat), its ring rows R (0:
+    flat) and its layer kind's device page table, as the pool holds them; `page_bits`:
+    log2 of the page size."""
+
+    def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
         self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
         self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
-        self.windows = sorted({spec.window or 0 for spec in config.layers})
-        # R of the ring layers of each window (0: flat), as the pool sizes them
-        self.ring_rows = {window: int(rows) for window, rows in zip(
-            self.windows, layer_rows([w or None for w in self.windows], config.max_write,
-                                     config.capacity))}
-        # the device page table of the layers of each window, by window
-        self.pages = {window: pages[rows] for window, rows in self.ring_rows.items()}
+        self.window_tables = window_tables
+        self.windows = sorted(window_tables)
         self.page_bits = page_bits
         self.stream = stream
         self.workspace = AttentionWorkspace()
@@ -98,15 +96,11 @@ class AttentionPaths:
         self._runs = {}       # the last step's decode runs, by window
 
     # ------------------------------------------------------------------ host, per step
-    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, staging, *,
-             info_at: int, at: int):
-        """`(StepPaths, end)`: the routing of the step whose segment table is `seq_info`
-        (its longest segment `max_q_len`, its furthest reach `max_kv_len`), staged at
-        entry `info_at` of the step's tables in `staging` (a `Staging`). Its sections
-        (the fast decode path's plan per layer window, the other paths' segment lists)
-        are written into the host buffer from entry `at` up to `end`, and what each path
-        launches for every layer of the step is fixed: the fast decode path's
-        `decode.DecodeRun` by window, the other paths' launch arguments."""
+    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, upload) -> StepPaths:
+        """The routing of the step whose segment table is `seq_info` (its longest segment
+        `max_q_len`, its furthest reach `max_kv_len`), staged in `upload` (its `segments`
+        section written): the paths' sections are written into it (`upload` doc) and
+        each path's run made for the step."""
         n = len(seq_info)
         if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
             paths = StepPaths(Group(n, max_q_len, max_kv_len), _NONE)
@@ -119,26 +113,42 @@ class AttentionPaths:
             decode_segs = np.flatnonzero(is_decode).astype(np.int32)
             prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
             paths = StepPaths(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
-        decode_group, prefill_group = paths.decode, paths.prefill
-        if decode_group.n and self.decode_fast:     # a work list per window; no segment list
+        if paths.decode.n and self.decode_fast:     # a work list per window; no segment list
             for window in self.windows:
-                paths.decode_plans[window] = found = decode.plan_into(
-                    seq_info, decode_segs, window=window, staging=staging, at=at)
-                at = found.combine_off + found.n_combine * COMBINE_FIELDS
-        elif decode_group.n:
-            segments_at, at = at, staging.put(decode_segs, at)
-            paths.decode_args = dict(seq_info_off=info_at, segments_off=segments_at,
-                                     n_segments=decode_group.n,
-                                     max_q_len=decode_group.max_q_len,
-                                     max_kv_len=decode_group.max_kv_len)
-        if prefill_group.n:
-            segments_at, at = at, staging.put(prefill_segs, at)
-            paths.prefill_args = dict(seq_info_off=info_at, segments_off=segments_at,
-                                      n_segments=prefill_group.n,
-                                      max_q_len=prefill_group.max_q_len)
-        if paths.decode_plans:    # the device buffer, once the sections no longer grow it
-            paths.decode_runs = self._decode_runs(paths.decode_plans, staging.device, info_at)
-        return paths, at
+                name = f"decode {window}"
+                paths.decode_plans[window] = placed = decode.plan_into(
+                    seq_info, decode_segs, window=window, staging=upload, at=upload.end)
+                upload.mark(name, placed.combine_off + placed.n_combine * decode.COMBINE_FIELDS)
+        elif paths.decode.n:
+            upload.put("decode list", decode_segs)
+        if paths.prefill.n:
+            upload.put("prefill list", prefill_segs)
+        return paths
+
+    def bind(self, paths: StepPaths, upload) -> None:
+        """Each path's run for the step, on `upload`'s device buffer as it stands once
+        every section is written (the buffer only grows while they are)."""
+        tables, info_at = upload.device, upload.section("segments").offset
+        if paths.decode_plans:
+            paths.decode_runs = self._decode_runs(paths.decode_plans, tables, info_at)
+        elif paths.decode.n:
+            group = paths.decode
+            paths.decode_generic = generic.prepare(
+                tables, seq_info_off=info_at, segments_off=upload.section("decode list").offset,
+                n_segments=group.n, max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
+                page_bits=self.page_bits, workspace=self.workspace, path="decode",
+                kv_chunk=decode.CHUNK_KEYS, stream=self.stream)
+        if paths.prefill.n:
+            group, listed = paths.prefill, upload.section("prefill list").offset
+            if self.prefill_fast:
+                paths.prefill_fast = prefill.prepare(
+                    tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
+                    max_q_len=group.max_q_len, page_bits=self.page_bits, stream=self.stream)
+            paths.prefill_generic = generic.prepare(
+                tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
+                max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
+                page_bits=self.page_bits, workspace=self.workspace, path="prefill",
+                stream=self.stream)
 
     def _all(self, n: int) -> np.ndarray:
         """Every segment's index, `[0, n)` (int32, read-only; the last one made is kept:
@@ -161,48 +171,35 @@ class AttentionPaths:
             run = runs.get(window)
             if run is None or run.tables is not tables or run.seq_info_off != info_at or \
                     run.placed != found:
-                runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace,
-                                                self.ring_rows[window], window,
-                                                self.pages[window], self.page_bits,
-                                                self.stream)
+                rows, pages = self.window_tables[window]
+                runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace, rows,
+                                                window, pages, self.page_bits, self.stream)
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
-    def run(self, paths: StepPaths, q, k_store, v_store, tables, out, lse, *, ring_rows,
-            window, pages, scale, softcap, stream) -> None:
+    def run(self, paths: StepPaths, q, k_store, v_store, out, lse, *, ring_rows, window,
+            pages, scale, softcap) -> None:
         """Launch the step's paths for one layer (`k_store`, `v_store`: its slot storage,
         `pages`: its kind's device page table): each writes its segments' rows of `out`,
         and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
         rows (`launch.no_output()`)."""
-        page_bits = self.page_bits
-        if paths.decode.n and self.decode_fast:
-            decode.run(q, k_store, v_store, tables, out=out, lse=lse, scale=scale,
-                       softcap=softcap, stream=stream, planned=paths.decode_runs[window])
-        elif paths.decode.n:
-            generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
-                           pages=pages, page_bits=page_bits,
-                           path="decode", kv_chunk=decode.CHUNK_KEYS, ring_rows=ring_rows,
-                           window=window, scale=scale, softcap=softcap, stream=stream,
-                           **paths.decode_args)
+        if paths.decode_runs:
+            paths.decode_runs[window](q, k_store, v_store, out, lse, scale, softcap)
+        elif paths.decode_generic is not None:
+            paths.decode_generic(q, k_store, v_store, pages, out, lse, ring_rows, window,
+                                 scale, softcap)
         if not paths.prefill.n:
             return
-        if self.prefill_fast and scale > 0:
-            prefill.run(q, k_store, v_store, tables, pages=pages, page_bits=page_bits,
-                        out=out, lse=lse, ring_rows=ring_rows,
-                        window=window, scale=scale, softcap=softcap, stream=stream,
-                        **paths.prefill_args)
-        else:
-            generic.attend(q, k_store, v_store, tables, out, lse=lse, workspace=self.workspace,
-                           pages=pages, page_bits=page_bits, path="prefill", max_kv_len=paths.prefill.max_kv_len,
-                           ring_rows=ring_rows, window=window, scale=scale, softcap=softcap,
-                           stream=stream, **paths.prefill_args)
+        run = paths.prefill_fast if paths.prefill_fast is not None and scale > 0 else \
+            paths.prefill_generic
+        run(q, k_store, v_store, pages, out, lse, ring_rows, window, scale, softcap)
 
 
-def tables_size(config) -> int:
-    """int32 entries the staged tables of a usual step take: per token its column and
-    position, a segment (at most one per token) and its place in a path's list; per
-    layer window a decode plan of one chunk per segment plus the chunks of `max_seqs`
-    sequences at capacity. A step that needs more grows the buffer (`staging`)."""
+def upload_entries(config: CacheConfig) -> int:
+    """int32 entries the upload of a usual step takes: per token its column and position,
+    a segment (at most one per token) and its place in a path's list; per layer window a
+    decode plan of one chunk per segment plus the chunks of `max_seqs` sequences at
+    capacity. A step that needs more grows the buffers (`upload.Upload.reserve`)."""
     per_token = 2 + SEQ_INFO_FIELDS + 1
     chunks = config.max_step + min(config.max_step, config.max_seqs) * \
         -(-config.capacity // decode.CHUNK_KEYS)

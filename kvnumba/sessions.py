@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .args import SessionId, describe, is_int
-from .batched import floor_refusal, split_hint
+from .refusals import floor_refusal, split_hint
 from .errors import (CacheFullError, CapacityError, ConfigError, KVCacheError, SessionError,
                      ShapeError, StepProtocolError)
 from .slots import SLOT_MACHINE, SlotState, StepState, state_refusal

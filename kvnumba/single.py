@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .batched import BatchedSequenceCache, split_hint
+from .batched import BatchedSequenceCache
 from .config import CacheConfig
 from .args import SessionId, as_int, describe
 from .errors import CapacityError, CloneRefusedError, ConfigError, ShapeError, StepProtocolError
-from .plan import StepPlan
+from .refusals import split_hint
+from .step import StepPlan
 from .slots import SlotState, StepState
 
 _SEQ = 0  # the one sequence's id

@@ -30,10 +30,11 @@ def _plan(plan):
 def _pages(cache):
     """Every kind's host tables, holdings, reference counts and free stack, the device
     tables and the patches waiting for the next upload."""
-    pool = cache._pool
+    pages, storage = cache._pool.pages, cache._pool.storage
     kinds = [(k.table.tobytes(), k.held.tobytes(), k.refs.tobytes(), k.n_free,
-              k.free[:k.n_free].tobytes()) for k in pool.kinds]
-    return [kinds, pool.device_tables.copy_to_host().tobytes(), sorted(pool.pending.items())]
+              k.free[:k.n_free].tobytes()) for k in pages.kinds]
+    return [kinds, storage.device_tables.copy_to_host().tobytes(),
+            sorted(pages.pending.items())]
 
 
 def snapshot(face):
@@ -44,8 +45,10 @@ def snapshot(face):
     for layer in range(cache.config.n_layers):
         k, v = cache.layer_data(layer)
         storage.append((k.shape, k.copy_to_host().tobytes(), v.copy_to_host().tobytes()))
-    state = (slots, cache.step_state, _plan(cache.plan), cache._written.tobytes(),
-             cache._staging.device.copy_to_host().tobytes(), storage + _pages(cache),
+    step = cache._step
+    written = None if step is None or step.written is None else step.written.tobytes()
+    state = (slots, cache.step_state, _plan(cache.plan), written,
+             cache._upload.device.copy_to_host().tobytes(), storage + _pages(cache),
              cache.nbytes)
     if isinstance(face, kv.SessionTable):
         sessions = [(sid, face.seq(sid)) for sid in face.sessions]

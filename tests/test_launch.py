@@ -97,7 +97,7 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     and each window's work and combine tables, at the offsets the launches read."""
     import kvnumba as kv
     from kvnumba.kernels import decode
-    from kvnumba.paths import tables_size
+    from kvnumba.paths import upload_entries
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=300)], n_kv_heads=1,
                             head_dim=16, capacity=2048, max_seqs=2, max_write=64,
                             max_step=128, dtype="float16", initial_pages=2048)
@@ -110,8 +110,8 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     ids = [a, b] * 32
     plan = cache.declare_step(ids)
     cache.prepare_step(70)
-    staged = cache._staging.device.copy_to_host()
-    assert cache._staging.size > tables_size(config)
+    staged = cache._upload.device.copy_to_host()
+    assert cache._upload.size > upload_entries(config)
     cursor = {a: 31 * 64, b: 31 * 60}
     positions = []
     for seq in ids:
@@ -124,7 +124,7 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     assert (plan.positions == staged[width:2 * width]).all()
     info = plan.seq_info
     assert (staged[2 * width:2 * width + info.size] == info.ravel()).all()
-    routes = cache._tables.routes
+    routes = cache._step.routes
     assert routes.decode_plans[0].n_items > 6 * len(info)     # the flat layer's long keys
     for window, placed in routes.decode_plans.items():
         want = decode.plan(info, np.arange(len(info)), window=window)
@@ -133,7 +133,7 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
         combine = staged[placed.combine_off:placed.combine_off + want.combine.size]
         assert (work == want.work.ravel()).all() and (combine == want.combine.ravel()).all()
         run = routes.decode_runs[window]
-        assert run.tables is cache._staging.device and run.seq_info_off == 2 * width
+        assert run.tables is cache._upload.device and run.seq_info_off == 2 * width
     cache.abort_step()
 
 

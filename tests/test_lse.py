@@ -157,11 +157,11 @@ def test_lse_of_a_decode_segment_split_into_chunks(path, monkeypatch):
     rows = run.rows(step)
     run.cache.declare_step([0, 1])
     run.cache.prepare_step(3)
-    routes = run.cache._routes
+    routes = run.cache._step.routes
     if routes.decode_plans:                 # fast: one segment split, one not
         assert routes.decode_plans[0].n_combine == 1 and routes.decode_plans[0].n_parts > 1
     else:                                   # generic: split-K over the longest history
-        assert routes.decode_args["max_kv_len"] > 2 * decode.CHUNK_KEYS
+        assert routes.decode_generic.max_kv_len > 2 * decode.CHUNK_KEYS
     lse = np.full((3, HQ), np.nan, np.float32)
     run.cache.update_and_attend(0, run.gather(rows, "q", 0, 3), run.gather(rows, "k", 0, 3),
                                 run.gather(rows, "v", 0, 3), lse=lse)

@@ -124,14 +124,14 @@ def test_the_paths_each_config_takes():
 def test_an_attend_launches_at_most_one_path_per_group(name, monkeypatch):
     dtype, head_dim = CONFIGS[name]
     calls = []
-    for module, attr in ((paths_module.decode, "run"), (paths_module.prefill, "run"),
-                         (paths_module.generic, "attend")):
-        real = getattr(module, attr)
+    for run in (paths_module.decode.DecodeRun, paths_module.prefill.PrefillRun,
+                paths_module.generic.GenericRun):      # what a layer's attend calls per path
+        real = run.__call__
 
-        def counted(*args, _real=real, _name=f"{module.__name__}.{attr}", **kw):
-            calls.append((_name, kw.get("path")))
-            return _real(*args, **kw)
-        monkeypatch.setattr(module, attr, counted)
+        def counted(self, *args, _real=real, _name=run.__name__, **kw):
+            calls.append((_name, getattr(self, "path", None)))
+            return _real(self, *args, **kw)
+        monkeypatch.setattr(run, "__call__", counted)
     rng = np.random.default_rng(2)
     seqs = [Sequence(rng, 16, head_dim, dtype) for _ in range(3)]
     cache = make(dtype, head_dim, max_seqs=3)
@@ -142,10 +142,8 @@ def test_an_attend_launches_at_most_one_path_per_group(name, monkeypatch):
     per_layer = len(calls) // len(WINDOWS)
     assert len(calls) % len(WINDOWS) == 0 and per_layer == 2, calls
     fast_decode, fast_prefill = head_dim % 16 == 0, dtype == "float16" and head_dim % 16 == 0
-    want = [("kvnumba.kernels.decode.run", None) if fast_decode
-            else ("kvnumba.kernels.attention.attend", "decode"),
-            ("kvnumba.kernels.prefill.run", None) if fast_prefill
-            else ("kvnumba.kernels.attention.attend", "prefill")]
+    want = [("DecodeRun", None) if fast_decode else ("GenericRun", "decode"),
+            ("PrefillRun", None) if fast_prefill else ("GenericRun", "prefill")]
     assert calls[:2] == want
     calls.clear()
     step(cache, seqs, [(0, 1), (2, 1)], {0: 6, 2: 5})   # a pure decode step: one path
@@ -158,11 +156,12 @@ def test_the_launch_key_changes_only_with_the_launches(head_dim, fast):
     1.5 chunks on the fast path (a remainder under half a chunk joins the last chunk),
     one chunk + 1 key on the generic path's split-K (hand-computed boundaries)."""
     from kvnumba.kernels.decode import CHUNK_KEYS
-    boundary = CHUNK_KEYS + CHUNK_KEYS // 2 if fast else CHUNK_KEYS + 1   # first key count of 2 chunks
+    chunk = CHUNK_KEYS
+    boundary = chunk + chunk // 2 if fast else chunk + 1    # first key count of 2 chunks
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=4)], n_kv_heads=H,
-                            head_dim=head_dim, capacity=2 * CHUNK_KEYS, max_seqs=2,
-                            max_write=2 * CHUNK_KEYS, max_step=2 * CHUNK_KEYS + 8, dtype="float16",
-                            initial_pages=2 * CHUNK_KEYS)          # no growth moves the storage
+                            head_dim=head_dim, capacity=2 * chunk, max_seqs=2,
+                            max_write=2 * chunk, max_step=2 * chunk + 8, dtype="float16",
+                            initial_pages=2 * chunk)          # no growth moves the storage
     cache = kv.BatchedSequenceCache(config)
     a, b = cache.seq_new(), cache.seq_new()
     cache.declare_step([a] * (boundary - 4) + [b] * 5)

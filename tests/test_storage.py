@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba import pool as pool_module
+from kvnumba import storage as storage_module
 
 H, D = 2, 4
 
@@ -151,7 +151,7 @@ def test_failed_growth_keeps_the_old_storage_and_the_step_declared(monkeypatch):
     def failing(self, kind, n_pages):
         raise MemoryError("simulated out of device memory")
 
-    monkeypatch.setattr(pool_module.Pool, "_allocate", failing)
+    monkeypatch.setattr(storage_module.PageStorage, "_allocate", failing)
     with pytest.raises(kv.CapacityError, match="old pool is kept"):
         c.prepare_step()
     assert c.step_state == kv.StepState.DECLARED
@@ -320,7 +320,7 @@ def test_clone_copies_every_kind_in_one_launch_each(dtype, head_dim, monkeypatch
         c.commit_step()
     launches = []
     real = copy_module.copy_pages
-    monkeypatch.setattr("kvnumba.pool.copy_pages",
+    monkeypatch.setattr("kvnumba.storage.copy_pages",
                         lambda *args, **kw: launches.append(args[0].shape) or real(*args, **kw))
     b = c.seq_clone(a, upto=9)
     # ring R=8 alone; R=6 and flat pairs (the flat page straddling position 9 is copied)

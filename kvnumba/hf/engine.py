@@ -23,6 +23,7 @@ import numpy as np
 
 from ..args import as_count, is_int
 from ..batched import BatchedSequenceCache
+from ..driver import run_inputs
 from ..errors import CapacityError, ConfigError
 from ..sessions import SessionTable
 from .attention import ATTENTION, register
@@ -81,9 +82,7 @@ class Model:
     def pages_for(self, positions: int, n: int) -> list:
         """Per layer kind, the most pages `n` sequences of up to `positions` positions
         hold (no sharing counted: forks may hold fewer)."""
-        config = self.cache.config
-        return [n * (config.table_width(rows) if rows else
-                     -(-positions // config.page_size)) for rows, _ in self.kinds]
+        return [n * pages for pages in self.cache.config.sequence_pages(positions)]
 
     def need(self, request) -> list:
         """Per layer kind, the most pages `request`'s sequences come to hold."""
@@ -111,25 +110,19 @@ class Model:
 
     def run(self, inputs, rows):
         """Run the model over `inputs` (`(sid, start, tokens)`, packed in this order) and
-        return its logits `[len(rows), vocab]` at packed rows `rows`."""
+        return its logits `[len(rows), vocab]` at packed rows `rows` (one step of the
+        step driver: any error aborts it)."""
         import torch
-        packed = self.table.pack(inputs)
-        try:
-            self.cache.declare_step(packed.seq_ids)
-            plan = self.cache.prepare_step()
+
+        def forward(packed, plan):
             ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=self.device)[None]
             positions = torch.as_tensor(plan.positions.astype(np.int64), device=self.device)
             keep = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
             with torch.inference_mode(), self._attention():
-                logits = self.model(input_ids=ids, position_ids=positions[None],
-                                    use_cache=False, logits_to_keep=keep,
-                                    kvnumba_cache=self.cache).logits[0]
-        except BaseException:
-            if self.cache.plan is not None:     # declared: leave no step open
-                self.cache.abort_step()
-            raise
-        self.cache.commit_step()
-        return logits
+                return self.model(input_ids=ids, position_ids=positions[None],
+                                  use_cache=False, logits_to_keep=keep,
+                                  kvnumba_cache=self.cache).logits[0]
+        return run_inputs(self.table, inputs, forward)
 
 
 class Engine:

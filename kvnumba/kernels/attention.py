@@ -59,7 +59,7 @@ import numpy as np
 from ..device import cuda
 from . import ptx
 from .constants import NEG_INF
-from .launch import Specialised, ceil_div, no_output
+from .launch import PER_CALL, Specialised, ceil_div, device_pointer, no_output
 from .masks import (div32, divmod32, key_range, page_slot, read_segment, step_on, storage_row,
                     store_row)
 
@@ -361,6 +361,11 @@ class AttentionWorkspace:
         return sum(b.size * 4 for b in (self.part_acc, self.part_ml, self.dummy)
                    if b is not None)
 
+    def addresses(self) -> tuple:
+        """Where the partials are now (0 while there are none): they move when they grow."""
+        return tuple(0 if b is None else device_pointer(b) for b in (self.part_acc,
+                                                                      self.part_ml))
+
 
 def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
                 window, path=None, kv_chunk=None):
@@ -400,6 +405,86 @@ def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, hea
                 grid=(n_segments * n_row_tiles * n_splits, n_kv_heads), threads=threads)
 
 
+class GenericRun:
+    """The generic kernel's launches of one step for one group of segments (`prepare`):
+    the step's tables (where the segment table and the group's list are), the group's
+    size, longest segment and furthest key, its path and split-K chunk, `page_bits`, the
+    workspace and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
+    ring_rows, window, scale, softcap)`, once per layer) looks its signature up (q's and
+    out's dtypes and heads, the storage's dtype and shape, the window): the first call of
+    a signature works out the launch plan (`launch_plan`), sizes the partials and binds
+    the kernel (and the combine where the plan splits); later calls pack their arrays
+    and scalars only."""
+
+    def __init__(self, tables, *, seq_info_off: int, segments_off: int, n_segments: int,
+                 max_q_len: int, max_kv_len: int, page_bits: int, workspace, path=None,
+                 kv_chunk=None, stream=0):
+        self.tables, self.seq_info_off, self.segments_off = tables, seq_info_off, segments_off
+        self.n_segments, self.max_q_len, self.max_kv_len = n_segments, max_q_len, max_kv_len
+        self.page_bits, self.workspace, self.path, self.kv_chunk = (page_bits, workspace, path,
+                                                                    kv_chunk)
+        self.stream = stream
+        self._launches = {}     # (attention launch, combine launch or None) by signature
+
+    def __call__(self, q, k_store, v_store, pages, out, lse, ring_rows, window, scale,
+                 softcap) -> None:
+        if self.n_segments == 0:
+            return
+        width, n_q_heads, head_dim = q.shape
+        if width * n_q_heads > MAX_QUERY_ROWS:
+            raise ValueError(f"q [{width}, {n_q_heads}, {head_dim}]: the attention kernels "
+                             f"take at most {MAX_QUERY_ROWS} (token, head) rows")
+        key = (q.dtype, q.shape, out.dtype, k_store.dtype, k_store.shape[1:], window)
+        launches = self._launches.get(key)
+        if launches is None:
+            launches = self._launches[key] = self._bind(q, k_store, out, window)
+        attention, merge = launches
+        attention(q, k_store, v_store, pages, out, lse, int(ring_rows),
+                  np.float32(scale), np.float32(softcap))
+        if merge is not None:
+            merge(out, lse)
+
+    def _bind(self, q, k_store, out, window: int) -> tuple:
+        width, n_q_heads, head_dim = q.shape
+        n_kv_heads = k_store.shape[1]
+        assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
+        plan = launch_plan(n_segments=self.n_segments, max_q_len=self.max_q_len,
+                           max_kv_len=self.max_kv_len, n_q_heads=n_q_heads,
+                           n_kv_heads=n_kv_heads, head_dim=head_dim, window=window,
+                           path=self.path, kv_chunk=self.kv_chunk)
+        n_splits, stream = plan["n_splits"], self.stream
+        if n_splits > 1:
+            part_acc, part_ml = self.workspace.partials(n_splits * width * n_q_heads * head_dim,
+                                                        n_splits * width * n_q_heads * 2, stream)
+        else:
+            part_acc = part_ml = self.workspace.dummy
+        kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
+                                   plan["key_lanes"], plan["threads"])
+        attention = kernel.bind(
+            plan["grid"], plan["threads"], stream, PER_CALL, PER_CALL, PER_CALL, PER_CALL,
+            int(self.page_bits), self.tables, int(self.seq_info_off), int(self.segments_off),
+            PER_CALL, PER_CALL, part_acc, part_ml, plan["n_row_tiles"], n_splits, plan["chunk"],
+            plan["group"], PER_CALL, int(window), PER_CALL, PER_CALL)
+        merge = None
+        if n_splits > 1:
+            merge = _combine.bind(
+                self.n_segments * self.max_q_len, COMBINE_THREADS, stream, self.tables,
+                int(self.seq_info_off), int(self.segments_off), part_acc, part_ml, PER_CALL,
+                PER_CALL, self.max_q_len, plan["group"], plan["block_rows"], plan["chunk"],
+                int(window))
+        return attention, merge
+
+
+def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, max_kv_len,
+            page_bits, workspace, path=None, kv_chunk=None, stream=0) -> GenericRun:
+    """The plan side of `attend`: what a step fixes for one group of segments, once
+    (`GenericRun`); the arguments are `attend`'s."""
+    return GenericRun(tables, seq_info_off=int(seq_info_off), segments_off=int(segments_off),
+                      n_segments=int(n_segments), max_q_len=int(max_q_len),
+                      max_kv_len=int(max_kv_len), page_bits=int(page_bits),
+                      workspace=workspace, path=path, kv_chunk=kv_chunk, stream=stream)
+
+
 def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, segments_off,
            n_segments, max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace,
            lse=None, stream=0, path=None, kv_chunk=None):
@@ -422,35 +507,12 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     All launches on `stream`; no host synchronisation, no copies,
     no device allocation once `workspace` is warm.
     path / kv_chunk: the path and its split-K chunk (see `launch_plan`); the cache
-    passes both.
+    passes both. A cache prepares a step's group once (`prepare`) and calls it per layer.
     """
-    width, n_q_heads, head_dim = q.shape
-    n_kv_heads = k_store.shape[1]
-    assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
-    if width * n_q_heads > MAX_QUERY_ROWS:
-        raise ValueError(f"q [{width}, {n_q_heads}, {head_dim}]: the attention kernels take "
-                         f"at most {MAX_QUERY_ROWS} (token, head) rows")
-    if n_segments == 0:
-        return out
-    lse = no_output() if lse is None else lse
-    plan = launch_plan(n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,
-                       n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-                       window=window, path=path, kv_chunk=kv_chunk)
-    n_splits = plan["n_splits"]
-    if n_splits > 1:
-        part_acc, part_ml = workspace.partials(n_splits * width * n_q_heads * head_dim,
-                                               n_splits * width * n_q_heads * 2, stream)
-    else:
-        part_acc = part_ml = workspace.dummy
-    kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
-                               plan["key_lanes"], plan["threads"])
-    kernel(plan["grid"], plan["threads"], stream,
-           q, k_store, v_store, pages, int(page_bits), tables, int(seq_info_off),
-           int(segments_off), out, lse, part_acc, part_ml, plan["n_row_tiles"], n_splits,
-           plan["chunk"], plan["group"], int(ring_rows), int(window), np.float32(scale),
-           np.float32(softcap))
-    if n_splits > 1:
-        _combine(n_segments * max_q_len, COMBINE_THREADS, stream,
-                 tables, int(seq_info_off), int(segments_off), part_acc, part_ml, out, lse,
-                 max_q_len, plan["group"], plan["block_rows"], plan["chunk"], int(window))
+    prepare(tables, seq_info_off=seq_info_off, segments_off=segments_off,
+            n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,
+            page_bits=page_bits, workspace=workspace, path=path, kv_chunk=kv_chunk,
+            stream=stream)(q, k_store, v_store, pages, out,
+                           no_output() if lse is None else lse, ring_rows, window, scale,
+                           softcap)
     return out

@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .launch import aligned, ceil_div, no_output
+from .launch import PER_CALL, aligned, ceil_div, no_output
 from .prefill_kernel import prefill_kernel
 from .prefill_shape import (Q_OUT_TYPES, default_warp_rows, storage_type, supports,
                             tile_shape, type_name)
@@ -28,6 +28,70 @@ def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> str:
         if type_name(dtype) not in Q_OUT_TYPES:
             raise ValueError(f"prefill: {name} dtype {dtype} not in {Q_OUT_TYPES}")
     return storage
+
+
+class PrefillRun:
+    """The prefill launches of one step (`prepare`): the step's tables (where the segment
+    table and the served list are), how many segments, the longest, `page_bits`, the
+    tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
+    ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
+    out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, softcap
+    on or off. The first call of a signature checks what the path serves (`_served`),
+    picks the kernel and its grid and binds it; later calls pack their arrays and
+    scalars only."""
+
+    def __init__(self, tables, *, seq_info_off: int, segments_off: int, n_segments: int,
+                 max_q_len: int, page_bits: int, stream=0, tile=None):
+        self.tables, self.seq_info_off, self.segments_off = tables, seq_info_off, segments_off
+        self.n_segments, self.max_q_len, self.page_bits = n_segments, max_q_len, page_bits
+        self.stream, self.tile = stream, tile
+        self._launches = {}
+
+    def __call__(self, q, k_store, v_store, pages, out, lse, ring_rows, window, scale,
+                 softcap) -> None:
+        if self.n_segments == 0 or self.max_q_len == 0:
+            return
+        if not scale > 0:
+            raise ValueError(f"prefill: scale {scale} must be positive")
+        head_dim = q.shape[2]
+        storage = _served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
+        shape = tuple(k_store.shape)
+        if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
+            raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
+                             f"storage [n_slots, n_kv_heads, {head_dim}] of one shape")
+        key = (q.dtype, q.shape[1], aligned(q, 16), out.dtype, k_store.dtype,
+               k_store.shape[1:], softcap > 0)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = self._bind(q, k_store, storage,
+                                                      key[2], key[-1])
+        launch(q, k_store, v_store, pages, out, lse, int(ring_rows), int(window),
+               np.float32(scale), np.float32(softcap))
+
+    def _bind(self, q, k_store, storage: str, q_aligned: bool, capped: bool):
+        head_dim, n_q_heads, n_kv_heads = q.shape[2], q.shape[1], k_store.shape[1]
+        group = n_q_heads // n_kv_heads
+        block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
+        warp_rows = warp_rows[0] if warp_rows else None
+        q_copy = q.dtype == k_store.dtype and q_aligned     # Q in the mma type: cp.async
+        kernel = prefill_kernel(head_dim, block_rows, block_keys, storage, capped, q_copy,
+                                warp_rows)
+        warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
+        n_row_tiles = ceil_div(group * self.max_q_len, block_rows)
+        return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles), 32 * warps, self.stream,
+                           PER_CALL, PER_CALL, PER_CALL, PER_CALL, int(self.page_bits),
+                           self.tables, PER_CALL, PER_CALL, int(self.seq_info_off),
+                           int(self.segments_off), n_row_tiles, group, PER_CALL, PER_CALL,
+                           PER_CALL, PER_CALL)
+
+
+def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_bits,
+            stream=0, tile=None) -> PrefillRun:
+    """The plan side of `run`: what a step fixes for its prefill group, once
+    (`PrefillRun`); the arguments are `run`'s."""
+    return PrefillRun(tables, seq_info_off=int(seq_info_off), segments_off=int(segments_off),
+                      n_segments=int(n_segments), max_q_len=int(max_q_len),
+                      page_bits=int(page_bits), stream=stream, tile=tile)
 
 
 def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments_off,
@@ -54,28 +118,8 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     multiples of 16, and optionally warp_rows (16 or 32, dividing block_rows; else
     `default_warp_rows`), instead of `tile_shape(head_dim)`.
     """
-    if n_segments == 0 or max_q_len == 0:
-        return out
-    if not scale > 0:
-        raise ValueError(f"prefill: scale {scale} must be positive")
-    head_dim = q.shape[2]
-    storage = _served(head_dim, k_store.dtype, q.dtype, out.dtype)
-    shape = tuple(k_store.shape)
-    if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
-        raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
-                         f"storage [n_slots, n_kv_heads, {head_dim}] of one shape")
-    n_q_heads, n_kv_heads = q.shape[1], shape[1]
-    group = n_q_heads // n_kv_heads
-    block_rows, block_keys, *warp_rows = tile or tile_shape(head_dim)
-    warp_rows = warp_rows[0] if warp_rows else None
-    q_copy = q.dtype == k_store.dtype and aligned(q, 16)   # Q in the mma type: cp.async
-    kernel = prefill_kernel(head_dim, block_rows, block_keys, storage, softcap > 0, q_copy,
-                             warp_rows)
-    warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
-    n_row_tiles = ceil_div(group * max_q_len, block_rows)
-    kernel((n_kv_heads, n_segments, n_row_tiles), 32 * warps, stream,
-           q, k_store, v_store, pages, int(page_bits), tables, out,
-           no_output() if lse is None else lse,
-           int(seq_info_off), int(segments_off), n_row_tiles, group, int(ring_rows),
-           int(window), np.float32(scale), np.float32(softcap))
+    prepare(tables, seq_info_off=seq_info_off, segments_off=segments_off,
+            n_segments=n_segments, max_q_len=max_q_len, page_bits=page_bits, stream=stream,
+            tile=tile)(q, k_store, v_store, pages, out, no_output() if lse is None else lse,
+                       ring_rows, window, scale, softcap)
     return out

@@ -1,0 +1,95 @@
+"""The refusals of the cache's verbs, as typed errors whose messages name the numbers and
+the fix (contract §9). Each function builds the error; the caller raises it, having
+changed nothing."""
+from __future__ import annotations
+
+import numpy as np
+
+from .config import CacheConfig
+from .errors import (CapacityError, OwnerRunError, PositionError, RingFloorError,
+                     StepProtocolError)
+from .plan import ring_floor
+
+
+def split_hint(config: CacheConfig) -> str:
+    """What to do with an input longer than `max_write`."""
+    return (f"split it into chunks of at most max_write={config.max_write} tokens, one "
+            f"step each")
+
+
+def floor_refusal(verb: str, seq: int, target: int, high_water: int,
+                  config: CacheConfig) -> RingFloorError:
+    """A rewind or clone of sequence `seq` to `target`, below its floor: names the target,
+    the floor, and the ring layer that sets it (its window and rows, what it still
+    holds)."""
+    rows, layer = config.floor_ring
+    floor = ring_floor(high_water, rows, config.max_write)
+    window = config.layers[layer].window
+    return RingFloorError(f"{verb}: target position {target} is below the floor {floor} of "
+                          f"sequence {seq}: ring layer {layer} (window {window}, {rows} rows) "
+                          f"holds only positions [{high_water - rows}, {high_water}) at "
+                          f"high-water {high_water}, and resuming at p needs "
+                          f"[p - {window - 1}, p); go back no further than {floor}")
+
+
+def position_refusal(target: str, seq: int, lowest: int, pos: int) -> PositionError:
+    """A target (`target`: the verb and the position it was given) outside `[lowest,
+    pos]` of sequence `seq`."""
+    return PositionError(f"{target} outside [{lowest}, {pos}] for sequence {seq}")
+
+
+def write_refusal(seq: int, tokens: int, config: CacheConfig) -> CapacityError:
+    """A sequence writing more than `max_write` tokens in one step."""
+    return CapacityError(f"declare_step: sequence {seq} writes {tokens} tokens, more than "
+                         f"max_write {config.max_write}; {split_hint(config)}")
+
+
+def capacity_refusal(seq: int, pos: int, tokens: int, config: CacheConfig) -> CapacityError:
+    """A sequence at `pos` whose `tokens` would pass `capacity`."""
+    return CapacityError(f"declare_step: sequence {seq} at pos {pos} + {tokens} tokens "
+                         f"exceeds capacity {config.capacity}")
+
+
+def step_refusal(n_tokens: int, config: CacheConfig) -> CapacityError:
+    """A step of more than `max_step` tokens."""
+    return CapacityError(f"declare_step: {n_tokens} tokens exceed max_step {config.max_step}")
+
+
+def owner_refusal(seq: int, runs: list) -> OwnerRunError:
+    """A draft-block owner with no span, or with several (`runs`: their token ranges)."""
+    if not runs:
+        return OwnerRunError(f"declare_step: blocks name sequence {seq}, which has no run in "
+                             f"this step; a draft block must be exactly one run")
+    return OwnerRunError(f"declare_step: block owner {seq} has {len(runs)} runs {runs} "
+                         f"(token ranges); a draft block must be exactly one run")
+
+
+def width_refusal(width: int, n_tokens: int, config: CacheConfig) -> CapacityError:
+    """A `prepare_step` width outside `[n_tokens, max_step]`."""
+    return CapacityError(f"prepare_step: width {width} outside [n_tokens {n_tokens}, max_step "
+                         f"{config.max_step}]")
+
+
+def half_written_refusal(written: np.ndarray) -> StepProtocolError:
+    """A `commit_step` of a step that wrote some layers (`written`, bool per layer) and not
+    others."""
+    return StepProtocolError(f"commit_step: the step wrote layers "
+                             f"{np.flatnonzero(written).tolist()} but not "
+                             f"{np.flatnonzero(~written).tolist()}; write every layer before "
+                             f"commit_step(), or abort_step() to discard the step")
+
+
+def unprepared_refusal(verb: str, state) -> StepProtocolError:
+    """Data moving outside a prepared step (`state`: the step's `StepState`)."""
+    return StepProtocolError(f"{verb}: the step is {state.name}; data moves only inside a "
+                             f"prepared step (declare_step, then prepare_step)")
+
+
+def width_hint(step, *arrays) -> str:
+    """Why an array with one row per token does not fit `step`, a padded step, or ''."""
+    n_tokens, width = step.n_tokens, step.width
+    if width == n_tokens or not any(getattr(a, "shape", (None,))[:1] == (n_tokens,)
+                                    for a in arrays):
+        return ""
+    return (f"; the step was prepared with prepare_step(width={width}) for {n_tokens} "
+            f"tokens: pass {width} rows (the last {width - n_tokens} are padding)")
