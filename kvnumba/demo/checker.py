@@ -39,6 +39,7 @@ class StepReport:
 
     @property
     def ok(self) -> bool:
+        """The step matched the reference."""
         return not self.problems
 
 
@@ -55,6 +56,7 @@ class SessionReport:
 
     @property
     def match(self) -> bool:
+        """Every step matched and both runs generated the same tokens."""
         return self.steps_ok and self.generated == self.reference
 
 
@@ -101,16 +103,19 @@ class CheckedEngine:
         self.kind = ""
 
     def open(self) -> int:
+        """A new session in both engines (the same id in each)."""
         sid = self.cached.open()
         assert self.reference.open() == sid
         return sid
 
     def clone(self, sid: int, upto: int) -> int:
+        """`sid`'s first `upto` positions as a new session in both engines."""
         new = self.cached.clone(sid, upto)
         assert self.reference.clone(sid, upto) == new
         return new
 
     def close(self, sid: int) -> None:
+        """Close the session in both engines."""
         self.cached.close(sid)
         self.reference.close(sid)
 
