@@ -29,6 +29,7 @@ def test_demo_default_run_matches_the_reference():
     assert "abutting" in result.features["chunked prefill"]
     assert "over 2 steps" in result.features["chunked prefill"]
     assert "accepted 2, rewound 2" in result.features["speculative draft"]
+    assert "holds 13 rows" in result.features["ring wrap"]        # W + max_write - 1 = 6 + 8 - 1
     assert any(r.width > r.n_tokens for r in result.steps)          # padded steps
     assert any(r.n_segments >= 4 for r in result.steps)             # the fork decodes too
     # the sessions: three prompts of different lengths and a fork, all generating
@@ -79,6 +80,15 @@ def test_cli_help():
     assert out.returncode == 0
     assert "--seed" in out.stdout and "--decode-steps" in out.stdout
     assert "{bfloat16,float16,float32}" in out.stdout        # --dtype, as the README says
+
+
+def test_cli_flags_are_the_options():
+    """The parser's defaults are `Options()`'s, and a flag's value reaches its field."""
+    flags = vars(demo.parser().parse_args([]))
+    del flags["fail_fast"], flags["quiet"]
+    assert demo.Options(**flags) == demo.Options()
+    flags = vars(demo.parser().parse_args(["--layers", "ring:3,flat", "--max-write", "5"]))
+    assert (flags["layers"], flags["max_write"]) == ((3, None), 5)
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6])
