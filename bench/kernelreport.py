@@ -20,10 +20,11 @@ def report_header(result) -> str:
     s = result["sizes"]
     c = result["copy"]
     others = ", ".join(d for d in s["dtypes"] if d != s["dtype"])
+    also = f"; attention also in {others}" if others else ""
     device = result["device"]
     where = f"the {device}" if device == "simulator" else device
-    return (f"kernels on {where} ({s['dtype']} storage; attention also in "
-            f"{others}; {_count(s['n_kv_heads'], 'kv head')}, "
+    return (f"kernels on {where} ({s['dtype']} storage{also}; "
+            f"{_count(s['n_kv_heads'], 'kv head')}, "
             f"{_count(s['n_q_heads'], 'q head')}, head_dim "
             f"{s['head_dim']}; PyTorch with CUDA: {result['torch'] or 'none, no peers'})\n"
             f"  roofline: d2d copy of {c['bytes'] >> 20} MiB = "
