@@ -444,7 +444,15 @@ def report(result: dict) -> str:
 
 def run_anywhere(quick: bool = False) -> dict:
     """`run`, here on a GPU or in compile mode; from the simulator, in a subprocess in
-    `KVNUMBA_DEVICE=compile` mode (the device is chosen when kvnumba is imported)."""
+    `KVNUMBA_DEVICE=compile` mode (the device is chosen when kvnumba is imported).
+    Compile mode compiles the kernels without a GPU: where NVRTC or libNVVM cannot be
+    found, this raises the `MissingTool` naming the `sass` extra instead."""
+    from .prerequisites import missing_compiler
+
+    if kv_device.KIND != "gpu":
+        missing = missing_compiler("data path host time")
+        if missing is not None:
+            raise missing
     if not kv_device.SIMULATOR:
         return run(quick=quick)
     env = dict(os.environ, KVNUMBA_DEVICE="compile")

@@ -10,6 +10,7 @@ import json
 import pytest
 
 import kvnumba.device as kv_device
+from bench import __main__ as bench_main
 from bench import control, host, kernels
 
 
@@ -93,3 +94,62 @@ def test_bench_runs_from_any_directory_and_writes_where_it_is_told(tmp_path):
     assert figures["host"]["rows"] and "data path host time" in proc.stdout
     assert "skewed 3 seqs, ring 4" in proc.stdout and "targets" in proc.stdout
     assert not (Path(control.__file__).parent / "results").exists()
+
+
+def hide_compiler_libraries(monkeypatch, error):
+    """numba-cuda's library lookup fails with `error` for every library (as without the
+    `sass` extra, for a DynamicLibNotFoundError)."""
+    from cuda import pathfinder
+    from numba.cuda.cuda_paths import get_cuda_paths
+
+    def load(libname):
+        raise error
+
+    monkeypatch.setattr(pathfinder, "load_nvidia_dynamic_lib", load)
+    monkeypatch.delattr(get_cuda_paths, "_cached_result", raising=False)  # its lookup again
+
+
+@pytest.mark.skipif(not kv_device.SIMULATOR, reason="on a GPU the host bench compiles nothing")
+def test_sections_without_their_libraries_are_skipped_naming_the_extra(monkeypatch, capsys,
+                                                                       tmp_path):
+    """No NVRTC / libNVVM and no PyTorch: the host and engine sections each print why
+    and which extra installs what they lack, the record says so, and the run succeeds."""
+    from cuda import pathfinder
+
+    hide_compiler_libraries(monkeypatch, pathfinder.DynamicLibNotFoundError(
+        'Failure finding "libnvrtc.so.13 or libnvrtc.so.12": No such file'))
+    monkeypatch.setitem(sys.modules, "torch", None)       # as if not installed
+    monkeypatch.setattr(bench_main, "SECTIONS",
+                        [s for s in bench_main.SECTIONS if s.key in ("host", "engine")])
+    assert bench_main.main(["--smoke", "--results", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    host_line = ("data path host time: skipped, the CUDA compiler libraries are not found "
+                 "(libnvrtc.so.13 or libnvrtc.so.12); pip install 'kvnumba[sass]' installs "
+                 "NVRTC and libNVVM")
+    engine_line = ("engine vs model.generate(): skipped, torch is not installed; pip install "
+                   "'kvnumba[hf]' installs PyTorch and transformers")
+    assert host_line in lines and engine_line in lines
+    (record,) = tmp_path.glob("*.json")
+    figures = json.loads(record.read_text())
+    assert figures["host"] is None and figures["engine"] is None
+    assert figures["skipped"] == {
+        "host": dict(missing="the CUDA compiler libraries are not found (libnvrtc.so.13 or "
+                             "libnvrtc.so.12)", extra="sass", message=host_line),
+        "engine": dict(missing="torch is not installed", extra="hf", message=engine_line)}
+
+
+@pytest.mark.skipif(not kv_device.SIMULATOR, reason="on a GPU the host bench compiles nothing")
+def test_a_failing_library_lookup_is_not_taken_for_a_missing_library(monkeypatch):
+    hide_compiler_libraries(monkeypatch, OSError("libnvrtc.so.13: invalid ELF header"))
+    with pytest.raises(OSError, match="invalid ELF header"):
+        host.run_anywhere(quick=True)
+
+
+def test_kernel_cases_in_bfloat16_are_left_out_without_ml_dtypes(monkeypatch, capsys):
+    """Without ml_dtypes (the `bf16` extra) the bfloat16 cases are left out, with a line
+    naming the extra, and the float16 ones still run."""
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)
+    sizes, missing = kernels.without_missing_packages(kernels.SMOKE)
+    assert sizes.dtypes == ("float16",) and missing["bfloat16"]["extra"] == "bf16"
+    assert ("kernel cases in bfloat16: skipped, ml_dtypes is not installed; pip install "
+            "'kvnumba[bf16]' installs ml_dtypes") in capsys.readouterr().out.splitlines()
