@@ -97,32 +97,28 @@ def move_vectors(k_to, v_to, k_from, v_from, first, step, last):
     indices) of two runs, `k_from` to `k_to` and `v_from` to `v_to` (byte views from each
     run's start), `TRIP_VECTORS` of each a trip: the trip's loads, then its stores.
     Indices past `last` are clamped to it (the last vector is stored again, as itself).
-    The loads are coherent (`ld_v4`), so the stores cannot be moved between them."""
+    The loads are coherent (`ld_v4`), so the stores cannot be moved between them. The
+    loops over a trip's vectors have a compile-time count: unrolled, their local arrays
+    live in registers."""
+    at = cuda.local.array(TRIP_VECTORS, uint64)       # byte offsets of the trip's vectors
+    k_words = cuda.local.array((TRIP_VECTORS, 4), uint32)
+    v_words = cuda.local.array((TRIP_VECTORS, 4), uint32)
     e = first
     while e <= last:
-        e1 = min(uint32(e + step), last)
-        e2 = min(uint32(e1 + step), last)
-        e3 = min(uint32(e2 + step), last)
-        # byte offsets: a 32-bit index times 16, each address one wide multiply-add
-        o0, o1 = uint64(e) * uint64(VECTOR_BYTES), uint64(e1) * uint64(VECTOR_BYTES)
-        o2, o3 = uint64(e2) * uint64(VECTOR_BYTES), uint64(e3) * uint64(VECTOR_BYTES)
-        k0, k1, k2, k3 = ptx.ld_v4(k_from, o0)
-        k4, k5, k6, k7 = ptx.ld_v4(k_from, o1)
-        k8, k9, k10, k11 = ptx.ld_v4(k_from, o2)
-        k12, k13, k14, k15 = ptx.ld_v4(k_from, o3)
-        v0, v1, v2, v3 = ptx.ld_v4(v_from, o0)
-        v4, v5, v6, v7 = ptx.ld_v4(v_from, o1)
-        v8, v9, v10, v11 = ptx.ld_v4(v_from, o2)
-        v12, v13, v14, v15 = ptx.ld_v4(v_from, o3)
-        ptx.st_v4(k_to, o0, k0, k1, k2, k3)
-        ptx.st_v4(k_to, o1, k4, k5, k6, k7)
-        ptx.st_v4(k_to, o2, k8, k9, k10, k11)
-        ptx.st_v4(k_to, o3, k12, k13, k14, k15)
-        ptx.st_v4(v_to, o0, v0, v1, v2, v3)
-        ptx.st_v4(v_to, o1, v4, v5, v6, v7)
-        ptx.st_v4(v_to, o2, v8, v9, v10, v11)
-        ptx.st_v4(v_to, o3, v12, v13, v14, v15)
-        e = uint32(e3 + step)
+        vector = e
+        for j in range(TRIP_VECTORS):
+            if j > 0:
+                vector = min(uint32(vector + step), last)
+            at[j] = uint64(vector) * uint64(VECTOR_BYTES)   # each address one multiply-add
+        for j in range(TRIP_VECTORS):
+            k_words[j, 0], k_words[j, 1], k_words[j, 2], k_words[j, 3] = ptx.ld_v4(k_from, at[j])
+        for j in range(TRIP_VECTORS):
+            v_words[j, 0], v_words[j, 1], v_words[j, 2], v_words[j, 3] = ptx.ld_v4(v_from, at[j])
+        for j in range(TRIP_VECTORS):
+            ptx.st_v4(k_to, at[j], k_words[j, 0], k_words[j, 1], k_words[j, 2], k_words[j, 3])
+        for j in range(TRIP_VECTORS):
+            ptx.st_v4(v_to, at[j], v_words[j, 0], v_words[j, 1], v_words[j, 2], v_words[j, 3])
+        e = uint32(vector + step)
 
 
 @cuda.jit
