@@ -9,8 +9,8 @@ docs/benchmarks.md lists; `bench/sass_report.sh` runs this); `--check` builds th
 same and exits 1 when one of them exceeds a budget of BUDGET_FILE (default
 `bench/sass_budgets.json`; format in `bench.sassbudget`). Further kernels may be
 named as `module:function` with a Numba signature, e.g.
-`kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1], int64, int64,
-int64)"`, or as the kernel a factory makes for literal arguments,
+`kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1], int32[::1],
+int64, int64)"`, or as the kernel a factory makes for literal arguments,
 `module:factory(ARGS)`, e.g. `kvnumba.kernels.decode_kernel:decode_kernel(128,
 'float16', 4, False)`. `intrinsics_probe` below (every `kvnumba.kernels.ptx` and
 `tensorcore` function) is always built.
