@@ -9,8 +9,8 @@ over `lanes` lanes as the host launches them (`write.vector_lanes`), each lane m
 running, once per run, every instruction from the kernel's entry to its exit on its
 way through that loop (P: a path with every other loop taken once, the vector loop's
 trips counted apart), since a launch gives each lane one run (the grid holds every
-run of a step up to `MAX_BLOCKS` blocks). So a run costs its lanes `lanes * (P + B *
-ceil(R / (lanes * T)))` warp-lane instructions for its `2 R` vectors, B the vector
+run of a step up to `MAX_BLOCKS` blocks). So a run's lanes issue `lanes * (P + B *
+ceil(R / (lanes * T)))` instructions between them for its `2 R` vectors, B the vector
 loop's body:
 
     instructions per vector = lanes * (P + B * ceil(R / (lanes * T))) / (2 R)
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from .sassflow import Flow
+from .sassflow import Flow, Loop
 from .sassloops import Figures, fallback_note, is_wide_load, main_loop, other_loops
 
 VECTOR_BYTES = 16
@@ -32,9 +32,9 @@ VECTOR_BYTES = 16
 ROWS = (("2kb", 8 * 128 * 2), ("256b", 1 * 128 * 2))
 
 
-def per_vector(flow: Flow, run_vectors: int) -> tuple[dict, list[str], object]:
-    """`({"shortest": figure, "longest": figure}, notes, loop)` for runs of `run_vectors`
-    vectors per row, by the formula of the module doc."""
+def per_vector(flow: Flow, run_vectors: int) -> tuple[dict, list[str], Loop]:
+    """`({"shortest": figure, "longest": figure}, notes, vector loop)` for runs of
+    `run_vectors` vectors of K and as many of V, by the formula of the module doc."""
     from kvnumba.kernels import write
 
     loop = main_loop(flow, is_wide_load, "the 16-byte loads (LDG.E.128)")
@@ -45,9 +45,9 @@ def per_vector(flow: Flow, run_vectors: int) -> tuple[dict, list[str], object]:
     span = flow.through(loop)
     figures = {which: lanes * (path + body * trips) / (2 * run_vectors)
                for which, path in (("shortest", span.shortest), ("longest", span.longest))}
-    notes = [f"{run_vectors} vectors a row: {lanes} lanes, {trips} trip(s) of B = {body} "
-             f"instructions ({loads} LDG.E.128) each, P = {span.shortest} to {span.longest} "
-             f"instructions on the way"]
+    notes = [f"runs of {run_vectors} vectors of K and as many of V: {lanes} lanes, {trips} "
+             f"trip(s) of B = {body} instructions ({loads} LDG.E.128) each, P = "
+             f"{span.shortest} to {span.longest} instructions on the way"]
     return figures, notes, loop
 
 
