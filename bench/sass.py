@@ -9,8 +9,8 @@ docs/benchmarks.md lists; `bench/sass_report.sh` runs this); `--check` builds th
 same and exits 1 when one of them exceeds a budget of BUDGET_FILE (default
 `bench/sass_budgets.json`; format in `bench.sassbudget`). Further kernels may be
 named as `module:function` with a Numba signature, e.g.
-`kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1], int64, int64,
-int64)"`, or as the kernel a factory makes for literal arguments,
+`kvnumba.kernels.copy:_copy_vectors "void(float16[:, :, :, :, :, ::1], int32[::1],
+int64, int64)"`, or as the kernel a factory makes for literal arguments,
 `module:factory(ARGS)`, e.g. `kvnumba.kernels.decode_kernel:decode_kernel(128,
 'float16', 4, False)`. `intrinsics_probe` below (every `kvnumba.kernels.ptx` and
 `tensorcore` function) is always built.
@@ -147,12 +147,20 @@ SPECIALISATIONS = (
                    "void(float16[:, :, :, :, :, ::1], int32[::1], int64, int64)"),
     Specialisation("decode d128 float16", f"{_DECODE}(128, 'float16', 4, False)",
                    _decode_signature("float16")),
+    Specialisation("decode d128 float16 2 rows", f"{_DECODE}(128, 'float16', 2, False)",
+                   _decode_signature("float16")),
+    Specialisation("decode d128 float16 1 row", f"{_DECODE}(128, 'float16', 1, False)",
+                   _decode_signature("float16")),
     Specialisation("decode d128 bfloat16", f"{_DECODE}(128, 'uint16', 4, False)",
                    _decode_signature("uint16")),
     Specialisation("decode d128 float32", f"{_DECODE}(128, 'float32', 4, False)",
                    _decode_signature("float32")),
+    Specialisation("decode d128 float16 softcap", f"{_DECODE}(128, 'float16', 4, True)",
+                   _decode_signature("float16")),
     Specialisation("decode d256 float16", f"{_DECODE}(256, 'float16', 4, False)",
                    _decode_signature("float16")),
+    Specialisation("decode d256 bfloat16 softcap 2 rows", f"{_DECODE}(256, 'uint16', 2, True)",
+                   _decode_signature("uint16")),
     Specialisation("combine d128", "kvnumba.kernels.combine:_combine_kernel(128)",
                    "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], "
                    "float32[:, ::1], int64, int64, int64)"),
@@ -162,8 +170,12 @@ SPECIALISATIONS = (
                    _prefill_signature("float16")),
     Specialisation("prefill d128 bfloat16", f"{_PREFILL}(128, 64, 64, 'bfloat16', False)",
                    _prefill_signature("uint16")),
+    Specialisation("prefill d128 float16 softcap", f"{_PREFILL}(128, 64, 64, 'float16', True)",
+                   _prefill_signature("float16")),
     Specialisation("prefill d256 float16", f"{_PREFILL}(256, 48, 16, 'float16', False)",
                    _prefill_signature("float16")),
+    Specialisation("prefill d256 bfloat16 softcap",
+                   f"{_PREFILL}(256, 48, 16, 'bfloat16', True)", _prefill_signature("uint16")),
 )
 
 
@@ -320,11 +332,13 @@ def parse_ptxas(text: str) -> dict:
             "shared": number(r"(\d+) bytes smem")}
 
 
-def build(kernel, signature: str, ptxas: str, nvdisasm: str, stem: Path) -> tuple[dict, str]:
-    """Compile `kernel` (a `@cuda.jit` kernel, with its launch bounds) for sm_90,
-    assemble and disassemble it into `stem`.ptx / .cubin / .sass: (ptxas figures, SASS)."""
-    bounds = kernel.targetoptions.get("launch_bounds")
-    text, _ = cuda.compile_ptx(kernel.py_func, signature, cc=CC, launch_bounds=bounds)
+def build(function, signature: str, bounds, tools: tuple[str, str],
+          stem: Path) -> tuple[dict, str]:
+    """Compile a kernel's Python `function` for sm_90 under launch `bounds` (threads, min
+    blocks per SM, or None), assemble and disassemble it with `tools` (ptxas, nvdisasm)
+    into `stem`.ptx / .cubin / .sass: (ptxas figures, SASS)."""
+    ptxas, nvdisasm = tools
+    text, _ = cuda.compile_ptx(function, signature, cc=CC, launch_bounds=bounds)
     source, cubin = stem.with_suffix(".ptx"), stem.with_suffix(".cubin")
     source.write_text(text)
     assembled = _tool([ptxas, f"-arch={ARCH}", "-v", "-o", str(cubin), str(source)])
@@ -348,11 +362,11 @@ def _tool(command: list) -> subprocess.CompletedProcess:
 def measure(item: Specialisation, tools: tuple[str, str], folder: Path) -> sassfigures.Figures:
     """Build one specialisation and compute its figures."""
     kernel = load_kernel(item.spec)
-    ptxas_figures, sass = build(kernel, item.signature, *tools,
+    bounds = kernel.targetoptions.get("launch_bounds")
+    ptxas_figures, sass = build(kernel.py_func, item.signature, bounds, tools,
                                 folder / file_stem(item.spec, item.signature))
     module, name, _ = _split_spec(item.spec)
-    return sassfigures.kernel_figures(f"{module}:{name}", ptxas_figures, sass,
-                                      kernel.targetoptions.get("launch_bounds"),
+    return sassfigures.kernel_figures(f"{module}:{name}", ptxas_figures, sass, bounds,
                                       factory_arguments(item.spec))
 
 

@@ -3,10 +3,8 @@ the tables it prints.
 
 A budget file is JSON: `{"every kernel": {BUDGET: LIMIT, ...}, "<kernel label>":
 {BUDGET: LIMIT, ...}, ...}`, a label being one of the report's kernels. BUDGET is
-`max_<figure>` (the figure may not exceed LIMIT), `min_<figure>` (it may not fall
-below LIMIT), or `register_headroom` (registers may not exceed the cap that the
-kernel's launch bounds give, less LIMIT). A kernel's own entry overrides the same
-budget under "every kernel".
+`max_<figure>` (the figure may not exceed LIMIT) or `min_<figure>` (it may not fall
+below LIMIT). A kernel's own entry overrides the same budget under "every kernel".
 """
 from __future__ import annotations
 
@@ -16,15 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 EVERY = "every kernel"
-HEADROOM = "register_headroom"
 #: figure -> how the report's last column shows it
 MODEL_FORMATS = {
     "instructions_per_key": "{:.1f} instr/key",
     "hmma_percent": "HMMA {:.1f}% of loop",
     "instructions_per_cp_async": "{:.1f} instr/cp.async",
-    "instructions_per_vector": "{:.1f} instr/vector",
+    "masked_hmma_percent": "masked {:.1f}%",
+    "instructions_per_vector_2kb_flat": "2 KiB rows: {:.1f}",
+    "instructions_per_vector_2kb_ring": "to {:.1f} instr/vector;",
+    "instructions_per_vector_256b_flat": "256 B: {:.1f}",
+    "instructions_per_vector_256b_ring": "to {:.1f}",
+    "instructions_per_vector_2kb": "2 KiB rows: {:.1f} instr/vector;",
+    "instructions_per_vector_256b": "256 B: {:.1f}",
     "round_trips": "{} round trips",
-    "round_trips_sass": "(SASS: {})",
 }
 #: the report's columns: heading -> figure
 COLUMNS = {"regs": "registers", "cap": "register_cap", "spill B": "spill_bytes",
@@ -46,7 +48,6 @@ class Verdict:
     figure: float
     limit: float
     at_most: bool           # a maximum (else a minimum)
-    detail: str = ""        # how the limit was made
 
     @property
     def holds(self) -> bool:
@@ -55,9 +56,8 @@ class Verdict:
     def __str__(self) -> str:
         relation = ("<=" if self.at_most else ">=") if self.holds else \
             (">" if self.at_most else "<")
-        detail = f" ({self.detail})" if self.detail else ""
-        return (f"{self.kernel}: {self.figure_name} {_number(self.figure)} {relation} "
-                f"{_number(self.limit)}{detail}")
+        return f"{self.kernel}: {self.figure_name} {_number(self.figure)} {relation} " \
+               f"{_number(self.limit)}"
 
 
 def load(path: Path) -> dict:
@@ -77,7 +77,7 @@ def _parse_budget(name: str) -> tuple[str, bool]:
     """(figure, at_most) of `max_<figure>` / `min_<figure>`."""
     kind, _, figure = name.partition("_")
     if kind not in ("max", "min") or not figure:
-        raise BudgetError(f"budget {name!r}: expected max_<figure>, min_<figure> or {HEADROOM}")
+        raise BudgetError(f"budget {name!r}: expected max_<figure> or min_<figure>")
     return figure, kind == "max"
 
 
@@ -92,11 +92,6 @@ def verdicts(budgets: dict, figures: dict) -> list[Verdict]:
     for label, values in figures.items():
         limits = {**budgets.get(EVERY, {}), **budgets.get(label, {})}
         for name, limit in limits.items():
-            if name == HEADROOM:
-                cap = values["register_cap"]
-                found.append(Verdict(label, "registers", values["registers"], cap - limit, True,
-                                     f"cap {cap} - headroom {_number(limit)}"))
-                continue
             figure, at_most = _parse_budget(name)
             if figure not in values:
                 raise BudgetError(f"{label}: budget {name!r} names a figure it does not have "
@@ -136,7 +131,6 @@ def figure_table(figures: dict) -> str:
 def verdict_table(found: list[Verdict]) -> str:
     """One row per budget: kernel, figure, value, limit, whether it holds."""
     rows = [[v.kernel, v.figure_name, _number(v.figure),
-             ("<= " if v.at_most else ">= ") + _number(v.limit) +
-             (f" ({v.detail})" if v.detail else ""), "ok" if v.holds else "EXCEEDED"]
+             ("<= " if v.at_most else ">= ") + _number(v.limit), "ok" if v.holds else "EXCEEDED"]
             for v in found]
     return _table(["kernel", "budget", "figure", "limit", "status"], rows)

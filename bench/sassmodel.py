@@ -1,17 +1,9 @@
 """SASS as data, for `python -m bench.sass`: nvdisasm's text parsed into functions of
-instructions, each function's control flow (basic blocks, dominators, natural loops),
-the registers an instruction reads and writes, and backward data-flow slices.
+instructions, the registers an instruction reads and writes, backward data-flow
+slices, and the waits on global memory of code run in order (`round_trips`). Each
+function's control flow is `bench.sassflow`'s.
 
-Everything here is static: instruction counts, not cycles. Two readings keep the
-counts to the code a warp actually runs:
-
-* Divergent-warp fallbacks: ptxas guards warp-synchronous code (shuffles) with
-  `BRA.DIV` and places a copy for a divergent warp out of line. A converged warp
-  never takes those branches, so `Flow` leaves the blocks reached only through
-  them out of every count and reports their size (`Flow.fallback`).
-* Loops are natural loops of the control-flow graph (a branch back to a block
-  that dominates it), not address ranges: a cold block placed after the function
-  that branches back into a loop is no loop of its own.
+Everything here is static: instruction counts, not cycles.
 
 Register parsing knows the operand shapes the kvnumba kernels produce (register
 pairs `R4.64`, `.WIDE` / `.64` / `.128` results, carry-out predicates, the
@@ -51,8 +43,6 @@ STORES = frozenset({"ST", "STG", "STS", "STL"})
 TWO_DESTINATIONS = frozenset({"SHFL", "VOTE", "VOTEU", "PLOP3", "UPLOP3"})
 #: float64 arithmetic (F64 conversions and MUFU.*64H are recognised by their suffixes)
 FLOAT64_OPCODES = frozenset({"DADD", "DMUL", "DFMA", "DSETP", "DSET", "DMNMX", "DMMA"})
-#: opcodes that end a basic block
-CONTROL = frozenset({"BRA", "BRX", "JMP", "JMX", "EXIT", "RET"})
 #: predicates an R2P writes, or a P2R reads, as `PR`
 ALL_PREDICATES = tuple(f"P{i}" for i in range(7))
 
@@ -220,127 +210,6 @@ def all_instructions(functions: Iterable[Function]) -> list[Instruction]:
     return [ins for function in functions for ins in function.instructions]
 
 
-# --- control flow -------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Loop:
-    """A natural loop: its header block's first address and its instructions (the
-    blocks of the loop, in address order)."""
-
-    header: int
-    instructions: tuple
-
-    def count(self, matches: Callable[[Instruction], bool]) -> int:
-        """How many of its instructions `matches`."""
-        return sum(1 for ins in self.instructions if matches(ins))
-
-
-class Flow:
-    """The control flow of one function, as a converged warp runs it.
-
-    blocks: [start, end) index ranges; executed: the instructions of blocks reached
-    from the entry without taking a `BRA.DIV` (address order); fallback: the rest
-    that is not the padding after the last instruction (divergent-warp copies);
-    loops: natural loops over the executed blocks, one per header."""
-
-    def __init__(self, function: Function):
-        self.function = function
-        code = function.instructions
-        self.blocks = _blocks(function)
-        self._block_of = {start: b for b, (start, _) in enumerate(self.blocks)}
-        self.successors = [self._successors(b) for b in range(len(self.blocks))]
-        self.reached = _reach(self.successors, divergent=False)
-        anyhow = _reach(self.successors, divergent=True)
-        self._predecessors = {b: [p for p in self.reached for s, divergent in self.successors[p]
-                                  if s == b and not divergent] for b in self.reached}
-        self.executed = [code[i] for b in sorted(self.reached) for i in range(*self.blocks[b])]
-        self.fallback = [code[i] for b in sorted(anyhow - self.reached)
-                         for i in range(*self.blocks[b])]
-        self.loops = self._natural_loops()
-
-    def _successors(self, b: int) -> list[tuple[int, bool]]:
-        """(block, divergent) pairs: where block `b` may go next."""
-        start, end = self.blocks[b]
-        last = self.function.instructions[end - 1]
-        after = [(self._block_of[end], False)] if end in self._block_of else []
-        if last.base not in CONTROL:
-            return after
-        conditional = (last.guard not in (None, "PT") or "DIV" in last.opcode.split(".")
-                       or re.match(r"!?U?P\d", last.operands) is not None)
-        taken = []
-        if last.base == "BRA" and last.target in self.function.labels:
-            taken = [(self._block_of[self.function.labels[last.target]],
-                      last.opcode.startswith("BRA.DIV"))]
-        return taken + (after if conditional else [])
-
-    def _natural_loops(self) -> list[Loop]:
-        dominators = _dominators(self._predecessors)
-        bodies: dict[int, set[int]] = {}
-        for b in self.reached:
-            for s, divergent in self.successors[b]:
-                if not divergent and s in dominators[b]:      # a back edge b -> s
-                    bodies.setdefault(s, {s}).update(self._reaching(b, s))
-        code = self.function.instructions
-        return [Loop(code[self.blocks[h][0]].address,
-                     tuple(code[i] for b in sorted(body) for i in range(*self.blocks[b])))
-                for h, body in sorted(bodies.items())]
-
-    def _reaching(self, latch: int, header: int) -> set[int]:
-        """Blocks that reach `latch` without passing `header` (the loop's body)."""
-        body, stack = {header, latch}, [latch] if latch != header else []
-        while stack:
-            for p in self._predecessors[stack.pop()]:
-                if p not in body:
-                    body.add(p)
-                    stack.append(p)
-        return body
-
-    def main_loop(self, marks: Callable[[Instruction], bool]) -> Loop | None:
-        """The loop holding the most instructions that `marks` (the loads or mmas a
-        kernel streams), the smallest of equals (the inner of nested loops, the leaner
-        of two copies, e.g. a loop over unmasked tiles beside one over masked tiles);
-        None if no loop holds one."""
-        holding = [loop for loop in self.loops if loop.count(marks)]
-        return max(holding, key=lambda loop: (loop.count(marks), -len(loop.instructions)),
-                   default=None)
-
-
-def _blocks(function: Function) -> list[tuple[int, int]]:
-    """[start, end) instruction ranges: a block starts at a label or after control flow."""
-    code = function.instructions
-    starts = {0, *function.labels.values()}
-    starts.update(i + 1 for i, ins in enumerate(code) if ins.base in CONTROL)
-    starts = sorted(s for s in starts if s < len(code))
-    return list(zip(starts, starts[1:] + [len(code)]))
-
-
-def _reach(successors, divergent: bool) -> set[int]:
-    """Blocks reached from block 0, taking divergent (`BRA.DIV`) edges or not."""
-    seen, stack = {0}, [0]
-    while stack:
-        for s, is_divergent in successors[stack.pop()]:
-            if s not in seen and (divergent or not is_divergent):
-                seen.add(s)
-                stack.append(s)
-    return seen
-
-
-def _dominators(predecessors: dict[int, list[int]]) -> dict[int, set[int]]:
-    """Each block's dominators, for the blocks reached from block 0 (`predecessors`:
-    their converged predecessors): iterative data flow."""
-    reached = set(predecessors)
-    dominators = {b: set(reached) for b in reached}
-    dominators[0] = {0}
-    changed = True
-    while changed:
-        changed = False
-        for b in sorted(reached - {0}):
-            new = set.intersection(*(dominators[p] for p in predecessors[b])) | {b}
-            if new != dominators[b]:
-                dominators[b], changed = new, True
-    return dominators
-
-
 # --- data flow ----------------------------------------------------------------------------
 
 def backward_slice(code: Sequence[Instruction], start: int, registers: Iterable[str], *,
@@ -392,16 +261,25 @@ def is_global_load(ins: Instruction) -> bool:
     return ins.base in ("LDG", "LD")
 
 
-def load_depth(code: Sequence[Instruction]) -> int:
-    """The longest chain of global loads in straight-line `code` each of whose
-    address depends on the one before: how many round trips to memory a thread
-    waits on, one after another (0 without loads)."""
-    depth: dict[int, int] = {}
-    for i, ins in enumerate(code):
+def round_trips(code: Iterable[Instruction]) -> int:
+    """The waits on global memory of `code` run in order, one instruction after the
+    other: a load's destination registers are outstanding from its issue, and an
+    instruction that reads one of them while it is outstanding waits for that load
+    (one round trip). Loads issued before that first use travel together with the
+    one waited for, so the wait settles every outstanding load. A register written
+    again (unguarded) before its first use is no longer the load's. 8 loads, each
+    used before the next is issued: 8 round trips; 8 loads issued, then used: 1."""
+    outstanding: set[str] = set()
+    waits = 0
+    for ins in code:
+        if outstanding & ins.reads:
+            waits += 1
+            outstanding.clear()
         if is_global_load(ins):
-            feeding = backward_slice(code, i, ins.address_registers, wrap=False)
-            depth[i] = 1 + max((depth[j] for j in feeding if j in depth), default=0)
-    return max(depth.values(), default=0)
+            outstanding |= ins.writes
+        elif ins.guard is None:
+            outstanding -= ins.writes
+    return waits
 
 
 # --- instruction classes -------------------------------------------------------------------

@@ -8,20 +8,28 @@ layer, the position modulo `ring_rows` on a ring, `masks.storage_row`) is slot
 A token's K (all heads) is one contiguous run of `n_kv_heads * head_dim` elements in the
 input and one in storage (its slot). Each block row (`threadIdx.y`) takes tokens in a
 grid stride; its `blockDim.x` lanes (`run_block`) move the token's run, so a token's
-sequence, position, row and slot are read and computed once per token, and the loop
-over a run's items only adds a stride.
+sequence, position, row and slot are read and computed once per token.
 
-The wide path moves 16-byte vectors. It needs the input in the storage dtype,
+The wide path moves 16-byte vectors, `TRIP_VECTORS` of K and as many of V per lane
+and trip, all eight loaded before any is stored. A run of `R` vectors takes `lanes`
+= the smallest power of two >= `R / TRIP_VECTORS` (at most a block), so a lane
+usually makes one trip per token and the token's lookups are shared by eight vectors
+(a 2 KiB run: 32 lanes; a 256-byte run: 4). A lane's vectors are `lane`, `lane +
+lanes`, ... (a warp reads whole lines); those past the run's last vector are clamped
+to it, so every load and store is unconditional and the last vector may be stored
+more than once, always with its own bytes. It needs the input in the storage dtype,
 C-contiguous and 16-byte aligned, and a run length that is a whole number of
-vectors; anything else (a float32 input into float16 storage, a strided view)
-takes the element-wise path.
+vectors; anything else (a float32 input into float16 storage, a strided view) takes
+the element-wise path.
 
 Index ranges: tokens (`< max_step`), positions and rows (`< capacity`), sequences and
 slots (`n_pages * page_size`) are below 2**31 (`CacheConfig` bounds each by
-`INT32_MAX`), so the ring modulo is a 32-bit division (`masks.storage_row`) and a slot
-is an int32. Nothing bounds a layer's `slots * n_kv_heads * head_dim` elements below
-2**31, so flat element indices stay int64: they are made by multiplication only, once
-per token.
+`INT32_MAX`), so the ring modulo is a 32-bit division, a slot is an int32, and a
+token's index arithmetic is 32-bit (`_slot`). A run's bytes are below 2**32
+(`WIDE_RUN_BYTES`; a longer one takes the element-wise path), so a vector's offset in
+its run is 32-bit too. Nothing bounds a layer's `slots * n_kv_heads * head_dim`
+elements below 2**31, so a run's start is a 32 x 32 -> 64-bit product, once per
+token, and a vector's address one multiply-add on it.
 """
 from __future__ import annotations
 
@@ -31,13 +39,17 @@ from ..device import cuda
 from . import ptx
 from .launch import (MAX_BLOCKS, PER_CALL, STRIDE_THREADS, VECTOR_BYTES, Specialised, aligned,
                      ceil_div)
-from .masks import div32, divmod32, page_slot, step_on, storage_row
+from .masks import divmod32, page_slot, step_on, storage_row
 
-from numba import int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import int32, uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
-#: 16-byte vectors a lane moves per trip of the wide loops (written for a pair: both
-#: loads go out before the stores, and the per-run work is shared by twice the bytes)
-PAIR = 2
+#: 16-byte vectors of each of two runs (K and V) a lane moves per trip of the wide
+#: loops: all loads of a trip go out before its stores, and a token's (or a page
+#: pair's) lookups are shared by 2 * TRIP_VECTORS vectors a lane
+TRIP_VECTORS = 4
+#: a run longer than this many bytes takes the element-wise path (vector offsets in a
+#: run are 32-bit)
+WIDE_RUN_BYTES = 2**32 - VECTOR_BYTES
 
 
 def run_block(items: int) -> tuple[int, int]:
@@ -46,6 +58,12 @@ def run_block(items: int) -> tuple[int, int]:
     `rows` runs side by side."""
     lanes = min(STRIDE_THREADS, 1 << max(0, items - 1).bit_length())
     return lanes, STRIDE_THREADS // lanes
+
+
+def vector_lanes(vectors: int) -> tuple[int, int]:
+    """`run_block` for runs of `vectors` 16-byte vectors moved `TRIP_VECTORS` a lane and
+    trip: `lanes` at least `vectors / TRIP_VECTORS`."""
+    return run_block(ceil_div(vectors, TRIP_VECTORS))
 
 
 def run_grid(runs: int, rows: int) -> int:
@@ -57,43 +75,79 @@ def run_grid(runs: int, rows: int) -> int:
 def _seq_and_position(tables, width, token):
     """`(sequence, position)` of `token` in the write tables. The indices are uint32 (Numba
     adds no negative-index fix-up to an unsigned index): `token < width <= max_step`."""
-    return tables[uint32(token)], tables[uint32(width + token)]
+    return tables[uint32(token)], tables[uint32(uint32(width) + uint32(token))]
+
+
+@cuda.jit(device=True, inline="always")
+def _slot(pages, seq, position, ring, shift, in_page):
+    """`masks.page_slot(pages, seq, masks.storage_row(position, ring), shift)` in 32-bit
+    arithmetic: `ring` (uint32, 0 on a flat layer) and `shift`, `in_page` (page_bits and
+    page_size - 1, uint32) are the launch's; the table has at most INT32_MAX entries
+    (`CacheConfig`), so a flat index into it is 32-bit."""
+    row = uint32(position)
+    if ring != 0:
+        row = uint32(row % ring)
+    entry = uint32(uint32(uint32(seq) * uint32(pages.shape[1])) + uint32(row >> shift))
+    return int32(pages.flat[entry] | int32(row & in_page))
+
+
+@cuda.jit(device=True, inline="always")
+def move_vectors(k_to, v_to, k_from, v_from, first, step, last):
+    """Copy 16-byte vectors `first`, `first + step`, ... up to `last` (uint32 vector
+    indices) of two runs, `k_from` to `k_to` and `v_from` to `v_to` (byte views from each
+    run's start), `TRIP_VECTORS` of each a trip: the trip's loads, then its stores.
+    Indices past `last` are clamped to it (the last vector is stored again, as itself).
+    The loads are coherent (`ld_v4`), so the stores cannot be moved between them. The
+    loops over a trip's vectors have a compile-time count: unrolled, their local arrays
+    live in registers."""
+    at = cuda.local.array(TRIP_VECTORS, uint64)       # byte offsets of the trip's vectors
+    k_words = cuda.local.array((TRIP_VECTORS, 4), uint32)
+    v_words = cuda.local.array((TRIP_VECTORS, 4), uint32)
+    e = first
+    while e <= last:
+        vector = e
+        for j in range(TRIP_VECTORS):
+            if j > 0:
+                vector = min(uint32(vector + step), last)
+            at[j] = uint64(vector) * uint64(VECTOR_BYTES)   # each address one multiply-add
+        for j in range(TRIP_VECTORS):
+            k_words[j, 0], k_words[j, 1], k_words[j, 2], k_words[j, 3] = ptx.ld_v4(k_from, at[j])
+        for j in range(TRIP_VECTORS):
+            v_words[j, 0], v_words[j, 1], v_words[j, 2], v_words[j, 3] = ptx.ld_v4(v_from, at[j])
+        for j in range(TRIP_VECTORS):
+            ptx.st_v4(k_to, at[j], k_words[j, 0], k_words[j, 1], k_words[j, 2], k_words[j, 3])
+        for j in range(TRIP_VECTORS):
+            ptx.st_v4(v_to, at[j], v_words[j, 0], v_words[j, 1], v_words[j, 2], v_words[j, 3])
+        e = uint32(vector + step)
 
 
 @cuda.jit
 def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits):
     """Lane `threadIdx.x` of a block row moves vectors `lane`, `lane + blockDim.x`, ... of
-    each of the row's tokens, K and V, `PAIR` of them a trip (all loads before the stores).
+    each of the row's tokens, K and V (`move_vectors`).
 
     `tables[token]` is the token's sequence (its row of `pages`; negative: write
-    nowhere), `tables[width + token]` its position. Indices are in elements of a flat
-    view of each array.
+    nowhere), `tables[width + token]` its position.
     """
-    run = k.shape[1] * k.shape[2]                  # elements per token
-    elems = div32(VECTOR_BYTES, k.itemsize)        # elements per vector (itemsize: a field)
-    first = cuda.threadIdx.x * elems
-    step = cuda.blockDim.x * elems
-    token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
-    while token < width:
+    run = uint32(k.shape[1] * k.shape[2])                          # elements per token
+    last = uint32(uint32(uint32(run * uint32(k.itemsize)) >> uint32(4)) - uint32(1))
+    ring = uint32(ring_rows)
+    shift = uint32(page_bits)
+    in_page = uint32(uint32(uint32(1) << shift) - uint32(1))
+    first = uint32(cuda.threadIdx.x)
+    step = uint32(cuda.blockDim.x)
+    token = uint32(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y)
+    stride = uint32(cuda.gridDim.x * cuda.blockDim.y)
+    while token < uint32(width):
         seq, position = _seq_and_position(tables, width, token)
         if seq >= 0:
-            slot = page_slot(pages, seq, storage_row(position, ring_rows), page_bits)
-            last = token * run + run - elems              # the token's last vector
-            shift = (int64(slot) - token) * run           # storage index - input index
-            e = token * run + first
-            while e <= last:                              # not `range`: it divides by its step
-                far = min(e + step, last)                 # past the run: loaded, not stored
-                a, b, c, d = ptx.ld_nc_v4(k, e)
-                w, x, y, z = ptx.ld_nc_v4(v, e)
-                a2, b2, c2, d2 = ptx.ld_nc_v4(k, far)
-                w2, x2, y2, z2 = ptx.ld_nc_v4(v, far)
-                ptx.st_v4(k_store, shift + e, a, b, c, d)
-                ptx.st_v4(v_store, shift + e, w, x, y, z)
-                if e + step <= last:
-                    ptx.st_v4(k_store, shift + far, a2, b2, c2, d2)
-                    ptx.st_v4(v_store, shift + far, w2, x2, y2, z2)
-                e += PAIR * step
-        token += cuda.gridDim.x * cuda.blockDim.y
+            slot = _slot(pages, seq, position, ring, shift, in_page)
+            start = ptx.mul_wide_u32(token, run)                 # in elements
+            at = ptx.mul_wide_u32(slot, run)
+            move_vectors(ptx.bytes_from(k_store, at), ptx.bytes_from(v_store, at),
+                         ptx.bytes_from(k, start), ptx.bytes_from(v, start), first, step,
+                         last)
+        token = uint32(token + stride)
 
 
 @cuda.jit
@@ -129,8 +183,10 @@ def wide_ok(store, array) -> bool:
 
 
 def whole_vectors(run: int, dtype) -> bool:
-    """Whether a token's run of `run` elements of `dtype` is whole 16-byte vectors."""
-    return run * dtype.itemsize % VECTOR_BYTES == 0
+    """Whether a run of `run` elements of `dtype` is whole 16-byte vectors, at most
+    `WIDE_RUN_BYTES`."""
+    size = run * dtype.itemsize
+    return size % VECTOR_BYTES == 0 and size <= WIDE_RUN_BYTES
 
 
 def vectors_fit(array, dtype) -> bool:
@@ -166,12 +222,11 @@ class WriteRun:
         launch(k_store, v_store, k, v, ring_rows, pages)
 
     def _bind(self, vectors: bool):
-        if vectors:                                  # items: pairs of vectors
-            items = ceil_div(self.run * self.dtype.itemsize // VECTOR_BYTES, PAIR)
+        if vectors:
+            lanes, rows = vector_lanes(self.run * self.dtype.itemsize // VECTOR_BYTES)
             kernel = _vectors
         else:
-            items, kernel = self.run, _elements
-        lanes, rows = run_block(items)
+            (lanes, rows), kernel = run_block(self.run), _elements
         return kernel.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
                            PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables, self.width,
                            PER_CALL, PER_CALL, self.page_bits)

@@ -1,0 +1,38 @@
+"""The wide write and page copy at the launch shapes their static budgets are taken at
+(token rows of 2 KiB and 256 bytes: 32 and 4 lanes, one trip of 4 + 4 vectors a lane),
+and the copy's stride over layers past the grid's height, against the NumPy
+references of test_move_kernels."""
+import numpy as np
+import pytest
+
+from kvnumba.device import cuda
+from kvnumba.kernels import copy as copy_kernels
+from kvnumba.kernels import write as write_kernels
+from test_move_kernels import check_write, pair_tables, random_bits, same_bits
+
+
+@pytest.mark.parametrize("n_heads, ring_rows", [(8, 0), (8, 21), (1, 21)])
+def test_write_of_2_kib_and_256_byte_token_rows(n_heads, ring_rows):
+    """head_dim 128, float16: 128 vectors a row over 32 lanes, or 16 over 4; a flat layer
+    and a ring that wraps, pages of 16."""
+    assert write_kernels.vector_lanes(n_heads * 16)[0] == 4 * n_heads
+    rng = np.random.default_rng(n_heads + ring_rows)
+    k = random_bits(rng, (24, n_heads, 128), np.float16)
+    v = random_bits(rng, (24, n_heads, 128), np.float16)
+    check_write(rng, np.float16, lambda x: x, k, v, rows=21 if ring_rows else 30,
+                ring_rows=ring_rows, page_size=16)
+
+
+def test_copy_takes_the_layers_past_the_grids_height(monkeypatch):
+    """A grid 2 layers high over 5 layers: blocks take layers y, y + 2, ..."""
+    monkeypatch.setattr(copy_kernels, "MAX_GRID_Y", 2)
+    rng = np.random.default_rng(5)
+    n_pairs, n_pages = 3, 9
+    group = random_bits(rng, (5, 2, n_pages, 16, 2, 8), np.float16)
+    pages = rng.permutation(n_pages)[:2 * n_pairs].reshape(2, n_pairs)
+    device = cuda.to_device(group)
+    copy_kernels.copy_pages(device, cuda.to_device(pair_tables(rng, pages.T.astype(np.int32),
+                                                               4)), 4, n_pairs)
+    want = group.copy()
+    want[:, :, pages[1]] = group[:, :, pages[0]]
+    assert same_bits(device.copy_to_host(), want)

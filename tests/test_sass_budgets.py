@@ -1,0 +1,236 @@
+"""The checked-in budgets (`bench/sass_budgets.json`) fail on deliberately regressed
+kernels: each kind of budget, on a variant of a kernel it bounds made one step worse
+(spilled, more registers, serialised loads, longer, less HMMA), compiled, assembled and
+disassembled as `python -m bench.sass` builds the real ones. The real kernels meet the
+same budgets in `python -m bench.sass --check` (CI runs it after the tests).
+
+A variant is the kernel's own code with a name it calls bound to something worse: a
+device function (`ptx.exp2_approx` with one more multiply, `ptx.mul_wide_u32` as a
+64 x 64-bit product, the write's slot lookup through 64-bit indices, the copy's page
+pair read at 64-bit indices), a compile-time constant (vectors a lane moves per trip,
+parts the combine loads per trip) or the launch bounds. Each is a few instructions
+worse than the real kernel; the budgets' margins are smaller than that. Factories are called afresh
+(`__wrapped__`, past their cache) and module kernels cloned with the name rebound, so
+nothing compiled before is reused.
+
+It needs `KVNUMBA_DEVICE=compile` (numba-cuda's libNVVM) and ptxas and nvdisasm (`pip
+install -e '.[sass]'`): under the simulator (the suite's default) one test runs this
+file again in compile mode, and skips, saying which, when a tool is missing.
+"""
+import importlib
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import kvnumba.device as kv_device
+from bench import sass, sassbudget, sassfigures
+
+COMPILE = kv_device.KIND == "compile"
+compile_mode = pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile only (run by "
+                                                      "test_the_regressed_kernels_fail)")
+BUDGETS = sassbudget.load(sass.DEFAULT_BUDGETS)
+SPECS = {item.label: item for item in sass.SPECIALISATIONS}
+
+
+def missing_tools() -> str | None:
+    """Why the variants cannot be built here, or None."""
+    if sass.libnvvm() is None:
+        return f"numba-cuda finds no libNVVM ({sass.COMPILER_HINT})"
+    try:
+        sass.find_tool("ptxas"), sass.find_tool("nvdisasm")
+    except sass.ToolMissing as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(COMPILE or kv_device.KIND == "gpu",
+                    reason="runs the compile-mode tests from the simulator")
+def test_the_regressed_kernels_fail():
+    why = missing_tools()
+    if why:
+        pytest.skip(f"the regressed kernels are not built: {why}")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["KVNUMBA_DEVICE"] = "compile"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
+                           "no:cacheprovider", "-rs", __file__], env=env, capture_output=True,
+                          text=True, timeout=900, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "compile only" not in proc.stdout, proc.stdout[-2000:]   # all of them ran
+
+
+# ---------------------------------------------------------------------------- compile mode
+
+@pytest.fixture(scope="module")
+def tools():
+    return sass.find_tool("ptxas"), sass.find_tool("nvdisasm")
+
+
+@pytest.fixture
+def figures_of(tools, tmp_path):
+    """`(function, bounds, label) -> figure values`: a kernel's Python function built
+    under launch `bounds` at the signature of the report's kernel `label`, measured as
+    its kind."""
+    def measure(function, bounds, label: str) -> dict:
+        item = SPECS[label]
+        ptxas, text = sass.build(function, item.signature, bounds, tools,
+                                 tmp_path / sass.file_stem(item.spec, item.signature))
+        module, name, _ = sass._split_spec(item.spec)
+        return sassfigures.kernel_figures(f"{module}:{name}", ptxas, text, bounds,
+                                          sass.factory_arguments(item.spec)).values
+    return measure
+
+
+def exceeded(label: str, values: dict) -> dict:
+    """The budgets of `label` (its own and every kernel's) that `values` exceeds:
+    figure -> (value, limit)."""
+    budgets = {sassbudget.EVERY: BUDGETS[sassbudget.EVERY], label: BUDGETS[label]}
+    return {v.figure_name: (v.figure, v.limit)
+            for v in sassbudget.verdicts(budgets, {label: values}) if not v.holds}
+
+
+def clone(function, **names):
+    """`function` (a kernel's or device function's Python code) with `names` rebound."""
+    return types.FunctionType(function.__code__, {**function.__globals__, **names},
+                              function.__name__, function.__defaults__, function.__closure__)
+
+
+def fresh(label: str) -> tuple:
+    """`(Python function, launch bounds)` of `label`'s kernel, made afresh by its factory."""
+    module, name, arguments = sass._split_spec(SPECS[label].spec)
+    kernel = getattr(importlib.import_module(module), name).__wrapped__(*arguments).dispatcher
+    return kernel.py_func, kernel.targetoptions.get("launch_bounds")
+
+
+@pytest.fixture
+def slower_exponential(monkeypatch):
+    """`ptx.exp2_approx` with one more multiply."""
+    from numba import float32
+
+    from kvnumba.device import cuda
+    from kvnumba.kernels import ptx
+    exp2 = ptx.exp2_approx
+
+    @cuda.jit(device=True, inline="always")
+    def exp2_then_scale(x):
+        return exp2(x) * float32(1.0000001)
+
+    monkeypatch.setattr(ptx, "exp2_approx", exp2_then_scale)
+
+
+@pytest.fixture
+def wider_addresses(monkeypatch):
+    """`ptx.mul_wide_u32` as a 64 x 64-bit product of its arguments widened."""
+    from numba import uint64
+
+    from kvnumba.device import cuda
+    from kvnumba.kernels import ptx
+
+    @cuda.jit(device=True, inline="always")
+    def wide_product(a, b):
+        return uint64(a) * uint64(b)
+
+    monkeypatch.setattr(ptx, "mul_wide_u32", wide_product)
+
+
+@compile_mode
+def test_a_kernel_that_spills_fails_every_kernels_spill_budget(figures_of):
+    """The write under launch bounds of 1024 threads, 2 blocks an SM: 32 registers for
+    a kernel that needs 56, so ptxas spills."""
+    from kvnumba.kernels import write
+    values = figures_of(write._write_vectors.py_func, (1024, 2), "write")
+    assert values["register_cap"] == 32
+    assert values["spill_bytes"] > 0 and "spill_bytes" in exceeded("write", values)
+
+
+@compile_mode
+def test_more_registers_fail_the_register_budgets(figures_of):
+    """The write moving 8 vectors of K and 8 of V a trip, all loaded before any is
+    stored; the combine loading 16 parts a trip: fewer blocks an SM than the budgets
+    keep."""
+    from kvnumba.device import cuda
+    from kvnumba.kernels import combine, write
+    moves = cuda.jit(device=True, inline="always")(
+        clone(write.move_vectors.py_func, TRIP_VECTORS=8))
+    values = figures_of(clone(write._write_vectors.py_func, move_vectors=moves), None, "write")
+    assert exceeded("write", values)["registers"][0] > BUDGETS["write"]["max_registers"]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(combine, "UNROLL", 16)
+        patch.setattr(combine, "PARTS_PER_TRIP", combine.PART_GROUPS * 16)
+        values = figures_of(*fresh("combine d128"), "combine d128")
+    assert "registers" in exceeded("combine d128", values)
+
+
+@compile_mode
+def test_a_serialised_combine_fails_its_round_trip_budget(monkeypatch, figures_of):
+    """One part a thread per loop trip (the compiler issues 4 parts' loads before their
+    uses): 5 trips for 129 parts, not 3, each a round trip."""
+    from kvnumba.kernels import combine
+    monkeypatch.setattr(combine, "UNROLL", 1)
+    monkeypatch.setattr(combine, "PARTS_PER_TRIP", combine.PART_GROUPS)
+    values = figures_of(*fresh("combine d128"), "combine d128")
+    assert exceeded("combine d128", values)["round_trips"][0] >= \
+        BUDGETS["combine d128"]["max_round_trips"] + 2
+
+
+@compile_mode
+def test_a_longer_write_fails_every_per_vector_budget(figures_of):
+    """The token's slot through `masks.page_slot(pages, seq, masks.storage_row(position,
+    ring_rows), page_bits)`: 64-bit row and table indices, 2 instructions more per token
+    a lane (a quarter instruction per vector)."""
+    from kvnumba.device import cuda
+    from kvnumba.kernels import masks, write
+
+    @cuda.jit(device=True, inline="always")
+    def slot_in_64_bits(pages, seq, position, ring, shift, in_page):
+        return masks.page_slot(pages, seq, masks.storage_row(position, ring), shift)
+
+    values = figures_of(clone(write._write_vectors.py_func, _slot=slot_in_64_bits), None,
+                        "write")
+    assert set(exceeded("write", values)) == {
+        f"instructions_per_vector_{row}_{layer}" for row in ("2kb", "256b")
+        for layer in ("flat", "ring")}
+
+
+@compile_mode
+def test_a_longer_copy_fails_every_per_vector_budget(figures_of):
+    """The page pair read at a table index made in 64 bits: 4 instructions more per
+    run a lane."""
+    from numba import uint32
+
+    from kvnumba.device import cuda
+    from kvnumba.kernels import copy
+
+    @cuda.jit(device=True)
+    def pair_in_64_bits(tables, pairs_off, pair):
+        at = uint32(pairs_off + 2 * pair)
+        return tables[at], tables[at + uint32(1)]
+
+    values = figures_of(clone(copy._copy_vectors.py_func, _page_pair=pair_in_64_bits), None,
+                        "copy")
+    assert set(exceeded("copy", values)) == {"instructions_per_vector_2kb",
+                                             "instructions_per_vector_256b"}
+
+
+@compile_mode
+@pytest.mark.parametrize("label", ["decode d128 float16", "decode d128 float16 1 row",
+                                   "decode d128 float16 softcap"])
+def test_a_longer_decode_fails_its_instructions_per_key(label, slower_exponential,
+                                                        figures_of):
+    """One more multiply per exponential: each key's probability and the rescale factor,
+    5 a lane per 32-key trip (0.6 to 0.7 instructions more per key)."""
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {"instructions_per_key"}
+
+
+@compile_mode
+@pytest.mark.parametrize("label", ["prefill d128 float16", "prefill d128 float16 softcap"])
+def test_a_less_hmma_prefill_fails_its_hmma_and_cp_async_budgets(label, slower_exponential,
+                                                                  wider_addresses, figures_of):
+    """One more multiply per exponential (32 a lane a key tile) lowers the HMMA share of
+    both tile loops; a 64-bit product per staged key row lengthens its cp.async address."""
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {
+        "hmma_percent", "masked_hmma_percent", "instructions_per_cp_async"}
