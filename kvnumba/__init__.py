@@ -7,7 +7,7 @@ cites the sections of the contract, docs/contract.md, as "contract §n".
 """
 from . import device  # first: chooses GPU or simulator before numba.cuda is imported
 from .device import DeviceError, torch_stream
-from .batched import BatchedSequenceCache, PageDemand
+from .batched import BatchedSequenceCache
 from .config import CacheConfig, LayerSpec, flat, ring
 from .driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
@@ -17,6 +17,7 @@ from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigErr
 from .page_accounting import PoolPages
 from .plan import Segment
 from .protocol import BatchControl, StepData
+from .queries import PageDemand
 from .sessions import PackedStep, SessionId, SessionTable
 from .single import SequenceBatchControl, SequenceCache
 from .slots import SlotState, StepState

@@ -27,7 +27,8 @@ import numpy as np
 
 from .config import CacheConfig
 from .kernels import attention as generic, decode, prefill
-from .kernels.attention import DECODE_MAX_Q_LEN, AttentionWorkspace
+from .kernels.attention import DECODE_MAX_Q_LEN
+from .kernels.workspace import AttentionWorkspace
 from .plan import POS_START, Q_LEN, SEQ_INFO_FIELDS
 
 _max = np.maximum.reduce

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import attention as att  # noqa: E402
+from kvnumba.kernels.workspace import AttentionWorkspace  # noqa: E402
 from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
 from oracle import visible_mask  # noqa: E402
@@ -131,7 +132,7 @@ def run(case, workspace=None, served=None, **kw):
                **paging, **offsets,
                max_q_len=case.max_q_len, max_kv_len=case.max_kv_len,
                ring_rows=case.ring_rows, window=case.window, scale=case.scale,
-               softcap=case.softcap, workspace=workspace or att.AttentionWorkspace(), **kw)
+               softcap=case.softcap, workspace=workspace or AttentionWorkspace(), **kw)
     cuda.synchronize()
     return out.copy_to_host()
 
@@ -333,7 +334,7 @@ def test_workspace_reused_without_allocation(monkeypatch):
     """A warm workspace serves the next call with no device allocation at all."""
     rng = np.random.default_rng(11)
     case = make_case(rng, segs_of((1, 20), (1, 5)), n_kv_heads=1, group=2, pad=1)
-    ws = att.AttentionWorkspace()
+    ws = AttentionWorkspace()
     check(case, run(case, workspace=ws, kv_chunk=8))
     part_acc, part_ml = ws.part_acc, ws.part_ml
     tables, offsets = tables_of(case)

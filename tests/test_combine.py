@@ -131,16 +131,6 @@ def check(segments, out, tokens):
 
 # ---------------------------------------------------------------- the figures
 
-def test_round_trips_come_from_the_constants():
-    per_trip = comb.PART_GROUPS * comb.UNROLL
-    assert comb.PARTS_PER_TRIP == per_trip
-    for n in (1, 2, 17, per_trip, per_trip + 1, 129, 4096):
-        assert comb.round_trips(n) == comb.TABLE_TRIPS + -(-n // per_trip)
-    assert comb.round_trips(129) <= 8
-    assert comb.ACC_LOADS_PER_TRIP == comb.UNROLL
-    assert comb.ML_LOADS_PER_TRIP == 2 * comb.UNROLL
-
-
 def test_block_shape_covers_every_head_dim_the_decode_path_serves():
     for head_dim in range(16, 257, 16):
         assert comb.supports(head_dim) and dec.supports(head_dim, np.float16)

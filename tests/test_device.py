@@ -153,13 +153,14 @@ def test_simulator_shared_arrays_are_shared_by_every_thread_of_a_block():
 def test_attention_launch_is_repeatable_on_the_device():
     """The same launch, many times: identical bits (a shared-memory race would differ)."""
     from kvnumba.kernels import attention
+    from kvnumba.kernels.workspace import AttentionWorkspace
 
     rng = np.random.default_rng(3)
     k = cuda.to_device(rng.standard_normal((8, 1, 4)).astype(np.float32))  # one page of 8
     pages = cuda.to_device(np.zeros((2, 1), np.int32))
     q = cuda.to_device(rng.standard_normal((2, 2, 4)).astype(np.float32))
     tables = cuda.to_device(np.array([0, 2, 0, 0, 0, 0], np.int32))  # one segment, served
-    ws = attention.AttentionWorkspace()
+    ws = AttentionWorkspace()
     runs = []
     for _ in range(30):
         out = cuda.device_array((2, 2, 4), np.float32)

@@ -1,5 +1,4 @@
 """The floor vectors of contract §5, one test each, through the public cache."""
-import numpy as np
 import pytest
 
 import kvnumba as kv

@@ -32,11 +32,12 @@ The part groups then meet: butterfly shuffles (`ptx.shfl_xor`) between the group
 that share a warp, then shared memory across warps, where one thread per output
 element merges the `slots` states left and writes `out`.
 
-Round trips (`round_trips`): a thread waits on global memory `TABLE_TRIPS` times for
-its tables (the combine row, then the segment's fields, which it names) and once per
-loop trip: `TABLE_TRIPS + ceil(n_parts / PARTS_PER_TRIP)`, whatever head_dim. The
-129 chunks of a 32K-key segment (`decode.CHUNK_KEYS` = 256): 2 + 3 = 5, where walking
-the parts one dependent load at a time would take hundreds.
+Round trips: a thread waits on global memory twice for its tables (the combine row,
+then the segment's fields, which it names) and once per loop trip, whatever head_dim:
+for the 129 chunks of a 32K-key segment (`decode.CHUNK_KEYS` = 256), 2 + 3 = 5, where
+walking the parts one dependent load at a time would take hundreds. `python -m
+bench.sass` counts them in the compiled code (a wait wherever a load's result is first
+used while it is outstanding) and budgets them.
 
 Determinism: which thread takes which part, the order in which a thread folds its
 parts and the order in which states meet depend only on the part's index within
@@ -54,7 +55,7 @@ from ..config import MAX_HEAD_DIM
 from ..device import SIMULATOR, cuda
 from . import ptx
 from .constants import LN2, NEG_INF, WARP
-from .launch import PER_CALL, Specialised, ceil_div, no_output
+from .launch import PER_CALL, Specialised, no_output
 from .decode_plan import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from .masks import read_segment
 
@@ -66,14 +67,8 @@ PART_GROUPS = 8
 UNROLL = 8
 #: parts a block loads per loop trip: one dependent global round trip each
 PARTS_PER_TRIP = PART_GROUPS * UNROLL
-#: dependent global loads before the loop: the combine row, then the segment's fields
-TABLE_TRIPS = 2
 #: float32 accumulator elements per 16-byte load
 VEC = 4
-#: loads one thread issues per loop trip: UNROLL 16-byte accumulator pieces (LDG.E.128)
-#: and UNROLL (max, sum) pairs of two 4-byte loads (LDG.E)
-ACC_LOADS_PER_TRIP = UNROLL
-ML_LOADS_PER_TRIP = 2 * UNROLL
 
 #: grid extents: (combine row, query, q head) on x, y, z
 MAX_GRID_Y = MAX_GRID_Z = 65535
@@ -81,22 +76,6 @@ MAX_GRID_Y = MAX_GRID_Z = 65535
 ZERO = float32(0.0)
 
 assert PART_GROUPS & (PART_GROUPS - 1) == 0 and UNROLL & (UNROLL - 1) == 0
-
-
-def trips(n_parts: int) -> int:
-    """Loop trips of the merge for a segment of `n_parts` chunks:
-    `ceil(n_parts / PARTS_PER_TRIP)`."""
-    return ceil_div(max(int(n_parts), 0), PARTS_PER_TRIP)
-
-
-def round_trips(n_parts: int) -> int:
-    """Dependent global round trips a thread waits on to merge a segment of `n_parts`
-    chunks: `TABLE_TRIPS` for the tables, then one per loop trip, each of which
-    issues all `ACC_LOADS_PER_TRIP + ML_LOADS_PER_TRIP` of its loads (`UNROLL` parts
-    per thread, `PART_GROUPS` threads over parts) before using any. Independent of
-    head_dim: 129 parts take 2 + 3 = 5. (Shared memory and shuffles of the final merge
-    and the stores to `out` are not global round trips.)"""
-    return TABLE_TRIPS + trips(n_parts)
 
 
 def lanes(head_dim: int) -> int:
