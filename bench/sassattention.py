@@ -27,7 +27,7 @@ def decode_chunks() -> list[int]:
     planning = sys.modules[decode.plan.__module__]     # the work table's field constants
 
     seq_info = np.zeros((1, fields.SEQ_INFO_FIELDS), np.int32)
-    seq_info[0, [fields.Q_START, fields.Q_LEN, fields.COL, fields.POS_START, fields.FLAGS]] = \
+    seq_info[0, [fields.Q_START, fields.Q_LEN, fields.SEQ, fields.POS_START, fields.FLAGS]] = \
         (0, 1, 0, DECODE_HISTORY, 0)
     work = decode.plan(seq_info, [0], window=0).work
     return [int(n) for n in work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]]

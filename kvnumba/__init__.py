@@ -19,7 +19,8 @@ from .plan import Segment
 from .protocol import BatchControl, StepData
 from .queries import PageDemand
 from .sessions import PackedStep, SessionId, SessionTable
-from .single import SequenceBatchControl, SequenceCache
+from .sequence_control import SequenceBatchControl
+from .single import SequenceCache
 from .slots import SlotState, StepState
 from .step import StepPlan
 

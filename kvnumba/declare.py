@@ -19,7 +19,7 @@ import numpy as np
 from .args import as_ids
 from .config import CacheConfig
 from .page_accounting import PageAccounting
-from .plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS,
+from .plan import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS,
                    decode_segments, frozen, span_offsets)
 from .refusals import capacity_refusal, owner_refusal, step_refusal, write_refusal
 from .slots import SlotTable
@@ -98,7 +98,7 @@ class StepDeclarer:
         seq_info = np.empty((span_seqs.size, SEQ_INFO_FIELDS), dtype=np.int32)
         seq_info[:, Q_START] = span_starts
         seq_info[:, Q_LEN] = span_lens
-        seq_info[:, COL] = span_seqs
+        seq_info[:, SEQ] = span_seqs
         seq_info[:, POS_START] = pos_start
         seq_info[:, FLAGS] = flags
         self.slots.declare(seqs)

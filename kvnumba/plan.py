@@ -14,7 +14,7 @@ from numba import njit, uint64
 # --- the segment table the attention kernel reads: seq_info[segment, field] (int32) ---
 Q_START = 0      # first token of the segment on the step's token axis
 Q_LEN = 1        # tokens in the segment
-COL = 2          # the sequence (its slot: the row of its page tables)
+SEQ = 2          # the sequence (its slot: the row of its page tables)
 POS_START = 3    # position of its first token (pos(seq) for a first span; later ones follow)
 FLAGS = 4        # bit field, see FLAG_BLOCK
 SEQ_INFO_FIELDS = 5
@@ -25,7 +25,7 @@ FLAG_BLOCK = 1   # the segment is a draft block: bidirectional within itself
 def decode_segments(seqs, pos, seq_info):
     """Fill `seq_info` [len(seqs), SEQ_INFO_FIELDS] (int32), the segment table of a step
     whose token `i` is a segment of its own, of sequence `seqs[i]` (each in `[0,
-    len(pos))`) at position `pos[seqs[i]]` (a decode step): Q_START `i`, Q_LEN 1, COL
+    len(pos))`) at position `pos[seqs[i]]` (a decode step): Q_START `i`, Q_LEN 1, SEQ
     `seqs[i]`, POS_START its position, FLAGS 0. Returns the index of the first segment at
     the furthest position, or -1 when a sequence has two tokens (not a decode step: the
     table is then left unfinished). One compiled pass; the caller allocates the table
@@ -39,7 +39,7 @@ def decode_segments(seqs, pos, seq_info):
         seen[seq] = True
         seq_info[i, Q_START] = i
         seq_info[i, Q_LEN] = 1
-        seq_info[i, COL] = seq
+        seq_info[i, SEQ] = seq
         seq_info[i, POS_START] = pos[seq]
         seq_info[i, FLAGS] = 0
         if seq_info[i, POS_START] > seq_info[furthest, POS_START]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .args import SessionId, describe, is_int
+from .protocol import BATCH_CONTROL_MEMBERS, BatchControl
 from .refusals import floor_refusal, split_hint
 from .errors import (CacheFullError, CapacityError, ConfigError, KVCacheError, SessionError,
                      ShapeError, StepProtocolError)
@@ -32,9 +33,6 @@ from .slots import SLOT_MACHINE, SlotState, StepState, state_refusal
 # the states the declared lifecycle lets `rewind` and `declare` fire from
 _REWINDABLE = tuple(SlotState[s.upper()] for s in SLOT_MACHINE.allowed_from("rewind"))
 _DECLARABLE = tuple(SlotState[s.upper()] for s in SLOT_MACHINE.allowed_from("declare"))
-#: what a control must offer: the BatchControl verbs the table calls, and its limits
-_CONTROL_VERBS = ("seq_new", "seq_rm", "seq_clone", "rewind", "pos", "floor", "high_water",
-                  "state", "step_state", "max_seqs", "config")
 
 
 @dataclass(frozen=True)
@@ -71,8 +69,8 @@ class SessionTable:
     max_session_tokens:  most positions one session may reach.
     """
 
-    def __init__(self, control, *, max_sessions: int, max_session_tokens: int):
-        missing = [verb for verb in _CONTROL_VERBS if not hasattr(control, verb)]
+    def __init__(self, control: BatchControl, *, max_sessions: int, max_session_tokens: int):
+        missing = [name for name in BATCH_CONTROL_MEMBERS if not hasattr(control, name)]
         if missing:
             raise ConfigError(f"SessionTable: control={describe(control)} is not a "
                               f"BatchControl (it lacks {', '.join(missing)}); pass a "

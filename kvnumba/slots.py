@@ -62,7 +62,7 @@ class SlotTable:
     """State, pos and high-water of `n` slots, changed only through declared events.
 
     `check(event, seqs)` refuses (typed error, nothing changed) or returns the
-    next states; `apply(event, seqs, nxt)` commits them. Ids are assumed in range.
+    next states; `apply(event, seqs, next_states)` commits them. Ids are assumed in range.
     """
 
     def __init__(self, n: int, strict: bool | None = None):
@@ -81,9 +81,9 @@ class SlotTable:
     def check(self, event: str, seqs: np.ndarray) -> np.ndarray:
         """Next state of each slot in `seqs` (an int64 array) under `event`; raises if any
         slot refuses."""
-        nxt, bad = _lookup(self.state, self._next[event], seqs)
+        next_states, bad = _lookup(self.state, self._next[event], seqs)
         self._refuse_at(event, seqs, bad)
-        return nxt
+        return next_states
 
     def require(self, event: str, seqs: np.ndarray) -> None:
         """Raise if any slot in `seqs` (an int64 array) refuses `event`; changes nothing."""
@@ -97,20 +97,22 @@ class SlotTable:
             self._cross_check(event, seqs, allowed=True)
 
     def check_one(self, event: str, seq: int) -> int:
-        nxt = int(self._next[event][self.state[seq]])
-        if nxt == REFUSED:
+        next_state = int(self._next[event][self.state[seq]])
+        if next_state == REFUSED:
             self._refuse(event, seq)
         if self._models is not None:
             self._cross_check(event, [seq], allowed=True)
-        return nxt
+        return next_state
 
-    def apply(self, event: str, seqs, nxt) -> None:
-        """Move `seqs` to `nxt` (from `check`); `RESTORES` entries go back to `before_declare`."""
+    def apply(self, event: str, seqs, next_states) -> None:
+        """Move `seqs` to `next_states` (from `check`); `RESTORES` entries go back to
+        `before_declare`."""
         if event == "declare":
             self.before_declare[seqs] = self.state[seqs]
         if event == "abort":
-            nxt = np.where(nxt == RESTORES, self.before_declare[seqs], nxt)
-        self.state[seqs] = nxt
+            next_states = np.where(next_states == RESTORES, self.before_declare[seqs],
+                                   next_states)
+        self.state[seqs] = next_states
         if self._models is not None:
             for seq in np.atleast_1d(seqs):
                 if not self._models[int(seq)].fire(event):
@@ -157,13 +159,13 @@ def _lookup(state, next_of, seqs):
     """`(next, bad)`: each slot's next state under the event whose column of the compiled
     table is `next_of`, in one compiled pass; `bad` the index of the first slot refused
     (-1: none)."""
-    nxt = np.empty(seqs.size, np.intp)
+    next_states = np.empty(seqs.size, np.intp)
     bad = -1
     for i in range(seqs.size):
-        nxt[i] = next_of[state[seqs[i]]]
-        if nxt[i] == REFUSED and bad < 0:
+        next_states[i] = next_of[state[seqs[i]]]
+        if next_states[i] == REFUSED and bad < 0:
             bad = i
-    return nxt, bad
+    return next_states, bad
 
 
 @njit(cache=True)
@@ -232,7 +234,7 @@ class StepMachine:
     def __init__(self, strict: bool | None = None):
         self.index = int(StepState.IDLE)
         # the compiled table as Python ints: next state by event, then by current state
-        self._next = {event: [int(nxt) for nxt in STEP_MACHINE.table[:, i]]
+        self._next = {event: [int(state) for state in STEP_MACHINE.table[:, i]]
                       for event, i in STEP_MACHINE.event_index.items()}
         strict = strict_mode() if strict is None else strict
         self._model = MachineModel(STEP_PROTOCOL) if strict else None
@@ -243,17 +245,18 @@ class StepMachine:
 
     def check(self, event: str, verb: str) -> int:
         """The next state under `event`, or `StepProtocolError` naming what is needed."""
-        nxt = self._next[event][self.index]
-        if self._model is not None and bool(self._model.may_trigger(event)) != (nxt != REFUSED):
+        next_state = self._next[event][self.index]
+        if self._model is not None and \
+                bool(self._model.may_trigger(event)) != (next_state != REFUSED):
             raise AssertionError(f"strict: step machine disagrees on {event} from {self.state}")
-        if nxt == REFUSED:
+        if next_state == REFUSED:
             need = " or ".join(s.upper() for s in STEP_MACHINE.allowed_from(event))
             raise StepProtocolError(f"{verb}: the step is {self.state.name}; it needs {need} "
                                     f"({_STEP_HINTS[event, self.state]})")
-        return nxt
+        return next_state
 
-    def apply(self, event: str, nxt: int) -> None:
-        self.index = nxt
+    def apply(self, event: str, next_state: int) -> None:
+        self.index = next_state
         if self._model is not None and not self._model.fire(event):
             raise AssertionError(f"strict: transitions refused step event {event}")
 

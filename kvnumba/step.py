@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, Segment
+from .plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, Segment
 
 
 class OpenStep:
@@ -135,7 +135,7 @@ class StepPlan:
     @property
     def segments(self) -> tuple:
         """`Segment` records of the segment table (built on access, off the hot path)."""
-        return tuple(Segment(int(r[COL]), int(r[Q_START]), int(r[Q_LEN]), int(r[POS_START]),
+        return tuple(Segment(int(r[SEQ]), int(r[Q_START]), int(r[Q_LEN]), int(r[POS_START]),
                              bool(r[FLAGS] & FLAG_BLOCK)) for r in self._step.seq_info)
 
     @property

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import attention as att  # noqa: E402
 from kvnumba.kernels.workspace import AttentionWorkspace  # noqa: E402
-from kvnumba.plan import (COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
+from kvnumba.plan import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
 from oracle import visible_mask  # noqa: E402
 from paging import page_bits, paged  # noqa: E402
@@ -91,7 +91,7 @@ def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ri
         c.hist_k.append(hk.astype(np.float64))
         c.hist_v.append(hv.astype(np.float64))
         c.segments.append((q_start, q_len, pos_start, bool(block)))
-        info[seg, Q_START], info[seg, Q_LEN], info[seg, COL] = q_start, q_len, col
+        info[seg, Q_START], info[seg, Q_LEN], info[seg, SEQ] = q_start, q_len, col
         info[seg, POS_START] = pos_start
         info[seg, FLAGS] = FLAG_BLOCK if block else 0
         q_start += q_len
@@ -195,7 +195,7 @@ def test_window_convention_pinned():
             case.k_store[:] = 0.0
             case.v_store[:] = 0.0
             (q_start, q_len, pos_start, _), = case.segments
-            col = case.info[0, COL]
+            col = case.info[0, SEQ]
             for p in range(pos_start + q_len):
                 case.v_store[p, col, 0] = np.eye(8)[p]
             got = run(case, path=path)

@@ -16,7 +16,7 @@ import pytest
 from kvnumba.device import cuda
 from kvnumba.kernels import combine as comb
 from kvnumba.kernels import decode as dec
-from kvnumba.plan import COL, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from kvnumba.plan import SEQ, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values
 
 SENTINEL = -3.5                 # exact in float16, bfloat16 and float32
@@ -78,7 +78,7 @@ def launch(rng, segments, n_heads, head_dim, out_dtype, *, width=None):
     tokens = {}
     for row in range(n_table):
         k = rows_of[row]
-        info[row, [Q_START, Q_LEN, COL, POS_START]] = q_start, q_lens[k], row, 1000
+        info[row, [Q_START, Q_LEN, SEQ, POS_START]] = q_start, q_lens[k], row, 1000
         if k < n:
             tokens[k] = np.arange(q_start, q_start + q_lens[k])
         q_start += q_lens[k]

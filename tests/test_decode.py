@@ -20,7 +20,7 @@ from kvnumba.kernels.decode_trip import RESCALE_SLACK
 from kvnumba.kernels.launch import aligned
 from kvnumba.kernels.masks import key_range
 from kvnumba.kernels.workspace import AttentionWorkspace
-from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from kvnumba.plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import dense_attention, seen_positions, visible_mask
 from paging import page_bits, paged
 
@@ -87,7 +87,7 @@ def make_case(rng, segments, *, n_kv_heads=1, group=1, head_dim=16, window=0, ri
         c.hist_k.append(hk.astype(np.float64))
         c.hist_v.append(hv.astype(np.float64))
         c.segments.append((q_start, q_len, pos_start, bool(block)))
-        c.info[seg, [Q_START, Q_LEN, COL, POS_START]] = q_start, q_len, cols[seg], pos_start
+        c.info[seg, [Q_START, Q_LEN, SEQ, POS_START]] = q_start, q_len, cols[seg], pos_start
         c.info[seg, FLAGS] = FLAG_BLOCK if block else 0
         q_start += q_len
     width = q_start + 1
@@ -187,7 +187,7 @@ def table_of(rows):
     info[:, Q_LEN] = [r[0] for r in rows]
     info[:, Q_START] = np.cumsum(info[:, Q_LEN]) - info[:, Q_LEN]
     info[:, POS_START] = [r[1] for r in rows]
-    info[:, COL] = np.arange(len(rows))
+    info[:, SEQ] = np.arange(len(rows))
     info[:, FLAGS] = [FLAG_BLOCK if len(r) > 2 and r[2] else 0 for r in rows]
     return info
 
@@ -221,7 +221,7 @@ def check_plan(plan, info, segments, window, chunk):
         assert (lengths[:-1] == chunk).all() and 0 < lengths[-1] < chunk + chunk // 2
         assert len(mine) == 1 or 2 * lengths[-1] >= chunk
         # the segment's fields the kernel's first loads need
-        assert (mine[:, dec.WORK_COL] == info[seg, COL]).all()
+        assert (mine[:, dec.WORK_SEQ] == info[seg, SEQ]).all()
         assert (mine[:, dec.WORK_Q_START] == info[seg, Q_START]).all()
         assert (mine[:, dec.WORK_Q_LEN] == info[seg, Q_LEN]).all()
         rows = combine[combine[:, dec.COMBINE_SEG] == seg]

@@ -15,7 +15,7 @@ from kvnumba import device
 from kvnumba.device import cuda
 from kvnumba.kernels import prefill, prefill_shape
 from kvnumba.kernels.launch import aligned
-from kvnumba.plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from kvnumba.plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values, dense_attention, round_nearest_even, seen_positions
 from paging import page_bits, paged
 
@@ -110,7 +110,7 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
     tables = rng.integers(-1000, 1000, c.segments_off + len(c.served) + 3).astype(np.int32)
     for s, fields in enumerate(info):
         base = c.seq_info_off + s * SEQ_INFO_FIELDS
-        for field, value in zip((Q_START, Q_LEN, COL, POS_START, FLAGS), fields):
+        for field, value in zip((Q_START, Q_LEN, SEQ, POS_START, FLAGS), fields):
             tables[base + field] = value
     tables[c.segments_off:c.segments_off + len(c.served)] = c.served
     c.tables = tables

@@ -76,7 +76,8 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     (else `hidden_size // num_attention_heads`); storage dtype from the model unless
     given. `max_write` (default `min(capacity, 256)`) and `max_step` (default
     `max_write + max_seqs * tokens_per_decode`: every sequence's decode beside one
-    prompt chunk) as in `CacheConfig`; `options` go to it too (`page_size`, `initial_pages`, `max_pages`).
+    prompt chunk) as in `CacheConfig`; `options` go to it too (`page_size`,
+    `initial_pages`, `max_pages`).
     `ConfigError` for a model whose attention does not go through `transformers`'
     attention interface or needs what kvnumba does not do.
     """

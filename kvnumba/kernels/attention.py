@@ -148,7 +148,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         seg = tables[segments_off + seg_index]
         first_row = seg_tile * BR
 
-        q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
+        q_start, q_len, seq, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_rows = min(BR, group * q_len - first_row)
         if n_rows <= 0:
             return
@@ -195,7 +195,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             n_keys = min(BK, key_hi - key0)
             row0 = storage_row(key0, ring_rows)
             # a. stage K
-            _stage_keys(kv_tile, k_store, pages, page_bits, col, row0, n_keys, kv_head,
+            _stage_keys(kv_tile, k_store, pages, page_bits, seq, row0, n_keys, kv_head,
                         head_dim, dpad, ring_rows, tid, THREADS)
             cuda.syncthreads()
             # b. scores of this thread's micro-tile (clamped indices: no stale reads)
@@ -241,7 +241,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 run_sum = run_sum * alpha + tile_sum
                 row_alpha[tid] = alpha
                 row_sum[tid] = run_sum
-            _stage_keys(kv_tile, v_store, pages, page_bits, col, row0, n_keys, kv_head,
+            _stage_keys(kv_tile, v_store, pages, page_bits, seq, row0, n_keys, kv_head,
                         head_dim, dpad, ring_rows, tid, THREADS)
             cuda.syncthreads()
             # d. rescale and accumulate this thread's output elements
@@ -457,7 +457,7 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     k_store/v_store: slot storage [n_pages * page_size, n_kv_heads, head_dim] (a page
     pool [n_pages, page_size, ...] reshaped). pages: the layer kind's int32 device page
     table [seq rows, pages per sequence] of page-aligned slot bases, indexed by a
-    segment's `COL`; page_bits: log2(page_size). Storage row r of sequence `seq` is slot
+    segment's `SEQ`; page_bits: log2(page_size). Storage row r of sequence `seq` is slot
     `pages[seq, r >> page_bits] | (r & (page_size - 1))` (`masks.page_slot`).
     tables: the step's int32 device tables: segment `s`'s fields (`kvnumba.plan`) at
     `seq_info_off + s * SEQ_INFO_FIELDS`, the served segments' indices at

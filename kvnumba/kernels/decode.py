@@ -20,7 +20,7 @@ import numpy as np
 from . import combine
 from .decode_kernel import decode_kernel
 from .decode_plan import (  # noqa: F401  (the decode path's planning, re-exported)
-    CHUNK_KEYS, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG, KEY_TILE, WORK_COL,
+    CHUNK_KEYS, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG, KEY_TILE, WORK_SEQ,
     WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_Q_LEN, WORK_Q_START, WORK_SEG,
     DecodePlan, PlacedPlan, chunk_count, plan, plan_into)
 from .decode_shape import THREADS, block_rows, supports
@@ -144,7 +144,7 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
     [n_seq_rows, pages_per_seq] device array whose entries are pages' first slots (page
     id * page_size), page_bits: log2 page_size (a power of two, 8 to 256): storage row
     r (a position, or on a ring its slot `position % ring_rows`) of the sequence in
-    column `col` of the segment table lives in slot `pages[col, r >> page_bits] | (r &
+    field `SEQ` of the segment table lives in slot `pages[seq, r >> page_bits] | (r &
     (page_size - 1))` (`masks.page_slot`). tables: int32 device array holding the
     segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat

@@ -26,7 +26,7 @@ stream K and V at the chip's bandwidth with few instructions per key.
   page pool; the layer kind's page table `pages [n_seq_rows, pages_per_seq]` (int32,
   each entry a page's first slot) puts storage row r of a sequence (its position,
   or on a ring `position % ring_rows`) in slot `pages[seq, r >> page_bits] | (r &
-  (page_size - 1))` (`masks.page_slot`), `seq` being the sequence's column in the
+  (page_size - 1))` (`masks.page_slot`), `seq` being the sequence field of the
   segment table. A key's 16-byte pieces lie together in its slot, so a key takes
   one lookup: the lanes that load the same keys of a trip share out their lookups
   and pass the slots on with shuffles, one lookup per lane per trip.
@@ -69,7 +69,7 @@ from ..device import cuda
 from ..plan import FLAG_BLOCK, FLAGS, POS_START, SEQ_INFO_FIELDS
 from . import ptx
 from .constants import LN2, LOG2E, NEG_INF, WARP
-from .decode_plan import (WORK_COL, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART,
+from .decode_plan import (WORK_SEQ, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART,
                           WORK_Q_LEN, WORK_Q_START, WORK_SEG)
 from .decode_shape import LAUNCH_BOUNDS, THREADS, UNROLL, KernelShape
 from .decode_trip import NO_KEY, ZERO, trip_functions
@@ -200,14 +200,14 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         kv_heads = k_store.shape[1]
         key_lo = tables[uint64(item + WORK_KEY_LO)]
         key_hi = tables[uint64(item + WORK_KEY_HI)]
-        col = tables[uint64(item + WORK_COL)]
+        seq = tables[uint64(item + WORK_SEQ)]
         q_len = tables[uint64(item + WORK_Q_LEN)]
         first_row = row_group * ROWS
         if first_row >= group * q_len:         # a row group this segment does not fill
             return
 
         # storage: key position p lives in row p (flat) or p % ring_rows (ring), row r
-        # of the sequence (`col`, its page-table row) in slot pages[col, r >> page_bits]
+        # of the sequence (`seq`, its page-table row) in slot pages[seq, r >> page_bits]
         # | (r & in_page). A chunk lies in one segment's visible keys, at most ring_rows
         # of them, so the row of the key at chunk offset o, store_lo + o, passes the
         # ring's end at most once.
@@ -215,7 +215,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         store_lo = uint32(uint32(key_lo) % uint32(wrap))
         last = int32(key_hi - key_lo - 1)
         store_last = uint32(store_lo + last)
-        seq_pages = uint32(col * pages.shape[1])
+        seq_pages = uint32(seq * pages.shape[1])
         shift = uint32(page_bits)
         in_page = uint32((1 << shift) - 1)
         slot_bytes = uint32(kv_heads * head_dim * k_store.itemsize)

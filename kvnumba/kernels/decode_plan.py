@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, uint64
 
-from ..plan import COL, POS_START, Q_LEN, Q_START
+from ..plan import SEQ, POS_START, Q_LEN, Q_START
 from .attention import DECODE_MAX_Q_LEN
 
 # --- the plan's tables (int32), packed by the caller into the step's `tables` -----------
@@ -22,7 +22,7 @@ WORK_SEG = 0        # index of the segment in the step's segment table
 WORK_KEY_LO = 1     # first key position of the chunk
 WORK_KEY_HI = 2     # one past its last key position
 WORK_PART = 3       # partial slot, or -1: the segment's only chunk writes `out` itself
-WORK_COL = 4        # the segment's sequence (the row of its page tables)
+WORK_SEQ = 4        # the segment's sequence (the row of its page tables)
 WORK_Q_START = 5    # its first token on the step's token axis
 WORK_Q_LEN = 6      # its number of queries
 WORK_FIELDS = 7
@@ -202,13 +202,13 @@ def _fill(seq_info, segments, window, bits, out, work_at, combine_at):
     for seg in segments:
         lo, hi = _key_span(seq_info, seg, window)
         chunks = _chunks(hi - lo, half, bits)
-        col, q_start, q_len = seq_info[seg, COL], seq_info[seg, Q_START], seq_info[seg, Q_LEN]
+        seq, q_start, q_len = seq_info[seg, SEQ], seq_info[seg, Q_START], seq_info[seg, Q_LEN]
         if chunks == 1:
             out[item + _WORK_SEG] = seg
             out[item + _WORK_KEY_LO] = lo
             out[item + _WORK_KEY_HI] = hi
             out[item + _WORK_PART] = -1        # the segment's only chunk writes `out` itself
-            out[item + _WORK_COL] = col
+            out[item + _WORK_SEQ] = seq
             out[item + _WORK_Q_START] = q_start
             out[item + _WORK_Q_LEN] = q_len
             item += _WORK_FIELDS
@@ -225,7 +225,7 @@ def _fill(seq_info, segments, window, bits, out, work_at, combine_at):
             out[item + _WORK_KEY_HI] = key
             out[item + _WORK_PART] = part
             part += 1
-            out[item + _WORK_COL] = col
+            out[item + _WORK_SEQ] = seq
             out[item + _WORK_Q_START] = q_start
             out[item + _WORK_Q_LEN] = q_len
             item += _WORK_FIELDS
@@ -234,8 +234,8 @@ def _fill(seq_info, segments, window, bits, out, work_at, combine_at):
 
 
 # the work and combine fields as unsigned offsets, for `_fill`'s unsigned indices
-(_WORK_SEG, _WORK_KEY_LO, _WORK_KEY_HI, _WORK_PART, _WORK_COL, _WORK_Q_START, _WORK_Q_LEN,
- _WORK_FIELDS) = map(np.uint64, (WORK_SEG, WORK_KEY_LO, WORK_KEY_HI, WORK_PART, WORK_COL,
+(_WORK_SEG, _WORK_KEY_LO, _WORK_KEY_HI, _WORK_PART, _WORK_SEQ, _WORK_Q_START, _WORK_Q_LEN,
+ _WORK_FIELDS) = map(np.uint64, (WORK_SEG, WORK_KEY_LO, WORK_KEY_HI, WORK_PART, WORK_SEQ,
                                  WORK_Q_START, WORK_Q_LEN, WORK_FIELDS))
 _COMBINE_SEG, _COMBINE_PART, _COMBINE_PARTS, _COMBINE_FIELDS = map(
     np.uint64, (COMBINE_SEG, COMBINE_PART, COMBINE_PARTS, COMBINE_FIELDS))

@@ -4,7 +4,7 @@ block (`block_rows`), and every compile-time number one specialisation is built 
 functions (`decode_trip`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -80,29 +80,21 @@ def block_rows(rows: int, head_dim: int, storage_dtype) -> int:
     return min(cap, 1 << (max(rows, 1) - 1).bit_length())
 
 
-
 @dataclass(frozen=True)
-class KernelShape:
-    """The compile-time numbers of one decode kernel: rows per block `rows`, and from
-    the key geometry (`Geometry.of(head_dim, itemsize)`) the lanes, pieces, shuffle
-    rounds, held rows, trip sizes and the end-of-chunk merge layout (`decode_kernel`'s
-    doc). Every name is read into a closure constant of the kernel and its functions."""
+class KernelShape(Geometry):
+    """The compile-time numbers of one decode kernel: its key geometry (`Geometry`),
+    `head_dim`, rows per block `rows`, and from them the shuffle rounds, held rows, trip
+    sizes and the end-of-chunk merge layout (`decode_kernel`'s doc). Every name is read
+    into a closure constant of the kernel and its functions."""
 
     head_dim: int
     rows: int
-    vec: int
-    pieces: int
-    lanes: int
-    per_lane: int
-    elements: int
-    key_slots: int
 
     @classmethod
     def of(cls, head_dim: int, itemsize: int, rows: int) -> "KernelShape":
         g = Geometry.of(head_dim, itemsize)
         assert rows <= g.max_rows
-        return cls(head_dim, rows, g.vec, g.pieces, g.lanes, g.per_lane, g.elements,
-                   g.key_slots)
+        return cls(*astuple(g), head_dim, rows)
 
     @property
     def lane_bits(self) -> int:

@@ -20,7 +20,7 @@ head and dim) along a grid-stride loop with no division at all.
 from __future__ import annotations
 
 from ..device import cuda
-from ..plan import COL, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from ..plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 
 from numba import int32, int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -37,9 +37,9 @@ def page_slot(pages, seq, row, page_bits):
 
 @cuda.jit(device=True)
 def read_segment(tables, seq_info_off, seg):
-    """`(q_start, q_len, col, pos_start, block)` of segment `seg` of the step's tables."""
+    """`(q_start, q_len, seq, pos_start, block)` of segment `seg` of the step's tables."""
     base = seq_info_off + seg * SEQ_INFO_FIELDS
-    return (tables[base + Q_START], tables[base + Q_LEN], tables[base + COL],
+    return (tables[base + Q_START], tables[base + Q_LEN], tables[base + SEQ],
             tables[base + POS_START], (tables[base + FLAGS] & FLAG_BLOCK) != 0)
 
 

@@ -104,7 +104,7 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     slot storage [n_slots, n_kv_heads, head_dim] (a page pool [n_pages, page_size,
     n_kv_heads, head_dim] reshaped; n_slots <= INT32_MAX), 16-bit (see `storage_type`),
     C-contiguous. pages: the layer kind's int32 device page table [seq rows, pages per
-    sequence], C-contiguous, indexed by a segment's `COL`, each entry a page's first slot
+    sequence], C-contiguous, indexed by a segment's `SEQ`, each entry a page's first slot
     (page id times page_size); page_bits: log2(page_size). Storage row r of sequence
     `seq` (its position on a flat layer, position % ring_rows on a ring) is slot
     `pages[seq, r >> page_bits] | (r & (page_size - 1))`; a sequence's pages cover rows

@@ -33,7 +33,7 @@ most once inside it: the key at unwrapped row r < 2 ring_rows lives in row min(r
 ring_rows) as unsigned 32-bit numbers (before the wrap, r - ring_rows underflows).
 
 Storage is paged: K and V are slot storage [n_slots, n_kv_heads, head_dim] (a page pool
-[n_pages, page_size, ...] reshaped), and row r of sequence `seq` (the segment's `COL`)
+[n_pages, page_size, ...] reshaped), and row r of sequence `seq` (the segment's `SEQ`)
 is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` of its layer kind's page
 table (`masks.page_slot`). Each thread looks up the slot of each key row it stages
 (one page-table load, a shift and two logical operations), so a tile may straddle
@@ -162,7 +162,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         kv_head = cuda.blockIdx.x
         seg = tables[segments_off + cuda.blockIdx.y]
         first_row = int32((n_row_tiles - 1 - cuda.blockIdx.z) * BR)   # longest tiles first
-        q_start, q_len, col, pos_start, block = read_segment(tables, seq_info_off, seg)
+        q_start, q_len, seq, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_end = int32(group * q_len)            # the segment's rows
         n_rows = int32(min(BR, n_end - first_row))
         if n_rows <= 0:
@@ -214,7 +214,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         slots = cuda.local.array(KEY_PASSES, int32)     # the thread's keys' slots in a tile
         staging = (int32(K_BASE + first_key * PITCH + key_d0), ptx.bytes_from(k_store, src),
                    int32(V_BASE + first_key * PITCH + key_d0), ptx.bytes_from(v_store, src),
-                   slots, pages, col, page_bits, uint32(2 * k_store.shape[1] * head_dim),
+                   slots, pages, seq, page_bits, uint32(2 * k_store.shape[1] * head_dim),
                    uint32(uint32(key_lo) % uint32(ring)), ring,
                    int32(min(BK, ring)), int32(key_hi - key_lo), first_key, key_d0)
 
