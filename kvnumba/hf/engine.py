@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import BatchedSequenceCache, SessionTable, run_inputs
 from ..args import as_count, is_int
-from ..batched import BatchedSequenceCache
-from ..driver import run_inputs
 from ..errors import CapacityError, ConfigError
-from ..sessions import SessionTable
 from .attention import ATTENTION, register
 from .config import cache_config, text_config
 from .sampling import Sampling
