@@ -68,12 +68,6 @@ def _quick(args) -> bool:
     return args.quick or args.smoke
 
 
-def _run_control(args) -> dict:
-    print("\n".join(control.header_lines(kv_device.SIMULATOR)), flush=True)
-    print(control.HEADER, flush=True)
-    return control.run(quick=_quick(args), verbose=True)    # prints its rows as they come
-
-
 def _run_engine(args) -> dict:
     missing = missing_packages("engine vs model.generate()", ("torch", "transformers"), "hf",
                                "PyTorch and transformers")
@@ -83,7 +77,7 @@ def _run_engine(args) -> dict:
 
 
 SECTIONS = (
-    Section("control", _run_control, lambda result: control.report(result).splitlines()[-1]),
+    Section("control", lambda args: control.run_anywhere(quick=_quick(args)), control.report),
     Section("host", lambda args: host.run_anywhere(quick=_quick(args)), host.report),
     Section("memory", lambda args: memory.run(quick=_quick(args)), memory.report),
     Section("kernels", lambda args: kernels.run(sizes_for(args)), kernels.report),

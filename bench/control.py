@@ -13,20 +13,31 @@ for the step protocol, one trigger per slot per event, and per-slot Python
 bookkeeping that builds the same `seq_info` / `seq_cols` / `positions` tables
 (checked equal to kvnumba's before timing) and uploads them the same way.
 
-On Numba's CUDA simulator the host-to-device upload is a simulated copy, so it is
-replaced by a no-op for both drivers while timing, and so are the page-table patch and
-page-copy launches kvnumba's `prepare_step` makes when a step takes pages (simulated
-kernels, reading what the upload would have carried); on a GPU all are included.
+Lengths are staggered as a server's are: sequence `s` starts at position `s %
+PAGE_SIZE`, so every step some sequences cross into a new page (a decode step of B
+sequences takes B / PAGE_SIZE pages) and `prepare_step` patches the device page tables.
+
+Device work: on a GPU, the upload and the page-table patch launch run. Without one the
+bench runs itself in `KVNUMBA_DEVICE=compile` mode (a subprocess, as the host-time
+bench does) with `host.fake_device`: the upload and every launch go through their whole
+host path, and only the driver calls are no-ops (launches recorded). Where the compiler
+libraries that mode needs are missing (`kvnumba[sass]`), it runs on the simulator with
+the upload and the patch and copy launches replaced by no-ops, and says so.
 
     python -m bench.control [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -44,6 +55,7 @@ HEAD_DIM = 128                   # a model's: prepare_step plans the fast decode
 CAPACITY = 4096                  # positions per sequence; rewound (untimed) before overflow
 MAX_WRITE = 64
 MAX_STEP = 1024
+PAGE_SIZE = 16                   # the default; starting positions are staggered over a page
 TARGET_DECODE_US = 35.0          # per decode step at B = 256
 TARGET_RATIO = 30.0              # kvnumba vs naive at B = 256
 
@@ -66,7 +78,13 @@ def step_ids(batch: int, kind: str) -> np.ndarray:
 def _config(batch: int) -> kv.CacheConfig:
     return kv.CacheConfig(layers=[kv.flat()], n_kv_heads=1, head_dim=HEAD_DIM,
                           capacity=CAPACITY, max_seqs=batch, max_write=MAX_WRITE,
-                          max_step=MAX_STEP, dtype="float16", initial_pages=CAPACITY)
+                          max_step=MAX_STEP, dtype="float16", page_size=PAGE_SIZE,
+                          initial_pages=batch * CAPACITY // PAGE_SIZE + 1)
+
+
+def start(seq: int) -> int:
+    """Where sequence `seq` starts: staggered over a page."""
+    return seq % PAGE_SIZE
 
 
 class KvDriver:
@@ -79,6 +97,9 @@ class KvDriver:
         for _ in range(batch):
             self.cache.seq_new()
         self.batch = batch
+        ids = np.repeat(np.arange(batch), [start(s) for s in range(batch)])
+        for at in range(0, ids.size, MAX_STEP):    # positions only: steps that write nothing
+            self.step(ids[at:at + MAX_STEP])
 
     def step(self, ids):
         cache = self.cache
@@ -99,7 +120,7 @@ class KvDriver:
 
     def rewind_all(self):
         for s in range(self.batch):
-            self.cache.rewind(s, 0)
+            self.cache.rewind(s, start(s))
 
 
 class NaiveDriver:
@@ -117,10 +138,13 @@ class NaiveDriver:
         self.pad_col = batch
         self.slots = [MachineModel(SLOT_LIFECYCLE) for _ in range(batch)]
         self.step_model = MachineModel(STEP_PROTOCOL)
-        self.pos = [0] * batch
-        self.high_water = [0] * batch
-        for model in self.slots:
+        self.pos = [start(s) for s in range(batch)]
+        self.high_water = list(self.pos)
+        for seq, model in enumerate(self.slots):
             self._fire(model, "seq_new")
+            if start(seq):                 # as kvnumba's: a step took it to its start
+                self._fire(model, "declare")
+                self._fire(model, "commit")
         self.info_size = MAX_STEP * SEQ_INFO_FIELDS
         size = self.info_size + 2 * MAX_STEP
         self.host = kv_device.host_buffer(size, np.int32)
@@ -226,25 +250,39 @@ class NaiveDriver:
     def rewind_all(self):
         for seq in range(self.n):
             self._fire(self.slots[seq], "rewind")
-            self.pos[seq] = 0
+            self.pos[seq] = start(seq)
 
 
 # ---------------------------------------------------------------------------- timing
-@contextmanager
-def no_simulated_device_work():
-    """On the simulator, make the (simulated) host-to-device copy a no-op, and with it the
-    kernels that read what it would have carried (the page-table patches and page copies,
-    which kvnumba launches in `prepare_step` when a step takes pages)."""
+#: how the step's device work (the upload, the page-table patch and page-copy launches)
+#: is run, by device kind
+DEVICE_WORK = {"gpu": "run on the GPU",
+               "compile": "host path run, driver calls recorded (KVNUMBA_DEVICE=compile)",
+               "simulator": "EXCLUDED (simulator: upload and launches replaced by no-ops)"}
+
+
+@contextlib.contextmanager
+def device_work():
+    """The device work of the steps timed here, as `DEVICE_WORK` says for this device:
+    on the simulator the (simulated) upload and the launches reading it are no-ops; in
+    compile mode `host.fake_device` stands in for the GPU."""
+    if kv_device.KIND == "compile":
+        from .host import Recorder, fake_device
+        recorder = Recorder()
+        recorder.counting = True        # keep no list of the launches: only their count
+        with fake_device(recorder):
+            yield
+        return
     if not kv_device.SIMULATOR:
         yield
         return
-    saved = kv_upload.upload_prefix, kv_storage.patch_pages, kv_storage.copy_pages
-    kv_upload.upload_prefix = kv_storage.patch_pages = kv_storage.copy_pages = \
-        lambda *args, **kwargs: None
+    storage = kv_storage.PageStorage
+    saved = kv_upload.upload_prefix, storage.patch, storage.copy
+    kv_upload.upload_prefix = storage.patch = storage.copy = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        kv_upload.upload_prefix, kv_storage.patch_pages, kv_storage.copy_pages = saved
+        kv_upload.upload_prefix, storage.patch, storage.copy = saved
 
 
 def _time_driver(driver, ids, *, repeats: int, budget_s: float) -> tuple:
@@ -292,7 +330,7 @@ def run(quick: bool = False, batches=BATCHES, verbose: bool = False) -> dict:
     repeats = 3 if quick else 40
     budget = 0.01 if quick else 1.0   # seconds of timed steps per (driver, B, kind)
     rows = []
-    with no_simulated_device_work():
+    with device_work():
         for batch in batches:
             for kind in KINDS:
                 ids = step_ids(batch, kind)
@@ -309,8 +347,8 @@ def run(quick: bool = False, batches=BATCHES, verbose: bool = False) -> dict:
                 rows.append(row)
                 if verbose:
                     print(_format_row(row), flush=True)
-    result = dict(upload_included=not kv_device.SIMULATOR, device=kv_device.KIND,
-                  quick=quick, repeats=repeats, rows=rows,
+    result = dict(device_work=DEVICE_WORK[kv_device.KIND], device=kv_device.KIND,
+                  staggered=PAGE_SIZE, quick=quick, repeats=repeats, rows=rows,
                   targets=dict(decode_us_at_256=TARGET_DECODE_US, ratio_at_256=TARGET_RATIO))
     at_256 = {r["kind"]: r for r in rows if r["batch"] == 256}
     if "decode" in at_256:
@@ -333,21 +371,21 @@ def _format_row(row) -> str:
             f"{row['naive_cpu_us']:>10.1f} {row['ratio']:>6.1f}x")
 
 
-def header_lines(result_or_simulator) -> list:
-    simulator = result_or_simulator if isinstance(result_or_simulator, bool) \
-        else not result_or_simulator["upload_included"]
-    upload = ("host-to-device upload EXCLUDED (simulator: simulated copy replaced by a no-op)"
-              if simulator else "host-to-device upload included (GPU)")
+def header_lines(result) -> list:
     return ["control plane: host time of declare_step + prepare_step + commit_step "
             "(µs per step: wall-clock median of timed blocks; CPU = thread CPU time of the "
             "fastest block, which the targets and the ratio use)",
-            f"  {upload}; naive = one transitions model per slot, Python bookkeeping",
+            f"  device work {result['device_work']}; lengths staggered over pages of "
+            f"{result['staggered']} (a decode step of B takes B / {result['staggered']} "
+            f"pages); naive = one transitions model per slot, Python bookkeeping",
             f"  targets: <= {TARGET_DECODE_US:.0f} µs per decode step at B=256; "
             f">= {TARGET_RATIO:.0f}x faster than naive at B=256"]
 
 
 def report(result: dict) -> str:
     lines = header_lines(result) + [HEADER] + [_format_row(r) for r in result["rows"]]
+    if "missing" in result:
+        lines.append(f"  {result['missing']['message']}")
     if "decode_us_at_256" in result:
         ok = {True: "met", False: "MISSED"}
         lines.append(f"  decode at B=256: {result['decode_us_at_256']:.1f} CPU µs "
@@ -357,16 +395,42 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def run_anywhere(quick: bool = False) -> dict:
+    """`run`, with the device work run or recorded where that can be: here on a GPU or
+    in compile mode; from the simulator, in a subprocess in `KVNUMBA_DEVICE=compile` mode
+    when the compiler libraries it needs are installed, else here with the device work
+    excluded (`result["missing"]` says which extra brings them)."""
+    if not kv_device.SIMULATOR:
+        return run(quick=quick)
+    from .prerequisites import missing_compiler
+
+    missing = missing_compiler("control plane with device work")
+    if missing is not None:
+        return dict(run(quick=quick), missing=missing.record())
+    env = dict(os.environ, KVNUMBA_DEVICE="compile")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "control.json")
+        subprocess.run([sys.executable, "-m", "bench.control", "--json", path,
+                        *(["--quick"] if quick else [])], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        with open(path) as figures:
+            return json.load(figures)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.control",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run (a few ms per case)")
+    parser.add_argument("--json", type=str, default=None,
+                        help="also write the figures to this file (JSON)")
     args = parser.parse_args(argv)
-    kv_device.announce()           # the simulator notice, before the table starts
-    print("\n".join(header_lines(kv_device.SIMULATOR)), flush=True)
-    print(HEADER, flush=True)
-    result = run(quick=args.quick, verbose=True)
-    print(report(result).splitlines()[-1] if "decode_us_at_256" in result else "")
+    kv_device.announce()
+    result = run_anywhere(quick=args.quick)
+    print(report(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=2)
     return 0
 
 

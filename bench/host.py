@@ -72,7 +72,8 @@ _record = tuple.__new__
 
 class Recorder:
     """Stands in for `kvnumba.kernels.lean.driver`: records every launch (`launches`)
-    instead of calling `cuLaunchKernel`, after the same grid and stream conversions.
+    instead of calling `cuLaunchKernel`, after the same grid and stream conversions, and
+    counts the uploads it would copy.
 
     While `counting` (timed loops), a launch is made into its record as ever but only the
     last one is kept (`last`, and `count` of them): a list growing by hundreds of thousands
@@ -83,6 +84,7 @@ class Recorder:
         self.keep_parameters = keep_parameters
         self.counting = False
         self.last, self.count = None, 0
+        self.copies = 0
 
     def record(self, launched) -> None:
         if self.counting:
@@ -93,6 +95,10 @@ class Recorder:
 
     def launch(self, kernel, grid, block, stream) -> None:
         self.send(kernel, lean.dim3(grid), lean.dim3(block), lean.stream_handle(stream))
+
+    def copy_to_device(self, destination: int, source: int, nbytes: int, stream: int) -> None:
+        """An upload: counted (`copies`), not made."""
+        self.copies += 1
 
     def send(self, kernel, grid: tuple, block: tuple, stream: int) -> None:
         if self.keep_parameters:

@@ -24,7 +24,7 @@ import numpy as np
 
 import kvnumba as kv
 
-from .control import no_simulated_device_work
+from .control import device_work
 
 HEADER = "Memory (paged storage)"
 
@@ -106,7 +106,7 @@ def fork_time(prefix: int, repeats: int) -> tuple:
         return float(np.median(times))
 
     with_device = median(repeats)
-    with no_simulated_device_work():
+    with device_work():
         host = median(20 * repeats)
     return with_device, host
 

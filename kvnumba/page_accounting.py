@@ -30,7 +30,8 @@ import numpy as np
 
 from .config import CacheConfig, LayerKind
 from .errors import CapacityError
-from .pages import claim_step, grown_pages, pages_for, release_pages, step_demand
+from .pages import (claim_step, grown_pages, pages_for, release_each, release_pages,
+                    step_demand)
 
 
 class PoolPages(NamedTuple):
@@ -222,10 +223,13 @@ class PageAccounting:
             self.flat.release(seq, pages_for(position, self.page_size))
 
     def abort(self, seqs: np.ndarray, pos: np.ndarray) -> None:
-        """An aborted step's sequences hold the flat pages of their positions again."""
-        if self.flat is not None:
-            for seq in seqs.tolist():
-                self.flat.release(seq, pages_for(int(pos[seq]), self.page_size))
+        """An aborted step's sequences (int64, distinct) hold the flat pages of their
+        positions `pos[seq]` again."""
+        kind = self.flat
+        if kind is not None:
+            keeps = pages_for(pos[seqs], self.page_size)
+            kind.n_free = release_each(seqs, keeps, kind.held, kind.table, kind.refs,
+                                       kind.free, kind.n_free)
 
     def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray,
                    needed: int) -> tuple:

@@ -21,7 +21,7 @@ from .config import CacheConfig
 from .device import allocating, cuda
 from .kernels.copy import copy_pages
 from .kernels.launch import device_pointer
-from .kernels.page_table import patch_pages
+from .kernels.page_table import PagePatcher
 
 
 class PageStorage:
@@ -38,6 +38,7 @@ class PageStorage:
         sizes = [n_rows * kind.table_pages for kind in kinds]
         # zeros: an entry no sequence holds points at page 0 (the scratch page), in storage
         self.device_tables = cuda.to_device(np.zeros(sum(sizes), np.int32), stream=stream)
+        self._patcher = PagePatcher(self.device_tables, stream)
         self.kind_tables, at = [], 0
         for kind, size in zip(kinds, sizes):
             self.kind_tables.append(self.device_tables[at:at + size].reshape(
@@ -92,7 +93,7 @@ class PageStorage:
     def patch(self, tables, section) -> None:
         """Store the page-table patches (flat index, slot base) of `section` (an
         `upload.Section`) of the int32 device array `tables`; one launch."""
-        patch_pages(self.device_tables, tables, section.offset, section.size // 2, self.stream)
+        self._patcher(tables, section.offset, section.size // 2)
 
     def copy(self, i: int, tables, section) -> None:
         """Copy the page pairs (source, destination) of `section` of `tables` in every

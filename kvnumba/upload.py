@@ -30,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .device import SIMULATOR, allocating, cuda, host_buffer, upload_prefix
+from .kernels import lean
 from .kernels.launch import device_pointer
 
 #: the sections of a step's upload, in the order they are written
@@ -42,6 +43,11 @@ class Section(NamedTuple):
 
     offset: int
     size: int
+
+
+#: `Section(offset, size)` without NamedTuple's Python-level constructor (a step makes
+#: several: the control plane's host time)
+_section = tuple.__new__
 
 
 class Upload:
@@ -63,6 +69,9 @@ class Upload:
             device = cuda.device_array(size, dtype=np.int32, stream=self.stream)
             hosts = [host_buffer(size, np.int32) for _ in range(2)]
         self.size, self.device, self._hosts = size, device, hosts
+        if not SIMULATOR:    # what each transfer hands the driver, worked out once
+            self._addresses = (device_pointer(device), [host.ctypes.data for host in hosts],
+                               lean.stream_handle(self.stream))
 
     def begin(self, size: int = 0) -> np.ndarray:
         """Start a transfer: the host buffer it is written into (`host`, holding at least
@@ -99,7 +108,7 @@ class Upload:
     def mark(self, name: str, end: int) -> Section:
         """Name the entries from the last section's end up to `end` (written in place, e.g.
         by a planner given `host` and `end`) as section `name`."""
-        found = self.sections[name] = Section(self.end, end - self.end)
+        found = self.sections[name] = _section(Section, (self.end, end - self.end))
         self.end = end
         return found
 
@@ -115,8 +124,11 @@ class Upload:
         """Copy `host[:end]` to the device in one transfer, without a host synchronisation;
         the next transfer is written into the other host buffer."""
         turn = self._turn
-        upload_prefix(self.device, self.host, self.end, self.stream)
-        if not SIMULATOR:
+        if SIMULATOR:
+            upload_prefix(self.device, self.host, self.end, self.stream)
+        else:
+            destination, sources, stream = self._addresses
+            lean.driver.copy_to_device(destination, sources[turn], 4 * self.end, stream)
             if self._events[turn] is None:
                 self._events[turn] = cuda.event(timing=False)
             self._events[turn].record(self.stream)

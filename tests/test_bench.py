@@ -15,6 +15,8 @@ from bench import control, host, kernels
 
 
 def test_control_quick_reports_every_batch_and_kind():
+    """Run here (the simulator's device work excluded; compile mode is the subprocess
+    `run_anywhere` makes, as the host bench's test checks for its own)."""
     result = control.run(quick=True)
     seen = {(r["batch"], r["kind"]) for r in result["rows"]}
     assert seen == {(b, k) for b in control.BATCHES for k in control.KINDS}
@@ -22,9 +24,22 @@ def test_control_quick_reports_every_batch_and_kind():
         for key in ("kvnumba_us", "naive_us", "ratio"):
             assert math.isfinite(row[key]) and row[key] > 0, (row, key)
         assert row["tokens"] >= row["batch"]
-    assert result["upload_included"] == (not kv_device.SIMULATOR)
+    assert result["device_work"] == control.DEVICE_WORK[kv_device.KIND]
+    assert result["staggered"] == control.PAGE_SIZE
     assert "decode_us_at_256" in result and "ratio_at_256" in result
     assert "targets" in control.report(result).splitlines()[2]
+
+
+def test_staggered_lengths_take_pages_in_every_decode_step():
+    """The control bench's sequences start a page apart over a page, so every decode step
+    of B sequences takes B / PAGE_SIZE new pages (patched on the device)."""
+    import numpy as np
+    with control.device_work():
+        driver = control.KvDriver(64)
+        ids = np.arange(64)
+        for _ in range(2 * control.PAGE_SIZE):
+            assert driver.cache.page_demand(ids).needed == 64 // control.PAGE_SIZE
+            driver.step(ids)
 
 
 def test_host_quick_reports_every_call_and_what_it_launches():

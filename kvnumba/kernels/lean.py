@@ -270,12 +270,23 @@ def stream_handle(stream) -> int:
 class Driver:
     """`cuLaunchKernel` of a `DriverLaunch` (the CUDA driver, through `cuda.bindings`):
     `launch` takes any grid, block and stream, `send` them converted (`dim3`,
-    `stream_handle`), as a bound launch keeps them."""
+    `stream_handle`), as a bound launch keeps them; and `copy_to_device`, a step's
+    upload as one `cuMemcpyHtoDAsync`."""
 
     def __init__(self):
         from cuda.bindings import driver as binding
         self._launch = binding.cuLaunchKernel
+        self._copy = binding.cuMemcpyHtoDAsync
         self._success = binding.CUresult.CUDA_SUCCESS
+
+    def copy_to_device(self, destination: int, source: int, nbytes: int, stream: int) -> None:
+        """Copy `nbytes` from host address `source` (page-locked, to be asynchronous) to
+        device address `destination` on stream handle `stream`, without waiting."""
+        error = self._copy(destination, source, nbytes, stream)[0]
+        if error != self._success:
+            from numba.cuda.cudadrv.driver import CudaAPIError
+            raise CudaAPIError(error, f"cuMemcpyHtoDAsync of {nbytes} bytes failed: "
+                                      f"{error.name}")
 
     def launch(self, launch: DriverLaunch, grid, block, stream) -> None:
         self.send(launch, dim3(grid), dim3(block), stream_handle(stream))

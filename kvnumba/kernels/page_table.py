@@ -13,7 +13,7 @@ Index ranges: flat indices into the buffer, values (page-aligned slot bases, bel
 from __future__ import annotations
 
 from ..device import cuda
-from .launch import STRIDE_THREADS, Specialised, stride_blocks
+from .launch import PER_CALL, STRIDE_THREADS, Specialised, stride_blocks
 
 from numba import uint32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -39,14 +39,37 @@ def _patch_pages(table, tables, patches_off, n_patches):
 _patch = Specialised(_patch_pages)
 
 
+def launch_shape(n_patches: int) -> tuple:
+    """`(blocks, threads)` for `n_patches` patches: a step's are usually a few, a thread
+    each (one warp runs them), not a full block (on the simulator every thread is a
+    Python thread)."""
+    return stride_blocks(n_patches), min(STRIDE_THREADS, n_patches)
+
+
 def patch_pages(table, tables, patches_off: int, n_patches: int, stream=0) -> None:
     """`table[tables[patches_off + 2 * i]] = tables[patches_off + 2 * i + 1]` for `i <
     n_patches` (`table`, `tables`: int32 device arrays; the indices distinct, so the
     patches land in any order): one launch, none without patches."""
-    if n_patches <= 0:
-        return
-    # a step's patches are usually a few: a thread each (one warp runs them), not a
-    # full block (on the simulator every thread is a Python thread)
-    threads = min(STRIDE_THREADS, n_patches)
-    _patch(stride_blocks(n_patches), threads, stream,
-           table, tables, int(patches_off), int(n_patches))
+    if n_patches > 0:
+        _patch(*launch_shape(n_patches), stream, table, tables, int(patches_off),
+               int(n_patches))
+
+
+class PagePatcher:
+    """`patch_pages` into one device table `table` on one stream, its launch bound once
+    per launch shape: a call (`patcher(tables, patches_off, n_patches)`, a step's)
+    packs only the upload buffer and the two counts."""
+
+    def __init__(self, table, stream=0):
+        self.table, self.stream = table, stream
+        self._launches = {}
+
+    def __call__(self, tables, patches_off: int, n_patches: int) -> None:
+        if n_patches <= 0:
+            return
+        shape = launch_shape(n_patches)
+        launch = self._launches.get(shape)
+        if launch is None:
+            launch = self._launches[shape] = _patch.bind(*shape, self.stream, self.table,
+                                                         PER_CALL, PER_CALL, PER_CALL)
+        launch(tables, int(patches_off), int(n_patches))
