@@ -31,7 +31,7 @@ def test_control_quick_reports_every_batch_and_kind():
 
 
 def test_staggered_lengths_take_pages_in_every_decode_step():
-    """The control bench's sequences start a page apart over a page, so every decode step
+    """The control bench's sequences start staggered over a page, so every decode step
     of B sequences takes B / PAGE_SIZE new pages (patched on the device)."""
     import numpy as np
     with control.device_work():
