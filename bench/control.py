@@ -32,11 +32,7 @@ import argparse
 import contextlib
 import gc
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
@@ -404,18 +400,12 @@ def run_anywhere(quick: bool = False) -> dict:
         return run(quick=quick)
     from .prerequisites import missing_compiler
 
+    from .host import in_compile_mode
+
     missing = missing_compiler("control plane with device work")
     if missing is not None:
         return dict(run(quick=quick), missing=missing.record())
-    env = dict(os.environ, KVNUMBA_DEVICE="compile")
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "control.json")
-        subprocess.run([sys.executable, "-m", "bench.control", "--json", path,
-                        *(["--quick"] if quick else [])], env=env, check=True,
-                       stdout=subprocess.DEVNULL)
-        with open(path) as figures:
-            return json.load(figures)
+    return in_compile_mode("bench.control", quick)
 
 
 def main(argv=None) -> int:

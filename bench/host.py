@@ -461,11 +461,17 @@ def run_anywhere(quick: bool = False) -> dict:
             raise missing
     if not kv_device.SIMULATOR:
         return run(quick=quick)
+    return in_compile_mode("bench.host", quick)
+
+
+def in_compile_mode(module: str, quick: bool) -> dict:
+    """The figures of `python -m <module> --json` run in a subprocess in
+    `KVNUMBA_DEVICE=compile` mode (the device is chosen when kvnumba is imported)."""
     env = dict(os.environ, KVNUMBA_DEVICE="compile")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "host.json")
-        subprocess.run([sys.executable, "-m", "bench.host", "--json", path,
+        path = os.path.join(folder, "figures.json")
+        subprocess.run([sys.executable, "-m", module, "--json", path,
                         *(["--quick"] if quick else [])], env=env, check=True,
                        stdout=subprocess.DEVNULL)
         with open(path) as figures:

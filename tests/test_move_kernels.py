@@ -9,10 +9,10 @@ slots with the reference written into the columns and paged the same way. Page s
 8, 16 and 256; rows that end inside a page.
 
 Launch shapes: a block has `lanes` threads along a run (a token, or a page of one
-plane) and `rows` runs side by side, each lane moving two vectors a trip. The cases
-pick runs of 1, 3, 5, 8, 16, 256, 576 and 1536 vectors (lanes partly idle, a lane's
-second vector past the run, several trips per run) and element-wise runs longer than
-a block. The grid is capped at two blocks (`MAX_BLOCKS`), so every block row also
+plane) and `rows` runs side by side, each lane moving `write.TRIP_VECTORS` (4) vectors
+of K and as many of V a trip, those past the run clamped to its last one. The cases
+pick runs of 1, 3, 5, 8, 16, 24, 256, 576 and 1536 vectors (a lane's vectors past the
+run, several trips per run) and element-wise runs longer than a block. The grid is capped at two blocks (`MAX_BLOCKS`), so every block row also
 takes several runs: the grid-stride stepping of tokens, of (plane, pair) runs and of
 patches is exercised with counts that are no multiple of the block's rows.
 
@@ -111,10 +111,10 @@ def check_write(rng, store_dtype, convert, k, v, rows, ring_rows, page_size, n_p
 
 @pytest.mark.parametrize("dtype,n_heads,head_dim,width,rows,ring_rows,page_size", [
     (np.float16, 1, 8, 300, 150, 0, 8),   # 1 vector a token: 1 lane; 19 pages, the last partial
-    (BF16, 3, 8, 150, 20, 20, 16),        # 3 vectors: 2 lanes, the 2nd one's 2nd vector past it
-    (np.float16, 5, 8, 90, 13, 13, 8),    # 5 vectors: 4 lanes, 3 of them idle on the 2nd vector
-    (np.float32, 1, 64, 40, 300, 0, 256),  # 16 vectors: 8 lanes; 2 pages of 256
-    (np.float32, 9, 256, 5, 3, 3, 16),    # 576 vectors: 256 lanes, 2 trips a token
+    (BF16, 3, 8, 150, 20, 20, 16),        # 3 vectors: 1 lane, its 4th vector past it
+    (np.float16, 5, 8, 90, 13, 13, 8),    # 5 vectors: 2 lanes, 3 of their 8 past it
+    (np.float32, 1, 64, 40, 300, 0, 256),  # 16 vectors: 4 lanes; 2 pages of 256
+    (np.float32, 9, 256, 5, 3, 3, 16),    # 576 vectors: 256 lanes, 448 past it
 ])
 def test_write_vectors_land_in_their_slots_and_nowhere_else(dtype, n_heads, head_dim, width,
                                                             rows, ring_rows, page_size):
@@ -196,10 +196,10 @@ def pair_tables(rng, pairs, pairs_off):
 
 
 @pytest.mark.parametrize("dtype,n_heads,head_dim,n_layers,page_size,n_pairs", [
-    (np.float16, 1, 8, 3, 8, 5),       # 8 vectors a page: 4 lanes, 64 runs a block; 30 runs
-    (BF16, 2, 64, 2, 16, 3),           # 256 vectors: 128 lanes, 2 runs a block
-    (np.float16, 3, 8, 2, 8, 4),       # 24 vectors: 16 lanes, the last one's 2nd vector past it
-    (np.float32, 3, 8, 1, 256, 2),     # 1536 vectors: 256 lanes, 3 trips a run
+    (np.float16, 1, 8, 3, 8, 5),       # 8 vectors a page: 2 lanes, 128 runs a block; 30 runs
+    (BF16, 2, 64, 2, 16, 3),           # 256 vectors: 64 lanes, 4 runs a block
+    (np.float16, 3, 8, 2, 8, 4),       # 24 vectors: 8 lanes, 8 of their 32 past it
+    (np.float32, 3, 8, 1, 256, 2),     # 1536 vectors: 256 lanes, 2 trips a run
     (np.uint8, 3, 5, 2, 8, 3),         # 120-byte pages: element-wise, 128 lanes
     (np.uint8, 1, 3, 1, 256, 2),       # 768 elements a page: element-wise, 3 trips a run
 ])

@@ -16,7 +16,7 @@ from bench.sassflow import Flow
 from bench.sassloops import is_wide_load
 from bench.sassmodel import (Instruction, address_slice, all_instructions, backward_slice,
                              is_div64_call, is_float64, parse, round_trips)
-from sasstext import code, listing, sass_text
+from sasstext import TOKEN_LOOP, code, listing, sass_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,25 +170,8 @@ def test_the_main_loop_is_the_innermost_of_the_loops_holding_the_marked_instruct
     assert flow.main_loop(lambda ins: ins.base == "HMMA") is None
 
 
-#: a token loop (header .L_x_0) around a vector loop (.L_x_2): an early exit, a token
-#: skipped (.L_x_3), a ring's row (0x80..0xa0) skipped on a flat layer (.L_x_1)
-TOKEN_LOOP = listing(
-    "S2R R0, SR_TID.X", "ISETP.GE.AND P0, PT, R0, R9, PT", "@P0 EXIT",
-    ".L_x_0:",
-    "LDG.E R2, desc[UR4][R4.64]", "ISETP.GE.AND P1, PT, R2, RZ, PT", "@!P1 BRA `(.L_x_3)",
-    "ISETP.NE.AND P2, PT, R8, RZ, PT", "@!P2 BRA `(.L_x_1)",
-    "IMAD.HI.U32 R3, R2, R7, RZ", "IMAD R3, R3, R8, R2", "IADD3 R3, R3, -R8, RZ",
-    ".L_x_1:",
-    "MOV R6, RZ",
-    ".L_x_2:",
-    "LDG.E.128 R12, desc[UR4][R4.64]", "LDG.E.128 R16, desc[UR4][R4.64+0x100]",
-    "STG.E.128 desc[UR4][R6.64], R12", "STG.E.128 desc[UR4][R6.64+0x100], R16",
-    "IADD3 R6, R6, 0x1, RZ", "ISETP.LT.AND P3, PT, R6, R10, PT", "@P3 BRA `(.L_x_2)",
-    ".L_x_3:",
-    "IADD3 R0, R0, R11, RZ", "ISETP.LT.AND P0, PT, R0, R9, PT", "@P0 BRA `(.L_x_0)",
-    "EXIT",
-    ".L_x_4:",
-    "BRA `(.L_x_4)")
+#: `TOKEN_LOOP`, and a block after its exit that no path reaches
+TOKEN_LISTING = listing(*TOKEN_LOOP, ".L_x_4:", "BRA `(.L_x_4)")
 
 
 def test_a_path_through_a_loop_takes_every_other_loop_once_and_skips_what_it_may():
@@ -196,7 +179,7 @@ def test_a_path_through_a_loop_takes_every_other_loop_once_and_skips_what_it_may
     after it the token latch 3 and EXIT 1: 13 instructions, 16 through the ring's row.
     The vector loop's own 7 are counted apart; the skip of a token (which bypasses the
     vector loop) and the early EXIT are no way through it."""
-    flow = Flow(parse(TOKEN_LOOP)[0])
+    flow = Flow(parse(TOKEN_LISTING)[0])
     outer, inner = flow.loops
     assert (outer.header, inner.header) == (0x30, 0xc0)
     assert len(inner.instructions) == 7
@@ -207,7 +190,7 @@ def test_a_path_through_a_loop_takes_every_other_loop_once_and_skips_what_it_may
 def test_a_trips_hot_path_leaves_out_the_blocks_it_may_skip():
     """The token loop's trip: 3 + 2 + 1 + 7 + 3 = 16 on a flat layer, 3 + 2 + 3 + 1 + 7 + 3
     = 19 through the ring's row, and 3 + 3 = 6 for a skipped token (the shortest)."""
-    flow = Flow(parse(TOKEN_LOOP)[0])
+    flow = Flow(parse(TOKEN_LISTING)[0])
     outer, inner = flow.loops
     assert flow.hot_path(inner) == (7, 7)
     assert flow.hot_path(outer) == (6, 19)

@@ -5,7 +5,7 @@ import pytest
 from bench import sassattention, sassmove
 from bench.sassflow import Flow
 from bench.sassmodel import parse
-from sasstext import listing
+from sasstext import TOKEN_LOOP, listing
 
 
 def flow_of(*lines: str) -> Flow:
@@ -117,23 +117,7 @@ def test_combine_round_trips_walk_the_tables_then_each_trip():
 
 # --- write and copy -------------------------------------------------------------------------
 
-#: a token loop around a vector loop of one K and one V vector a trip (B = 7); on the way
-#: through it 13 instructions on a flat layer, 16 through the ring's row (0x80..0xa0)
-MOVE_LIKE = (
-    "S2R R0, SR_TID.X", "ISETP.GE.AND P0, PT, R0, R9, PT", "@P0 EXIT",
-    ".L_x_0:",
-    "LDG.E R2, desc[UR4][R4.64]", "ISETP.GE.AND P1, PT, R2, RZ, PT", "@!P1 BRA `(.L_x_3)",
-    "ISETP.NE.AND P2, PT, R8, RZ, PT", "@!P2 BRA `(.L_x_1)",
-    "IMAD.HI.U32 R3, R2, R7, RZ", "IMAD R3, R3, R8, R2", "IADD3 R3, R3, -R8, RZ",
-    ".L_x_1:",
-    "MOV R6, RZ",
-    ".L_x_2:",
-    "LDG.E.128 R12, desc[UR4][R4.64]", "LDG.E.128 R16, desc[UR4][R4.64+0x100]",
-    "STG.E.128 desc[UR4][R6.64], R12", "STG.E.128 desc[UR4][R6.64+0x100], R16",
-    "IADD3 R6, R6, 0x1, RZ", "ISETP.LT.AND P3, PT, R6, R10, PT", "@P3 BRA `(.L_x_2)",
-    ".L_x_3:",
-    "IADD3 R0, R0, R11, RZ", "ISETP.LT.AND P0, PT, R0, R9, PT", "@P0 BRA `(.L_x_0)",
-    "EXIT")
+MOVE_LIKE = TOKEN_LOOP      # a token loop around a vector loop (B = 7)
 
 
 def test_write_counts_a_lanes_whole_run_per_vector_of_a_token():
