@@ -149,6 +149,42 @@ def check_out(name: str, out, shape: tuple, dtypes, device: int = 0) -> None:
                          f"(or none, to get a new one)")
 
 
+def memory_span(array) -> tuple:
+    """`(memory, first byte, end byte)` of the bytes an array's elements occupy (strides
+    taken into account), `memory` naming where ("host", or "cuda" with its device), for
+    telling whether two arrays overlap; `(memory, 0, 0)` for an array of no elements."""
+    kind = _kind(array)
+    if kind == HOST:
+        pointer, strides, itemsize = array.ctypes.data, array.strides, array.itemsize
+        memory = "host"
+    elif kind == TORCH:
+        itemsize = array.element_size()
+        pointer, strides = array.data_ptr(), [s * itemsize for s in array.stride()]
+        memory = "host" if array.device.type == "cpu" else str(array.device)
+    elif kind == DEVICE:       # Numba's (the simulator's too): the pointer kept on the array
+        pointer, strides, itemsize = device_pointer(array), array.strides, array.dtype.itemsize
+        memory = "cuda"
+    else:
+        interface = array.__cuda_array_interface__
+        itemsize = _typestr_dtype(interface["typestr"]).itemsize
+        pointer = interface["data"][0] or 0
+        strides = interface.get("strides") or c_strides(tuple(interface["shape"]), itemsize)
+        memory = "cuda"
+    shape = tuple(array.shape)
+    if 0 in shape:
+        return memory, 0, 0
+    low = sum(min(0, s * (n - 1)) for s, n in zip(strides, shape))
+    high = sum(max(0, s * (n - 1)) for s, n in zip(strides, shape))
+    return memory, pointer + low, pointer + high + itemsize
+
+
+def overlap(a, b) -> bool:
+    """Whether arrays `a` and `b` may share bytes (their spans intersect in one memory)."""
+    memory_a, first_a, end_a = memory_span(a)
+    memory_b, first_b, end_b = memory_span(b)
+    return memory_a == memory_b and first_a < end_b and first_b < end_a
+
+
 def array_device(array, kind: str):
     """Where a non-NumPy array lives, as far as can be told: a CUDA device id (int), a
     non-CUDA device's name (str: a PyTorch "meta", "mps", ... tensor), or None for the

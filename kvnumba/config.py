@@ -107,8 +107,9 @@ class CacheConfig:
     max_seqs:     sequence slots handed out (ids `0 .. max_seqs - 1`).
     max_write:    most tokens one sequence writes in one step (`M`).
     max_step:     most tokens, padding included, in one step.
-    dtype:        storage dtype, "float32", "float16" or "bfloat16" (bfloat16 needs the
-                  ml_dtypes package for its host arrays: `kvnumba[bf16]`).
+    dtype:        storage dtype, "float32", "float16" or "bfloat16" (NumPy host arrays of
+                  bfloat16 need the ml_dtypes package, `kvnumba[bf16]`; PyTorch tensors
+                  and device arrays do not).
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
     initial_pages: pages each layer kind's pool starts with (None: one sequence's worth,
                   `kind_pages`); the pool grows by doubling up to `max_pages`.
@@ -142,36 +143,41 @@ class CacheConfig:
                 raise ConfigError(f"layers[{i}]={describe(spec)}: must be flat() or "
                                   f"ring(window=...)")
         object.__setattr__(self, "layers", layers)
-        _require_int("n_kv_heads", self.n_kv_heads, 1)
-        _require_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
-        _require_int("capacity", self.capacity, 1, INT32_MAX,
-                     rule=f"1 <= capacity <= {INT32_MAX} (positions are int32)")
-        _require_int("max_seqs", self.max_seqs, 1, INT32_MAX - 1)
-        _require_int("max_write", self.max_write, 1, self.capacity,
-                     rule=f"1 <= max_write <= capacity ({self.capacity})")
-        _require_int("max_step", self.max_step, self.max_write, INT32_MAX,
-                     rule=f"max_step >= max_write ({self.max_write}) and max_step <= {INT32_MAX}")
+        self._set_int("n_kv_heads", self.n_kv_heads, 1)
+        self._set_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        self._set_int("capacity", self.capacity, 1, INT32_MAX,
+                      rule=f"1 <= capacity <= {INT32_MAX} (positions are int32)")
+        self._set_int("max_seqs", self.max_seqs, 1, INT32_MAX - 1)
+        self._set_int("max_write", self.max_write, 1, self.capacity,
+                      rule=f"1 <= max_write <= capacity ({self.capacity})")
+        self._set_int("max_step", self.max_step, self.max_write, INT32_MAX,
+                      rule=f"max_step >= max_write ({self.max_write}) and max_step <= "
+                           f"{INT32_MAX}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
         self._check_pages()
-        if self.dtype == "bfloat16" and importlib.util.find_spec("ml_dtypes") is None:
-            raise ConfigError("dtype='bfloat16': host arrays of bfloat16 need the ml_dtypes "
-                              "package: pip install 'kvnumba[bf16]' (or ml_dtypes)")
+
+    def _set_int(self, name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
+        """Field `name` checked (`_require_int`) and kept as a Python int (a NumPy integer
+        given for it is converted: every rule and every use afterwards sees an int)."""
+        value = _require_int(name, value, lo, hi, rule)
+        object.__setattr__(self, name, value)
+        return value
 
     def _check_pages(self) -> None:
-        size = _require_int("page_size", self.page_size, MIN_PAGE_SIZE, MAX_PAGE_SIZE)
+        size = self._set_int("page_size", self.page_size, MIN_PAGE_SIZE, MAX_PAGE_SIZE)
         if size & (size - 1):
             raise ConfigError(f"page_size={size}: requires a power of two from "
                               f"{MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}")
         slot_bound = INT32_MAX // size      # a pool's slots are int32 in the kernels
         if self.max_pages is not None:
-            _require_int("max_pages", self.max_pages, 1, slot_bound,
-                         rule=f"1 <= max_pages <= {slot_bound} (max_pages x page_size "
-                              f"{size} slots must stay int32)")
+            self._set_int("max_pages", self.max_pages, 1, slot_bound,
+                          rule=f"1 <= max_pages <= {slot_bound} (max_pages x page_size "
+                               f"{size} slots must stay int32)")
         if self.initial_pages is not None:
             hi = self.max_pages if self.max_pages is not None else slot_bound
-            _require_int("initial_pages", self.initial_pages, 1, hi,
-                         rule=f"1 <= initial_pages <= max_pages ({hi})")
+            self._set_int("initial_pages", self.initial_pages, 1, hi,
+                          rule=f"1 <= initial_pages <= max_pages ({hi})")
         entries = (self.max_seqs + 1) * sum(self.table_pages(rows) for rows in
                                             set(self.ring_rows().tolist()))
         if entries > INT32_MAX:
@@ -257,9 +263,14 @@ class CacheConfig:
 
     @property
     def np_dtype(self) -> np.dtype:
-        """The storage dtype on the host (`sequence_kv`): bfloat16 as `ml_dtypes.bfloat16`."""
+        """The storage dtype on the host (`sequence_kv`): bfloat16 as `ml_dtypes.bfloat16`
+        (NumPy has no bfloat16: `ConfigError` naming the extra without ml_dtypes; PyTorch
+        tensors in and out never need it)."""
         if self.dtype != "bfloat16":
             return self.storage_dtype
+        if importlib.util.find_spec("ml_dtypes") is None:
+            raise ConfigError("dtype='bfloat16': NumPy host arrays of bfloat16 need the "
+                              "ml_dtypes package: pip install 'kvnumba[bf16]' (or ml_dtypes)")
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
 

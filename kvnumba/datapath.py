@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from .args import as_finite, describe, is_int
-from .arrays import Result, check, check_out, device_view
+from .arrays import Result, check, check_out, device_view, overlap
 from .config import CacheConfig
 from .errors import ShapeError, StepProtocolError
 from .kernels.launch import no_output
@@ -61,7 +61,7 @@ class DataPath:
                              f"softcap, lse)")
         layer = self._write_args(step, layer, k, v)
         attend_args = self._attend_inputs(step, q, kw.get("out"), kw.get("scale"),
-                                          kw.get("softcap"), kw.get("lse"))
+                                          kw.get("softcap"), kw.get("lse"), k=k, v=v)
         self._launch_write(step, layer, k, v)
         return self._launch_attend(step, layer, *attend_args)
 
@@ -92,13 +92,17 @@ class DataPath:
         return (self.layer(layer, "attend"),
                 *self._attend_inputs(step, q, out, scale, softcap, lse))
 
-    def _attend_inputs(self, step, q, out, scale, softcap, lse) -> tuple:
-        """`(q, out, scale, softcap, lse)` checked, the defaults filled in."""
+    def _attend_inputs(self, step, q, out, scale, softcap, lse, **inputs) -> tuple:
+        """`(q, out, scale, softcap, lse)` checked, the defaults filled in; `inputs`: the
+        other arrays of the call (`k`, `v`), which `out` and `lse` must not overlap
+        either."""
         shape = self._check_q(step, q)
         if out is not None:
             check_out("out", out, shape, IO_DTYPES, self.device)
         if lse is not None:
             check_out("lse", lse, shape[:2], _LSE_DTYPES)
+        if out is not None or lse is not None:
+            _check_apart(dict(out=out, lse=lse), dict(q=q, **inputs))
         scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
         softcap = _NO_SOFTCAP if softcap is None else as_finite(softcap, "attend: softcap",
                                                                 positive=True)
@@ -145,3 +149,14 @@ class DataPath:
         if row_lse is not None:
             row_lse.value()          # a host `lse` is filled from the device
         return result.value()
+
+
+def _check_apart(outputs: dict, inputs: dict) -> None:
+    """Refuse (`ShapeError`) an output (`out`, `lse`; None: not given) that overlaps another
+    output or an input (contract §8): the kernels would read what they write."""
+    given = [(name, array) for name, array in outputs.items() if array is not None]
+    for i, (name, array) in enumerate(given):
+        for other, found in [*given[i + 1:], *inputs.items()]:
+            if overlap(array, found):
+                raise ShapeError(f"{name}: its memory overlaps {other}'s; pass an {name} "
+                                 f"that shares no memory with q, k, v or the other output")

@@ -255,6 +255,8 @@ def device_id(device) -> int:
     an id outside `[0, GPU_COUNT)` (the simulator has device 0 only)."""
     if device is None:
         return cuda.get_current_device().id if KIND == "gpu" else 0
+    if KIND != "gpu" and not hasattr(device, "id") and hasattr(device, "compute_capability"):
+        return 0       # the simulator's (or compile mode's) one device, as Numba gives it
     number = getattr(device, "id", device)
     if isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, np.integer)):
         raise ConfigError(f"device: expected an int CUDA device id or a Numba device, got "

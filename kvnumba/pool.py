@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .config import CacheConfig
-from .page_accounting import KindPages, PageAccounting
+from .page_accounting import PageAccounting
 from .storage import PageStorage
 
 
@@ -36,17 +36,16 @@ class Pool:
 
     def reserve(self, demand: list, verb: str) -> None:
         """Make the pages of `demand` (`(KindPages, pages)` pairs) free: `CapacityError`,
-        nothing changed, when a pool cannot give them under `max_pages`; storage grown
-        where there are too few free pages."""
+        nothing changed, when a pool cannot give them under `max_pages`, or when growing
+        the storage of one that has too few free pages fails (every grown storage is
+        allocated before any is put in use)."""
         for kind, needed in demand:
             kind.require(needed, verb)
-        for kind, needed in demand:
-            self._ensure_free(kind, needed, verb)
-
-    def _ensure_free(self, kind: KindPages, needed: int, verb: str) -> None:
-        n_pages = kind.grown(needed)
-        if n_pages > kind.n_pages:
-            self.storage.grow(self._index[id(kind)], n_pages, verb)   # may fail: nothing changed
+        growing = [(kind, kind.grown(needed)) for kind, needed in demand]
+        fresh = [(kind, n_pages, self.storage.grown(self._index[id(kind)], n_pages, verb))
+                 for kind, n_pages in growing if n_pages > kind.n_pages]
+        for kind, n_pages, group in fresh:
+            self.storage.install(self._index[id(kind)], group)
             kind.grow(n_pages)
 
     # ------------------------------------------------------------------ verbs

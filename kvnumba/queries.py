@@ -16,7 +16,7 @@ from .device import on_its_device
 from .errors import ConfigError
 from .pages import flashinfer_tables
 from .plan import held_positions, ring_floor
-from .slots import SlotState, StepState
+from .slots import SlotState, StepState, state_refusal
 from .step import StepPlan
 
 
@@ -98,7 +98,7 @@ class CacheQueries:
         """A host copy of the page ids `seq` holds on `layer`'s kind, in order (int32
         `[pages held]`; flat: position `p` in page `[p // page_size]`; ring: ring slot `s`
         in `[s // page_size]`)."""
-        seq = self._id(seq, "page_table")
+        seq = self._live(self._id(seq, "page_table"), "page_table")
         kind = self._pool.pages.kind_of[self._data.layer(layer, "page_table")]
         return kind.table[seq, :kind.held[seq]].copy()
 
@@ -126,6 +126,8 @@ class CacheQueries:
             lengths = pos[ids] + written[ids]
         else:
             ids = as_ids(seqs, self._n, "paged_kv seqs")
+            for seq in ids[self._slots.state[ids] == SlotState.FREE][:1].tolist():
+                self._live(seq, "paged_kv")
             lengths = pos[ids]
         return flashinfer_tables(flat.table, ids, lengths.astype(np.int64), self.page_size)
 
@@ -159,7 +161,7 @@ class CacheQueries:
 
         Flat layers: positions `[0, pos)`; ring layers: `[max(0, hw - R), pos)`.
         """
-        seq = self._id(seq, "sequence_kv")
+        seq = self._live(self._id(seq, "sequence_kv"), "sequence_kv")
         layer = self._data.layer(layer, "sequence_kv")
         ring = self._data.layer_geometry[layer][0]
         start, stop = held_positions(int(self._slots.pos[seq]),
@@ -171,4 +173,12 @@ class CacheQueries:
 
     def _id(self, seq, verb: str) -> int:
         return as_id(seq, self._n, verb)
+
+    def _live(self, seq: int, verb: str) -> int:
+        """`seq`, or `FreeSequenceError` when no live sequence holds the slot: its data
+        reads (pages, K/V) are refused, its per-slot queries answer for a free slot."""
+        if self._slots.state[seq] == SlotState.FREE:
+            raise state_refusal(seq, SlotState.FREE, f"{verb} of its data",
+                                [s.name for s in SlotState if s != SlotState.FREE])
+        return seq
 

@@ -74,10 +74,10 @@ class PageStorage:
     def n_pages(self, i: int) -> int:
         return self.groups[i].shape[2]
 
-    def grow(self, i: int, n_pages: int, what: str) -> None:
-        """Grow kind `i`'s storage to `n_pages`, keeping every page: the new group is
-        allocated before anything is swapped in, so a failed allocation (`CapacityError`
-        naming `what`) leaves the old storage in use."""
+    def grown(self, i: int, n_pages: int, what: str):
+        """Kind `i`'s storage grown to `n_pages`, every page copied in, not yet in use
+        (`install` it): a failed allocation (`CapacityError` naming `what`) leaves the old
+        storage as it was."""
         old = self.groups[i]
         old_n = old.shape[2]
         with allocating(f"{what}: growing the pool of the "
@@ -87,7 +87,11 @@ class PageStorage:
         for j in range(old.shape[0]):          # pages are outermost in each (layer, K/V)
             for kv in range(2):
                 fresh[j, kv, :old_n].copy_to_device(old[j, kv], stream=self.stream)
-        self._install(i, fresh)
+        return fresh
+
+    def install(self, i: int, group) -> None:
+        """Kind `i`'s storage is `group` from now on (`grown`)."""
+        self._install(i, group)
 
     # ------------------------------------------------------------------ device work
     def patch(self, tables, section) -> None:

@@ -8,119 +8,27 @@ tokens of requests still prefilling, within `max_step` tokens. The model runs on
 over the packed axis with the step's positions; logits are computed only at the rows
 that choose a token. Requests join (`submit`) and leave (`step` returns them) between
 steps; one that cannot be admitted waits: until enough sequences are free, and, with a
-bounded page pool (`max_pages`), until the pages its sequences may come to hold are
-(each of its `n` sequences at its prompt plus `max_new_tokens`, and their rings), so a
-step of the running requests never finds a pool exhausted.
+bounded page pool (`max_pages`, `kv_bytes`), until the pages its sequences may come to
+hold are (each of its `n` sequences at its prompt plus `max_new_tokens`, and their
+rings), so a step of the running requests never finds a pool exhausted.
+
+A request is checked whole before anything is queued, drawn or seeded (`requests`),
+and the engine leaves process-wide state alone: each request samples from its own
+`torch.Generator`, seeded with its `seed` or with fresh entropy, never from torch's
+global generators.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
+import secrets
 from collections import deque
-from dataclasses import dataclass, field
 
-import numpy as np
-
-from .. import BatchedSequenceCache, SessionTable, run_inputs
-from ..args import as_count, is_int
+from ..args import as_count
 from ..errors import CapacityError, ConfigError
-from .attention import ATTENTION, register
+from .attention import register
 from .config import cache_config, text_config
-from .sampling import Sampling
-
-
-@dataclass
-class Request:
-    """One sequence being generated (a request with `n > 1` is `n` of them, forked
-    from the first once its prompt is prefilled)."""
-
-    rid: int
-    tokens: list            # prompt, then the tokens generated so far
-    n_prompt: int
-    max_new: int
-    sampling: Sampling
-    eos: frozenset
-    generator: object
-    n: int = 1              # forks still to make from this one after its prefill
-    sid: int | None = None  # its session in the target's table (None: waiting)
-    dsid: int | None = None  # its session in the draft's table
-    fed: int = 0            # positions the target's cache holds that stand
-    dfed: int = 0           # positions the draft's cache holds that stand
-    done: bool = False
-    group: list = field(default_factory=list)   # the request's sequences, in order (shared)
-
-    @property
-    def new(self) -> list:
-        return self.tokens[self.n_prompt:]
-
-    def finish_if_due(self) -> None:
-        """Done at `max_new` tokens or at an eos token (kept, as the last one); tokens
-        past either (accepted drafts beyond it) are dropped."""
-        new = self.new
-        limit = next((i + 1 for i, t in enumerate(new) if t in self.eos), self.max_new)
-        limit = min(limit, self.max_new)
-        if len(new) >= limit:
-            del self.tokens[self.n_prompt + limit:]
-            self.done = True
-
-
-class Model:
-    """A model and its own cache and session table, run one packed step at a time."""
-
-    def __init__(self, model, config):
-        self.model = model
-        self.cache = BatchedSequenceCache(config)
-        self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
-                                  max_session_tokens=config.capacity)
-        self.device = next(model.parameters()).device
-        # per layer kind: (its ring rows, 0 for the flat layers; the pages its pool hands
-        # out at most: all it can give while the cache holds nothing)
-        self.kinds = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
-
-    def pages_for(self, positions: int, n: int) -> list:
-        """Per layer kind, the most pages `n` sequences of up to `positions` positions
-        hold (no sharing counted: forks may hold fewer)."""
-        return [n * pages for pages in self.cache.config.sequence_pages(positions)]
-
-    def need(self, request) -> list:
-        """Per layer kind, the most pages `request`'s sequences come to hold."""
-        return self.pages_for(request.n_prompt + request.max_new, request.n)
-
-    def reserved(self, requests) -> list:
-        """Per layer kind, what `requests` may come to hold together."""
-        return [sum(column) for column in zip([0] * len(self.kinds),
-                                              *map(self.need, requests))]
-
-    def fits(self, reserved: list, request) -> bool:
-        """Whether `request`'s sequences fit the pools beside `reserved` pages."""
-        return all(r + n <= bound for r, n, (_, bound) in
-                   zip(reserved, self.need(request), self.kinds))
-
-    @contextlib.contextmanager
-    def _attention(self):
-        config = self.model.config
-        before = config._attn_implementation
-        config._attn_implementation = ATTENTION
-        try:
-            yield
-        finally:
-            config._attn_implementation = before
-
-    def run(self, inputs, rows):
-        """Run the model over `inputs` (`(sid, start, tokens)`, packed in this order) and
-        return its logits `[len(rows), vocab]` at packed rows `rows` (one step of the
-        step driver: any error aborts it)."""
-        import torch
-
-        def forward(packed, plan):
-            ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=self.device)[None]
-            positions = torch.as_tensor(plan.positions.astype(np.int64), device=self.device)
-            keep = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
-            with torch.inference_mode(), self._attention():
-                return self.model(input_ids=ids, position_ids=positions[None],
-                                  use_cache=False, logits_to_keep=keep,
-                                  kvnumba_cache=self.cache).logits[0]
-        return run_inputs(self.table, inputs, forward)
+from .requests import Request, checked_prompts, checked_request, checked_seed
+from .served import ServedModel
 
 
 class Engine:
@@ -131,18 +39,27 @@ class Engine:
     `capacity` positions; `max_write` prompt tokens per request per step (default
     `min(capacity, 256)`) and `max_step` tokens per step (default `max_write +
     max_seqs * (draft_len + 1)`: every request's decode or verify beside one prompt
-    chunk); `dtype`: the storage
-    dtype (default: the model's). `draft_model`: a smaller model with the same
-    vocabulary that proposes `draft_len` tokens per step for the model to verify
-    (speculative decoding; with `temperature=0` the output is the model's own greedy
-    output). `cache_options` go to `CacheConfig` (`page_size`, `initial_pages`, `max_pages`).
+    chunk); `dtype`: the storage dtype (default: the model's). `draft_model`: a smaller
+    model with the same vocabulary that proposes `draft_len` tokens per step for the
+    model to verify (speculative decoding; with `temperature=0` the output is the
+    model's own greedy output). `kv_bytes`: a byte budget for the K/V storage of every
+    cache the engine makes (the model's and the draft's, shared in proportion to their
+    bytes per token), each a fixed pool that never grows (`CacheConfig.fixed_pool`);
+    without it each pool starts small and doubles as needed up to `max_pages`
+    (docs/sizing.md). `cache_options` go to `CacheConfig` (`page_size`,
+    `initial_pages`, `max_pages`).
+
+    A model in training mode with attention dropout is refused (`ConfigError`): kvnumba
+    attends without dropout; put it in eval mode (`model.eval()`).
     """
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
-                 draft_len: int = 4, **cache_options):
-        register()
+                 draft_len: int = 4, kv_bytes: int | None = None, **cache_options):
         self.draft_len = as_count(draft_len, "draft_len", 1) if draft_model else 0
+        for served in (model, draft_model):
+            if served is not None:
+                refuse_dropout(served)
         config = cache_config(model, max_seqs=max_seqs, capacity=capacity,
                               max_write=max_write, max_step=max_step, dtype=dtype,
                               tokens_per_decode=self.draft_len + 1, **cache_options)
@@ -155,14 +72,17 @@ class Engine:
             raise ConfigError(f"draft_model: vocabulary of "
                               f"{text_config(draft_model.config).vocab_size} tokens, the "
                               f"model's has {self.vocab}")
-        self.config = config
-        self.target = Model(model, config)
-        self.draft = None
+        configs = [config]
         if draft_model is not None:
-            self.draft = Model(draft_model, cache_config(
-                draft_model, max_seqs=max_seqs, capacity=capacity,
-                max_write=config.max_write, max_step=config.max_step, dtype=dtype,
-                **cache_options))
+            configs.append(cache_config(draft_model, max_seqs=max_seqs, capacity=capacity,
+                                        max_write=config.max_write, max_step=config.max_step,
+                                        dtype=dtype, **cache_options))
+        if kv_bytes is not None:
+            configs = budgeted(configs, as_count(kv_bytes, "kv_bytes", 1))
+        register()
+        self.config = configs[0]
+        self.target = ServedModel(model, configs[0])
+        self.draft = ServedModel(draft_model, configs[1]) if draft_model is not None else None
         self._ids = itertools.count(1)
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -184,51 +104,27 @@ class Engine:
                n: int = 1) -> int:
         """Queue a request; returns its id. `step()` reports it when done: its new
         tokens (with `n > 1`, a list of `n` such lists, the prompt prefilled once and
-        forked). Refused (`ConfigError`, `CapacityError`) before anything is queued:
-        an empty prompt or one with ids outside the vocabulary, a prompt plus
-        `max_new_tokens` past `capacity`, `n` past `max_seqs`, bad sampling options."""
-        import torch
-        tokens = self._prompt(prompt)
-        max_new = as_count(max_new_tokens, "max_new_tokens", 1)
-        n = as_count(n, "n", 1)
-        sampling = Sampling(temperature, top_p)
-        if len(tokens) + max_new > self.config.capacity:
-            raise CapacityError(f"a prompt of {len(tokens)} tokens and max_new_tokens="
-                                f"{max_new} need {len(tokens) + max_new} positions; capacity "
-                                f"is {self.config.capacity}")
-        if n > self.config.max_seqs:
-            raise CapacityError(f"n={n} sequences: the engine holds max_seqs="
-                                f"{self.config.max_seqs}")
-        for model in self._models():
-            need = model.pages_for(len(tokens) + max_new, n)
-            for (rows, bound), pages in zip(model.kinds, need):
-                if pages > bound:
-                    raise CapacityError(
-                        f"a prompt of {len(tokens)} tokens and max_new_tokens={max_new} "
-                        f"in {n} sequences may hold {pages} pages of "
-                        f"{model.cache.config.page_size} positions on the "
-                        f"{'flat layers' if not rows else f'ring layers of {rows} rows'}, "
-                        f"more than their pool's {bound}: raise max_pages")
-        if seed is not None and not is_int(seed):
-            raise ConfigError(f"seed={seed!r}: must be an int or None")
-        generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(int(seed) if seed is not None else int(torch.seed()))
-        rid = next(self._ids)
-        request = Request(rid, tokens, len(tokens), max_new, sampling, _eos(eos_token_id),
-                          generator, n=n)
-        request.group.append(request)
-        self._waiting.append(request)
-        return rid
+        forked). `prompt`: a list (or 1-D int array) of token ids; `seed`: an int in
+        `[0, 2**64)` for the request's own generator (None: fresh entropy; torch's
+        global generators are never touched); `eos_token_id`: an int, a list of ints or
+        None. Every prompt id and option is checked before anything is queued, drawn or
+        seeded (`ConfigError`, `CapacityError`)."""
+        return self._queue(self._checked(prompt, max_new_tokens, temperature, top_p, seed,
+                                         eos_token_id, n))
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
                  n: int = 1) -> list:
-        """The new tokens of each prompt (`n > 1`: `n` lists per prompt, in order),
-        served with continuous batching; `seed` seeds prompt `i` with `seed + i`."""
-        rids = [self.submit(p, max_new_tokens=max_new_tokens, temperature=temperature,
-                            top_p=top_p, seed=None if seed is None else seed + i,
-                            eos_token_id=eos_token_id, n=n)
-                for i, p in enumerate(prompts)]
+        """The new tokens of each prompt (`prompts`: a list of prompts, each a list of
+        token ids; `n > 1`: `n` lists per prompt, in order), served with continuous
+        batching; `seed` seeds prompt `i` with `seed + i`. The whole call is checked
+        before any prompt is queued: a refusal queues nothing."""
+        prompts = checked_prompts(prompts)
+        checked_seed(seed, len(prompts) - 1)
+        checked = [self._checked(p, max_new_tokens, temperature, top_p,
+                                 None if seed is None else seed + i, eos_token_id, n)
+                   for i, p in enumerate(prompts)]
+        rids = [self._queue(request) for request in checked]
         results = {}
         while self.busy:
             results.update(self.step())
@@ -236,6 +132,39 @@ class Engine:
         for rid in rids:
             out.extend(results[rid] if n > 1 else [results[rid]])
         return out
+
+    def _checked(self, prompt, max_new_tokens, temperature, top_p, seed, eos_token_id,
+                 n) -> Request:
+        """A request whose every option passed, and which every pool could hold."""
+        for served in self._models():
+            refuse_dropout(served.model)
+        request = checked_request(prompt, vocab=self.vocab, capacity=self.config.capacity,
+                                  max_seqs=self.config.max_seqs,
+                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_p=top_p, seed=seed, eos_token_id=eos_token_id, n=n)
+        positions = request.n_prompt + request.max_new
+        for served in self._models():
+            for (rows, bound), pages in zip(served.kinds, served.pages_for(positions,
+                                                                           request.n)):
+                if pages > bound:
+                    raise CapacityError(
+                        f"a prompt of {request.n_prompt} tokens and max_new_tokens="
+                        f"{request.max_new} in {request.n} sequences may hold {pages} pages "
+                        f"of {served.cache.config.page_size} positions on the "
+                        f"{'flat layers' if not rows else f'ring layers of {rows} rows'}, "
+                        f"more than their pool's {bound}: raise max_pages (or kv_bytes)")
+        return request
+
+    def _queue(self, request: Request) -> int:
+        """Queue a checked request: its id drawn, its generator seeded."""
+        import torch
+        generator = torch.Generator(device=self.target.device)
+        generator.manual_seed(request.seed if request.seed is not None else
+                              secrets.randbits(63))
+        request.rid, request.generator = next(self._ids), generator
+        request.group.append(request)
+        self._waiting.append(request)
+        return request.rid
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list:
@@ -368,10 +297,10 @@ class Engine:
         for i in range(1, request.n):
             generator = torch.Generator(device=self.target.device)
             generator.manual_seed(int(torch.randint(2**62, (), generator=request.generator)))
-            child = Request(request.rid, list(request.tokens), request.n_prompt,
-                            request.max_new, request.sampling, request.eos, generator,
-                            sid=self.target.table.clone(request.sid), fed=request.fed,
-                            group=request.group)
+            child = Request(list(request.tokens), request.n_prompt, request.max_new,
+                            request.sampling, request.eos, None, rid=request.rid,
+                            generator=generator, sid=self.target.table.clone(request.sid),
+                            fed=request.fed, group=request.group)
             if self.draft:
                 child.dsid = self.draft.table.clone(request.dsid)
                 child.dfed = request.dfed
@@ -398,28 +327,20 @@ class Engine:
                 finished.append((request.rid, outs if len(outs) > 1 else outs[0]))
         return finished
 
-    def _prompt(self, prompt) -> list:
-        """A prompt as a list of token ids, or `ConfigError`."""
-        try:
-            array = np.asarray(prompt)
-        except ValueError as exc:
-            raise ConfigError(f"prompt: expected a 1-D sequence of token ids ({exc})") from exc
-        if array.size == 0:
-            raise ConfigError("prompt: empty; a request needs at least one token")
-        if array.ndim != 1 or array.dtype.kind not in "iu":
-            raise ConfigError(f"prompt: expected a 1-D sequence of int token ids, got shape "
-                              f"{array.shape} dtype {array.dtype}")
-        bad = array[(array < 0) | (array >= self.vocab)]
-        if bad.size:
-            raise ConfigError(f"prompt: token ids {bad[:4].tolist()} outside the vocabulary "
-                              f"[0, {self.vocab})")
-        return array.tolist()
+
+def refuse_dropout(model) -> None:
+    """`ConfigError` for a model in training mode whose attention drops out: kvnumba
+    attends without dropout, so it would compute another model."""
+    dropout = getattr(text_config(model.config), "attention_dropout", 0.0) or 0.0
+    if model.training and dropout:
+        raise ConfigError(f"{model.config.model_type}: the model is in training mode with "
+                          f"attention dropout {dropout}; kvnumba attends without dropout: "
+                          f"put it in eval mode (model.eval())")
 
 
-def _eos(eos_token_id) -> frozenset:
-    if eos_token_id is None:
-        return frozenset()
-    ids = [eos_token_id] if is_int(eos_token_id) else list(eos_token_id)
-    if not all(is_int(i) for i in ids):
-        raise ConfigError(f"eos_token_id={eos_token_id!r}: an int, a list of ints or None")
-    return frozenset(int(i) for i in ids)
+def budgeted(configs: list, kv_bytes: int) -> list:
+    """`configs` made fixed pools sharing `kv_bytes` in proportion to their bytes per
+    token (so each holds as many positions); `ConfigError` when a share is too small
+    for a pool."""
+    total = sum(config.bytes_per_token for config in configs)
+    return [config.fixed_pool(kv_bytes * config.bytes_per_token // total) for config in configs]

@@ -1,0 +1,70 @@
+"""A `transformers` model with its own kvnumba cache and session table, run one packed
+step at a time through the step driver (`ServedModel`), and what its pools can hold."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .. import BatchedSequenceCache, SessionTable, run_inputs
+from .attention import ATTENTION
+
+
+class ServedModel:
+    """A model and its own cache and session table, run one packed step at a time."""
+
+    def __init__(self, model, config):
+        self.model = model
+        self.cache = BatchedSequenceCache(config)
+        self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
+                                  max_session_tokens=config.capacity)
+        self.device = next(model.parameters()).device
+        # per layer kind: (its ring rows, 0 for the flat layers; the pages its pool hands
+        # out at most: all it can give while the cache holds nothing)
+        self.kinds = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
+
+    def pages_for(self, positions: int, n: int) -> list:
+        """Per layer kind, the most pages `n` sequences of up to `positions` positions
+        hold (no sharing counted: forks may hold fewer)."""
+        return [n * pages for pages in self.cache.config.sequence_pages(positions)]
+
+    def need(self, request) -> list:
+        """Per layer kind, the most pages `request`'s sequences come to hold."""
+        return self.pages_for(request.n_prompt + request.max_new, request.n)
+
+    def reserved(self, requests) -> list:
+        """Per layer kind, what `requests` may come to hold together."""
+        return [sum(column) for column in zip([0] * len(self.kinds),
+                                              *map(self.need, requests))]
+
+    def fits(self, reserved: list, request) -> bool:
+        """Whether `request`'s sequences fit the pools beside `reserved` pages."""
+        return all(r + n <= bound for r, n, (_, bound) in
+                   zip(reserved, self.need(request), self.kinds))
+
+    @contextlib.contextmanager
+    def _attention(self):
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = before
+
+    def run(self, inputs, rows):
+        """Run the model over `inputs` (`(sid, start, tokens)`, packed in this order) and
+        return its logits `[len(rows), vocab]` at packed rows `rows` (one step of the
+        step driver: any error aborts it)."""
+        import torch
+
+        def forward(packed, plan):
+            ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=self.device)[None]
+            positions = torch.as_tensor(plan.positions.astype(np.int64), device=self.device)
+            keep = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
+            with torch.inference_mode(), self._attention():
+                return self.model(input_ids=ids, position_ids=positions[None],
+                                  use_cache=False, logits_to_keep=keep,
+                                  kvnumba_cache=self.cache).logits[0]
+        return run_inputs(self.table, inputs, forward)
+
