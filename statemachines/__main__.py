@@ -16,7 +16,7 @@ from .spec import RESTORE, MachineSpec
 
 #: what each event means, by machine and event (prose only; the edges come from the specs)
 MEANINGS = {
-    ("slot", "seq_new"): "`seq_new()` claims the lowest free column",
+    ("slot", "seq_new"): "`seq_new()` claims the lowest free slot",
     ("slot", "clone_into"): "the destination of `seq_clone(src, upto)`",
     ("slot", "declare"): "the sequence is in a declared step (`declare_step`)",
     ("slot", "commit"): "`commit_step()`: `pos += q_len`, `hw = max(hw, pos)`",
@@ -45,9 +45,9 @@ lookup on the hot path, the `transitions` models that strict mode
 """
 
 SLOT_TEXT = """\
-Every sequence column has one. `prefilling` means "in the open step" (a decode step
+Every sequence slot has one. `prefilling` means "in the open step" (a decode step
 is a one-token fill). A refused event raises `SlotStateError` (or
-`FreeSequenceError` for a free column) naming the sequence, its state, the event
+`FreeSequenceError` for a free slot) naming the sequence, its state, the event
 and the states that allow it, and changes nothing. A clone *source* is read, not
 moved: it must be {sources}.
 """
