@@ -1,7 +1,7 @@
 """Run kvnumba's benchmarks: the control plane, the data path's host time, memory, the
 kernels, the Hugging Face engine, and a JSON record.
 
-    python -m bench [--quick | --smoke] [--results DIR]      (or: kvnumba-bench ...)
+    python -m kvnumba.bench [--quick | --smoke] [--results DIR]      (or: kvnumba-bench ...)
 
 What runs where: the control-plane and memory benches run anywhere; the host-time
 bench too (without a GPU, in `KVNUMBA_DEVICE=compile` mode with the launches recorded,
@@ -106,9 +106,9 @@ def run_sections(args, sections) -> tuple[dict, dict]:
 
 
 def main(argv=None) -> int:
-    """`python -m bench`: every section of `SECTIONS`, then the JSON record."""
+    """`python -m kvnumba.bench`: every section of `SECTIONS`, then the JSON record."""
     # run as a module, argv[0] is this file's path; as `kvnumba-bench`, argparse's own
-    prog = "python -m bench" if sys.argv[0].endswith("__main__.py") else None
+    prog = "python -m kvnumba.bench" if sys.argv[0].endswith("__main__.py") else None
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     add_size_arguments(parser)
     parser.add_argument("--results", type=Path, default=RESULTS,

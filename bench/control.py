@@ -24,7 +24,7 @@ host path, and only the driver calls are no-ops (launches recorded). Where the c
 libraries that mode needs are missing (`kvnumba[sass]`), it runs on the simulator with
 the upload and the patch and copy launches replaced by no-ops, and says so.
 
-    python -m bench.control [--quick]
+    python -m kvnumba.bench.control [--quick]
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ import kvnumba.device as kv_device
 import kvnumba.storage as kv_storage
 import kvnumba.upload as kv_upload
 from kvnumba.plan import SEQ_INFO_FIELDS
-from statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
+from kvnumba.statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 
 BATCHES = (1, 8, 64, 256)
 KINDS = ("decode", "mixed", "spans")
@@ -405,11 +405,11 @@ def run_anywhere(quick: bool = False) -> dict:
     missing = missing_compiler("control plane with device work")
     if missing is not None:
         return dict(run(quick=quick), missing=missing.record())
-    return in_compile_mode("bench.control", quick)
+    return in_compile_mode("kvnumba.bench.control", quick)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.control",
+    parser = argparse.ArgumentParser(prog="python -m kvnumba.bench.control",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run (a few ms per case)")
     parser.add_argument("--json", type=str, default=None,

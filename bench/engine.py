@@ -6,7 +6,7 @@ of 128 tokens, 128 new tokens each, greedy: `kvnumba.hf.Engine.generate` against
 tensor). Reported: tokens/s of both and their ratio. Needs PyTorch with CUDA and
 `transformers` (`kvnumba[hf]`); elsewhere the row says why it was not run.
 
-    python -m bench.engine [--quick]
+    python -m kvnumba.bench.engine [--quick]
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine",
+    parser = argparse.ArgumentParser(prog="python -m kvnumba.bench.engine",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 new tokens, not 128")
     print(report(run(parser.parse_args(argv).quick)))

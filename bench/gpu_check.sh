@@ -25,6 +25,6 @@ print('python', __import__('sys').version.split()[0], 'numpy', numpy.__version__
 cat "$out/device.txt"
 timeout 330 python3 -m pytest -q -x -p no:cacheprovider tests > "$out/tests.txt" 2>&1
 echo "tests: exit $? ($(tail -n 1 "$out/tests.txt"))"
-timeout 240 python3 -m bench --results "$out" > "$out/bench.txt" 2>&1
+timeout 240 python3 -m kvnumba.bench --results "$out" > "$out/bench.txt" 2>&1
 echo "bench: exit $?"
 cat "$out/bench.txt"

@@ -21,7 +21,7 @@ Numba's own launch (`numba_cpu_us`, device arrays: its per-call argument convers
 with only its final driver call replaced, so the two differ by the launch path alone),
 and the launches one call makes (kernel, grid, block).
 
-    python -m bench.host [--quick] [--json PATH]
+    python -m kvnumba.bench.host [--quick] [--json PATH]
 
 Without a GPU it runs itself in `KVNUMBA_DEVICE=compile` mode (a subprocess).
 """
@@ -461,7 +461,7 @@ def run_anywhere(quick: bool = False) -> dict:
             raise missing
     if not kv_device.SIMULATOR:
         return run(quick=quick)
-    return in_compile_mode("bench.host", quick)
+    return in_compile_mode("kvnumba.bench.host", quick)
 
 
 def in_compile_mode(module: str, quick: bool) -> dict:

@@ -27,7 +27,7 @@ wall µs (host included) is call + synchronise, for the single-sequence decode.
 Every cache is built through the public API on one stream (PyTorch's, when
 PyTorch is present, so both libraries' work is timed by the same events).
 
-    python -m bench.kernels [--quick | --smoke]
+    python -m kvnumba.bench.kernels [--quick | --smoke]
 
 `--smoke` runs every case at toy sizes, also on Numba's CUDA simulator (no GPU
 needed, no timings), to check that the benchmark itself works.
@@ -101,8 +101,8 @@ def run(sizes: Sizes = FULL, verbose: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    """`python -m bench.kernels [--quick | --smoke]`: run the cases, print the report."""
-    parser = argparse.ArgumentParser(prog="python -m bench.kernels",
+    """`python -m kvnumba.bench.kernels [--quick | --smoke]`: run the cases, print the report."""
+    parser = argparse.ArgumentParser(prog="python -m kvnumba.bench.kernels",
                                      description=__doc__.splitlines()[0])
     add_size_arguments(parser)
     args = parser.parse_args(argv)

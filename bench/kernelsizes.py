@@ -67,7 +67,7 @@ def ratio(a, b):
 
 
 def add_size_arguments(parser) -> None:
-    """`--quick` / `--smoke`, for `python -m bench.kernels` and `python -m bench`."""
+    """`--quick` / `--smoke`, for `python -m kvnumba.bench.kernels` and `python -m kvnumba.bench`."""
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     size.add_argument("--smoke", action="store_true",

@@ -2,7 +2,7 @@
 the section itself would find it, and the extra of kvnumba that installs it.
 
 A probe returns a `MissingTool` (an exception, raised by the section that cannot run)
-or None. `python -m bench` prints a raised `MissingTool` as one line (the section, what
+or None. `python -m kvnumba.bench` prints a raised `MissingTool` as one line (the section, what
 is missing, the `pip install` that brings it), notes it in the JSON record and goes
 on; it catches nothing else, so any other failure of a section still ends the run.
 """

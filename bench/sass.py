@@ -1,7 +1,7 @@
 """Static sm_90 report of kvnumba's kernels, and budgets on it: compiled, assembled,
 disassembled, never run (no GPU needed).
 
-    python -m bench.sass [--report] [--check [BUDGET_FILE]] [--keep DIR]
+    python -m kvnumba.bench.sass [--report] [--check [BUDGET_FILE]] [--keep DIR]
                          [--ptxas PATH] [--nvdisasm PATH] [MODULE:FUNCTION SIGNATURE ...]
 
 `--report` builds the kernels at the specialisations of `SPECIALISATIONS` (the ones
@@ -139,7 +139,7 @@ _PREFILL = "kvnumba.kernels.prefill_kernel:prefill_kernel"
 #: what --report and --check build: the kernels docs/benchmarks.md reports, at the
 #: specialisations it lists (bfloat16 storage is held as uint16 bits)
 SPECIALISATIONS = (
-    Specialisation("probe", "bench.sass:intrinsics_probe", PROBE_SIGNATURE),
+    Specialisation("probe", "kvnumba.bench.sass:intrinsics_probe", PROBE_SIGNATURE),
     Specialisation("write", "kvnumba.kernels.write:_write_vectors",
                    "void(float16[:, :, ::1], float16[:, :, ::1], float16[:, :, ::1], "
                    "float16[:, :, ::1], int32[::1], int64, int64, int32[:, ::1], int64)"),
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
         budgets = sassbudget.load(args.check) if args.check else None
         tools = find_tool("ptxas", args.ptxas), find_tool("nvdisasm", args.nvdisasm)
     except (ToolMissing, sassbudget.BudgetError) as e:
-        print(f"bench.sass: {e}", file=sys.stderr)
+        print(f"kvnumba.bench.sass: {e}", file=sys.stderr)
         return 2
     figures: dict[str, sassfigures.Figures] = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -419,10 +419,10 @@ def main(argv=None) -> int:
             try:
                 figures[item.label] = measure(item, tools, folder)
             except Exception as e:  # a compiler, a library or a tool is missing or failed
-                print(f"bench.sass: {item.label} ({item.spec}): {type(e).__name__}: "
+                print(f"kvnumba.bench.sass: {item.label} ({item.spec}): {type(e).__name__}: "
                       f"{str(e).strip()}", file=sys.stderr)
                 if re.search(r"nvvm|nvrtc", str(e), re.IGNORECASE):
-                    print(f"bench.sass: {COMPILER_HINT}", file=sys.stderr)
+                    print(f"kvnumba.bench.sass: {COMPILER_HINT}", file=sys.stderr)
                 return 1
     print(_header(tools))
     print(sassbudget.figure_table({label: f.values for label, f in figures.items()}))
@@ -437,7 +437,7 @@ def _check(budgets: dict, figures: dict) -> int:
     try:
         found = sassbudget.verdicts(budgets, {label: f.values for label, f in figures.items()})
     except sassbudget.BudgetError as e:
-        print(f"bench.sass: {e}", file=sys.stderr)
+        print(f"kvnumba.bench.sass: {e}", file=sys.stderr)
         return 2
     print()
     print(sassbudget.verdict_table(found))

@@ -1,4 +1,4 @@
-"""Budgets on the static figures of `python -m bench.sass` (`bench.sassfigures`), and
+"""Budgets on the static figures of `python -m kvnumba.bench.sass` (`bench.sassfigures`), and
 the tables it prints.
 
 A budget file is JSON: `{"every kernel": {BUDGET: LIMIT, ...}, "<kernel label>":

@@ -1,4 +1,4 @@
-"""The figures `python -m bench.sass` reports for one compiled kernel, from its
+"""The figures `python -m kvnumba.bench.sass` reports for one compiled kernel, from its
 `ptxas -v` lines and its SASS (`bench.sassmodel`, `bench.sassflow`).
 
 Every kernel: registers and the cap its launch bounds give, spills, stack (local

@@ -1,4 +1,4 @@
-"""SASS as data, for `python -m bench.sass`: nvdisasm's text parsed into functions of
+"""SASS as data, for `python -m kvnumba.bench.sass`: nvdisasm's text parsed into functions of
 instructions, the registers an instruction reads and writes, backward data-flow
 slices, and the waits on global memory of code run in order (`round_trips`). Each
 function's control flow is `bench.sassflow`'s.

@@ -5,7 +5,17 @@ Many sequences share one cache, each holding pages of every layer's page pool.
 lifecycle is validated through the machines declared in `statemachines`. The code
 cites the sections of the contract, docs/contract.md, as "contract §n".
 """
-from . import device  # first: chooses GPU or simulator before numba.cuda is imported
+import os as _os
+
+# `statemachines/` and `bench/` are installed inside kvnumba (pyproject's package-dir); in
+# a source checkout they sit beside kvnumba/, where kvnumba.statemachines and kvnumba.bench
+# are found through this package's path
+_checkout = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "statemachines")) and \
+        _os.path.isfile(_os.path.join(_checkout, "statemachines", "__init__.py")):
+    __path__.append(_checkout)
+
+from . import device  # noqa: E402  (first: chooses GPU or simulator before numba.cuda)
 from .device import DeviceError, torch_stream
 from .batched import BatchedSequenceCache
 from .config import CacheConfig, LayerSpec, flat, ring

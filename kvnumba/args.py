@@ -87,7 +87,7 @@ def as_id(value, n: int, what: str) -> int:
             raise value.refusal(what)
         value = as_int(value, f"{what}: sequence id")
     if not 0 <= value < n:
-        raise UnknownSequenceError(f"{what}: sequence {value} is not a column id in [0, {n})")
+        raise UnknownSequenceError(f"{what}: sequence {value} is not a sequence id in [0, {n})")
     return value
 
 
@@ -149,7 +149,7 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
         if array.dtype == object and array.ndim == 1:
             # ints too large for int64: name the first as passed
             bad = next(int(v) for v in values if not -_INT64_MAX <= int(v) <= _INT64_MAX)
-            raise UnknownSequenceError(f"{what}: sequence {bad} is not a column id in [0, {n})")
+            raise UnknownSequenceError(f"{what}: sequence {bad} is not a sequence id in [0, {n})")
     if array.ndim != 1 or array.dtype.kind not in "iu":
         if array.dtype.kind == "O":   # a session id in an object array is named first
             _refuse_session_ids(array.flat, what)
@@ -159,7 +159,7 @@ def as_ids(values, n: int, what: str) -> np.ndarray:
     bad = _copy_ids(array, n, ids)
     if bad >= 0:   # an unsigned array is named by its largest id: never a wrapped value
         bad = int(array.max()) if array.dtype.kind == "u" else int(array[bad])
-        raise UnknownSequenceError(f"{what}: sequence {bad} is not a column id in [0, {n})")
+        raise UnknownSequenceError(f"{what}: sequence {bad} is not a sequence id in [0, {n})")
     return ids
 
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from statemachines import CLONE_SOURCE_STATES
-
 from .args import as_ids, as_int
 from .config import CacheConfig
 from .datapath import DataPath
@@ -28,6 +26,7 @@ from .pool import Pool
 from .refusals import (floor_refusal, half_written_refusal, position_refusal,
                        unprepared_refusal, width_refusal)
 from .slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
+from .statemachines import CLONE_SOURCE_STATES
 from .step import OpenStep, StepPlan
 from .upload import Upload
 

@@ -5,7 +5,7 @@ Import this module before anything imports `numba.cuda`: Numba reads
 forces a choice; otherwise a GPU is used when the CUDA driver reports one, else
 the simulator, with a one-line notice on stderr when the first cache is built.
 `KVNUMBA_DEVICE=compile` is compile-only: numba.cuda in GPU mode without a GPU, so
-kernels can be compiled to PTX / SASS (`python -m bench.sass`) but nothing can be
+kernels can be compiled to PTX / SASS (`python -m kvnumba.bench.sass`) but nothing can be
 launched.
 """
 from __future__ import annotations
@@ -161,7 +161,7 @@ def _load_cuda_target() -> None:
 def _compile_only() -> None:
     """Compile-only mode has no device, but Numba asks the current device for its compute
     capability when it compiles a device function called from a kernel: answer sm_90,
-    the architecture `python -m bench.sass` reports on."""
+    the architecture `python -m kvnumba.bench.sass` reports on."""
     from numba.cuda import dispatcher
 
     class Sm90:

@@ -25,7 +25,7 @@ class SlotStateError(KVCacheError):
 
 
 class CacheFullError(KVCacheError):
-    """No free sequence column is left."""
+    """No free sequence slot is left."""
 
 
 class CapacityError(KVCacheError):
@@ -64,4 +64,5 @@ class SessionError(KVCacheError):
 
 
 class FreeSequenceError(UnknownSequenceError, SlotStateError):
-    """A free column named where a live sequence is needed: both unknown and in the wrong state."""
+    """A free sequence slot named where a live sequence is needed: both unknown and in the
+    wrong state."""

@@ -67,7 +67,7 @@ class StepPaths:
         addresses: the decode plans' sizes (or, on the generic path, the split-K chunks
         of the longest history) and the prefill group's size. Two steps with equal keys
         (widths and addresses) launch the same grids, so a CUDA graph of one replays the
-        other (the positions and columns it reads are the upload's contents)."""
+        other (the positions and sequences it reads are the upload's contents)."""
         d, p = self.decode, self.prefill
         if self.decode_plans:
             decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
@@ -197,7 +197,7 @@ class AttentionPaths:
 
 
 def upload_entries(config: CacheConfig) -> int:
-    """int32 entries the upload of a usual step takes: per token its column and position,
+    """int32 entries the upload of a usual step takes: per token its sequence and position,
     a segment (at most one per token) and its place in a path's list; per layer window a
     decode plan of one chunk per segment plus the chunks of `max_seqs` sequences at
     capacity. A step that needs more grows the buffers (`upload.Upload.reserve`)."""

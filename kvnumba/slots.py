@@ -12,10 +12,9 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from statemachines import (REFUSED, RESTORES, SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel,
-                           compile_machine)
-
 from .errors import FreeSequenceError, SlotStateError, StepProtocolError
+from .statemachines import (REFUSED, RESTORES, SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel,
+                            compile_machine)
 
 
 class _Named(IntEnum):

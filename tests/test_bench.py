@@ -10,8 +10,8 @@ import json
 import pytest
 
 import kvnumba.device as kv_device
-from bench import __main__ as bench_main
-from bench import control, host, kernels
+from kvnumba.bench import __main__ as bench_main
+from kvnumba.bench import control, host, kernels
 
 
 def test_control_quick_reports_every_batch_and_kind():
@@ -72,7 +72,7 @@ def test_mixed_step_fits_the_config():
 
 
 def bench_command(args, cwd, merged=False):
-    """`python -m bench...` in `cwd` (any directory: the benchmarks are installed);
+    """`python -m kvnumba.bench...` in `cwd` (any directory: the benchmarks are installed);
     `merged`: stderr interleaved into stdout, in the order it was written."""
     env = {k: v for k, v in os.environ.items() if k != "KVNUMBA_DEVICE"}
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, text=True,
@@ -82,17 +82,17 @@ def bench_command(args, cwd, merged=False):
 
 @pytest.mark.skipif(not kv_device.SIMULATOR, reason="on a GPU the kernel bench runs")
 def test_kernel_bench_skips_without_a_gpu(tmp_path):
-    proc = bench_command(["bench.kernels"], tmp_path)
+    proc = bench_command(["kvnumba.bench.kernels"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert kernels.SKIP_MESSAGE in proc.stdout
 
 
 def test_bench_runs_from_any_directory_and_writes_where_it_is_told(tmp_path):
-    proc = bench_command(["bench", "--help"], tmp_path)
+    proc = bench_command(["kvnumba.bench", "--help"], tmp_path)
     assert proc.returncode == 0 and "--results" in proc.stdout
-    assert proc.stdout.startswith("usage: python -m bench ")
+    assert proc.stdout.startswith("usage: python -m kvnumba.bench ")
     assert "kvnumba:" not in proc.stderr            # no simulator notice for --help
-    proc = bench_command(["bench", "--smoke", "--results", "out"], tmp_path, merged=True)
+    proc = bench_command(["kvnumba.bench", "--smoke", "--results", "out"], tmp_path, merged=True)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "Warning" not in proc.stdout, proc.stdout    # e.g. an overflow casting to float16
     notice = proc.stdout.find("kvnumba: no CUDA GPU")   # before every table, when shown

@@ -1,5 +1,5 @@
 """The docs run: the README's usage example, every docs block marked `<!-- runnable -->`,
-and docs/statemachines.md is exactly what `python -m statemachines` prints."""
+and docs/statemachines.md is exactly what `python -m kvnumba.statemachines` prints."""
 import re
 import subprocess
 import sys
@@ -72,18 +72,18 @@ def test_runnable_docs_block(code, request):
 
 
 def test_statemachines_md_is_generated():
-    from statemachines.__main__ import render
+    from kvnumba.statemachines.__main__ import render
 
     committed = (DOCS / "statemachines.md").read_text()
     assert committed == render(), ("docs/statemachines.md is stale: regenerate it with "
-                                   "python -m statemachines > docs/statemachines.md")
+                                   "python -m kvnumba.statemachines > docs/statemachines.md")
     printed = subprocess.run([sys.executable, "-m", "statemachines"], capture_output=True,
                              text=True, cwd=ROOT, timeout=120, check=True).stdout
     assert printed == committed
 
 
 def test_statemachines_md_shows_every_edge():
-    import statemachines as sm
+    import kvnumba.statemachines as sm
 
     committed = (DOCS / "statemachines.md").read_text()
     for spec in (sm.SLOT_LIFECYCLE, sm.STEP_PROTOCOL):

@@ -193,7 +193,7 @@ def numba_parameters(kernel, args, stream) -> list:
 
 @pytest.fixture
 def device():
-    from bench import host
+    from kvnumba.bench import host
     recorder = host.Recorder(keep_parameters=True)
     with host.fake_device(recorder):
         yield host, recorder

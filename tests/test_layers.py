@@ -15,6 +15,7 @@ LAYERS = {
     "errors": 0,
     "args": 1, "pages": 1, "plan": 1, "protocol": 1,
     "config": 2,
+    "statemachines": 2,              # installed inside kvnumba; imports no kvnumba module
     "refusals": 3, "slots": 3, "page_accounting": 3, "device": 3,
     "kernels": 4,
     "arrays": 5, "storage": 5, "upload": 5, "step": 5, "reference": 5,

@@ -1,4 +1,4 @@
-"""`python -m bench.sass`: SASS parsing, control flow and paths, data flow (slices and
+"""`python -m kvnumba.bench.sass`: SASS parsing, control flow and paths, data flow (slices and
 round trips to memory), budgets, specialisations and tool finding. The SASS snippets
 are written in nvdisasm's format, as it prints the kvnumba kernels and a probe of `//`
 and `%` on int64 (the kinds' figures: test_sass_figures.py; the budgets against
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import sass, sassbudget, sassfigures
-from bench.sassflow import Flow
-from bench.sassloops import is_wide_load
-from bench.sassmodel import (Instruction, address_slice, all_instructions, backward_slice,
+from kvnumba.bench import sass, sassbudget, sassfigures
+from kvnumba.bench.sassflow import Flow
+from kvnumba.bench.sassloops import is_wide_load
+from kvnumba.bench.sassmodel import (Instruction, address_slice, all_instructions, backward_slice,
                              is_div64_call, is_float64, parse, round_trips)
 from sasstext import TOKEN_LOOP, code, listing, sass_text
 
@@ -429,7 +429,7 @@ def test_missing_tool_says_how_to_install_it(monkeypatch):
 
 def test_command_line_reports_a_missing_tool_without_compiling(tmp_path):
     env = dict(os.environ, KVNUMBA_DEVICE="compile")
-    proc = subprocess.run([sys.executable, "-m", "bench.sass", "--ptxas",
+    proc = subprocess.run([sys.executable, "-m", "kvnumba.bench.sass", "--ptxas",
                            str(tmp_path / "none")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr

@@ -1,8 +1,8 @@
 """The checked-in budgets (`bench/sass_budgets.json`) fail on deliberately regressed
 kernels: each kind of budget, on a variant of a kernel it bounds made one step worse
 (spilled, more registers, serialised loads, longer, less HMMA), compiled, assembled and
-disassembled as `python -m bench.sass` builds the real ones. The real kernels meet the
-same budgets in `python -m bench.sass --check` (CI runs it after the tests).
+disassembled as `python -m kvnumba.bench.sass` builds the real ones. The real kernels meet the
+same budgets in `python -m kvnumba.bench.sass --check` (CI runs it after the tests).
 
 A variant is the kernel's own code with a name it calls bound to something worse: a
 device function (`ptx.exp2_approx` with one more multiply, `ptx.mul_wide_u32` as a
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import kvnumba.device as kv_device
-from bench import sass, sassbudget, sassfigures
+from kvnumba.bench import sass, sassbudget, sassfigures
 
 COMPILE = kv_device.KIND == "compile"
 compile_mode = pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile only (run by "

@@ -1,10 +1,10 @@
-"""The kinds' figures of `python -m bench.sass` (`bench.sassattention`, `bench.sassmove`)
+"""The kinds' figures of `python -m kvnumba.bench.sass` (`bench.sassattention`, `bench.sassmove`)
 on hand-written SASS, against hand-computed values."""
 import pytest
 
-from bench import sassattention, sassmove
-from bench.sassflow import Flow
-from bench.sassmodel import parse
+from kvnumba.bench import sassattention, sassmove
+from kvnumba.bench.sassflow import Flow
+from kvnumba.bench.sassmodel import parse
 from sasstext import TOKEN_LOOP, listing
 
 

@@ -3,8 +3,8 @@ import itertools
 
 import pytest
 
-import statemachines as sm
-from statemachines import REFUSED, RESTORES, MachineModel, compile_machine
+import kvnumba.statemachines as sm
+from kvnumba.statemachines import REFUSED, RESTORES, MachineModel, compile_machine
 
 MACHINES = [sm.SLOT_LIFECYCLE, sm.STEP_PROTOCOL]
 
