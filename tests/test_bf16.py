@@ -51,13 +51,18 @@ def test_bfloat16_storage_is_uint16_bits_and_host_arrays_are_ml_dtypes():
     assert got_k.tobytes() == exact_k[:2].tobytes() and got_v.tobytes() == exact_v[:2].tobytes()
 
 
-def test_bfloat16_without_ml_dtypes_is_refused_naming_the_fix(monkeypatch):
+def test_bfloat16_without_ml_dtypes_needs_it_only_for_numpy_host_arrays(monkeypatch):
+    """A bfloat16 cache is built and served without ml_dtypes (device arrays, PyTorch
+    tensors); a NumPy host copy of its storage (`sequence_kv`) is refused naming the
+    extra that brings it."""
     import importlib.util
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "ml_dtypes" else real(name, *a))
+    c = kv.BatchedSequenceCache(kv.CacheConfig(dtype="bfloat16", head_dim=8))
+    a = c.seq_new()
     with pytest.raises(kv.ConfigError, match=r"ml_dtypes.*kvnumba\[bf16\]"):
-        kv.CacheConfig(dtype="bfloat16")
+        c.sequence_kv(a, 0)
 
 
 # head_dim 16: the fast decode and tensor-core prefill paths; 12: the generic kernel

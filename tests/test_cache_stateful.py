@@ -13,6 +13,7 @@ cannot serve.
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -207,7 +208,7 @@ def snapshot(cache):
     slots = [(cache.state(s), cache.pos(s), cache.high_water(s)) for s in range(MAX_SEQS)]
     data = [tuple(a.copy_to_host() for a in cache.layer_data(i)) for i in range(len(WINDOWS))]
     tables = [cache.page_table(s, layer).tolist() for s in range(MAX_SEQS)
-              for layer in range(len(WINDOWS))]
+              if cache.state(s) != kv.SlotState.FREE for layer in range(len(WINDOWS))]
     return slots, cache.step_state, data, tables, cache.pool_pages()
 
 
@@ -474,7 +475,8 @@ class CacheMachine(RuleBasedStateMachine):
         and the pool counts them once."""
         flat = self.cache.pool_pages()[0]
         assert flat.in_use == 1 + len(self.model.holders)
-        tables = [self.cache.page_table(s, 0).tolist() for s in range(MAX_SEQS)]
+        tables = [self.cache.page_table(s, 0).tolist()
+                  if self.cache.state(s) != kv.SlotState.FREE else [] for s in range(MAX_SEQS)]
         names = {}
         for s in range(MAX_SEQS):
             assert len(tables[s]) == len(self.model.pages[s]), s
@@ -486,7 +488,13 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def storage_matches_the_histories(self):
+        """Every live sequence's K/V read back equals its history; a free one's data
+        reads are refused."""
         for s in range(MAX_SEQS):
+            if self.cache.state(s) == kv.SlotState.FREE:
+                with pytest.raises(kv.FreeSequenceError):
+                    self.cache.sequence_kv(s, 0)
+                continue
             for layer, window in enumerate(WINDOWS):
                 positions, k, v = self.cache.sequence_kv(s, layer)
                 pos, hw = self.model.pos[s], self.model.hw[s]
