@@ -267,7 +267,7 @@ def test_generate_self_check_reports_each_run_and_fails_on_a_difference(monkeypa
 
     served = selfcheck.serve
     monkeypatch.setattr(selfcheck, "serve", serve_then_change_the_first_run)
-    assert cli.main(["--max-new-tokens", "3", "--draft-len", "2"]) == 1
+    assert cli.main(["--max-new-tokens", "3", "--draft-len", "1"]) == 1
     out = capsys.readouterr().out
     assert out.startswith("model: random Llama (seed 0): 2 layers, 4 heads, 2 kv heads, "
                           "head_dim 16, vocab 128; storage float32\n")
