@@ -10,8 +10,9 @@ commands:
   demo      serve several sessions of a small decoder through the cache, checked token
             by token against a cache-free NumPy run (python -m kvnumba demo --help)
   generate  serve a transformers model through kvnumba.hf.Engine; without --model, a
-            small random Llama checked against model.generate() (needs kvnumba[hf];
-            python -m kvnumba generate --help)"""
+            self-check: a small random Llama served with continuous batching, sampled
+            forks and a partly accepted draft, each checked against a reference without
+            kvnumba (needs kvnumba[hf]; python -m kvnumba generate --help)"""
 
 
 def main(argv=None) -> int:

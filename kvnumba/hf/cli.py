@@ -2,149 +2,312 @@
 
 With `--model DIR` (a local `transformers` model directory: `config.json`, safetensors
 weights and, if present, a tokenizer), it serves the prompts given (`--prompt TEXT`
-needs the tokenizer; `--ids 1,2,3` does not) and prints each output and tokens/s.
-Without `--model`, it builds a small random Llama-shaped model in process, serves
-several prompts with continuous batching, a fork (`n = 2`) and a speculative draft
-model, and checks every sequence against `model.generate()`: exit status 1 on any
-difference.
+needs the tokenizer; `--ids 1,2,3` does not) and prints each prompt and output as ids
+and, with a tokenizer, as text, then tokens/s. Without `--model`, it runs the
+self-check of `kvnumba.hf.selfcheck`: a small random Llama served with continuous
+batching, sampled forks and a partly accepted draft, each run checked against a
+reference without kvnumba; exit status 1 on any difference.
+
+A mistake of the user's (a bad option, a missing directory, a prompt that does not fit,
+a model kvnumba refuses) is one line on stderr and exit status 2; the options and the
+model directory are checked before the model is loaded.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
-import time
 from importlib.util import find_spec
+from pathlib import Path
 
 from .. import device
+from ..errors import KVCacheError
+
+PROG = "python -m kvnumba generate"
+#: the options that apply to a model directory only (the self-check fixes its own)
+MODEL_ONLY = ("prompt", "ids", "draft", "n", "eos", "ignore_eos", "temperature", "top_p",
+              "capacity")
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+EPILOG = """\
+with --model: prints each prompt and output as ids (and, with a tokenizer, as text),
+tokens/s and, with --draft, the draft acceptance rate.
+without --model: the self-check (--max-new-tokens, --seed, --dtype, --draft-len apply):
+a random 2-layer Llama served with continuous batching, sampled forks and a partly
+accepted draft, each run checked against a reference without kvnumba; exit status 1 on
+a difference. Exit status 2: a user error, named on one line."""
 
 
-def progress(done: int, total: int, started: float) -> None:
-    """A one-line progress bar on stderr: tokens generated of those asked, tokens/s."""
-    width = 30
-    filled = width * done // max(total, 1)
-    rate = done / max(time.perf_counter() - started, 1e-9)
-    print(f"\r[{'#' * filled}{' ' * (width - filled)}] {done}/{total} tokens, "
-          f"{rate:.1f} tokens/s", end="" if done < total else "\n", file=sys.stderr,
-          flush=True)
+class UsageError(Exception):
+    """A mistake on the command line or in the files it names; the message names the
+    problem and the fix."""
 
 
-def serve(engine, prompts, options, n=1) -> tuple[list, float]:
-    """Serve `prompts` by `submit` / `step` with a progress bar: (outputs in prompt
-    order, seconds)."""
-    started = time.perf_counter()
-    rids = [engine.submit(p, n=n, **options) for p in prompts]
-    total = len(prompts) * n * options["max_new_tokens"]
-    results, done = {}, 0
-    while engine.busy:
-        for rid, tokens in engine.step():
-            results[rid] = tokens
-            done += sum(map(len, tokens)) if n > 1 else len(tokens)
-        progress(done, total, started)
-    if done < total:            # eos ended some early: close the bar
-        progress(total, total, started)
-    return [results[r] for r in rids], time.perf_counter() - started
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are a `UsageError` (one line), not usage text and exit."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {PROG} --help)")
 
 
-def random_model(seed: int, layers: int):
-    """A small random Llama-shaped causal LM (float32)."""
-    import torch
-    import transformers
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=layers, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=128)
-    return transformers.LlamaForCausalLM(config).eval()
+def _number(convert, rule: str, holds):
+    """An argparse type: `convert(text)` where `holds` of it, else an error citing
+    `rule`."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not holds(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {rule}")
+        return value
+    return parse
 
 
-def self_check(args) -> int:
-    """Serve a random model three ways and compare every sequence with generate()."""
-    import torch
-    from . import Engine
-    model, draft = random_model(args.seed, 2), random_model(args.seed + 1, 1)
-    prompts = [[(7 * i + 3 * j) % 128 for j in range(4 + 3 * i)] for i in range(3)]
-    new = args.max_new_tokens
-    want = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])     # every token real: an explicit mask, no padding
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(prompt):].tolist())
-    options = dict(max_new_tokens=new)
-    failures = 0
-    runs = (("continuous batching", {}, 1), ("fork n = 2", {}, 2),
-            (f"speculative, draft_len {args.draft_len}",
-             {"draft_model": draft, "draft_len": args.draft_len}, 1))
-    for name, extra, n in runs:
-        engine = Engine(model, max_seqs=len(prompts) * n, capacity=64, max_write=8,
-                        dtype=args.dtype or "float32", **extra)
-        got, seconds = serve(engine, prompts, options, n)
-        expected = [w for w in want for _ in range(n)]
-        flat = [seq for out in got for seq in (out if n > 1 else [out])]
-        same = flat == expected
-        failures += not same
-        rate = engine.acceptance_rate
-        rate = ("" if not extra else ", no drafts proposed" if rate is None else
-                f", draft acceptance {rate:.0%}")
-        print(f"{name:<28} {len(flat)} sequences, {sum(map(len, flat)) / seconds:7.1f} "
-              f"tokens/s{rate}: {'same as' if same else 'DIFFERENT from'} model.generate()")
-    print("OK: every sequence matches model.generate()" if not failures else
-          f"FAILED: {failures} of {len(runs)} runs differ from model.generate()")
-    return 1 if failures else 0
+count = _number(int, "a whole number of at least 1", lambda v: v >= 1)
+token_id = _number(int, "a token id (a whole number of at least 0)", lambda v: v >= 0)
+temperature = _number(float, "a number of at least 0 (0 is greedy)",
+                      lambda v: math.isfinite(v) and v >= 0)
+top_p = _number(float, "a number above 0 and at most 1", lambda v: 0 < v <= 1)
+seed = _number(int, "a whole number of at least 0", lambda v: v >= 0)
+
+
+def token_ids(text: str) -> list:
+    """`--ids 1,2,3` as a list of token ids."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated token ids "
+                                         f"(whole numbers of at least 0), e.g. --ids 1,2,3")
+    return ids
+
+
+def parser() -> Parser:
+    """The options of `python -m kvnumba generate`."""
+    p = Parser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+               description="Serve prompts through kvnumba.hf.Engine.", epilog=EPILOG)
+    p.add_argument("--model", metavar="DIR",
+                   help="a local transformers model directory (config.json, safetensors "
+                        "weights, a tokenizer for --prompt); without it, the self-check")
+    p.add_argument("--prompt", action="append", metavar="TEXT",
+                   help="a text prompt, tokenized with the model's tokenizer (repeatable)")
+    p.add_argument("--ids", action="append", type=token_ids, metavar="1,2,3",
+                   help="a prompt as comma-separated token ids (repeatable)")
+    p.add_argument("--max-new-tokens", type=count, default=8, metavar="N",
+                   help="the most tokens generated per sequence (default 8)")
+    p.add_argument("--n", type=count, metavar="N",
+                   help="sequences per prompt, forked after one prefill (default 1)")
+    p.add_argument("--eos", nargs="+", type=token_id, metavar="ID",
+                   help="token ids that end a sequence, kept as its last token (default: "
+                        "the model's generation_config eos, else the tokenizer's)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="stop at no token: every sequence gets --max-new-tokens tokens")
+    p.add_argument("--capacity", type=count, metavar="N",
+                   help="the most positions of one sequence, prompt and new tokens "
+                        "(default 2048)")
+    p.add_argument("--temperature", type=temperature, metavar="T",
+                   help="sampling temperature; 0 (the default) is greedy")
+    p.add_argument("--top-p", type=top_p, metavar="P",
+                   help="sample from the most likely tokens whose probability reaches P "
+                        "(default 1: all)")
+    p.add_argument("--seed", type=seed, default=0,
+                   help="the random seed: prompt i samples with seed + i; the self-check's "
+                        "random model too (default 0)")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="K/V storage dtype (default: the model's; bfloat16 needs ml_dtypes)")
+    p.add_argument("--draft", metavar="DIR",
+                   help="a draft model directory with the model's vocabulary "
+                        "(speculative decoding); its acceptance rate is printed")
+    p.add_argument("--draft-len", type=count, default=3, metavar="K",
+                   help="draft tokens proposed per step (default 3)")
+    return p
+
+
+def check(args) -> None:
+    """Refuse (`UsageError`) option combinations and model directories that cannot
+    work, before anything is loaded; fill the model-only defaults."""
+    if not args.model:
+        given = [name for name in MODEL_ONLY if getattr(args, name) not in (None, False)]
+        if given:
+            flag = "--" + given[0].replace("_", "-")
+            raise UsageError(f"{flag} applies with --model only; without --model the "
+                             f"self-check serves its own prompts and models")
+    else:
+        if not args.prompt and not args.ids:
+            raise UsageError("--model serves the prompts given: add --prompt TEXT or "
+                             "--ids 1,2,3")
+        if args.eos and args.ignore_eos:
+            raise UsageError("--eos and --ignore-eos contradict each other: give one")
+        check_directory(args.model, "--model", tokenizer=bool(args.prompt))
+        if args.draft:
+            check_directory(args.draft, "--draft")
+    if args.dtype == "bfloat16":
+        check_storage("bfloat16", "--dtype bfloat16")
+    defaults = dict(prompt=[], ids=[], n=1, capacity=2048, temperature=0.0, top_p=1.0)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+def check_directory(path: str, flag: str, tokenizer: bool = False) -> None:
+    """A model directory: readable, with a config.json, weights and, if `tokenizer`,
+    tokenizer files."""
+    where = Path(path)
+    if not where.is_dir():
+        problem = "not a directory" if where.exists() else "no such directory"
+        raise UsageError(f"{flag} {path}: {problem}; give a local model directory (one "
+                         f"model.save_pretrained(DIR) wrote)")
+    if not os.access(where, os.R_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: the directory cannot be read; check its "
+                         f"permissions")
+    if not (where / "config.json").is_file():
+        raise UsageError(f"{flag} {path}: no config.json; a transformers model directory "
+                         f"has one (model.save_pretrained(DIR) writes it)")
+    if not any(next(where.glob(pattern), None) for pattern in WEIGHTS):
+        raise UsageError(f"{flag} {path}: no weights (*.safetensors or pytorch_model.bin); "
+                         f"save them with model.save_pretrained(DIR)")
+    if tokenizer and not has_tokenizer(path):
+        raise UsageError(f"--prompt needs a tokenizer, and {path} has none "
+                         f"({', '.join(TOKENIZER_FILES)}); give the prompt as --ids 1,2,3 "
+                         f"or save the tokenizer into the directory")
+
+
+def has_tokenizer(path: str) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_storage(dtype: str, what: str) -> None:
+    """bfloat16 storage needs ml_dtypes on the host."""
+    if dtype == "bfloat16" and find_spec("ml_dtypes") is None:
+        raise UsageError(f"{what}: bfloat16 storage needs the ml_dtypes package: python -m "
+                         f"pip install 'kvnumba[bf16]', or give --dtype float32")
+
+
+def load(loader, path: str, flag: str):
+    """`loader.from_pretrained(path)`, or a `UsageError` naming the directory and what
+    transformers said."""
+    from safetensors import SafetensorError
+    try:
+        return loader.from_pretrained(path)
+    except (OSError, ValueError, SafetensorError) as exc:   # unreadable, unknown, corrupt
+        raise UsageError(f"{flag} {path}: transformers cannot load it: {one_line(exc)}") \
+            from exc
+
+
+def check_prompts(prompts, labels, vocab: int, args) -> None:
+    """Each prompt: not empty, ids inside the vocabulary, room for --max-new-tokens."""
+    for prompt, label in zip(prompts, labels):
+        if not prompt:
+            raise UsageError(f"{label}: no tokens; give a prompt of at least one token")
+        bad = [t for t in prompt if t >= vocab]
+        if bad:
+            raise UsageError(f"{label}: token id {bad[0]} is outside the model's vocabulary "
+                             f"of {vocab} tokens; give ids from 0 to {vocab - 1}")
+        need = len(prompt) + args.max_new_tokens
+        if need > args.capacity:
+            raise UsageError(f"{label}: {len(prompt)} tokens and --max-new-tokens "
+                             f"{args.max_new_tokens} need {need} positions, more than "
+                             f"--capacity {args.capacity}; raise --capacity to {need} or "
+                             f"lower --max-new-tokens")
+
+
+def eos_ids(args, model, tokenizer) -> tuple:
+    """The eos ids to stop at and where they come from."""
+    if args.ignore_eos:
+        return None, "--ignore-eos"
+    if args.eos:
+        return args.eos, "--eos"
+    ids = model.generation_config.eos_token_id
+    if ids is not None:
+        return ids, "the model's generation_config"
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return tokenizer.eos_token_id, "the tokenizer's"
+    return None, "the model and its tokenizer name none"
+
+
+def shown(ids, tokenizer) -> str:
+    """Token ids and, with a tokenizer, their text (quoted, control characters escaped)."""
+    return f"{ids} {tokenizer.decode(ids)!r}" if tokenizer is not None else f"{ids}"
 
 
 def serve_directory(args) -> int:
-    """Serve the prompts given with the model in `args.model`."""
+    """Serve the prompts given with the model in `args.model` and print them, their
+    outputs, tokens/s and (with `--draft`) the draft acceptance rate."""
     import transformers
+
     from . import Engine
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()
+    from .config import text_config
+    from .serving import serve
+    if not sys.stderr.isatty():     # transformers' loading bars would log \r frames
+        transformers.utils.logging.disable_progress_bar()
+    config = load(transformers.AutoConfig, args.model, "--model")
+    vocab = text_config(config).vocab_size
+    if args.dtype is None:
+        check_storage(str(getattr(config, "dtype", None)).removeprefix("torch."),
+                      f"--model {args.model} is bfloat16")
     tokenizer = None
-    if args.prompt:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    prompts = [tokenizer(p)["input_ids"] for p in args.prompt]
-    prompts += [[int(t) for t in ids.split(",")] for ids in args.ids]
-    if not prompts:
-        print("python -m kvnumba generate: give --prompt TEXT or --ids 1,2,3",
-              file=sys.stderr)
-        return 2
-    draft = (transformers.AutoModelForCausalLM.from_pretrained(args.draft).eval()
+    if has_tokenizer(args.model):
+        tokenizer = load(transformers.AutoTokenizer, args.model, "--model")
+    prompts = [tokenizer(text)["input_ids"] for text in args.prompt] + args.ids
+    labels = ([f"--prompt {text!r}" for text in args.prompt] +
+              [f"--ids {','.join(map(str, ids))}" for ids in args.ids])
+    check_prompts(prompts, labels, vocab, args)
+    if args.draft:
+        draft_vocab = text_config(load(transformers.AutoConfig, args.draft,
+                                       "--draft")).vocab_size
+        if draft_vocab != vocab:
+            raise UsageError(f"--draft {args.draft}: a vocabulary of {draft_vocab} tokens, "
+                             f"the model's has {vocab}; a draft model shares the model's "
+                             f"vocabulary")
+    model = load(transformers.AutoModelForCausalLM, args.model, "--model").eval()
+    draft = (load(transformers.AutoModelForCausalLM, args.draft, "--draft").eval()
              if args.draft else None)
-    engine = Engine(model, max_seqs=len(prompts), capacity=args.capacity, dtype=args.dtype,
-                    draft_model=draft, draft_len=args.draft_len)
-    outs, seconds = serve(engine, prompts, dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed, eos_token_id=model.generation_config.eos_token_id))
-    for prompt, out in zip(prompts, outs):
-        shown = tokenizer.decode(out) if tokenizer else out
-        print(f"{prompt} -> {shown}")
-    print(f"{sum(map(len, outs))} tokens in {seconds:.2f} s: "
-          f"{sum(map(len, outs)) / seconds:.1f} tokens/s")
+    eos, source = eos_ids(args, model, tokenizer)
+    engine = Engine(model, max_seqs=len(prompts) * args.n, capacity=args.capacity,
+                    dtype=args.dtype, draft_model=draft, draft_len=args.draft_len)
+    print(f"model {args.model}: {config.model_type}, vocab {vocab}; eos "
+          f"{'none' if eos is None else eos} ({source})")
+    outputs, seconds = serve(engine, prompts, n=args.n, seed=args.seed,
+                             max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p,
+                             eos_token_id=eos)
+    for i, (prompt, sequences) in enumerate(zip(prompts, outputs), 1):
+        print(f"prompt {i}: {shown(prompt, tokenizer)}")
+        for sequence in sequences:
+            print(f"  -> {shown(sequence, tokenizer)}")
+    tokens = sum(len(seq) for sequences in outputs for seq in sequences)
+    print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
+    if args.draft:
+        rate = engine.acceptance_rate
+        print("draft acceptance: " + ("no drafts proposed" if rate is None else
+                                      f"{rate:.0%} of the proposed tokens"))
     return 0
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvnumba generate",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a local transformers model directory (default: a "
-                                        "small random Llama, checked against generate())")
-    parser.add_argument("--prompt", action="append", default=[], help="a text prompt")
-    parser.add_argument("--ids", action="append", default=[],
-                        help="a prompt as comma-separated token ids")
-    parser.add_argument("--max-new-tokens", type=int, default=8)
-    parser.add_argument("--capacity", type=int, default=2048)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                        help="storage dtype (default: the model's)")
-    parser.add_argument("--draft", help="a draft model directory (speculative decoding)")
-    parser.add_argument("--draft-len", type=int, default=3)
-    args = parser.parse_args(argv)
-    missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
-    if missing:
-        print(f"python -m kvnumba generate: needs the hf extra ({' and '.join(missing)} "
-              f"not installed): python -m pip install 'kvnumba[hf]' (in a checkout: "
-              f"python -m pip install -e '.[hf]')", file=sys.stderr)
+    """`python -m kvnumba generate [options]`: the exit status (0 done, 1 a self-check
+    difference, 2 a user error, printed as one line on stderr)."""
+    try:
+        args = parser().parse_args(argv)
+        missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
+        if missing:
+            raise UsageError(f"needs the hf extra ({' and '.join(missing)} not installed): "
+                             f"python -m pip install 'kvnumba[hf]' (in a checkout: python "
+                             f"-m pip install -e '.[hf]')")
+        check(args)
+        with device.simulator_pace():
+            if args.model:
+                return serve_directory(args)
+            from .selfcheck import self_check
+            return self_check(args)
+    except (UsageError, KVCacheError, OSError) as exc:
+        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
         return 2
-    with device.simulator_pace():
-        return serve_directory(args) if args.model else self_check(args)
