@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 from kvnumba.hf import cli, selfcheck  # noqa: E402
-from kvnumba.hf.serving import ProgressBar  # noqa: E402
+from kvnumba.hf.progress import ProgressBar  # noqa: E402
 from test_hf import PROMPTS, generated, tiny  # noqa: E402
 
 VOCAB = 64          # test_hf's models

@@ -240,7 +240,7 @@ def serve_directory(args) -> int:
 
     from . import Engine
     from .config import text_config
-    from .serving import serve
+    from .progress import serve
     if not sys.stderr.isatty():     # transformers' loading bars would log \r frames
         transformers.utils.logging.disable_progress_bar()
     config = load(transformers.AutoConfig, args.model, "--model")

@@ -21,7 +21,7 @@ import transformers
 
 from . import Engine
 from .sampling import Sampling
-from .serving import serve
+from .progress import serve
 
 #: the random model: small enough for the CUDA simulator, grouped kv heads
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -1,4 +1,4 @@
-"""Prompts served through an `Engine` by `submit` / `step`, with a progress bar while
+"""Prompts run to completion through an `Engine` by `submit` / `step`, with a progress bar while
 stderr is a terminal (the loop `python -m kvnumba generate` and its self-check share)."""
 from __future__ import annotations
 
