@@ -117,7 +117,7 @@ def parser() -> Parser:
                    help="the random seed: prompt i samples with seed + i; the self-check's "
                         "random model too (default 0)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
-                   help="K/V storage dtype (default: the model's; bfloat16 needs ml_dtypes)")
+                   help="K/V storage dtype (default: the model's)")
     p.add_argument("--draft", metavar="DIR",
                    help="a draft model directory with the model's vocabulary "
                         "(speculative decoding); its acceptance rate is printed")
@@ -144,8 +144,6 @@ def check(args) -> None:
         check_directory(args.model, "--model", tokenizer=bool(args.prompt))
         if args.draft:
             check_directory(args.draft, "--draft")
-    if args.dtype == "bfloat16":
-        check_storage("bfloat16", "--dtype bfloat16")
     defaults = dict(prompt=[], ids=[], n=1, capacity=2048, temperature=0.0, top_p=1.0)
     for name, value in defaults.items():
         if getattr(args, name) is None:
@@ -177,13 +175,6 @@ def check_directory(path: str, flag: str, tokenizer: bool = False) -> None:
 
 def has_tokenizer(path: str) -> bool:
     return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
-
-
-def check_storage(dtype: str, what: str) -> None:
-    """bfloat16 storage needs ml_dtypes on the host."""
-    if dtype == "bfloat16" and find_spec("ml_dtypes") is None:
-        raise UsageError(f"{what}: bfloat16 storage needs the ml_dtypes package: python -m "
-                         f"pip install 'kvnumba[bf16]', or give --dtype float32")
 
 
 def load(loader, path: str, flag: str):
@@ -245,9 +236,6 @@ def serve_directory(args) -> int:
         transformers.utils.logging.disable_progress_bar()
     config = load(transformers.AutoConfig, args.model, "--model")
     vocab = text_config(config).vocab_size
-    if args.dtype is None:
-        check_storage(str(getattr(config, "dtype", None)).removeprefix("torch."),
-                      f"--model {args.model} is bfloat16")
     tokenizer = None
     if has_tokenizer(args.model):
         tokenizer = load(transformers.AutoTokenizer, args.model, "--model")
