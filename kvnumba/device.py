@@ -84,6 +84,8 @@ def _choose() -> str:
 _NOTICE = None   # said once, when the first cache is built (not for `--help` and the like)
 KIND = _choose()
 SIMULATOR = KIND == "simulator"
+#: the simulator was chosen because no GPU was found, not asked for
+FELL_BACK = _NOTICE is not None
 #: CUDA devices a cache can be placed on (ids `0 .. GPU_COUNT - 1`); the simulator and
 #: compile-only mode have device 0 only
 GPU_COUNT = _driver_gpu_count() if KIND == "gpu" else 1

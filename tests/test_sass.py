@@ -428,9 +428,20 @@ def test_missing_tool_says_how_to_install_it(monkeypatch):
 
 
 def test_command_line_reports_a_missing_tool_without_compiling(tmp_path):
-    env = dict(os.environ, KVNUMBA_DEVICE="compile")
+    """Run as CI runs it, with no device asked for: without a GPU kvnumba falls back to
+    the simulator when imported, and the command reruns itself in compile mode."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVNUMBA_DEVICE", "NUMBA_ENABLE_CUDASIM")}
     proc = subprocess.run([sys.executable, "-m", "kvnumba.bench.sass", "--ptxas",
                            str(tmp_path / "none")], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "--ptxas=" in proc.stderr and "not an executable" in proc.stderr
+
+
+def test_command_line_refuses_the_simulator_asked_for():
+    env = dict(os.environ, KVNUMBA_DEVICE="simulator")
+    proc = subprocess.run([sys.executable, "-m", "kvnumba.bench.sass"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "cannot compile to PTX: unset it or use KVNUMBA_DEVICE=compile" in proc.stderr
