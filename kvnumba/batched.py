@@ -31,7 +31,7 @@ from .step import OpenStep, StepPlan
 from .upload import Upload
 
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
-#: int32 entries a clone's upload starts with (its table patches and page pairs); grown
+#: int32 entries a clone's upload starts with (its table patches and row runs); grown
 #: on demand
 CLONE_UPLOAD = 4096
 

@@ -152,9 +152,11 @@ class KindPages:
 
 class CloneWork(NamedTuple):
     """The device side of a clone (`PageAccounting.clone`): the table patches `[n, 2]`
-    (flat device-table index, slot base) or None; per kind index, the page copies
-    `[m, 2]` (source page, destination page); and the shared entries to copy on the
-    device, `(from index, to index, count)` or None."""
+    (flat device-table index, slot base) or None; per kind index, the page copies as
+    row runs `[m, 3]` int32 (source slot, destination slot, rows: a whole page is
+    `(source * page_size, destination * page_size, page_size)`; `kernels.copy`) or
+    None; and the shared entries to copy on the device, `(from index, to index, count)`
+    or None."""
 
     patches: np.ndarray | None
     copies: list
@@ -235,9 +237,10 @@ class PageAccounting:
                    needed: int) -> tuple:
         """Take a step's `needed` flat pages (`step_demand`) and give each sequence whose
         first write lands in a page another sequence holds a fresh page in its place.
-        Returns `(patches [n, 2] or None, copies [m, 2] or None)`: every device-table
-        patch due (the step's and those queued before), and the page copies (source,
-        destination) copy-on-write must run before the step writes."""
+        Returns `(patches [n, 2] or None, copies [m, 3] or None)`: every device-table
+        patch due (the step's and those queued before), and the whole-page row runs
+        (source slot, destination slot, rows) copy-on-write must run before the step
+        writes."""
         kind = self.flat
         if kind is None or needed == 0:
             return self.flush(None), None
@@ -260,15 +263,25 @@ class PageAccounting:
                 shared = (flat.entry(src), flat.entry(dst), n_shared)
             if keep % self.page_size:
                 new = flat.take(1)
-                copies.append(np.array([[flat.table[src, n_shared], new[0]]], np.int32))
+                copies.append(self.page_runs(flat.table[src, n_shared:n_shared + 1], new))
                 flat.hold(dst, new, n_shared)
             else:
                 copies.append(None)
         for kind in self.rings:
             new = kind.take(kind.table_pages)
-            copies.append(np.stack([kind.table[src, :kind.table_pages], new], axis=1))
+            copies.append(self.page_runs(kind.table[src, :kind.table_pages], new))
             kind.hold(dst, new)
         return CloneWork(self.flush(None), copies, shared)
+
+    def page_runs(self, sources, destinations) -> np.ndarray:
+        """Row runs `[m, 3]` int32 copying whole pages `sources[i]` to `destinations[i]`:
+        `(source * page_size, destination * page_size, page_size)`."""
+        runs = np.empty((len(sources), 3), np.int32)
+        runs[:, 0] = sources
+        runs[:, 1] = destinations
+        runs[:, :2] *= self.page_size
+        runs[:, 2] = self.page_size
+        return runs
 
     def flush(self, patches) -> np.ndarray | None:
         """The pending patches and `patches` (`[n, 2]`, or None) as one `[n, 2]` int32

@@ -71,11 +71,12 @@ def claim_step(seqs, totals, pos, held, table, refs, free, n_free, needed, page_
     the step writes into is replaced by a copy (copy-on-write). Returns `(n_free,
     patches, copies)`: the device-table patches `[n, 2]` (flat index into the device
     tables, from `table_off`: the entry's new slot base, page id times `page_size`), and
-    the page copies `[m, 2]` (source page, destination page) to run before the step
-    writes."""
+    the page copies to run before the step writes, as row runs `[m, 3]` (source slot,
+    destination slot, rows: `(old * page_size, new * page_size, page_size)`,
+    `kernels.copy`)."""
     width = table.shape[1]
     patches = np.empty((needed, 2), np.int32)
-    copies = np.empty((min(needed, seqs.size), 2), np.int32)
+    copies = np.empty((min(needed, seqs.size), 3), np.int32)
     n_patches = 0
     n_copies = 0
     for i in range(seqs.size):
@@ -90,8 +91,9 @@ def claim_step(seqs, totals, pos, held, table, refs, free, n_free, needed, page_
                 refs[old] -= 1
                 refs[new] = 1
                 table[seq, at] = new
-                copies[n_copies, 0] = old
-                copies[n_copies, 1] = new
+                copies[n_copies, 0] = old * page_size
+                copies[n_copies, 1] = new * page_size
+                copies[n_copies, 2] = page_size
                 n_copies += 1
                 patches[n_patches, 0] = table_off + seq * width + at
                 patches[n_patches, 1] = new * page_size

@@ -5,7 +5,7 @@ Every verb that takes pages first checks all its pools can give them (`require`,
 `CapacityError` changing nothing), then grows the storage of any pool without enough
 free pages, by doubling up to `max_pages`, transactionally (the new storage is
 allocated before anything is swapped in), and only then takes the pages. A clone's
-device work is one small upload of its own (its table patches and page pairs), one
+device work is one small upload of its own (its table patches and row runs), one
 patch launch, one device copy of its shared table entries and one copy launch per kind
 that copies: none of it grows with the shared prefix.
 """
@@ -72,17 +72,17 @@ class Pool:
         upload.begin()
         if work.patches is not None:
             upload.put("patches", work.patches)
-        for i, pairs in enumerate(work.copies):
-            if pairs is not None:
-                upload.put(f"copies {i}", pairs)
+        for i, runs in enumerate(work.copies):
+            if runs is not None:
+                upload.put(f"copies {i}", runs)
         upload.send()
         storage, tables = self.storage, upload.device
         if work.patches is not None:
             storage.patch(tables, upload.section("patches"))
         if work.shared is not None:
             storage.copy_entries(*work.shared)
-        for i, pairs in enumerate(work.copies):
-            if pairs is not None:
+        for i, runs in enumerate(work.copies):
+            if runs is not None:
                 storage.copy(i, tables, upload.section(f"copies {i}"))
 
     def run_step_pages(self, upload) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from .config import CacheConfig
 from .device import allocating, cuda
-from .kernels.copy import copy_pages
+from .kernels.copy import RUN_ENTRIES, copy_rows
 from .kernels.launch import device_pointer
 from .kernels.page_table import PagePatcher
 
@@ -100,9 +100,10 @@ class PageStorage:
         self._patcher(tables, section.offset, section.size // 2)
 
     def copy(self, i: int, tables, section) -> None:
-        """Copy the page pairs (source, destination) of `section` of `tables` in every
-        layer of kind `i`, K and V; one launch."""
-        copy_pages(self.groups[i], tables, section.offset, section.size // 2, self.stream)
+        """Copy the row runs of `section` of `tables` (`[m, 3]`: source slot, destination
+        slot, rows; `kernels.copy`) in every layer of kind `i`, K and V; one launch."""
+        copy_rows(self.groups[i], tables, section.offset, section.size // RUN_ENTRIES,
+                  self.stream)
 
     def copy_entries(self, source: int, destination: int, n: int) -> None:
         """Copy `n` device-table entries from index `source` to `destination` on the

@@ -14,7 +14,8 @@ travels by hand. A step's sections, in order (`STEP_SECTIONS`):
   table then its combine table (`kernels.decode.plan_into` writes them in place);
 * `decode list`, `prefill list`: the segments of a group on a path that takes a list;
 * `patches` `[n, 2]`: device page-table patches (flat index, slot base);
-* `copies` `[m, 2]`: page pairs (source, destination) copy-on-write copies.
+* `copies` `[m, 3]`: copy-on-write copies, as row runs (source slot, destination slot,
+  rows; `kernels.copy`).
 
 The buffers are sized for the cache's usual steps and keep their address (a captured
 CUDA graph keeps reading the current step's tables); a step whose tables do not fit

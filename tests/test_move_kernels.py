@@ -1,4 +1,4 @@
-"""The write, page-copy, page-table patch and padding kernels called directly, against
+"""The write, row-copy, page-table patch and padding kernels called directly, against
 NumPy references of what the arrays must hold afterwards.
 
 Storage is paged as a cache holds it: the write cases build column storage `[rows,
@@ -8,12 +8,14 @@ pages and the slots past a sequence's last row hold junk) and compare the kernel
 slots with the reference written into the columns and paged the same way. Page sizes
 8, 16 and 256; rows that end inside a page.
 
-Launch shapes: a block has `lanes` threads along a run (a token, or a page of one
-plane) and `rows` runs side by side, each lane moving `write.TRIP_VECTORS` (4) vectors
-of K and as many of V a trip, those past the run clamped to its last one. The cases
-pick runs of 1, 3, 5, 8, 16, 24, 256, 576 and 1536 vectors (a lane's vectors past the
-run, several trips per run) and element-wise runs longer than a block. The grid is capped at two blocks (`MAX_BLOCKS`), so every block row also
-takes several runs: the grid-stride stepping of tokens, of (plane, pair) runs and of
+Launch shapes: a block has `lanes` threads along a run (a token; for the copy, as many
+as a page of one plane takes, whatever rows a run holds) and `rows` runs side by side,
+each lane moving `write.TRIP_VECTORS` (4) vectors of K and as many of V a trip, those
+past the run clamped to its last one. The cases pick runs of 1, 3, 5, 8, 16, 24, 256,
+576 and 1536 vectors (a lane's vectors past the run, several trips per run), copies of
+runs of 1 row to a whole page (lanes left idle past a short run), and element-wise runs
+longer than a block. The grid is capped at two blocks (`MAX_BLOCKS`), so every block row
+also takes several runs: the grid-stride stepping of tokens, of (plane, row run) items and of
 patches is exercised with counts that are no multiple of the block's rows.
 
 Storage starts as random bit patterns (NaNs included), so a byte a kernel must not
@@ -186,45 +188,140 @@ def test_one_prepared_write_serves_layers_of_both_kinds_through_their_own_pages(
         assert same_bits(v_dev.copy_to_host(), want_v), f"v, ring_rows {ring}"
 
 
-# ---------------------------------------------------------------- page copy
+# ---------------------------------------------------------------- row copy
 
-def pair_tables(rng, pairs, pairs_off):
-    """int32 tables holding `pairs` from entry `pairs_off`, random entries around them."""
-    tables = rng.integers(-1000, 1000, pairs_off + pairs.size + 5).astype(np.int32)
-    tables[pairs_off:pairs_off + pairs.size] = pairs.reshape(-1)
+def tables_holding(rng, entries, off):
+    """int32 tables holding `entries` (flattened) from entry `off`, random entries around
+    them."""
+    tables = rng.integers(-1000, 1000, off + entries.size + 5).astype(np.int32)
+    tables[off:off + entries.size] = entries.reshape(-1)
     return tables
 
 
-@pytest.mark.parametrize("dtype,n_heads,head_dim,n_layers,page_size,n_pairs", [
-    (np.float16, 1, 8, 3, 8, 5),       # 8 vectors a page: 2 lanes, 128 runs a block; 30 runs
-    (BF16, 2, 64, 2, 16, 3),           # 256 vectors: 64 lanes, 4 runs a block
-    (np.float16, 3, 8, 2, 8, 4),       # 24 vectors: 8 lanes, 8 of their 32 past it
-    (np.float32, 3, 8, 1, 256, 2),     # 1536 vectors: 256 lanes, 2 trips a run
-    (np.uint8, 3, 5, 2, 8, 3),         # 120-byte pages: element-wise, 128 lanes
-    (np.uint8, 1, 3, 1, 256, 2),       # 768 elements a page: element-wise, 3 trips a run
+def page_runs(pages, page_size):
+    """Row runs `[n, 3]` (source slot, destination slot, rows) copying whole pages
+    `pages[0, i]` to `pages[1, i]`."""
+    runs = np.empty((pages.shape[1], 3), np.int32)
+    runs[:, :2] = pages.T * page_size
+    runs[:, 2] = page_size
+    return runs
+
+
+def reference_copy(group, runs):
+    """`group` with each run's rows copied, in every layer, K and V (runs independent)."""
+    n_layers, _, n_pages, page_size = group.shape[:4]
+    want = group.copy()
+    slots = want.reshape(n_layers, 2, n_pages * page_size, -1)
+    source = group.reshape(slots.shape)
+    for src, dst, rows in runs.tolist():
+        slots[:, :, dst:dst + rows] = source[:, :, src:src + rows]
+    return want
+
+
+class LaunchPaths:
+    """Which of the copy's kernels the launches took (`wide`, `elements`)."""
+
+    def __init__(self, monkeypatch):
+        self.taken = []
+        for name, path in (("_vectors", "wide"), ("_elements", "elements")):
+            real = getattr(copy_kernels, name)
+            monkeypatch.setattr(copy_kernels, name, self.spy(real, path))
+
+    def spy(self, real, path):
+        def launch(*args):
+            self.taken.append(path)
+            return real(*args)
+        return launch
+
+
+@pytest.fixture
+def launch_paths(monkeypatch):
+    return LaunchPaths(monkeypatch)
+
+
+@pytest.mark.parametrize("dtype,n_heads,head_dim,n_layers,page_size,n_pairs,path", [
+    (np.float16, 1, 8, 3, 8, 5, "wide"),       # 8 vectors a page: 2 lanes; 30 (plane, run)
+    (BF16, 2, 64, 2, 16, 3, "wide"),           # 256 vectors: 64 lanes, 4 runs a block
+    (np.float16, 3, 8, 2, 8, 4, "wide"),       # 24 vectors: 8 lanes, 8 of their 32 past it
+    (np.float32, 3, 8, 1, 256, 2, "wide"),     # 1536 vectors: 256 lanes, 2 trips a run
+    (np.uint8, 3, 5, 2, 8, 3, "elements"),     # 120-byte pages: element-wise, 128 lanes
+    (np.uint8, 1, 3, 1, 256, 2, "elements"),   # 768 elements a page: 3 trips a run
 ])
-def test_copy_pages_copies_each_page_in_every_layer_k_and_v_and_nothing_else(
-        dtype, n_heads, head_dim, n_layers, page_size, n_pairs):
+def test_copy_rows_copies_whole_pages_in_every_layer_k_and_v_and_nothing_else(
+        dtype, n_heads, head_dim, n_layers, page_size, n_pairs, path, launch_paths):
     rng = np.random.default_rng(n_heads * head_dim + page_size + n_pairs)
     n_pages = 2 * n_pairs + 3
     group = random_bits(rng, (n_layers, 2, n_pages, page_size, n_heads, head_dim), dtype)
-    pages = rng.permutation(n_pages)[:2 * n_pairs].reshape(2, n_pairs)
-    pairs = pages.T.astype(np.int32)                  # (source, destination), all distinct
-    pairs_off = 7
+    pages = rng.permutation(n_pages)[:2 * n_pairs].reshape(2, n_pairs)   # all distinct
+    runs = page_runs(pages, page_size)
+    runs_off = 7
     device = cuda.to_device(group)
-    copy_kernels.copy_pages(device, cuda.to_device(pair_tables(rng, pairs, pairs_off)),
-                            pairs_off, n_pairs)
+    copy_kernels.copy_rows(device, cuda.to_device(tables_holding(rng, runs, runs_off)),
+                           runs_off, n_pairs)
     want = group.copy()
     want[:, :, pages[1]] = group[:, :, pages[0]]
     assert same_bits(device.copy_to_host(), want)
+    assert launch_paths.taken == [path]
 
 
-def test_copy_of_no_pages_changes_nothing():
+def partial_runs(rng, n_pages, page_size, n_runs):
+    """`n_runs` row runs `[n, 3]` over pages of `page_size` rows: lengths 1, a whole
+    page and random ones in between, at random rows of random pages (a run's source and
+    destination may share a page; sources may overlap one another), destination rows
+    distinct and none a source row of another run."""
+    sources = np.zeros(n_pages * page_size, bool)
+    destinations = np.zeros(n_pages * page_size, bool)
+    runs = []
+    lengths = [1, page_size, 1] + rng.integers(1, page_size + 1, n_runs).tolist()
+    for _ in range(100_000):
+        if len(runs) == n_runs:
+            return np.array(runs, np.int32)
+        rows = lengths[len(runs)]
+        src = rng.integers(n_pages) * page_size + rng.integers(page_size - rows + 1)
+        dst = rng.integers(n_pages) * page_size + rng.integers(page_size - rows + 1)
+        if (sources[dst:dst + rows].any() or destinations[dst:dst + rows].any()
+                or destinations[src:src + rows].any()
+                or max(src, dst) < min(src, dst) + rows):
+            continue
+        sources[src:src + rows] = True
+        destinations[dst:dst + rows] = True
+        runs.append((src, dst, rows))
+    raise AssertionError(f"no room for {n_runs} runs in {n_pages} pages")
+
+
+@pytest.mark.parametrize("dtype,n_heads,head_dim,n_layers,page_size,path", [
+    (np.float16, 1, 8, 3, 8, "wide"),          # 1 vector a row, 8 a page: 2 lanes
+    (np.float16, 2, 8, 2, 16, "wide"),         # 2 vectors a row, 32 a page: 8 lanes
+    (BF16, 3, 64, 2, 16, "wide"),              # 24 vectors a row, 384 a page: 128 lanes
+    (np.float32, 1, 4, 2, 256, "wide"),        # 1 vector a row, 256 a page: 64 lanes
+    (np.float32, 3, 5, 2, 8, "elements"),      # 60-byte rows (480-byte pages: whole vectors)
+    (np.uint8, 3, 5, 2, 8, "elements"),        # 15-byte rows
+    (np.uint8, 1, 3, 1, 256, "elements"),      # 768 elements a page: runs past a block
+])
+def test_copy_rows_copies_runs_of_partial_pages_in_every_layer_and_nothing_else(
+        dtype, n_heads, head_dim, n_layers, page_size, path, launch_paths):
+    rng = np.random.default_rng(n_heads * head_dim * page_size + n_layers)
+    n_pages, n_runs = 16, 9
+    group = random_bits(rng, (n_layers, 2, n_pages, page_size, n_heads, head_dim), dtype)
+    runs = partial_runs(rng, n_pages, page_size, n_runs)
+    assert {1, page_size} <= set(runs[:, 2].tolist())
+    runs_off = 5
+    device = cuda.to_device(group)
+    copy_kernels.copy_rows(device, cuda.to_device(tables_holding(rng, runs, runs_off)),
+                           runs_off, n_runs)
+    want = reference_copy(group, runs)
+    assert not same_bits(want, group)
+    assert same_bits(device.copy_to_host(), want)
+    assert launch_paths.taken == [path]
+
+
+def test_copy_of_no_runs_changes_nothing(launch_paths):
     rng = np.random.default_rng(4)
     group = random_bits(rng, (2, 2, 3, 8, 2, 8), np.float16)
     device = cuda.to_device(group)
-    copy_kernels.copy_pages(device, cuda.to_device(np.array([0, 1], np.int32)), 0, 0)
+    copy_kernels.copy_rows(device, cuda.to_device(np.array([0, 8, 8], np.int32)), 0, 0)
     assert same_bits(device.copy_to_host(), group)
+    assert launch_paths.taken == []
 
 
 # ---------------------------------------------------------------- page-table patches
@@ -237,8 +334,8 @@ def test_patch_pages_stores_each_value_at_its_index_and_nothing_else(n_patches):
     values = rng.integers(0, 2**31, n_patches).astype(np.int32)
     patches_off = 3
     device = cuda.to_device(table)
-    patch_pages(device, cuda.to_device(pair_tables(rng, np.stack([at, values], 1),
-                                                   patches_off)), patches_off, n_patches)
+    patch_pages(device, cuda.to_device(tables_holding(rng, np.stack([at, values], 1),
+                                                      patches_off)), patches_off, n_patches)
     want = table.copy()
     want[at] = values
     assert np.array_equal(device.copy_to_host(), want)

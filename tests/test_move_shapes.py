@@ -8,7 +8,8 @@ import pytest
 from kvnumba.device import cuda
 from kvnumba.kernels import copy as copy_kernels
 from kvnumba.kernels import write as write_kernels
-from test_move_kernels import check_write, pair_tables, random_bits, same_bits
+from test_move_kernels import (check_write, partial_runs, random_bits, reference_copy,
+                               same_bits, tables_holding)
 
 
 @pytest.mark.parametrize("n_heads, ring_rows", [(8, 0), (8, 21), (1, 21)])
@@ -24,15 +25,13 @@ def test_write_of_2_kib_and_256_byte_token_rows(n_heads, ring_rows):
 
 
 def test_copy_takes_the_layers_past_the_grids_height(monkeypatch):
-    """A grid 2 layers high over 5 layers: blocks take layers y, y + 2, ..."""
+    """A grid 2 layers high over 5 layers: blocks take layers y, y + 2, ... (runs of
+    partial and whole pages)."""
     monkeypatch.setattr(copy_kernels, "MAX_GRID_Y", 2)
     rng = np.random.default_rng(5)
-    n_pairs, n_pages = 3, 9
+    n_runs, n_pages = 4, 9
     group = random_bits(rng, (5, 2, n_pages, 16, 2, 8), np.float16)
-    pages = rng.permutation(n_pages)[:2 * n_pairs].reshape(2, n_pairs)
+    runs = partial_runs(rng, n_pages, 16, n_runs)
     device = cuda.to_device(group)
-    copy_kernels.copy_pages(device, cuda.to_device(pair_tables(rng, pages.T.astype(np.int32),
-                                                               4)), 4, n_pairs)
-    want = group.copy()
-    want[:, :, pages[1]] = group[:, :, pages[0]]
-    assert same_bits(device.copy_to_host(), want)
+    copy_kernels.copy_rows(device, cuda.to_device(tables_holding(rng, runs, 4)), 4, n_runs)
+    assert same_bits(device.copy_to_host(), reference_copy(group, runs))

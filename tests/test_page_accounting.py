@@ -60,7 +60,10 @@ def test_a_hand_worked_life_of_pages():
     work = pages.clone(0, 1, 10)                  # page 1 shared, page 2 straddles 10: copied
     assert flat.table[1, :flat.held[1]].tolist() == [1, 3]
     assert flat.refs[1] == 2 and work.shared == (flat.entry(0), flat.entry(1), 1)
-    assert work.copies[0].tolist() == [[2, 3]] and work.copies[1].tolist() == [[1, 2]]
+    # whole pages as row runs (source slot, destination slot, rows)
+    assert work.copies[0].tolist() == [[2 * P, 3 * P, P]]
+    assert work.copies[1].tolist() == [[1 * P, 2 * P, P]]
+    assert all(c.dtype == np.int32 for c in work.copies)
     assert work.patches.tolist() == [[flat.entry(1) + 1, 3 * P], [ring.entry(1), 2 * P]]
     pos[1] = 10
     check_consistent(pages)
@@ -70,7 +73,8 @@ def test_a_hand_worked_life_of_pages():
     assert flat.held[1] == 1 and flat.refs[3] == 0
     needed, patches, copies = step(pages, pos, [1], [1])   # writes into shared page 1
     new = flat.table[1, 0]
-    assert needed == 1 and new not in (1, 2) and copies.tolist() == [[1, new]]
+    assert needed == 1 and new not in (1, 2) and copies.tolist() == [[1 * P, new * P, P]]
+    assert copies.dtype == np.int32
     assert flat.refs[1] == 1 and flat.refs[new] == 1
     assert patches.tolist() == [[flat.entry(1), new * P]]
     check_consistent(pages)

@@ -6,8 +6,8 @@ same budgets in `python -m kvnumba.bench.sass --check` (CI runs it after the tes
 
 A variant is the kernel's own code with a name it calls bound to something worse: a
 device function (`ptx.exp2_approx` with one more multiply, `ptx.mul_wide_u32` as a
-64 x 64-bit product, the write's slot lookup through 64-bit indices, the copy's page
-pair read at 64-bit indices), a compile-time constant (vectors a lane moves per trip,
+64 x 64-bit product, the write's slot lookup through 64-bit indices, the copy's row
+run read at 64-bit indices), a compile-time constant (vectors a lane moves per trip,
 parts the combine loads per trip) or the launch bounds. Each is a few instructions
 worse than the real kernel; the budgets' margins are smaller than that. Factories are called afresh
 (`__wrapped__`, past their cache) and module kernels cloned with the name rebound, so
@@ -198,20 +198,19 @@ def test_a_longer_write_fails_every_per_vector_budget(figures_of):
 
 @compile_mode
 def test_a_longer_copy_fails_every_per_vector_budget(figures_of):
-    """The page pair read at a table index made in 64 bits: 4 instructions more per
-    run a lane."""
+    """The row run read at a table index made in 64 bits, each of its three entries at
+    an index of its own: 7 instructions more per run a lane."""
     from numba import uint32
 
     from kvnumba.device import cuda
     from kvnumba.kernels import copy
 
     @cuda.jit(device=True)
-    def pair_in_64_bits(tables, pairs_off, pair):
-        at = uint32(pairs_off + 2 * pair)
-        return tables[at], tables[at + uint32(1)]
+    def run_in_64_bits(tables, runs_off, run):
+        at = uint32(runs_off + 3 * run)
+        return tables[at], tables[at + uint32(1)], tables[at + uint32(2)]
 
-    values = figures_of(clone(copy._copy_vectors.py_func, _page_pair=pair_in_64_bits), None,
-                        "copy")
+    values = figures_of(clone(copy._copy_vectors.py_func, _run=run_in_64_bits), None, "copy")
     assert set(exceeded("copy", values)) == {"instructions_per_vector_2kb",
                                              "instructions_per_vector_256b"}
 

@@ -319,8 +319,8 @@ def test_clone_copies_every_kind_in_one_launch_each(dtype, head_dim, monkeypatch
             sent[layer] += list(k[:n])
         c.commit_step()
     launches = []
-    real = copy_module.copy_pages
-    monkeypatch.setattr("kvnumba.storage.copy_pages",
+    real = copy_module.copy_rows
+    monkeypatch.setattr("kvnumba.storage.copy_rows",
                         lambda *args, **kw: launches.append(args[0].shape) or real(*args, **kw))
     b = c.seq_clone(a, upto=9)
     # ring R=8 alone; R=6 and flat pairs (the flat page straddling position 9 is copied)
