@@ -1,10 +1,11 @@
 """The figures of the data-moving kernels' SASS (`bench.sassfigures` dispatches to
 them): instructions per 16-byte vector for the write of a token's K and V rows and
-for the copy of a page pair's K and V pages.
+for the copy of a run of a whole page's K and V rows.
 
-A run is what one block row moves at once: a token's K row and V row (write), a page
-of K and a page of V of one layer (copy). Its `R` vectors per row (or page) are spread
-over `lanes` lanes as the host launches them (`write.vector_lanes`), each lane moving
+A run is what one block row moves at once: a token's K row and V row (write), a run of
+K rows and the same V rows of one layer (copy; the figures take runs of a whole page,
+the runs its lanes are sized for). Its `R` vectors per row (or page) are spread over
+`lanes` lanes as the host launches them (`write.vector_lanes`), each lane moving
 `T` vectors of each a trip of the vector loop (T: the loop's LDG.E.128 over 2) and
 running, once per run, every instruction from the kernel's entry to its exit on its
 way through that loop (P: a path with every other loop taken once, the vector loop's
@@ -65,8 +66,8 @@ def write_figures(flow: Flow, arguments: dict) -> Figures:
 
 
 def copy_figures(flow: Flow, arguments: dict) -> Figures:
-    """Instructions per vector of a page pair's K and V pages, pages of the default
-    page size holding token rows of each size in ROWS (P the longest path)."""
+    """Instructions per vector of a whole page's run of K and V rows, pages of the
+    default page size holding token rows of each size in ROWS (P the longest path)."""
     from kvnumba.pages import DEFAULT_PAGE_SIZE
 
     values, notes = {}, []

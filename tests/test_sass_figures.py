@@ -133,7 +133,7 @@ def test_write_counts_a_lanes_whole_run_per_vector_of_a_token():
                               "instructions_per_vector_256b_ring": 44 / 8}
 
 
-def test_copy_counts_a_lanes_whole_run_per_vector_of_a_page_pair():
+def test_copy_counts_a_lanes_whole_run_per_vector_of_a_whole_page_run():
     """Pages of 16 token rows: 2 KiB rows, 2048 vectors a page: 256 lanes, 8 trips each:
     256 * (16 + 7 * 8) / 4096; 256-byte rows, 256 vectors: 64 lanes, 4 trips:
     64 * (16 + 28) / 512 (the longest way through)."""
