@@ -20,7 +20,8 @@ from .device import allocating, announce, cuda, device_id, on_its_device, placed
 from .errors import CacheFullError, ConfigError, ShapeError
 from .kernels import padding, write
 from .paths import AttentionPaths, upload_entries
-from .plan import stage_tables
+from .plan import resumed_high_water, stage_tables
+from .prefix_keys import as_keys
 from .queries import CacheQueries
 from .pool import Pool
 from .refusals import (floor_refusal, half_written_refusal, position_refusal,
@@ -163,6 +164,75 @@ class BatchedSequenceCache(CacheQueries):
         self._pool.pages.rewind(seq, position)
         self._slots.apply("rewind", seq, next_state)
         self._slots.pos[seq] = position
+
+    # ------------------------------------------------------------------ prefix index
+    def prefix_match(self, keys) -> int:
+        """How many leading page keys of `keys` (`prefix_keys.page_keys`) the prefix index
+        holds: the pages `seq_from_prefix(keys)` would share. Changes nothing."""
+        return self._pool.index.match(as_keys(keys, "prefix_match keys"))
+
+    @on_its_device
+    def seq_from_prefix(self, keys) -> int:
+        """Claim the lowest free slot holding the longest indexed prefix of `keys`: `m =
+        prefix_match(keys)` pages. With `m = 0` it is `seq_new`. Otherwise the sequence
+        shares the matched flat pages (copy-on-write, as a clone), each ring layer gets
+        back the positions it reads before the match point `L = m * page_size`, and it is
+        COMMITTED at `pos = L` with high-water `L + max_write` when there are ring layers
+        (`plan.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
+        where the sequence's rings would need the match's own ring rows (`pos` says
+        where it starts). Refused as `seq_new` (`CacheFullError`, `CapacityError`),
+        nothing changed."""
+        self._step_machine.require_idle("seq_from_prefix")
+        keys = as_keys(keys, "seq_from_prefix keys")
+        keys = keys[:self._pool.index.match(keys)]
+        if not keys:
+            return self.seq_new()
+        seq = self._lowest_free("seq_from_prefix")
+        next_state = self._slots.check_one("clone_into", seq)
+        shared = self._pool.start(seq, keys, self._clone_upload, "seq_from_prefix")
+        if not shared:                 # shortened to nothing: a fresh sequence
+            self._slots.apply("seq_new", seq, self._slots.check_one("seq_new", seq))
+            self._slots.pos[seq] = self._slots.high_water[seq] = 0
+            return seq
+        self._slots.apply("clone_into", seq, next_state)
+        pos = shared * self.config.page_size
+        self._slots.pos[seq] = pos
+        self._slots.high_water[seq] = resumed_high_water(pos, self.config.max_write) \
+            if self._pool.pages.rings else pos
+        return seq
+
+    @on_its_device
+    def prefix_register(self, seq: int, keys) -> int:
+        """Index sequence `seq`'s committed pages of positions under `keys` (`keys[i]`:
+        the key of positions `[i P, (i + 1) P)`, `prefix_keys.page_keys` of the tokens it
+        holds; at most `pos // page_size` of them are used). Pages already indexed are
+        marked used; a new one shares its flat page with the index and copies the rows a
+        later match needs out of each ring. A ring keeps those rows only while its
+        window covers them: register after each `commit_step` (a page whose rows the
+        ring has overwritten, and every page after it, stays out), and before a
+        rewind. Ring pages for the index come from free or cached pages (the least
+        recently used nodes are evicted, never this chain's); registration stops where
+        none is left (a ring pool may grow for them, as for any verb: `CapacityError`,
+        nothing changed, when that growth fails). Returns the leading keys now indexed."""
+        self._step_machine.require_idle("prefix_register")
+        seq = self._live(self._id(seq, "prefix_register"), "prefix_register")
+        keys = as_keys(keys, "prefix_register keys")
+        pos = int(self._slots.pos[seq])
+        keys = keys[:pos // self.config.page_size]
+        index = self._pool.index
+        first = index.first_registrable(pos, int(self._slots.high_water[seq]))
+        return self._pool.register(seq, keys, first, self._clone_upload, "prefix_register")
+
+    def prefix_forget(self, keys) -> int:
+        """Drop the index entries of `keys` (their pages go back to the sequences holding
+        them, or free); returns how many were indexed."""
+        self._step_machine.require_idle("prefix_forget")
+        return self._pool.index.forget(as_keys(keys, "prefix_forget keys"))
+
+    def prefix_clear(self) -> int:
+        """Drop every index entry; returns how many there were."""
+        self._step_machine.require_idle("prefix_clear")
+        return self._pool.index.clear()
 
     # ------------------------------------------------------------------ step protocol
     def declare_step(self, seq_ids, *, blocks=()) -> StepPlan:

@@ -226,12 +226,15 @@ class CacheConfig:
         Defaults: initially one sequence's worth (`min(capacity, 256)` positions on a flat
         kind, one ring on a ring kind) plus the scratch page; at most every sequence at its
         worst (`max_seqs` tables full) plus the scratch page, so the pool never binds
-        (within the int32 slot bound). A given `initial_pages` past that default bound is
+        (within the int32 slot bound); a ring kind's bound also has a page for each page
+        of positions the prefix index can hold (as many as the flat kind's bound: the
+        ring rows of its entries). A given `initial_pages` past that default bound is
         capped at it: the pool never needs more."""
         table_pages = self.table_pages(rows)
         bound = INT32_MAX // self.page_size
+        index_pages = self.max_seqs * self.table_pages(0) if rows else 0
         most = self.max_pages if self.max_pages is not None else \
-            min(bound, self.max_seqs * table_pages + 1)
+            min(bound, self.max_seqs * table_pages + 1 + index_pages)
         first = pages_for(min(self.capacity, INITIAL_POSITIONS), self.page_size) \
             if not rows else table_pages
         initial = first + 1 if self.initial_pages is None else self.initial_pages

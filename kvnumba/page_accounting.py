@@ -10,7 +10,11 @@ ring size R) share page ids. Per kind, `KindPages` keeps
   order (flat: page `i` holds positions `[i P, (i + 1) P)`; ring: ring slots);
 * `held [seq rows]` (int32): how many leading entries of its row a sequence holds;
 * `refs [n_pages]` (int32): how many sequences hold each page (a clone shares);
-* `free[:n_free]` (int32): a stack of free page ids, low ids on top.
+* `free[:n_free]` (int32): a stack of free page ids, low ids on top;
+* `owner [n_pages]` (int32): the prefix index's node holding each page, or -1
+  (`prefix_index`): the index holds one reference of each page it owns, so a page is
+  free (on the stack), cached (its only reference is the index's: reclaimable) or held
+  (by at least one sequence).
 
 One row per sequence slot, and with `scratch` one more, the scratch row of padding
 tokens: page 0 of every kind is the scratch page, held forever, and the scratch row's
@@ -37,8 +41,10 @@ from .pages import (claim_step, grown_pages, pages_for, release_each, release_pa
 class PoolPages(NamedTuple):
     """One layer kind's pool (`BatchedSequenceCache.pool_pages`): `kind` ("flat layers" or
     "ring layers of R rows"), `rows` (0, or that R), its `layers`, `page_size`, pages
-    `in_use` (the scratch page included), `free` (pages it can still give under
-    `max_pages`), `allocated` and `max_pages`."""
+    `in_use` (held by sequences, the scratch page included), `free` (neither held nor
+    cached: free now or by growing to `max_pages`), `allocated`, `max_pages`, and
+    `cached` (held by the prefix index alone: given out, evicted, when free pages run
+    short). `in_use + free + cached == max_pages`; a step can take `free + cached`."""
 
     kind: str
     rows: int
@@ -48,6 +54,7 @@ class PoolPages(NamedTuple):
     free: int
     allocated: int
     max_pages: int
+    cached: int = 0
 
 
 class KindPages:
@@ -69,6 +76,7 @@ class KindPages:
         self.n_free = initial - self.scratch
         self.free = np.zeros(initial, np.int32)    # popped from the end: low ids first
         self.free[:self.n_free] = np.arange(initial - 1, self.scratch - 1, -1)
+        self.owner = np.full(initial, -1, np.int32)
 
     @property
     def n_pages(self) -> int:
@@ -76,34 +84,54 @@ class KindPages:
         return self.refs.size
 
     @property
-    def in_use(self) -> int:
-        """Pages some sequence (or the scratch row) holds."""
+    def used(self) -> int:
+        """Pages off the free stack: held, cached and the scratch page."""
         return self.n_pages - self.n_free
 
     @property
+    def cached(self) -> int:
+        """Pages whose only reference is the prefix index's (reclaimable)."""
+        return int(np.count_nonzero((self.owner >= 0) & (self.refs == 1)))
+
+    @property
+    def in_use(self) -> int:
+        """Pages some sequence (or the scratch row) holds."""
+        return self.used - self.cached
+
+    @property
     def available(self) -> int:
-        """Pages a sequence could still take: free now, or by growing to `max_pages`."""
-        return self.max_pages - self.in_use
+        """Pages a sequence could still take: free now, by growing to `max_pages`, or
+        cached (evicted from the prefix index)."""
+        return self.max_pages - self.used + self.cached
 
     def report(self) -> PoolPages:
+        cached = self.cached
         return PoolPages(self.name, self.rows, tuple(self.layers), self.page_size,
-                         self.in_use, self.available, self.n_pages, self.max_pages)
+                         self.used - cached, self.max_pages - self.used, self.n_pages,
+                         self.max_pages, cached)
 
-    def require(self, needed: int, verb: str) -> None:
-        """Refuse (`CapacityError`) taking `needed` pages past `max_pages`."""
-        if needed > self.available:
+    def require(self, needed: int, verb: str, unavailable: int = 0) -> None:
+        """Refuse (`CapacityError`) taking `needed` pages past `max_pages`, counting cached
+        pages as available but for `unavailable` of them (the prefix pages a verb is
+        about to share)."""
+        if needed <= self.max_pages - self.used:
+            return
+        cached = self.cached
+        available = self.max_pages - self.used + cached - unavailable
+        if needed > available:
             raise CapacityError(
                 f"{verb}: the {self.name} need {needed} new pages of {self.page_size} "
-                f"positions, and their pool has {self.available} free of max_pages "
-                f"{self.max_pages} ({self.in_use} in use); free sequences (seq_rm), or "
-                f"raise max_pages")
+                f"positions, and their pool has {available} available of max_pages "
+                f"{self.max_pages} ({self.used - cached} held by sequences, {cached} cached "
+                f"by the prefix index); free sequences (seq_rm), or raise max_pages")
 
     def grown(self, needed: int) -> int:
-        """Pages the pool must have allocated for `needed` more to be free: its size
-        now, or grown by doubling (`pages.grown_pages`, at most `max_pages`)."""
+        """Pages the pool must have allocated for `needed` more to be free, as far as
+        `max_pages` allows: its size now, or grown by doubling (`pages.grown_pages`, at
+        most `max_pages`; what growth cannot give, eviction from the prefix index must)."""
         if needed <= self.n_free:
             return self.n_pages
-        return grown_pages(self.n_pages, self.in_use + needed, self.max_pages)
+        return grown_pages(self.n_pages, self.used + needed, self.max_pages)
 
     def grow(self, n_pages: int) -> None:
         """Account for storage grown to `n_pages`: the new pages are free."""
@@ -113,7 +141,10 @@ class KindPages:
         free = np.empty(n_pages, np.int32)
         free[:self.n_free] = self.free[:self.n_free]
         free[self.n_free:self.n_free + n_pages - old] = np.arange(n_pages - 1, old - 1, -1)
+        owner = np.full(n_pages, -1, np.int32)
+        owner[:old] = self.owner
         self.refs, self.free, self.n_free = refs, free, self.n_free + n_pages - old
+        self.owner = owner
 
     def take(self, n: int) -> np.ndarray:
         """Pop `n` free page ids (the caller made sure they exist), each held once."""
@@ -130,6 +161,13 @@ class KindPages:
         base = self.table_off + seq * self.table_pages + first
         for i, page in enumerate(pages.tolist()):
             self.pending[base + i] = page * self.page_size
+
+    def drop(self, page: int) -> None:
+        """One reference of `page` goes (the index's); unreferenced, it is free."""
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free[self.n_free] = page
+            self.n_free += 1
 
     def release(self, seq: int, keep: int) -> None:
         """Let `seq` hold only its first `keep` pages; a page no sequence holds any more
@@ -306,3 +344,7 @@ class PageAccounting:
         """Page-layers live sequences hold: per kind, its pages in use past the scratch
         page times its layers (a shared page once)."""
         return sum((kind.in_use - int(self.scratch)) * len(kind.layers) for kind in self.kinds)
+
+    def cached_pages(self) -> int:
+        """Page-layers the prefix index alone holds."""
+        return sum(kind.cached * len(kind.layers) for kind in self.kinds)

@@ -140,6 +140,43 @@ def held_positions(pos: int, high_water: int, rows: int) -> tuple[int, int]:
     return max(0, high_water - rows), pos
 
 
+def ring_history(rows: int, max_write: int, capacity: int) -> int:
+    """How many positions before a resume point `L` a ring layer of `rows` rows reads:
+    `W - 1 = R - M` (its queries at `L` and on see back to `L - W + 1`), or `capacity`
+    for a ring no shorter than the capacity (it never wraps: its window may reach past
+    `R - M`, and it holds every position)."""
+    return capacity if rows >= capacity else rows - max_write
+
+
+def resumed_high_water(position: int, max_write: int) -> int:
+    """The high-water of a sequence resumed at `position` from pages holding only the
+    window before it (a prefix match): `position + M`, so that a ring layer's floor is
+    `position` once past its rows (`ring_floor`; below them it is 0 and everything
+    before `position` is held), and the layer holds `[position + M - R, position)`,
+    which is `[position - W + 1, position)`: as if the sequence had been written to
+    `position + M` and rewound to `position`."""
+    return position + max_write
+
+
+def ring_runs(lo: int, hi: int, rows: int, page_size: int, ring_pages: np.ndarray,
+              absolute_pages: np.ndarray, first_page: int) -> np.ndarray:
+    """Row runs `[m, 3]` int32 `(absolute slot, ring slot, rows)` pairing positions `[lo,
+    hi)` held by absolute position (position `p` at row `p % P` of
+    `absolute_pages[p // P - first_page]`) with the same positions in a ring of `rows`
+    rows (ring slot `s = p % R` at row `s % P` of `ring_pages[s // P]`); a run ends where
+    either side's page or the ring ends. Slots are page id times `page_size` plus row."""
+    runs = []
+    p = lo
+    while p < hi:
+        s = p % rows
+        n = min(hi - p, page_size - p % page_size, page_size - s % page_size, rows - s)
+        runs.append((int(absolute_pages[p // page_size - first_page]) * page_size
+                     + p % page_size,
+                     int(ring_pages[s // page_size]) * page_size + s % page_size, n))
+        p += n
+    return np.array(runs, np.int32).reshape(-1, 3)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One span of a step: tokens `[q_start, q_start + q_len)` of `seq`, at positions from

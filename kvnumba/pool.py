@@ -15,6 +15,7 @@ import numpy as np
 
 from .config import CacheConfig
 from .page_accounting import PageAccounting
+from .prefix_index import PrefixIndex
 from .storage import PageStorage
 
 
@@ -26,6 +27,7 @@ class Pool:
     def __init__(self, config: CacheConfig, n_rows: int, scratch: bool, stream=0):
         self.config = config
         self.pages = PageAccounting(config, n_rows, scratch)
+        self.index = PrefixIndex(self.pages)
         self.storage = PageStorage(config, n_rows, stream)
         self._index = {id(kind): i for i, kind in enumerate(self.pages.kinds)}
 
@@ -34,19 +36,34 @@ class Pool:
         """Bytes of the pages live sequences hold (a shared page once; not the scratch)."""
         return self.pages.held_pages() * self.config.page_bytes
 
-    def reserve(self, demand: list, verb: str) -> None:
-        """Make the pages of `demand` (`(KindPages, pages)` pairs) free: `CapacityError`,
-        nothing changed, when a pool cannot give them under `max_pages`, or when growing
-        the storage of one that has too few free pages fails (every grown storage is
-        allocated before any is put in use)."""
-        for kind, needed in demand:
-            kind.require(needed, verb)
-        growing = [(kind, kind.grown(needed)) for kind, needed in demand]
-        fresh = [(kind, n_pages, self.storage.grown(self._index[id(kind)], n_pages, verb))
-                 for kind, n_pages in growing if n_pages > kind.n_pages]
+    @property
+    def nbytes_cached(self) -> int:
+        """Bytes of the pages the prefix index alone holds (reclaimable)."""
+        return self.pages.cached_pages() * self.config.page_bytes
+
+    def reserve(self, demand: list, verb: str, protect=()) -> None:
+        """Make the pages of `demand` (`(KindPages, pages)` pairs) free: free pages first
+        (growing the pool, by doubling, as far as `max_pages` allows), then cached pages
+        evicted from the prefix index (never those of the index nodes `protect`).
+        `CapacityError`, nothing changed (the index included), when a pool cannot give
+        them under `max_pages`, or when growing the storage of one fails (every grown
+        storage is allocated before any is put in use, and nothing is evicted before)."""
+        index = self.index
+        kept = [(kind, needed, self._index[id(kind)],
+                 index.cached_in(self._index[id(kind)], protect) if len(protect) else 0)
+                for kind, needed in demand]
+        for kind, needed, _, unavailable in kept:
+            kind.require(needed, verb, unavailable)
+        growing = [(kind, i, kind.grown(needed))
+                   for kind, needed, i, _ in kept if needed > kind.n_free]
+        fresh = [(kind, n_pages, self.storage.grown(i, n_pages, verb))
+                 for kind, i, n_pages in growing if n_pages > kind.n_pages]
         for kind, n_pages, group in fresh:
             self.storage.install(self._index[id(kind)], group)
             kind.grow(n_pages)
+        for kind, needed, i, _ in kept:
+            if needed > kind.n_free:
+                index.evict(i, needed - kind.n_free, protect)
 
     # ------------------------------------------------------------------ verbs
     def claim_rings(self, seq: int, verb: str) -> None:
@@ -69,19 +86,61 @@ class Pool:
         cannot give the clone's pages."""
         self.reserve(self.pages.clone_demand(keep), verb)
         work = self.pages.clone(src, dst, keep)
+        self._send(upload, work.patches, work.copies, work.shared)
+
+    def start(self, seq: int, keys: list, upload, verb: str) -> int:
+        """Give a free `seq` its rings and the indexed pages of `keys` (every one indexed):
+        the flat pages shared, the rows the ring layers read before the match point
+        copied back (`PrefixIndex.share`). A match whose own ring rows the rings would
+        need is shortened until they need none of them; returns the pages shared.
+        `CapacityError`, nothing changed, when a ring pool cannot give the rings even so
+        (as `seq_new`)."""
+        index, demand = self.index, self.pages.ring_demand()
+        chain = index.chain(keys)
+        while len(chain) and any(needed > kind.available - index.cached_in(self._index[id(kind)],
+                                                                           chain)
+                                 for kind, needed in demand):
+            chain = chain[:-1]           # its last node's ring pages go to the rings
+        keys = keys[:len(chain)]
+        self.reserve(demand, verb, chain)
+        self.pages.claim_rings(seq)
+        copies = index.share(seq, keys) if keys else [None] * len(self.pages.kinds)
+        self._send(upload, self.pages.flush(None), copies, None)
+        return len(keys)
+
+    def register(self, seq: int, keys: list, first: int, upload, verb: str) -> int:
+        """Index `seq`'s pages under `keys` (`PrefixIndex.plan_register`, `register`: as
+        many as its rings and the ring pools can give, pages taken as for any verb) and
+        copy their ring rows; returns how many leading keys are indexed. `CapacityError`,
+        nothing changed, when growing a ring pool fails."""
+        index = self.index
+        chain, new = index.plan_register(seq, keys, first)
+        if new:
+            self.reserve([(kind, len(new)) for i, kind in enumerate(self.pages.kinds)
+                          if index.keeps_rows(i)], verb, chain)
+        indexed, copies = index.register(seq, keys, chain, new)
+        self._send(upload, None, copies, None)
+        return indexed
+
+    def _send(self, upload, patches, copies: list, shared) -> None:
+        """Device work outside a step, in one upload of its own: table `patches` (`[n, 2]`
+        or None), row runs `copies` per kind (`[m, 3]` or None), `shared` table entries
+        `(from, to, count)` to copy on the device (or None)."""
+        if patches is None and shared is None and all(c is None for c in copies):
+            return
         upload.begin()
-        if work.patches is not None:
-            upload.put("patches", work.patches)
-        for i, runs in enumerate(work.copies):
+        if patches is not None:
+            upload.put("patches", patches)
+        for i, runs in enumerate(copies):
             if runs is not None:
                 upload.put(f"copies {i}", runs)
         upload.send()
         storage, tables = self.storage, upload.device
-        if work.patches is not None:
+        if patches is not None:
             storage.patch(tables, upload.section("patches"))
-        if work.shared is not None:
-            storage.copy_entries(*work.shared)
-        for i, runs in enumerate(work.copies):
+        if shared is not None:
+            storage.copy_entries(*shared)
+        for i, runs in enumerate(copies):
             if runs is not None:
                 storage.copy(i, tables, upload.section(f"copies {i}"))
 

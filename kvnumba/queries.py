@@ -23,11 +23,22 @@ from .step import StepPlan
 class PageDemand(NamedTuple):
     """What a step would take from the flat layers' pool (`page_demand`): `needed` new
     pages (copy-on-write pages included) and `free`, the pages it can still give under
-    `max_pages`; `declare_step` refuses the step when `needed > free`."""
+    `max_pages`, cached pages included (they are evicted as needed); `declare_step`
+    refuses the step when `needed > free`."""
 
     needed: int
     free: int
 
+
+
+class IndexCounts(NamedTuple):
+    """The prefix index of a cache (`prefix_counts`): `pages` of positions it indexes
+    now, `pages_evicted` so far (each a page of positions: its flat page and its ring
+    rows), and `nbytes_cached`, the bytes of pages only it holds (reclaimable)."""
+
+    pages: int
+    pages_evicted: int
+    nbytes_cached: int
 
 
 class CacheQueries:
@@ -66,6 +77,12 @@ class CacheQueries:
         return self._pool.nbytes_held
 
     @property
+    def prefix_counts(self) -> IndexCounts:
+        """What the prefix index holds and has given back (`IndexCounts`)."""
+        index = self._pool.index
+        return IndexCounts(len(index), index.pages_evicted, self._pool.nbytes_cached)
+
+    @property
     def page_size(self) -> int:
         return self.config.page_size
 
@@ -77,7 +94,8 @@ class CacheQueries:
 
     def pool_pages(self) -> tuple:
         """One `PoolPages` per layer kind (flat layers first, then each ring size): its
-        layers, pages in use, free (under `max_pages`), allocated and `max_pages`."""
+        layers, pages in use (held by sequences), free (under `max_pages`), allocated,
+        `max_pages` and cached (held by the prefix index alone)."""
         return tuple(kind.report() for kind in self._pool.pages.kinds)
 
     def page_demand(self, seq_ids) -> PageDemand:

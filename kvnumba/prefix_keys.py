@@ -1,0 +1,90 @@
+"""The prefix index's keys (contract §14): chained digests of whole pages of token ids.
+
+Pure functions over token ids and bytes: nothing here knows a cache. Page `i` of a
+token list (its tokens `[i P, (i + 1) P)`) has the key
+
+    key_i = BLAKE2b-256(key_{i-1} || len(extra) || extra || tokens of page i as int64 LE)
+
+with `key_{-1}` the fixed root `ROOT`, so a key names its page's tokens, every token
+before them and the caller's extra key (a tenant salt, an adapter name, an image digest:
+whatever changes K and V besides the token ids). Two token lists share the key of page
+`i` exactly when they agree on every token up to the end of that page and carry the
+same extra key (up to a BLAKE2b collision). Only whole pages have keys.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from .args import describe
+from .errors import ShapeError
+
+#: the parent of a list's first page
+ROOT = bytes(32)
+#: bytes of a key
+KEY_BYTES = 32
+
+
+def extra_bytes(extra_key) -> bytes:
+    """The extra key as bytes: None (none), `bytes`/`bytearray`, or a `str` (UTF-8);
+    anything else is `ShapeError`."""
+    if extra_key is None:
+        return b""
+    if isinstance(extra_key, (bytes, bytearray)):
+        return bytes(extra_key)
+    if isinstance(extra_key, str):
+        return extra_key.encode()
+    raise ShapeError(f"extra_key={describe(extra_key)}: pass None, bytes or a str (a tenant, "
+                     f"an adapter name, an image digest)")
+
+
+def token_ids(tokens, what: str) -> np.ndarray:
+    """`tokens` (a list or 1-D integer array of non-negative token ids) as int64 `[n]`, or
+    `ShapeError` naming `what`."""
+    try:
+        ids = np.asarray(tokens)
+    except (TypeError, ValueError) as exc:
+        raise ShapeError(f"{what}: expected a 1-D list of token ids, got "
+                         f"{describe(tokens)}") from exc
+    if ids.size == 0:
+        return np.zeros(0, np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ShapeError(f"{what}: expected a 1-D list of integer token ids, got shape "
+                         f"{ids.shape} dtype {ids.dtype}")
+    if ids.dtype.kind == "i" and ids.min() < 0:
+        raise ShapeError(f"{what}: token ids are >= 0, got {int(ids.min())}")
+    return ids.astype(np.int64)
+
+
+def page_keys(tokens: np.ndarray, page_size: int, extra: bytes = b"",
+              parent: bytes = ROOT, first: int = 0) -> list:
+    """The keys of the whole pages of `tokens` (int64 `[n]`, from position 0) from page
+    `first` on, `parent` being the key of page `first - 1` (`ROOT` for page 0): one
+    32-byte key per page, `n // page_size - first` of them."""
+    n_pages = tokens.size // page_size
+    pages = np.ascontiguousarray(tokens[:n_pages * page_size], dtype="<i8")
+    pages = pages.reshape(n_pages, page_size)
+    salt = len(extra).to_bytes(8, "little") + extra
+    keys = []
+    for i in range(first, n_pages):
+        digest = hashlib.blake2b(parent, digest_size=KEY_BYTES)
+        digest.update(salt)
+        digest.update(pages[i].tobytes())
+        parent = digest.digest()
+        keys.append(parent)
+    return keys
+
+
+def as_keys(keys, what: str) -> list:
+    """`keys` (a list of page keys, as `page_keys` makes them) as a list of bytes, or
+    `ShapeError` naming `what`."""
+    if isinstance(keys, (bytes, str)) or not hasattr(keys, "__iter__"):
+        raise ShapeError(f"{what}: expected a list of page keys (prefix_keys.page_keys), got "
+                         f"{describe(keys)}")
+    keys = list(keys)
+    for i, key in enumerate(keys):
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise ShapeError(f"{what}: key {i} is {describe(key)}; page keys are "
+                             f"{KEY_BYTES}-byte digests (prefix_keys.page_keys)")
+    return keys

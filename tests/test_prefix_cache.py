@@ -1,0 +1,237 @@
+"""The prefix index at the cache level (contract §14): a sequence started from a match
+attends bitwise-equal to one that wrote the same K/V itself, on flat, ring and mixed
+layers at several page sizes; extra keys keep lists apart; cached pages are
+reclaimable, evicted least recently used and deepest first; refusals change nothing.
+
+K and V are a function of (token, position, layer) only, so two sequences holding the
+same tokens hold the same bytes wherever they came from.
+"""
+import numpy as np
+import pytest
+
+import kvnumba as kv
+from kvnumba import storage as storage_module
+from kvnumba.prefix_keys import page_keys
+
+H, HQ, D = 1, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def nan_storage(monkeypatch):
+    """Every array a pool allocates starts as NaN: a row nobody wrote poisons what reads
+    it."""
+    real = storage_module.PageStorage._allocate
+
+    def poisoned(self, kind, n_pages):
+        group = real(self, kind, n_pages)
+        group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
+        return group
+
+    monkeypatch.setattr(storage_module.PageStorage, "_allocate", poisoned)
+
+
+def kv_rows(tokens, positions, layer):
+    """K and V `[n, H, D]` float32 of tokens at positions on a layer: a pure function."""
+    seeds = np.asarray(tokens, np.int64) * 1_000_003 + np.asarray(positions) * 131 + layer
+    k = np.stack([np.random.default_rng(int(s)).standard_normal((H, D)) for s in seeds])
+    v = np.stack([np.random.default_rng(int(s) + 7).standard_normal((H, D)) for s in seeds])
+    return k.astype(np.float32), v.astype(np.float32)
+
+
+def feed(cache, seq, tokens, start, chunk):
+    """Write `tokens` into `seq` from position `start`, `chunk` at a time (no attention
+    read back); returns nothing."""
+    for at in range(0, len(tokens), chunk):
+        part = tokens[at:at + chunk]
+        cache.declare_step([seq] * len(part))
+        cache.prepare_step()
+        positions = np.arange(start + at, start + at + len(part))
+        for layer in range(cache.config.n_layers):
+            k, v = kv_rows(part, positions, layer)
+            cache.write(layer, k, v)
+        cache.commit_step()
+
+
+def register(cache, seq, tokens, extra=b""):
+    return cache.prefix_register(seq, page_keys(np.asarray(tokens, np.int64),
+                                                cache.config.page_size, extra))
+
+
+def feed_registering(cache, seq, tokens, chunk, extra=b""):
+    """`feed` from position 0, registering after each commit (while the rings still hold
+    each page's rows); returns the last registration's count."""
+    for at in range(0, len(tokens), chunk):
+        feed(cache, seq, tokens[at:at + chunk], at, chunk)
+        indexed = register(cache, seq, tokens[:at + chunk], extra)
+    return indexed
+
+
+def attend_side_by_side(cache, seqs, tokens, start, chunk):
+    """Feed the same `tokens` from `start` to each of `seqs` in joint steps of `chunk`
+    tokens a sequence, every token attending; the outputs per sequence, `[len(seqs),
+    n_layers, len(tokens), HQ, D]`."""
+    rng = np.random.default_rng(5)
+    outs = []
+    for at in range(0, len(tokens), chunk):
+        part = tokens[at:at + chunk]
+        n = len(part)
+        cache.declare_step([s for s in seqs for _ in range(n)])
+        cache.prepare_step()
+        q = np.tile(rng.standard_normal((n, HQ, D)).astype(np.float32), (len(seqs), 1, 1))
+        positions = np.tile(np.arange(start + at, start + at + n), len(seqs))
+        step = []
+        for layer in range(cache.config.n_layers):
+            k, v = kv_rows(part * len(seqs), positions, layer)
+            step.append(cache.update_and_attend(layer, q, k, v).reshape(len(seqs), n, HQ, D))
+        cache.commit_step()
+        outs.append(np.stack(step, axis=1))
+    return np.concatenate(outs, axis=2)
+
+
+CONFIGS = {
+    "flat": [kv.flat(), kv.flat()],
+    "ring": [kv.ring(window=5), kv.ring(window=5)],
+    "mixed": [kv.flat(), kv.ring(window=3), kv.ring(window=21)],
+}
+
+
+def config(layers, page_size, capacity, max_write, max_seqs=4, **kw):
+    return kv.CacheConfig(layers=layers, n_kv_heads=H, head_dim=D, capacity=capacity,
+                          max_seqs=max_seqs, max_write=max_write, max_step=2 * max_write,
+                          dtype="float32", page_size=page_size, **kw)
+
+
+@pytest.mark.parametrize("page_size,shared,chunk", [(8, 29, 6), (16, 40, 16), (256, 520, 256)])
+@pytest.mark.parametrize("layers", sorted(CONFIGS))
+def test_a_sequence_started_from_a_match_attends_as_one_that_wrote_its_prefix(
+        layers, page_size, shared, chunk):
+    rng = np.random.default_rng(page_size)
+    capacity = shared + 3 * page_size
+    cache = kv.BatchedSequenceCache(config(CONFIGS[layers], page_size, capacity, chunk))
+    common = rng.integers(0, 1000, shared).tolist()
+    first = common + rng.integers(0, 1000, 5).tolist()
+    second = common + rng.integers(0, 1000, 4).tolist()
+    a = cache.seq_new()
+    feed_registering(cache, a, first, chunk)
+    keys = page_keys(np.asarray(second[:-1], np.int64), page_size)
+    matched = cache.prefix_match(keys)
+    assert matched == shared // page_size          # the last whole page of the shared part
+    b = cache.seq_from_prefix(keys)
+    hit = matched * page_size
+    assert cache.pos(b) == hit and cache.state(b) == kv.SlotState.COMMITTED
+    assert cache.floor(b) <= hit
+    c = cache.seq_new()                            # the same tokens, written itself
+    feed(cache, c, second[:hit], 0, chunk)
+    out = attend_side_by_side(cache, [b, c], second[hit:], hit, min(chunk, 8))
+    np.testing.assert_array_equal(out[0], out[1])
+    if layers != "ring":                           # flat pages shared, not copied
+        flat_layer = 0
+        np.testing.assert_array_equal(cache.page_table(b, flat_layer)[:matched],
+                                      cache.page_table(a, flat_layer)[:matched])
+
+
+def test_an_extra_key_keeps_two_identical_token_lists_apart():
+    cache = kv.BatchedSequenceCache(config(CONFIGS["mixed"], 8, 64, 8))
+    tokens = list(range(100, 125))
+    a = cache.seq_new()
+    assert feed_registering(cache, a, tokens, 8, b"tenant-a") == 3
+    for extra, hits in ((b"tenant-a", 3), (b"tenant-b", 0), (b"", 0)):
+        assert cache.prefix_match(page_keys(np.asarray(tokens), 8, extra)) == hits
+
+
+def test_only_committed_whole_pages_are_indexed_and_a_late_ring_registration_stops():
+    cache = kv.BatchedSequenceCache(config([kv.flat(), kv.ring(window=3)], 8, 64, 8))
+    tokens = list(range(40))
+    a = cache.seq_new()
+    feed_registering(cache, a, tokens[:20], 8)
+    keys = page_keys(np.asarray(tokens), 8)
+    assert register(cache, a, tokens) == 2         # 20 positions: 2 whole pages
+    b = cache.seq_new()
+    feed(cache, b, [7] * 40, 0, 8)                 # written past its first pages' window
+    assert cache.prefix_register(b, page_keys(np.full(40, 7), 8)) == 0
+    assert cache.prefix_match(keys) == 2
+
+
+def pools(cache):
+    return [(p.in_use, p.free, p.cached) for p in cache.pool_pages()]
+
+
+def test_cached_pages_are_available_and_evicted_least_recently_used_deepest_first():
+    cache = kv.BatchedSequenceCache(config([kv.flat()], 8, 64, 8, max_seqs=2,
+                                           initial_pages=9, max_pages=9))
+    lists = [[t] * 24 for t in (1, 2)]              # 3 pages each
+    for tokens in lists:
+        s = cache.seq_new()
+        feed_registering(cache, s, tokens, 8)
+        cache.seq_rm(s)
+    (in_use, free, cached), = pools(cache)
+    assert (in_use, free, cached) == (1, 2, 6)      # the scratch page held
+    assert cache.page_demand([0] * 8).free == 8
+    keys = [page_keys(np.asarray(t), 8) for t in lists]
+    touched = cache.seq_from_prefix(keys[0][:2])    # list 1's first two pages used again
+    feed(cache, touched, [1] * 4, 16, 8)           # a fresh page: the free ones first
+    s = cache.seq_new()
+    feed(cache, s, [9] * 16, 0, 8)                  # 2 pages: the last free, 1 evicted:
+    evicted = cache.prefix_counts.pages_evicted     # list 1's third page, used longest ago
+    assert evicted == 1 and [cache.prefix_match(k) for k in keys] == [2, 3]
+    feed(cache, s, [9] * 8, 16, 8)                  # list 2, used at once: deepest first
+    assert [cache.prefix_match(k) for k in keys] == [2, 2]
+    feed(cache, touched, [1] * 8, 20, 8)
+    feed(cache, s, [9] * 8, 24, 8)
+    assert [cache.prefix_match(k) for k in keys] == [2, 0]
+    assert cache.prefix_counts.pages_evicted == 4 and pools(cache) == [(9, 0, 0)]
+    before = (pools(cache), cache.prefix_counts, cache.pos(s))
+    with pytest.raises(kv.CapacityError, match="0 available"):   # held pages stay
+        cache.declare_step([s] * 8)
+    assert cache.step_state == kv.StepState.IDLE
+    assert (pools(cache), cache.prefix_counts, cache.pos(s)) == before
+
+
+def ring_cache(max_pages):
+    """One ring layer (W 9, M 8: R 16, 2 pages a ring) in a fixed pool, and a sequence
+    that wrote 24 positions and registered what the pool let it."""
+    cache = kv.BatchedSequenceCache(config([kv.ring(window=9)], 8, 32, 8, max_seqs=2,
+                                           initial_pages=max_pages, max_pages=max_pages))
+    tokens = list(range(24))
+    a = cache.seq_new()
+    return cache, a, feed_registering(cache, a, tokens, 8), page_keys(np.asarray(tokens), 8)
+
+
+def test_a_match_whose_ring_rows_the_new_rings_need_is_shortened():
+    cache, a, registered, keys = ring_cache(6)      # scratch, a's ring, 3 free
+    assert registered == 3 and pools(cache) == [(3, 0, 3)]
+    b = cache.seq_from_prefix(keys)                 # its ring takes 2: one node left
+    assert cache.pos(b) == 8 and cache.prefix_counts.pages_evicted == 2
+    assert cache.prefix_match(keys) == 1
+
+
+def test_a_match_that_cannot_have_its_rings_is_refused_and_changes_nothing():
+    cache, a, registered, keys = ring_cache(4)      # room for one node
+    assert registered == 1
+    before = (pools(cache), cache.prefix_counts, [cache.state(s) for s in range(2)])
+    with pytest.raises(kv.CapacityError):
+        cache.seq_from_prefix(keys)
+    assert (pools(cache), cache.prefix_counts, [cache.state(s) for s in range(2)]) == before
+
+
+def test_forget_and_clear_give_the_pages_back():
+    cache = kv.BatchedSequenceCache(config(CONFIGS["mixed"], 8, 64, 8))
+    tokens = list(range(32))
+    a = cache.seq_new()
+    keys = page_keys(np.asarray(tokens), 8)
+    assert feed_registering(cache, a, tokens, 8) == 4
+    assert cache.prefix_forget(keys[3:]) == 1 and cache.prefix_match(keys) == 3
+    cache.seq_rm(a)
+    assert sum(p.cached for p in cache.pool_pages()) > 0
+    assert cache.prefix_clear() == 3
+    assert all(p.cached == 0 and p.in_use == 1 for p in cache.pool_pages())
+
+
+@pytest.mark.parametrize("bad", ["abc", [b"short"], [123], None])
+def test_malformed_keys_are_refused(bad):
+    cache = kv.BatchedSequenceCache(config([kv.flat()], 8, 32, 8))
+    with pytest.raises(kv.ShapeError):
+        cache.prefix_match(bad)
+    with pytest.raises(kv.ShapeError):
+        cache.seq_from_prefix(bad)
+    assert cache.state(0) == kv.SlotState.FREE
