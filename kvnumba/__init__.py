@@ -27,8 +27,9 @@ from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigErr
 from .page_accounting import PoolPages
 from .plan import Segment
 from .protocol import BatchControl, StepData
-from .queries import PageDemand
-from .sessions import PackedStep, SessionId, SessionTable
+from .prefix_keys import page_keys
+from .queries import IndexCounts, PageDemand
+from .sessions import PackedStep, PrefixStats, SessionId, SessionTable
 from .sequence_control import SequenceBatchControl
 from .single import SequenceCache
 from .slots import SlotState, StepState
@@ -38,10 +39,11 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchControl", "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
-    "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "KVCacheError",
-    "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages", "PositionError",
+    "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "IndexCounts",
+    "KVCacheError", "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages",
+    "PositionError", "PrefixStats",
     "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "device", "flat",
-    "ring", "run_inputs", "run_step", "torch_stream",
+    "page_keys", "ring", "run_inputs", "run_step", "torch_stream",
 ]

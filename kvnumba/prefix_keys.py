@@ -88,3 +88,37 @@ def as_keys(keys, what: str) -> list:
             raise ShapeError(f"{what}: key {i} is {describe(key)}; page keys are "
                              f"{KEY_BYTES}-byte digests (prefix_keys.page_keys)")
     return keys
+
+
+class KeyChain:
+    """The page keys of one growing token list (a session's), kept between calls so that
+    each new page is hashed once: `keys(tokens)` rehashes only from the first page where
+    `tokens` differ from what was hashed before (a rewind and new tokens), and past it;
+    `fresh` is that page (the first whose key the last call made)."""
+
+    def __init__(self, page_size: int, extra: bytes = b""):
+        self.page_size, self.extra = page_size, extra
+        self.tokens = np.zeros(0, np.int64)
+        self.list: list = []
+        self.fresh = 0
+
+    def keys(self, tokens: np.ndarray) -> list:
+        """The keys of `tokens`' whole pages (int64 `[n]`, from position 0)."""
+        size = self.page_size
+        n_pages = tokens.size // size
+        same = min(len(self.list), n_pages)
+        if same:
+            differs = np.flatnonzero(self.tokens[:same * size] != tokens[:same * size])
+            if differs.size:
+                same = int(differs[0]) // size
+        del self.list[same:]
+        self.fresh = same
+        parent = self.list[-1] if same else ROOT
+        self.list += page_keys(tokens[:n_pages * size], size, self.extra, parent, same)
+        self.tokens = tokens[:n_pages * size].copy()
+        return self.list
+
+    def copy(self) -> "KeyChain":
+        chain = KeyChain(self.page_size, self.extra)
+        chain.tokens, chain.list, chain.fresh = self.tokens, list(self.list), self.fresh
+        return chain

@@ -20,10 +20,12 @@ in their message). Every refusal changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .args import SessionId, describe, is_int
+from .prefix_keys import KeyChain, extra_bytes, token_ids
 from .protocol import BATCH_CONTROL_MEMBERS, BatchControl
 from .refusals import floor_refusal, split_hint
 from .errors import (CacheFullError, CapacityError, ConfigError, KVCacheError, SessionError,
@@ -61,6 +63,20 @@ class PackedStep:
         return int(self.seq_ids.size)
 
 
+class PrefixStats(NamedTuple):
+    """The prefix index seen from a session table (`SessionTable.prefix_stats`): prompt
+    `tokens_looked_up` by `open(prefix=...)`, `tokens_hit` (served from the index), and
+    the control's `pages_evicted`; `hit_rate` is hit over looked up."""
+
+    tokens_looked_up: int
+    tokens_hit: int
+    pages_evicted: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.tokens_hit / self.tokens_looked_up if self.tokens_looked_up else 0.0
+
+
 class SessionTable:
     """Sessions over any BatchControl (`BatchedSequenceCache`, `SequenceBatchControl`, ...).
 
@@ -91,6 +107,12 @@ class SessionTable:
         # sid -> the SessionId handed out (it names the session's sequence), in opening order
         self._open: dict[int, SessionId] = {}
         self._next_sid = 1
+        # the prefix index, where the control has one (`BatchedSequenceCache`)
+        self.indexed = hasattr(control, "seq_from_prefix")
+        self._chains: dict[int, KeyChain] = {}     # sid -> its page keys so far
+        # sid -> (its leading pages indexed, its pages offered to the index)
+        self._indexed: dict[int, tuple] = {}
+        self.tokens_looked_up = self.tokens_hit = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -113,18 +135,72 @@ class SessionTable:
         return int(self.control.pos(self._seq(sid, "pos")))
 
     # ------------------------------------------------------------------ session verbs
-    def open(self) -> SessionId:
-        """Open an empty session on a fresh sequence; returns its id (ids start at 1).
+    def open(self, prefix=None, *, extra_key=None) -> SessionId:
+        """Open a session on a fresh sequence; returns its id (ids start at 1).
 
-        `SessionError` at `max_sessions` or when the control has no free sequence.
+        `prefix`: the token ids the session will start with (its prompt). Where the
+        control has a prefix index (contract §14), the session starts holding the
+        longest indexed prefix of them, in whole pages and never all of them (the last
+        token is always left to compute, for its logits): `pos(sid)` says how many, and
+        the caller feeds the rest from there. `extra_key` (None, bytes or str: a tenant,
+        an adapter, an image digest) is part of every key the session looks up and
+        registers. `SessionError` at `max_sessions` or when the control has no free
+        sequence; `ShapeError` for a malformed prefix or extra key.
         """
+        extra = extra_bytes(extra_key)
+        tokens = None if prefix is None else token_ids(prefix, "open prefix")
         self._require_room("open")
+        chain = KeyChain(int(self.control.config.page_size), extra)
         try:
-            seq = int(self.control.seq_new())
+            if tokens is not None and self.indexed:
+                keys = chain.keys(tokens[:max(0, tokens.size - 1)])
+                seq = int(self.control.seq_from_prefix(keys))
+            else:
+                seq = int(self.control.seq_new())
         except CacheFullError as exc:
             raise SessionError(f"open: the control has no free sequence for a new session "
                                f"({exc})") from exc
-        return self._add(seq)
+        sid = self._add(seq)
+        self._chains[int(sid)] = chain
+        hit = int(self.control.pos(seq))
+        self._indexed[int(sid)] = (hit // chain.page_size,) * 2
+        if tokens is not None:
+            self.tokens_looked_up += int(tokens.size)
+            self.tokens_hit += hit
+        return sid
+
+    def register(self, sid: int, tokens) -> int:
+        """Index session `sid`'s committed pages in the control's prefix index (contract
+        §14), so that later sessions starting with the same tokens share them. `tokens`:
+        the session's token ids from position 0 (those past `pos(sid)` are ignored).
+        Register after each step the session commits: a ring layer keeps a page's rows
+        only while its window covers them. Returns the leading pages indexed (0 where the
+        control has no index)."""
+        seq = self._seq(sid, "register")
+        ids = token_ids(tokens, f"register session {sid}: tokens")
+        if not self.indexed:
+            return 0
+        chain = self._chains[int(sid)]
+        keys = chain.keys(ids[:min(ids.size, int(self.control.pos(seq)))])
+        indexed, tried = self._indexed[int(sid)]
+        indexed, tried = min(indexed, chain.fresh), min(tried, chain.fresh)
+        if len(keys) > tried:             # pages not offered yet: one call for them all
+            indexed, tried = int(self.control.prefix_register(seq, keys)), len(keys)
+        self._indexed[int(sid)] = (indexed, tried)
+        return indexed
+
+    def forget(self, tokens, *, extra_key=None) -> int:
+        """Drop the index entries of `tokens`' whole pages (under `extra_key`); returns
+        how many were indexed (0 where the control has no index)."""
+        chain = KeyChain(int(self.control.config.page_size), extra_bytes(extra_key))
+        keys = chain.keys(token_ids(tokens, "forget tokens"))
+        return int(self.control.prefix_forget(keys)) if self.indexed else 0
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Tokens looked up and hit by `open(prefix=...)`, pages evicted (`PrefixStats`)."""
+        evicted = self.control.prefix_counts.pages_evicted if self.indexed else 0
+        return PrefixStats(self.tokens_looked_up, self.tokens_hit, evicted)
 
     def close(self, sid: int) -> None:
         """Free the session's sequence (`seq_rm`) and forget it. Unknown or closed: nothing.
@@ -142,6 +218,8 @@ class SessionTable:
         except KVCacheError as exc:
             raise _naming(exc, f"close session {sid} (sequence {seq})") from exc
         del self._open[int(sid)]
+        self._chains.pop(int(sid), None)
+        self._indexed.pop(int(sid), None)
         session._seq = None
 
     def clone(self, sid: int, upto: int | None = None) -> SessionId:
@@ -170,7 +248,12 @@ class SessionTable:
                                f"the clone ({exc})") from exc
         except KVCacheError as exc:
             raise _naming(exc, f"clone session {sid} (sequence {seq}) upto {keep}") from exc
-        return self._add(dst)
+        clone = self._add(dst)
+        chain = self._chains[int(sid)].copy()
+        self._chains[int(clone)] = chain
+        self._indexed[int(clone)] = tuple(min(n, keep // chain.page_size)
+                                          for n in self._indexed[int(sid)])
+        return clone
 
     # ------------------------------------------------------------------ packing
     def pack(self, inputs) -> PackedStep:

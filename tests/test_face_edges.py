@@ -76,7 +76,7 @@ def test_a_clone_whose_ring_pool_cannot_grow_leaves_the_flat_pool_as_it_was(monk
         return real(self, kind, n_pages)
 
     monkeypatch.setattr(storage_module.PageStorage, "_allocate", ring_fails)
-    with pytest.raises(kv.CapacityError, match="ring layers of 6 rows from 2 to 3 pages"):
+    with pytest.raises(kv.CapacityError, match="ring layers of 6 rows from 2 to 4 pages"):
         c.seq_clone(a, upto=3)
     assert c.layer_data(0)[0] is flat_k
     assert_unchanged(before, snapshot(c))

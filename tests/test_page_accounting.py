@@ -91,7 +91,7 @@ def test_a_step_past_max_pages_is_refused_naming_the_numbers():
     needed = pages.step_demand(seqs, totals, pos)
     assert needed == 3                            # positions 0..19: 3 pages
     with pytest.raises(kv.CapacityError, match=r"need 3 new pages of 8 positions, and their "
-                                               r"pool has 2 free of max_pages 3"):
+                                               r"pool has 2 available of max_pages 3"):
         pages.flat.require(needed, "declare_step")
 
 

@@ -193,7 +193,7 @@ def test_a_step_past_max_pages_is_refused_naming_pages_and_nothing_changes():
     assert c.page_demand([a, b]) == kv.PageDemand(needed=2, free=1)
     before = snapshot(c)
     with pytest.raises(kv.CapacityError, match=r"need 2 new pages of 8 positions, and their "
-                                               r"pool has 1 free of max_pages 4"):
+                                               r"pool has 1 available of max_pages 4"):
         c.declare_step([a, b])
     assert_unchanged(before, snapshot(c))
     model.step([a], rng)                                       # one page fits

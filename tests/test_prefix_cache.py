@@ -235,3 +235,54 @@ def test_malformed_keys_are_refused(bad):
     with pytest.raises(kv.ShapeError):
         cache.seq_from_prefix(bad)
     assert cache.state(0) == kv.SlotState.FREE
+
+
+def test_sessions_look_up_tokens_register_as_they_go_and_count_hits():
+    cache = kv.BatchedSequenceCache(config(CONFIGS["mixed"], 8, 64, 8))
+    table = kv.SessionTable(cache, max_sessions=4, max_session_tokens=64)
+    prompt = list(range(50, 74))                     # 3 whole pages
+    first = table.open(prompt, extra_key="tenant")
+    assert table.pos(first) == 0
+    for at in range(0, 24, 8):
+        packed = table.pack([(first, at, prompt[at:at + 8])])
+        cache.declare_step(packed.seq_ids)
+        cache.prepare_step()
+        cache.commit_step()                          # control-plane steps: no K/V
+        table.register(first, prompt)
+    # the whole prompt is indexed, yet a session of it computes its last token itself
+    again = table.open(prompt, extra_key="tenant")
+    assert table.pos(again) == 16
+    other = table.open(prompt, extra_key="another")
+    assert table.pos(other) == 0
+    longer = table.open(prompt + [9, 9], extra_key="tenant")
+    assert table.pos(longer) == 24
+    stats = table.prefix_stats
+    assert (stats.tokens_looked_up, stats.tokens_hit) == (24 * 3 + 26, 16 + 24)
+    assert stats.hit_rate == pytest.approx(40 / 98)
+    table.close(again)
+    assert table.forget(prompt, extra_key="tenant") == 3
+    assert cache.prefix_match(page_keys(np.asarray(prompt), 8, b"tenant")) == 0
+
+
+def step(cache, packed):
+    """A control-plane step: positions committed, no K/V written."""
+    cache.declare_step(packed.seq_ids)
+    cache.prepare_step()
+    cache.commit_step()
+
+
+def test_a_session_rewound_and_rewritten_registers_its_new_pages():
+    cache = kv.BatchedSequenceCache(config([kv.flat()], 8, 64, 8))
+    table = kv.SessionTable(cache, max_sessions=2, max_session_tokens=64)
+    sid = table.open()
+    tokens = list(range(16))
+    for at in (0, 8):
+        step(cache, table.pack([(sid, at, tokens[at:at + 8])]))
+        assert table.register(sid, tokens[:at + 8]) == at // 8 + 1
+    new = tokens[:4] + [99] * 12                     # rewound to 4, a new tail
+    step(cache, table.pack([(sid, 4, new[4:12])]))
+    assert table.register(sid, new) == 1             # page 0 again, page 1 is new: 12 < 16
+    step(cache, table.pack([(sid, 12, new[12:16])]))
+    assert table.register(sid, new) == 2
+    for tokens_, hits in ((tokens, 2), (new, 2)):    # the old pages kept (copy-on-write)
+        assert cache.prefix_match(page_keys(np.asarray(tokens_), 8)) == hits
