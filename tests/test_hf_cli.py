@@ -80,6 +80,8 @@ def test_generate_serves_a_saved_model_directory(tmp_path, capsys):
     assert "'1+2='" in out and r"'\x05\t\x03\x00'" in out
     assert not any(c < " " for c in out.replace("\n", ""))     # control characters escaped
     assert "draft acceptance: 100%" in out and "eos none (--ignore-eos)" in out
+    n_prompt = sum(map(len, prompts))           # nothing shared: nothing from the index
+    assert f"prefix cache: 0 of {n_prompt} prompt tokens from the index (0%)" in out
     assert "\r" not in err and "tokens/s" not in err
 
 

@@ -32,7 +32,7 @@ WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 EPILOG = """\
 with --model: prints each prompt and output as ids (and, with a tokenizer, as text),
-tokens/s and, with --draft, the draft acceptance rate.
+tokens/s, the prefix cache's hit rate and, with --draft, the draft acceptance rate.
 without --model: the self-check (--max-new-tokens, --seed, --dtype, --draft-len apply):
 a random 2-layer Llama served with continuous batching, sampled forks and a partly
 accepted draft, each run checked against a reference without kvnumba; exit status 1 on
@@ -123,6 +123,9 @@ def parser() -> Parser:
                         "(speculative decoding); its acceptance rate is printed")
     p.add_argument("--draft-len", type=count, default=3, metavar="K",
                    help="draft tokens proposed per step (default 3)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full (default: prompt prefixes another "
+                        "request computed are reused; the hit rate is printed)")
     return p
 
 
@@ -255,7 +258,8 @@ def serve_directory(args) -> int:
              if args.draft else None)
     eos, source = eos_ids(args, model, tokenizer)
     engine = Engine(model, max_seqs=len(prompts) * args.n, capacity=args.capacity,
-                    dtype=args.dtype, draft_model=draft, draft_len=args.draft_len)
+                    dtype=args.dtype, draft_model=draft, draft_len=args.draft_len,
+                    prefix_cache=not args.no_prefix_cache)
     print(f"model {args.model}: {config.model_type}, vocab {vocab}; eos "
           f"{'none' if eos is None else eos} ({source})")
     outputs, seconds = serve(engine, prompts, n=args.n, seed=args.seed,
@@ -268,6 +272,9 @@ def serve_directory(args) -> int:
             print(f"  -> {shown(sequence, tokenizer)}")
     tokens = sum(len(seq) for sequences in outputs for seq in sequences)
     print(f"{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tokens/s")
+    stats = engine.stats
+    print(f"prefix cache: {stats.cached_tokens} of {stats.prompt_tokens} prompt tokens from "
+          f"the index ({stats.hit_rate:.0%})" if engine.prefix_cache else "prefix cache: off")
     if args.draft:
         rate = engine.acceptance_rate
         print("draft acceptance: " + ("no drafts proposed" if rate is None else

@@ -16,12 +16,22 @@ A request is checked whole before anything is queued, drawn or seeded (`requests
 and the engine leaves process-wide state alone: each request samples from its own
 `torch.Generator`, seeded with its `seed` or with fresh entropy, never from torch's
 global generators.
+
+With the prefix cache (the default), each cache remembers the pages its requests
+computed (contract §14): a request is admitted holding the longest indexed prefix of its
+prompt (whole pages, never all of it) in the model's cache and the draft's, and every
+request registers its committed positions, prompt and output, each time a page of them
+is complete, so later requests sharing a prefix, across requests and over time, skip
+computing it. Cached pages are reclaimable: admission counts them as available.
 """
 from __future__ import annotations
 
 import itertools
 import secrets
 from collections import deque
+from typing import NamedTuple
+
+import numpy as np
 
 from ..args import as_count
 from ..errors import CapacityError, ConfigError
@@ -29,6 +39,18 @@ from .attention import register
 from .config import cache_config, text_config
 from .requests import Request, checked_prompts, checked_request, checked_seed
 from .served import ServedModel
+
+
+class EngineStats(NamedTuple):
+    """What the prefix cache saved (`Engine.stats`): `prompt_tokens` of the requests
+    admitted so far, `cached_tokens` of them served from the model's prefix index,
+    `hit_rate` (cached over prompt tokens, 0.0 before any) and the model's cache's
+    `pages_evicted`."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    pages_evicted: int
 
 
 class Engine:
@@ -47,7 +69,8 @@ class Engine:
     bytes per token), each a fixed pool that never grows (`CacheConfig.fixed_pool`);
     without it each pool starts small and doubles as needed up to `max_pages`
     (docs/sizing.md). `cache_options` go to `CacheConfig` (`page_size`,
-    `initial_pages`, `max_pages`).
+    `initial_pages`, `max_pages`). `prefix_cache`: reuse the pages of prompt prefixes
+    across requests (module doc; `stats` says how much).
 
     A model in training mode with attention dropout is refused (`ConfigError`): kvnumba
     attends without dropout; put it in eval mode (`model.eval()`).
@@ -55,7 +78,11 @@ class Engine:
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
-                 draft_len: int = 4, kv_bytes: int | None = None, **cache_options):
+                 draft_len: int = 4, kv_bytes: int | None = None, prefix_cache: bool = True,
+                 **cache_options):
+        if not isinstance(prefix_cache, bool):
+            raise ConfigError(f"prefix_cache={prefix_cache!r}: pass True or False")
+        self.prefix_cache = prefix_cache
         self.draft_len = as_count(draft_len, "draft_len", 1) if draft_model else 0
         for served in (model, draft_model):
             if served is not None:
@@ -87,6 +114,7 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self.proposed = self.accepted = 0      # draft tokens proposed / accepted so far
+        self.prompt_tokens = self.cached_tokens = 0   # of admitted requests, from the index
 
     # ------------------------------------------------------------------ requests
     @property
@@ -95,34 +123,46 @@ class Engine:
         return bool(self._waiting or self._running)
 
     @property
+    def stats(self) -> EngineStats:
+        """Prompt tokens admitted, those served from the prefix index, the hit rate and
+        the pages the model's cache evicted (`EngineStats`)."""
+        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return EngineStats(self.prompt_tokens, self.cached_tokens, rate,
+                           self.target.cache.prefix_counts.pages_evicted)
+
+    @property
     def acceptance_rate(self) -> float | None:
         """Draft tokens accepted / proposed so far (None before any was proposed)."""
         return self.accepted / self.proposed if self.proposed else None
 
     def submit(self, prompt, *, max_new_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
-               n: int = 1) -> int:
+               n: int = 1, extra_key=None) -> int:
         """Queue a request; returns its id. `step()` reports it when done: its new
         tokens (with `n > 1`, a list of `n` such lists, the prompt prefilled once and
         forked). `prompt`: a list (or 1-D int array) of token ids; `seed`: an int in
         `[0, 2**64)` for the request's own generator (None: fresh entropy; torch's
         global generators are never touched); `eos_token_id`: an int, a list of ints or
-        None. Every prompt id and option is checked before anything is queued, drawn or
-        seeded (`ConfigError`, `CapacityError`)."""
+        None; `extra_key` (None, bytes or str): what besides the token ids makes the
+        request's K/V (a tenant, an adapter, an image digest), part of every prefix-cache
+        key it looks up and registers. Every prompt id and option is checked before
+        anything is queued, drawn or seeded (`ConfigError`, `CapacityError`)."""
         return self._queue(self._checked(prompt, max_new_tokens, temperature, top_p, seed,
-                                         eos_token_id, n))
+                                         eos_token_id, n, extra_key))
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
-                 n: int = 1) -> list:
+                 n: int = 1, extra_key=None) -> list:
         """The new tokens of each prompt (`prompts`: a list of prompts, each a list of
         token ids; `n > 1`: `n` lists per prompt, in order), served with continuous
-        batching; `seed` seeds prompt `i` with `seed + i`. The whole call is checked
-        before any prompt is queued: a refusal queues nothing."""
+        batching; `seed` seeds prompt `i` with `seed + i`; `extra_key` as `submit`'s,
+        for every prompt. The whole call is checked before any prompt is queued: a
+        refusal queues nothing."""
         prompts = checked_prompts(prompts)
         checked_seed(seed, len(prompts) - 1)
         checked = [self._checked(p, max_new_tokens, temperature, top_p,
-                                 None if seed is None else seed + i, eos_token_id, n)
+                                 None if seed is None else seed + i, eos_token_id, n,
+                                 extra_key)
                    for i, p in enumerate(prompts)]
         rids = [self._queue(request) for request in checked]
         results = {}
@@ -134,14 +174,15 @@ class Engine:
         return out
 
     def _checked(self, prompt, max_new_tokens, temperature, top_p, seed, eos_token_id,
-                 n) -> Request:
+                 n, extra_key=None) -> Request:
         """A request whose every option passed, and which every pool could hold."""
         for served in self._models():
             refuse_dropout(served.model)
         request = checked_request(prompt, vocab=self.vocab, capacity=self.config.capacity,
                                   max_seqs=self.config.max_seqs,
                                   max_new_tokens=max_new_tokens, temperature=temperature,
-                                  top_p=top_p, seed=seed, eos_token_id=eos_token_id, n=n)
+                                  top_p=top_p, seed=seed, eos_token_id=eos_token_id, n=n,
+                                  extra_key=extra_key)
         positions = request.n_prompt + request.max_new
         for served in self._models():
             for (rows, bound), pages in zip(served.kinds, served.pages_for(positions,
@@ -177,6 +218,8 @@ class Engine:
             return []
         drafts = self._propose(plan) if self.draft else {}
         self._verify(plan, drafts)
+        if self.prefix_cache:
+            self._register(plan)
         return self._retire()
 
     def _models(self) -> list:
@@ -189,15 +232,54 @@ class Engine:
         models = self._models()
         reserved = [model.reserved(self._running) for model in models]
         while self._waiting and self._waiting[0].n <= free and all(
-                model.fits(r, self._waiting[0]) for model, r in zip(models, reserved)):
+                model.fits(r, self._waiting[0]) for model, r in zip(models, reserved)) \
+                and not self._computing_its_prefix(self._waiting[0]):
             request = self._waiting.popleft()
             free -= request.n
             reserved = [[a + b for a, b in zip(r, model.need(request))]
                         for model, r in zip(models, reserved)]
-            request.sid = self.target.table.open()
+            request.sid = self._open(self.target, request)
+            request.fed = request.offered = self.target.table.pos(request.sid)
             if self.draft:
-                request.dsid = self.draft.table.open()
+                request.dsid = self._open(self.draft, request)
+                request.dfed = request.doffered = self.draft.table.pos(request.dsid)
+            self.prompt_tokens += request.n_prompt
+            self.cached_tokens += request.fed
             self._running.append(request)
+
+    def _computing_its_prefix(self, request) -> bool:
+        """With the prefix cache: whether a running request is still prefilling whole
+        pages of `request`'s prompt, which `request` would match once they are
+        registered (it waits for them rather than compute them a second time)."""
+        if not self.prefix_cache:
+            return False
+        size, prompt = self.config.page_size, request.tokens[:request.n_prompt - 1]
+        for other in self._running:
+            if other.fed < other.n_prompt and other.extra == request.extra:
+                shared = shared_pages(prompt, other.tokens[:other.n_prompt], size)
+                if shared > other.fed // size:
+                    return True
+        return False
+
+    def _open(self, served, request) -> int:
+        """A session of `served`'s table for `request`: from its prompt's longest indexed
+        prefix with the prefix cache, else empty."""
+        if not self.prefix_cache:
+            return served.table.open()
+        return served.table.open(request.tokens[:request.n_prompt], extra_key=request.extra)
+
+    def _register(self, plan) -> None:
+        """Offer each stepped request's newly completed pages of committed positions to
+        its caches' prefix indexes (the ring layers keep a page's rows only while their
+        windows cover them: registered at once, step by step)."""
+        size = self.config.page_size
+        for request in {id(r): r for r, _, _ in plan}.values():
+            if request.fed // size > request.offered // size:
+                self.target.table.register(request.sid, request.tokens[:request.fed])
+                request.offered = request.fed
+            if self.draft and request.dfed // size > request.doffered // size:
+                self.draft.table.register(request.dsid, request.tokens[:request.dfed])
+                request.doffered = request.dfed
 
     def _plan(self) -> list:
         """`(request, tokens to feed, draft tokens wanted)` for this step, within
@@ -300,7 +382,8 @@ class Engine:
             child = Request(list(request.tokens), request.n_prompt, request.max_new,
                             request.sampling, request.eos, None, rid=request.rid,
                             generator=generator, sid=self.target.table.clone(request.sid),
-                            fed=request.fed, group=request.group)
+                            fed=request.fed, group=request.group, extra=request.extra,
+                            offered=request.offered, doffered=request.doffered)
             if self.draft:
                 child.dsid = self.draft.table.clone(request.dsid)
                 child.dfed = request.dfed
@@ -326,6 +409,13 @@ class Engine:
                 outs = [s.new for s in group]
                 finished.append((request.rid, outs if len(outs) > 1 else outs[0]))
         return finished
+
+
+def shared_pages(a: list, b: list, page_size: int) -> int:
+    """Whole pages of `a` that `b` begins with too."""
+    n = min(len(a), len(b)) // page_size * page_size
+    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return (int(differs[0]) if differs.size else n) // page_size
 
 
 def refuse_dropout(model) -> None:

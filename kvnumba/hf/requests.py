@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..args import as_count, describe, is_int
-from ..errors import CapacityError, ConfigError
+from ..errors import CapacityError, ConfigError, ShapeError
+from ..prefix_keys import extra_bytes
 from .sampling import Sampling
 
 #: seeds of a request's generator: what `torch.Generator.manual_seed` takes
@@ -34,6 +35,9 @@ class Request:
     dsid: int | None = None  # its session in the draft's table
     fed: int = 0            # positions the target's cache holds that stand
     dfed: int = 0           # positions the draft's cache holds that stand
+    extra: bytes = b""      # the prefix index's extra key of its pages
+    offered: int = 0        # positions offered to the target's prefix index so far
+    doffered: int = 0       # and to the draft's
     done: bool = False
     group: list = field(default_factory=list)   # the request's sequences, in order (shared)
 
@@ -53,7 +57,7 @@ class Request:
 
 
 def checked_request(prompt, *, vocab: int, capacity: int, max_seqs: int, max_new_tokens,
-                    temperature, top_p, seed, eos_token_id, n) -> Request:
+                    temperature, top_p, seed, eos_token_id, n, extra_key=None) -> Request:
     """A `Request` for `prompt` once every option is checked (nothing drawn, nothing
     seeded): `ConfigError` or `CapacityError` naming the option and what to pass."""
     tokens = checked_prompt(prompt, vocab)
@@ -66,8 +70,12 @@ def checked_request(prompt, *, vocab: int, capacity: int, max_seqs: int, max_new
                             f"is {capacity}")
     if n > max_seqs:
         raise CapacityError(f"n={n} sequences: the engine holds max_seqs={max_seqs}")
+    try:
+        extra = extra_bytes(extra_key)
+    except ShapeError as exc:
+        raise ConfigError(str(exc)) from None
     return Request(tokens, len(tokens), max_new, sampling, checked_eos(eos_token_id, vocab),
-                   checked_seed(seed), n=n)
+                   checked_seed(seed), n=n, extra=extra)
 
 
 def checked_prompt(prompt, vocab: int) -> list:
