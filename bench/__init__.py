@@ -12,12 +12,16 @@
   cases need the `bf16` extra). The kernel bench is `kernels.py`, its sizes
   `kernelsizes.py`, its harness `kernelharness.py`, its peers `kernelpeers.py`, its
   cases `kernelmoves.py` and `kernelattention.py`, its report `kernelreport.py`.
+- `python -m kvnumba.bench.prefix`: prefix reuse through the prefix index, on and off: prompt
+  tokens computed, pages held and the share of each prompt served from the index in a
+  control-plane serving loop (deterministic counts), and host µs per page looked up and
+  registered (CPU, runs anywhere).
 - `python -m kvnumba.bench.engine`: the Hugging Face engine against `model.generate()` (a GPU
   and the `hf` extra).
 - `python -m kvnumba.bench [--quick | --smoke] [--results DIR]` (also `kvnumba-bench`): all of
-  these and the memory bench, plus a JSON record in DIR (default `./bench-results`); a
-  section whose libraries are not installed is skipped with a line naming the extra
-  that installs them (`prerequisites.py`).
+  these, the memory bench and the prefix-reuse bench, plus a JSON record in DIR (default
+  `./bench-results`); a section whose libraries are not installed is skipped with a line
+  naming the extra that installs them (`prerequisites.py`).
 - `python -m kvnumba.bench.sass [--report | --check]`: static sm_90a report (registers,
   spills, shared memory, key SASS instructions, per-key / per-tile / per-vector
   figures) of compiled kernels, and `--check` against `bench/sass_budgets.json`; needs

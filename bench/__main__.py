@@ -1,16 +1,16 @@
-"""Run kvnumba's benchmarks: the control plane, the data path's host time, memory, the
-kernels, the Hugging Face engine, and a JSON record.
+"""Run kvnumba's benchmarks: the control plane, the data path's host time, memory, prefix
+reuse, the kernels, the Hugging Face engine, and a JSON record.
 
     python -m kvnumba.bench [--quick | --smoke] [--results DIR]      (or: kvnumba-bench ...)
 
-What runs where: the control-plane and memory benches run anywhere; the host-time
-bench too (without a GPU, in `KVNUMBA_DEVICE=compile` mode with the launches recorded,
-which compiles the kernels: it needs NVRTC and libNVVM, `pip install 'kvnumba[sass]'`);
-the kernel bench needs a CUDA GPU (`--smoke` runs its cases at toy sizes, on the
-simulator too), with PyTorch (`kvnumba[torch]`) for its SDPA / FlashAttention peers;
-the Hugging Face engine against `model.generate()` needs PyTorch with CUDA and
-transformers (`kvnumba[hf]`). A section whose libraries are not installed is skipped
-with one line naming them and the extra that installs them. Every figure goes to
+What runs where: the control-plane, memory and prefix-reuse benches run anywhere; the
+host-time bench too (without a GPU, in `KVNUMBA_DEVICE=compile` mode with the launches
+recorded, which compiles the kernels: it needs NVRTC and libNVVM, `pip install
+'kvnumba[sass]'`); the kernel bench needs a CUDA GPU (`--smoke` runs its cases at toy
+sizes, on the simulator too), with PyTorch (`kvnumba[torch]`) for its SDPA /
+FlashAttention peers; the Hugging Face engine against `model.generate()` needs PyTorch
+with CUDA and transformers (`kvnumba[hf]`). A section whose libraries are not installed
+is skipped with one line naming them and the extra that installs them. Every figure goes to
 `DIR/<date>-<device>.json` (default `./bench-results`, under the current directory).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import kvnumba.device as kv_device
 
-from . import control, engine, host, kernels, memory
+from . import control, engine, host, kernels, memory, prefix
 from .kernelsizes import add_size_arguments, device_name, sizes_for
 from .prerequisites import MissingTool, missing_packages
 
@@ -80,6 +80,7 @@ SECTIONS = (
     Section("control", lambda args: control.run_anywhere(quick=_quick(args)), control.report),
     Section("host", lambda args: host.run_anywhere(quick=_quick(args)), host.report),
     Section("memory", lambda args: memory.run(quick=_quick(args)), memory.report),
+    Section("prefix", lambda args: prefix.run(quick=_quick(args)), prefix.report),
     Section("kernels", lambda args: kernels.run(sizes_for(args)), kernels.report),
     Section("engine", _run_engine, engine.report),
 )

@@ -57,11 +57,14 @@ def token_ids(tokens, what: str) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def page_keys(tokens: np.ndarray, page_size: int, extra: bytes = b"",
-              parent: bytes = ROOT, first: int = 0) -> list:
-    """The keys of the whole pages of `tokens` (int64 `[n]`, from position 0) from page
-    `first` on, `parent` being the key of page `first - 1` (`ROOT` for page 0): one
-    32-byte key per page, `n // page_size - first` of them."""
+def page_keys(tokens, page_size: int, extra=b"", parent: bytes = ROOT,
+              first: int = 0) -> list:
+    """The keys of the whole pages of `tokens` (token ids from position 0: a list or a
+    1-D integer array) from page `first` on, `parent` being the key of page `first - 1`
+    (`ROOT` for page 0), under the extra key `extra` (None, bytes or str): one 32-byte
+    key per page, `len(tokens) // page_size - first` of them."""
+    tokens = token_ids(tokens, "page_keys tokens")
+    extra = extra_bytes(extra)
     n_pages = tokens.size // page_size
     pages = np.ascontiguousarray(tokens[:n_pages * page_size], dtype="<i8")
     pages = pages.reshape(n_pages, page_size)

@@ -1,4 +1,5 @@
 """The benchmarks run and report sane figures (never timed assertions)."""
+import dataclasses
 import math
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 
 import kvnumba.device as kv_device
 from kvnumba.bench import __main__ as bench_main
-from kvnumba.bench import control, host, kernels
+from kvnumba.bench import control, host, kernels, prefix
 
 
 def test_control_quick_reports_every_batch_and_kind():
@@ -168,3 +169,77 @@ def test_kernel_cases_in_bfloat16_are_left_out_without_ml_dtypes(monkeypatch, ca
     assert sizes.dtypes == ("float16",) and missing["bfloat16"]["extra"] == "bf16"
     assert ("kernel cases in bfloat16: skipped, ml_dtypes is not installed; pip install "
             "'kvnumba[bf16]' installs ml_dtypes") in capsys.readouterr().out.splitlines()
+
+
+#: the prefix-reuse bench at a scale its counts can be worked out by hand: pages of 16,
+#: chunks of 16, a 40-token system prompt (2 whole pages, then 8 tokens)
+TINY = prefix.Sizes(requests=3, system=40, question=20, new_tokens=3, max_running=3,
+                    conversations=2, turns=3, user=10, answer=6, jitter=0, max_write=16,
+                    window=20, page_size=16, lookup=64)
+
+
+def whole(n: int, page: int = 16) -> int:
+    """Positions in the whole pages of `n` positions."""
+    return n // page * page
+
+
+@pytest.mark.parametrize("question", [0, TINY.question])
+def test_prefix_reuse_counts_are_the_hand_computed_ones(question):
+    """Reuse off computes every prompt token; on, the first request computes its prompt
+    and each later one only what follows the whole pages it shares (all of the prompt
+    but its last token at most): `p - floor((p - 1) / P) P` for identical prompts. Pages
+    held at the peak: off, every request its own; on, the shared pages once. A windowed
+    config hits alike and holds one ring per running request more."""
+    sizes = dataclasses.replace(TINY, question=question)
+    n, p, size = sizes.requests, sizes.system + question, sizes.page_size
+    shared = whole(min(sizes.system, p - 1))
+    own = -(-(p + sizes.new_tokens - 1) // size)         # pages a request ends holding
+    rows = prefix.cache_config(sizes.layer_configs()["windowed"], sizes, n).ring_rows()
+    ring = -(-int(rows.max()) // size)                   # pages of a sequence's ring
+    for name, layers in sizes.layer_configs().items():
+        rings = n * ring if name == "windowed" else 0
+        off = prefix.shared_prompt(layers, sizes, reuse=False)
+        assert (off["computed"], off["hit"], off["prompt_tokens"]) == (n * p, 0, n * p)
+        assert off["peak_held"] == n * own + rings
+        on = prefix.shared_prompt(layers, sizes, reuse=True)
+        assert on["computed"] == p + (n - 1) * (p - shared), name
+        assert on["hit"] == (n - 1) * shared and on["pages_evicted"] == 0
+        assert on["peak_held"] == shared // size + n * (own - shared // size) + rings, name
+    if question == 0:
+        assert shared == whole(p - 1) and p - shared == 8
+
+
+def test_prefix_reuse_serves_each_turn_from_what_the_last_one_registered():
+    """A turn's prompt is the last one's, its answer and a user message; the last turn
+    committed its prompt and all of its answer but the last token, so the next one is
+    served the whole pages of that (and never its own last token)."""
+    s = TINY
+    # turn 1: the first conversation computes the system prompt, the others wait for
+    # its whole pages and are served them
+    prompts, hits = [s.system + s.user], [(s.conversations - 1) * whole(s.system)]
+    for _ in range(1, s.turns):
+        committed = prompts[-1] + s.answer - 1
+        prompts.append(prompts[-1] + s.answer + s.user)
+        hits.append(s.conversations * whole(min(committed, prompts[-1] - 1)))
+    for layers in s.layer_configs().values():
+        on = prefix.conversations(layers, s, reuse=True)
+        off = prefix.conversations(layers, s, reuse=False)
+        assert [t["prompt_tokens"] for t in on["turns"]] == [s.conversations * p for p in prompts]
+        assert [t["hit"] for t in on["turns"]] == hits
+        assert [t["hit"] for t in off["turns"]] == [0] * s.turns
+        assert off["computed"] == off["prompt_tokens"] == on["prompt_tokens"]
+        assert on["computed"] == on["prompt_tokens"] - sum(hits)
+
+
+def test_prefix_bench_runs_and_reports_at_a_tiny_scale():
+    result = prefix.run(quick=True, sizes=TINY)
+    shared = result["shared_prompt"]
+    assert shared["flat"]["on"]["computed"] == shared["windowed"]["on"]["computed"] == 60 + 2 * 28
+    assert shared["flat"]["computed_ratio"] == pytest.approx(116 / 180)
+    assert [t["turn"] for t in result["conversations"]["flat"]["on"]["turns"]] == [1, 2, 3]
+    host_rows = result["host"]["rows"]
+    assert result["host"]["pages"] == 4 and len(host_rows) == 6
+    assert all(math.isfinite(r["us_per_page"]) and r["us_per_page"] > 0 for r in host_rows)
+    text = prefix.report(result)
+    assert text.startswith(prefix.HEADER) and "host µs per page" in text
+    json.dumps(result)                                   # goes into the JSON record
