@@ -229,7 +229,8 @@ class CacheConfig:
         (within the int32 slot bound); a ring kind's bound also has a page for each page
         of positions the prefix index can hold (as many as the flat kind's bound: the
         ring rows of its entries). A given `initial_pages` past that default bound is
-        capped at it: the pool never needs more."""
+        capped at it (on a ring kind, at the sequences' rings: the index's pages come
+        by growth): the pool never needs more."""
         table_pages = self.table_pages(rows)
         bound = INT32_MAX // self.page_size
         index_pages = self.max_seqs * self.table_pages(0) if rows else 0
@@ -238,6 +239,8 @@ class CacheConfig:
         first = pages_for(min(self.capacity, INITIAL_POSITIONS), self.page_size) \
             if not rows else table_pages
         initial = first + 1 if self.initial_pages is None else self.initial_pages
+        if rows and self.max_pages is None:   # the sequences' rings; the index's rows
+            initial = min(initial, self.max_seqs * table_pages + 1)   # come by growth
         return min(initial, most), most
 
     def fixed_pool(self, nbytes: int) -> "CacheConfig":

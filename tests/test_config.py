@@ -60,8 +60,9 @@ def test_default_pools_start_small_and_never_bind():
     # flat: ceil(min(1000, 256) / 16) = 16 pages + the scratch page; at most 5 sequences
     # of ceil(1000 / 16) = 63 pages, plus the scratch page
     assert c.table_pages(0) == 63 and c.kind_pages(0) == (17, 5 * 63 + 1)
-    # ring R = 100 + 20 - 1 = 119: ceil(119 / 16) = 8 pages a sequence
-    assert c.table_pages(119) == 8 and c.kind_pages(119) == (9, 5 * 8 + 1)
+    # ring R = 100 + 20 - 1 = 119: ceil(119 / 16) = 8 pages a sequence, and a page for
+    # each page of positions the prefix index can hold (the flat bound's 5 * 63)
+    assert c.table_pages(119) == 8 and c.kind_pages(119) == (9, 5 * 8 + 1 + 5 * 63)
     assert make(initial_pages=3, max_pages=7).kind_pages(0) == (3, 7)
 
 
@@ -91,7 +92,7 @@ def test_sizing_is_bytes_of_each_layer_times_pages():
     assert c.page_bytes == 2 * 8 * 2 * 8 * 2                # K,V x page x heads x d x 2 B
     cache = kv.BatchedSequenceCache(c)
     # initial_pages 16: the flat pool's; the ring's (R = 7: 1 page a sequence) is capped at
-    # its bound, 4 sequences + the scratch page
+    # its sequences' rings, 4 + the scratch page (the prefix index's pages come by growth)
     assert cache.nbytes == (16 + 5) * c.page_bytes
     assert cache.nbytes_held == 0
     a = cache.seq_new()                                     # its ring: ceil(7 / 8) = 1 page

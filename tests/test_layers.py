@@ -13,10 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvnumba"
 #: each module's layer (docs/architecture.md); a package's modules share its layer
 LAYERS = {
     "errors": 0,
-    "args": 1, "pages": 1, "plan": 1, "protocol": 1, "prefix_keys": 1,
+    "args": 1, "pages": 1, "plan": 1, "protocol": 1,
+    "prefix_keys": 1.5,
     "config": 2,
     "statemachines": 2,              # installed inside kvnumba; imports no kvnumba module
-    "refusals": 3, "slots": 3, "page_accounting": 3, "prefix_index": 3, "device": 3,
+    "refusals": 3, "slots": 3, "page_accounting": 3, "device": 3,
+    "prefix_index": 3.5,
     "kernels": 4,
     "arrays": 5, "storage": 5, "upload": 5, "step": 5, "reference": 5,
     "pool": 6, "paths": 6, "declare": 6,
@@ -125,6 +127,11 @@ def reach(module: str) -> set:
 def test_page_accounting_is_host_only():
     reached = {top(name) for name in reach("page_accounting")}
     assert reached <= {"config", "errors", "pages", "args", "plan"}, reached
+
+
+def test_the_prefix_index_is_host_only():
+    reached = {top(name) for name in reach("prefix_index")}
+    assert reached <= {"config", "errors", "pages", "args", "plan", "page_accounting"}, reached
 
 
 def test_kernels_know_no_cache():
