@@ -101,12 +101,12 @@ def config(layers, page_size, capacity, max_write, max_seqs=4, **kw):
                           dtype="float32", page_size=page_size, **kw)
 
 
-@pytest.mark.parametrize("page_size,shared,chunk", [(8, 29, 6), (16, 40, 16), (256, 520, 256)])
+@pytest.mark.parametrize("page_size,shared,chunk", [(8, 29, 6), (16, 40, 16), (256, 262, 128)])
 @pytest.mark.parametrize("layers", sorted(CONFIGS))
 def test_a_sequence_started_from_a_match_attends_as_one_that_wrote_its_prefix(
         layers, page_size, shared, chunk):
     rng = np.random.default_rng(page_size)
-    capacity = shared + 3 * page_size
+    capacity = shared + 8
     cache = kv.BatchedSequenceCache(config(CONFIGS[layers], page_size, capacity, chunk))
     common = rng.integers(0, 1000, shared).tolist()
     first = common + rng.integers(0, 1000, 5).tolist()
