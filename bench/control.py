@@ -28,21 +28,21 @@ the upload and the patch and copy launches replaced by no-ops, and says so.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
 import statistics
 import time
 
 import numpy as np
+from kvnumba.statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 
 import kvnumba as kv
 import kvnumba.device as kv_device
 import kvnumba.storage as kv_storage
 import kvnumba.upload as kv_upload
 from kvnumba.plan import SEQ_INFO_FIELDS
-from kvnumba.statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
+
+from .command import section_main
 
 BATCHES = (1, 8, 64, 256)
 KINDS = ("decode", "mixed", "spans")
@@ -398,9 +398,8 @@ def run_anywhere(quick: bool = False) -> dict:
     excluded (`result["missing"]` says which extra brings them)."""
     if not kv_device.SIMULATOR:
         return run(quick=quick)
-    from .prerequisites import missing_compiler
-
     from .host import in_compile_mode
+    from .prerequisites import missing_compiler
 
     missing = missing_compiler("control plane with device work")
     if missing is not None:
@@ -409,19 +408,8 @@ def run_anywhere(quick: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvnumba.bench.control",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short run (a few ms per case)")
-    parser.add_argument("--json", type=str, default=None,
-                        help="also write the figures to this file (JSON)")
-    args = parser.parse_args(argv)
-    kv_device.announce()
-    result = run_anywhere(quick=args.quick)
-    print(report(result), flush=True)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    return 0
+    return section_main(argv, "python -m kvnumba.bench.control", __doc__, run_anywhere, report,
+                        "short run (a few ms per case)")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Without a GPU it runs itself in `KVNUMBA_DEVICE=compile` mode (a subprocess).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -44,6 +43,8 @@ import numpy as np
 import kvnumba as kv
 import kvnumba.device as kv_device
 from kvnumba.kernels import launch, lean
+
+from .command import section_main
 
 BATCHES = (1, 32, 128)
 KINDS = ("device", "interface")
@@ -479,17 +480,8 @@ def in_compile_mode(module: str, quick: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short run (a few ms per case)")
-    parser.add_argument("--json", type=str, default=None,
-                        help="also write the figures to this file (JSON)")
-    args = parser.parse_args(argv)
-    result = run_anywhere(quick=args.quick)
-    print(report(result))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    return 0
+    return section_main(argv, "python -m kvnumba.bench.host", __doc__, run_anywhere, report,
+                        "short run (a few ms per case)")
 
 
 if __name__ == "__main__":

@@ -50,10 +50,8 @@ no count, and the host times are host work alone; on a GPU it runs.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
-import json
 import time
 
 import numpy as np
@@ -61,6 +59,7 @@ import numpy as np
 import kvnumba as kv
 import kvnumba.device as kv_device
 
+from .command import section_main
 from .control import DEVICE_WORK, device_work
 
 HEADER = "Prefix reuse (prefix index, contract §14)"
@@ -489,19 +488,8 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvnumba.bench.prefix",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer timing repeats")
-    parser.add_argument("--json", type=str, default=None,
-                        help="also write the figures to this file (JSON)")
-    args = parser.parse_args(argv)
-    kv_device.announce()
-    result = run(quick=args.quick)
-    print(report(result), flush=True)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    return 0
+    return section_main(argv, "python -m kvnumba.bench.prefix", __doc__, run, report,
+                        "fewer timing repeats")
 
 
 if __name__ == "__main__":

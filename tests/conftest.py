@@ -8,6 +8,8 @@ that name a page size (the kernels', the page tests') keep theirs.
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
 
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -30,6 +32,23 @@ def _default_page_size(size: int) -> None:
 
 if os.environ.get("KVNUMBA_TEST_PAGE_SIZE"):
     _default_page_size(int(os.environ["KVNUMBA_TEST_PAGE_SIZE"]))
+
+@pytest.fixture
+def nan_storage(monkeypatch):
+    """Every array a cache's pools allocate starts as NaN: a row nobody wrote poisons
+    whatever reads it."""
+    import numpy as np
+
+    from kvnumba import storage as storage_module
+    real = storage_module.PageStorage._allocate
+
+    def poisoned(self, kind, n_pages):
+        group = real(self, kind, n_pages)
+        group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
+        return group
+
+    monkeypatch.setattr(storage_module.PageStorage, "_allocate", poisoned)
+
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])

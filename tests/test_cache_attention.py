@@ -7,23 +7,9 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba import storage as storage_module
 from oracle import dense_attention
 
 H, HQ, D = 1, 4, 8
-
-
-@pytest.fixture
-def nan_storage(monkeypatch):
-    """Every array the pool allocates starts as NaN."""
-    real = storage_module.PageStorage._allocate
-
-    def poisoned(self, kind, n_pages):
-        group = real(self, kind, n_pages)
-        group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
-        return group
-
-    monkeypatch.setattr(storage_module.PageStorage, "_allocate", poisoned)
 
 
 class Histories:

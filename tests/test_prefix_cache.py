@@ -10,24 +10,10 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba import storage as storage_module
 from kvnumba.prefix_keys import page_keys
 
 H, HQ, D = 1, 2, 8
-
-
-@pytest.fixture(autouse=True)
-def nan_storage(monkeypatch):
-    """Every array a pool allocates starts as NaN: a row nobody wrote poisons what reads
-    it."""
-    real = storage_module.PageStorage._allocate
-
-    def poisoned(self, kind, n_pages):
-        group = real(self, kind, n_pages)
-        group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
-        return group
-
-    monkeypatch.setattr(storage_module.PageStorage, "_allocate", poisoned)
+pytestmark = pytest.mark.usefixtures("nan_storage")
 
 
 def kv_rows(tokens, positions, layer):
