@@ -38,10 +38,10 @@ HEADS, Q_HEADS, DIM = 1, 2, 4
 #: a small pool bound: 8 positions a page; the flat pool's 9 pages (one scratch) hold 64
 #: positions over all sequences (each may reach 48)
 PAGE, FLAT_PAGES = 8, 9
-#: (initial_pages, max_pages) of every pool, drawn per program: mostly the growing pool
-#: above, else a small fixed pool, where the index's cached pages are evicted often (with
-#: 4 pages, three rings leave the index no ring page). max_pages bounds every pool: three
-#: rings always fit.
+#: (initial_pages, max_pages) of every pool, drawn per program: the growing pool above,
+#: or a small fixed pool where the index's cached pages are evicted often (ring pages
+#: too: with 5 pages, three rings leave the index one). max_pages bounds every pool:
+#: three rings always fit.
 POOLS = [(4, FLAT_PAGES), (6, 6), (5, 5)]
 LIVE = ("claimed", "committed", "rewound")
 RING_ROWS = ring_rows(WINDOWS[1], MAX_WRITE, CAPACITY)
@@ -170,6 +170,8 @@ class Model:
                    and (kind == "ring" or not self.holders[node[2]])]
         victims.sort(key=lambda key: (self.nodes[key][1], -self.nodes[key][0]))
         assert len(victims) >= count, "the model let a verb take pages nobody can give"
+        if len(victims) > count:
+            self.note("evictions choosing among nodes")
         for key in victims[:count]:
             del self.nodes[key]
         self.evicted += count
@@ -465,7 +467,6 @@ class CacheMachine(RuleBasedStateMachine):
         seen = self.model.seen
         for what in seen:
             COUNTS[f"programs with {what}"] += 1
-        import sys; print("PROGRAM", self.config.max_pages, repr(self.register), dict(seen), file=sys.stderr)
 
     def call(self, predict, act):
         """Run `predict` on the model; the cache's `act` must agree (result or error class).
@@ -557,7 +558,6 @@ class CacheMachine(RuleBasedStateMachine):
         tokens = list(tokens[:cut]) + SCRIPTS[script, cut:cut + PAGE].tolist()
         keys = page_keys(tokens, extra)
         assert self.cache.prefix_match(keys) == self.model.match(keys)
-        self.model.seen["X from_prefix m=%d" % self.model.match(keys)] += 1
         seq = self.call(lambda: self.model.seq_from_prefix(keys, tokens, script),
                         lambda: self.cache.seq_from_prefix(keys))
         for i in range(steps if seq is not Refused else 0):   # the first attends: it reads
@@ -695,7 +695,6 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.cache.commit_step()
         COUNTS["steps committed"] += 1
-        self.model.seen["X commits"] += 1
         if len(segments) > len({g[0] for g in segments}):
             COUNTS["committed steps with a sequence in several spans"] += 1
         self.model.advance(segments, commit=True)
