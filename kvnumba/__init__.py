@@ -29,6 +29,7 @@ from .plan import Segment
 from .protocol import BatchControl, StepData
 from .prefix_keys import page_keys
 from .queries import IndexCounts, PageDemand
+from .scales import fp8_scales
 from .sessions import PackedStep, PrefixStats, SessionId, SessionTable
 from .sequence_control import SequenceBatchControl
 from .single import SequenceCache
@@ -45,5 +46,5 @@ __all__ = [
     "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "device", "flat",
-    "page_keys", "ring", "run_inputs", "run_step", "torch_stream",
+    "fp8_scales", "page_keys", "ring", "run_inputs", "run_step", "torch_stream",
 ]

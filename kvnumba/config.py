@@ -17,9 +17,20 @@ from .errors import ConfigError
 from .pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
 from .plan import layer_rows
 
-#: storage dtypes, by name: the dtype of the device arrays (bfloat16: its bit patterns as
-#: uint16, since Numba has no bfloat16 type)
-DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
+#: storage dtypes, by name: the dtype of the device arrays. Numba has no bfloat16 or
+#: 8-bit float types, so those arrays hold bit patterns, each format in its own integer
+#: type (the element type tells a kernel the format): bfloat16 as uint16, float8_e4m3
+#: as uint8, float8_e5m2 as int8
+DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
+          "float8_e4m3": np.uint8, "float8_e5m2": np.int8}
+#: the 8-bit float storage dtypes: K and V stored as `stored = convert(x / scale)`, read
+#: as `scale * stored` (a float32 scale per layer, `k_scale` / `v_scale`)
+FP8_DTYPES = ("float8_e4m3", "float8_e5m2")
+#: the largest finite value of each 8-bit float format (a write saturates to it)
+FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
+#: the host (NumPy) dtype of each storage dtype held as bit patterns, from ml_dtypes
+ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
+             "float8_e5m2": "float8_e5m2"}
 #: the largest head_dim the attention kernels are built for
 MAX_HEAD_DIM = 256
 #: positions, token indices, storage slots and page-table entries travel to the kernels
@@ -107,9 +118,16 @@ class CacheConfig:
     max_seqs:     sequence slots handed out (ids `0 .. max_seqs - 1`).
     max_write:    most tokens one sequence writes in one step (`M`).
     max_step:     most tokens, padding included, in one step.
-    dtype:        storage dtype, "float32", "float16" or "bfloat16" (NumPy host arrays of
-                  bfloat16 need the ml_dtypes package, `kvnumba[bf16]`; PyTorch tensors
-                  and device arrays do not).
+    dtype:        storage dtype, "float32", "float16", "bfloat16", or 8-bit floats
+                  "float8_e4m3" / "float8_e5m2" (half the bytes of 16-bit storage; written
+                  as `x / scale` with saturation, read as `scale * stored`; compute
+                  capability 8.9 or later). NumPy host arrays of bfloat16 and fp8 need the
+                  ml_dtypes package, `kvnumba[bf16]`; PyTorch tensors and device arrays
+                  do not.
+    k_scale, v_scale: fp8 storage only: the float32 scale of each layer's K and V (one
+                  number for every layer, or one per layer), positive and finite, fixed
+                  for the cache's life (default 1.0; `fp8_scales` computes them from
+                  sample K/V). Any other dtype takes 1.0 only.
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
     initial_pages: pages each layer kind's pool starts with (None: one sequence's worth,
                   `kind_pages`); the pool grows by doubling up to `max_pages`.
@@ -127,6 +145,8 @@ class CacheConfig:
     max_write: int = 512
     max_step: int = 1024
     dtype: str = "float16"
+    k_scale: float | tuple = 1.0
+    v_scale: float | tuple = 1.0
     page_size: int = DEFAULT_PAGE_SIZE
     initial_pages: int | None = None
     max_pages: int | None = None
@@ -155,7 +175,37 @@ class CacheConfig:
                            f"{INT32_MAX}")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
+        for name in ("k_scale", "v_scale"):
+            object.__setattr__(self, name, self._layer_scales(name, getattr(self, name)))
         self._check_pages()
+
+    def _layer_scales(self, name: str, value) -> tuple:
+        """`value` (one scale, or one per layer) as a tuple of float32-exact floats, one
+        per layer: positive, finite, and with a finite float32 reciprocal (the write
+        multiplies by it); anything but 1.0 only for fp8 storage."""
+        n = len(self.layers)
+        scales = tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,) * n
+        if len(scales) != n:
+            raise ConfigError(f"{name}: {len(scales)} scales for {n} layers: give one "
+                              f"number, or one per layer")
+        out = []
+        for i, scale in enumerate(scales):
+            where = f"{name}[{i}]={describe(scale)}" if isinstance(
+                value, (list, tuple, np.ndarray)) else f"{name}={describe(scale)}"
+            if isinstance(scale, (bool, np.bool_)) or not isinstance(
+                    scale, (int, float, np.integer, np.floating)):
+                raise ConfigError(f"{where}: must be a positive finite number")
+            with np.errstate(over="ignore", divide="ignore"):
+                f32 = np.float32(scale)
+                inverse = np.float32(1) / f32 if f32 > 0 else np.float32(0)
+            if not (np.isfinite(f32) and f32 > 0 and np.isfinite(inverse) and inverse > 0):
+                raise ConfigError(f"{where}: must be positive and finite as a float32, with "
+                                  f"a finite reciprocal (the write divides by it)")
+            if f32 != 1 and self.dtype not in FP8_DTYPES:
+                raise ConfigError(f"{where}: scales apply to fp8 storage ({', '.join(FP8_DTYPES)}) "
+                                  f"only; dtype={self.dtype!r} takes 1.0")
+            out.append(float(f32))
+        return tuple(out)
 
     def _set_int(self, name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
         """Field `name` checked (`_require_int`) and kept as a Python int (a NumPy integer
@@ -268,17 +318,24 @@ class CacheConfig:
         return np.dtype(DTYPES[self.dtype])
 
     @property
+    def is_fp8(self) -> bool:
+        """Whether the storage is 8-bit floats (scaled: `k_scale`, `v_scale`)."""
+        return self.dtype in FP8_DTYPES
+
+    @property
     def np_dtype(self) -> np.dtype:
-        """The storage dtype on the host (`sequence_kv`): bfloat16 as `ml_dtypes.bfloat16`
-        (NumPy has no bfloat16: `ConfigError` naming the extra without ml_dtypes; PyTorch
+        """The storage dtype on the host (`sequence_kv`): bfloat16 as `ml_dtypes.bfloat16`,
+        fp8 as `ml_dtypes.float8_e4m3fn` / `float8_e5m2`, the stored (unscaled) values
+        (NumPy has neither: `ConfigError` naming the extra without ml_dtypes; PyTorch
         tensors in and out never need it)."""
-        if self.dtype != "bfloat16":
+        if self.dtype not in ML_DTYPES:
             return self.storage_dtype
         if importlib.util.find_spec("ml_dtypes") is None:
-            raise ConfigError("dtype='bfloat16': NumPy host arrays of bfloat16 need the "
-                              "ml_dtypes package: pip install 'kvnumba[bf16]' (or ml_dtypes)")
+            raise ConfigError(f"dtype={self.dtype!r}: NumPy host arrays of {self.dtype} need "
+                              f"the ml_dtypes package: pip install 'kvnumba[bf16]' (or "
+                              f"ml_dtypes)")
         import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, ML_DTYPES[self.dtype]))
 
     @property
     def n_layers(self) -> int:

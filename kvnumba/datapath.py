@@ -15,8 +15,9 @@ import numpy as np
 from .args import as_finite, describe, is_int
 from .arrays import Result, check, check_out, device_view, overlap
 from .config import CacheConfig
-from .errors import ShapeError, StepProtocolError
+from .errors import ConfigError, ShapeError, StepProtocolError
 from .kernels.launch import no_output
+from .kernels.out_scale import scale_out
 from .refusals import width_hint
 
 #: the dtypes q, k, v and out may have
@@ -39,6 +40,13 @@ class DataPath:
         self.storage, self.paths, self.layer_geometry = storage, paths, layer_geometry
         # the kernels take scale and softcap as float32: the defaults converted once
         self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
+        # fp8 storage (contract §3): the write multiplies by each layer's reciprocal
+        # scales, attention folds k_scale into its scale and multiplies out by v_scale
+        self._k_scale = np.array(config.k_scale, np.float64)
+        self._v_scale = np.array(config.v_scale, np.float32)
+        self._inverse = [(np.float32(1 / k), np.float32(1 / v))
+                         for k, v in zip(config.k_scale, config.v_scale)]
+        self._scaled = config.is_fp8
 
     def write(self, step, layer, k, v) -> None:
         """`k`, `v` `[width, n_kv_heads, head_dim]` into `layer` for the prepared `step`."""
@@ -60,8 +68,9 @@ class DataPath:
                              f"{sorted(set(kw) - ATTEND_KEYWORDS)} (allowed: out, scale, "
                              f"softcap, lse)")
         layer = self._write_args(step, layer, k, v)
-        attend_args = self._attend_inputs(step, q, kw.get("out"), kw.get("scale"),
-                                          kw.get("softcap"), kw.get("lse"), k=k, v=v)
+        attend_args = self._layer_scale(layer, self._attend_inputs(
+            step, q, kw.get("out"), kw.get("scale"), kw.get("softcap"), kw.get("lse"), k=k,
+            v=v))
         self._launch_write(step, layer, k, v)
         return self._launch_attend(step, layer, *attend_args)
 
@@ -89,8 +98,24 @@ class DataPath:
         return layer
 
     def _attend_args(self, step, layer, q, out, scale, softcap, lse) -> tuple:
-        return (self.layer(layer, "attend"),
-                *self._attend_inputs(step, q, out, scale, softcap, lse))
+        layer = self.layer(layer, "attend")
+        return (layer, *self._layer_scale(layer, self._attend_inputs(step, q, out, scale,
+                                                                     softcap, lse)))
+
+    def _layer_scale(self, layer: int, inputs: tuple) -> tuple:
+        """`inputs` (`_attend_inputs`) with fp8 storage's `k_scale` folded into the scale
+        (K = k_scale * stored): the product a finite float32, zero only for a zero
+        scale, or `ConfigError`."""
+        if not self._scaled:
+            return inputs
+        q, out, scale, softcap, lse = inputs
+        with np.errstate(over="ignore", under="ignore"):
+            folded = np.float32(np.float64(scale) * self._k_scale[layer])
+        if not np.isfinite(folded) or (folded == 0) != (scale == 0):
+            raise ConfigError(f"attend: scale {float(scale)!r} times layer {layer}'s k_scale "
+                              f"{self._k_scale[layer]!r} is {float(folded)!r} as a float32; "
+                              f"the kernels need it finite and nonzero: use a scale nearer 1")
+        return q, out, folded, softcap, lse
 
     def _attend_inputs(self, step, q, out, scale, softcap, lse, **inputs) -> tuple:
         """`(q, out, scale, softcap, lse)` checked, the defaults filled in; `inputs`: the
@@ -131,7 +156,7 @@ class DataPath:
         storage, stream = self.storage, self.stream
         ring_rows, _, pages = self.layer_geometry[layer]
         step.writes(storage.k_slots[layer], storage.v_slots[layer], device_view(k, stream),
-                    device_view(v, stream), ring_rows, pages)
+                    device_view(v, stream), ring_rows, pages, *self._inverse[layer])
         step.written[layer] = True
 
     def _launch_attend(self, step, layer, q, out, scale, softcap, lse):
@@ -146,6 +171,8 @@ class DataPath:
                        self.storage.v_slots[layer], result.device, lse_device,
                        ring_rows=ring_rows, window=window, pages=pages, scale=scale,
                        softcap=softcap)
+        if self._scaled:
+            scale_out(result.device, self._v_scale[layer], stream)
         if row_lse is not None:
             row_lse.value()          # a host `lse` is filled from the device
         return result.value()

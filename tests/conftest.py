@@ -44,7 +44,10 @@ def nan_storage(monkeypatch):
 
     def poisoned(self, kind, n_pages):
         group = real(self, kind, n_pages)
-        group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
+        if group.dtype.itemsize == 1:      # 8-bit float bits: 0x7F is NaN in e4m3 and e5m2
+            group.copy_to_device(np.full(group.shape, 0x7F, group.dtype))
+        else:
+            group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
         return group
 
     monkeypatch.setattr(storage_module.PageStorage, "_allocate", poisoned)

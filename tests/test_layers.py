@@ -16,6 +16,7 @@ LAYERS = {
     "args": 1, "pages": 1, "plan": 1, "protocol": 1,
     "prefix_keys": 1.5,
     "config": 2,
+    "scales": 2.5,
     "statemachines": 2,              # installed inside kvnumba; imports no kvnumba module
     "refusals": 3, "slots": 3, "page_accounting": 3, "device": 3,
     "prefix_index": 3.5,

@@ -3,14 +3,15 @@ the query's row slices (`query_loader`).
 
 A 16-byte load gives four uint32 words. A 16-bit type holds two values per word, the
 lower element in the low half (`ptx` conventions); bfloat16 arrays hold its bit
-patterns as uint16.
+patterns as uint16. An 8-bit float type holds four, lowest byte first (e4m3 bits as
+uint8, e5m2 as int8: `fp8`); their scales are applied outside the kernel.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..device import cuda
-from . import ptx
+from . import fp8, ptx
 
 from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -38,10 +39,29 @@ def _widen_float32(w0, w1, w2, w3):
     return ptx.u32_as_f32(w0), ptx.u32_as_f32(w1), ptx.u32_as_f32(w2), ptx.u32_as_f32(w3)
 
 
+#: an 8-bit float dtype (its bits: uint8 e4m3, int8 e5m2) -> the device function
+#: splitting a word into its four values
+QUADS = {np.dtype(np.uint8): fp8.e4m3x4_to_f32, np.dtype(np.int8): fp8.e5m2x4_to_f32}
+
+
+def _widen_quads(quad_to_f32):
+    """Widening for an 8-bit type: each word holds four values (`quad_to_f32`: through
+    float16, exact)."""
+    @cuda.jit(device=True)
+    def widen(w0, w1, w2, w3):
+        a0, a1, a2, a3 = quad_to_f32(w0)
+        b0, b1, b2, b3 = quad_to_f32(w1)
+        c0, c1, c2, c3 = quad_to_f32(w2)
+        d0, d1, d2, d3 = quad_to_f32(w3)
+        return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+    return widen
+
+
 #: dtype -> device function `widen(w0, w1, w2, w3)`: the 16 loaded bytes as a tuple of
 #: float32 values, lowest address first
 WIDEN = {np.dtype(np.float32): _widen_float32,
-         **{dtype: _widen_pairs(pair) for dtype, pair in PAIRS.items()}}
+         **{dtype: _widen_pairs(pair) for dtype, pair in PAIRS.items()},
+         **{dtype: _widen_quads(quad) for dtype, quad in QUADS.items()}}
 
 
 def query_loader(dtype: np.dtype, head_dim: int, vec: int, vectors: bool):

@@ -183,23 +183,61 @@ def exp2_approx(typingctx, x):
 
 
 # --- one element of a K/V/q/out array <-> float32 -----------------------------------------
-# Arrays of bfloat16 hold its bit patterns as uint16 (Numba has no bfloat16 type), so the
-# element type says how to read and write a value: float16 / float32 numerically, uint16
-# as bfloat16 bits.
+# Arrays of bfloat16 hold its bit patterns as uint16 and 8-bit floats theirs as uint8
+# (e4m3) or int8 (e5m2): Numba has none of these types, so the element type says how to
+# read and write a value: float16 / float32 numerically, the integer types as bits.
+
+#: element type -> what it holds
+ELEMENTS = {types.float16: "float16", types.float32: "float32", types.uint16: "bfloat16",
+            types.uint8: "e4m3", types.int8: "e5m2"}
+FP8_ELEMENTS = (types.uint8, types.int8)
+
+
+def _element_type(name, dtype, what):
+    if dtype not in ELEMENTS:
+        raise TypingError(f"{name}: expected {what} of float16, float32, uint16 (bfloat16), "
+                          f"uint8 (e4m3) or int8 (e5m2), got {dtype}")
+    return ELEMENTS[dtype]
+
+
+def _fp8_to_f32(builder, byte, fmt):
+    halves = asm(builder, "{ .reg .b32 w; .reg .b16 lo, hi; "
+                          f"cvt.rn.f16x2.{fmt}x2 w, $1; mov.b32 {{lo, hi}}, w; "
+                          "cvt.f32.f16 $0, lo; }", "=f,h", [F32],
+                 [builder.zext(byte, ir.IntType(16))])
+    return halves[0]
+
+
+def _f32_to_fp8(builder, f32, fmt):
+    (pair,) = asm(builder, f"cvt.rn.satfinite.{fmt}x2.f32 $0, $1, $1;", "=h,f",
+                  [ir.IntType(16)], [f32])
+    return builder.trunc(pair, ir.IntType(8))
+
+
+def _from_f32(context, builder, f32, dtype):
+    kind = ELEMENTS[dtype]
+    if kind == "bfloat16":
+        (bits,) = asm(builder, "cvt.rn.bf16.f32 $0, $1;", "=h,f", [ir.IntType(16)], [f32])
+        return bits
+    if dtype in FP8_ELEMENTS:
+        return _f32_to_fp8(builder, f32, kind)
+    return context.cast(builder, f32, types.float32, dtype)
+
 
 @intrinsic
 def to_f32(typingctx, x):
-    """`to_f32(x) -> float32`, exact: a float16 or float32 element, or a uint16 element read
-    as bfloat16 bits (the top half of a float32)."""
-    if x not in (types.float16, types.float32, types.uint16):
-        raise TypingError(f"to_f32: expected a float16, float32 or uint16 (bfloat16) "
-                          f"element, got {x}")
+    """`to_f32(x) -> float32`, exact: a float16 or float32 element, a uint16 element read
+    as bfloat16 bits (the top half of a float32), a uint8 / int8 one as e4m3 / e5m2 bits
+    (`cvt.rn.f16x2.<fmt>x2`: every 8-bit float is a float16)."""
+    kind = _element_type("to_f32", x, "an element")
 
     def codegen(context, builder, sig, args):
         (value,) = args
-        if sig.args[0] == types.uint16:
+        if kind == "bfloat16":
             word = builder.shl(builder.zext(value, I32), ir.Constant(I32, 16))
             return builder.bitcast(word, F32)
+        if sig.args[0] in FP8_ELEMENTS:
+            return _fp8_to_f32(builder, value, kind)
         return context.cast(builder, value, sig.args[0], types.float32)
 
     return types.float32(x), codegen
@@ -208,23 +246,43 @@ def to_f32(typingctx, x):
 @intrinsic
 def from_f32(typingctx, value, array):
     """`from_f32(value, array)`: `value` (taken as float32) as an element of `array`, rounded
-    to nearest even: float16, float32, or bfloat16 bits for a uint16 array
-    (`cvt.rn.bf16.f32`)."""
+    to nearest even: float16, float32, bfloat16 bits for a uint16 array
+    (`cvt.rn.bf16.f32`), or 8-bit float bits for a uint8 (e4m3) / int8 (e5m2) array,
+    saturated (`cvt.rn.satfinite`: past the largest finite, infinity included, gives it;
+    NaN gives NaN)."""
     check_numbers("from_f32", value)
     dtype = getattr(array, "dtype", None)
-    if dtype not in (types.float16, types.float32, types.uint16):
-        raise TypingError(f"from_f32: expected a float16, float32 or uint16 (bfloat16) "
-                          f"array, got {array}")
+    _element_type("from_f32", dtype, "an array")
 
     def codegen(context, builder, sig, args):
         (f32,) = cast(context, builder, args[:1], sig.args[:1], types.float32)
-        if dtype == types.uint16:
-            (bits,) = asm(builder, "cvt.rn.bf16.f32 $0, $1;", "=h,f", [ir.IntType(16)],
-                          [f32])
-            return bits
-        return context.cast(builder, f32, types.float32, dtype)
+        return _from_f32(context, builder, f32, dtype)
 
     return dtype(value, array), codegen
+
+
+@intrinsic
+def to_storage(typingctx, value, inv_scale, array):
+    """`to_storage(value, inv_scale, array)`: `value` as K/V storage of `array` holds it.
+    8-bit floats (uint8 / int8 arrays): `value - (value - value)` (NaN for +-inf and NaN,
+    `value` itself otherwise, -0 included) times `inv_scale`, then `from_f32`: a
+    non-finite input stays non-finite (NaN: e4m3 has no infinity, and a saturating
+    conversion would make e5m2's finite), a finite one never becomes NaN (past the
+    largest finite after scaling, it saturates). Other arrays: `from_f32(value, array)`
+    (`inv_scale`, 1.0 for them, is not read). Arguments taken as float32."""
+    check_numbers("to_storage", value, inv_scale)
+    dtype = getattr(array, "dtype", None)
+    _element_type("to_storage", dtype, "an array")
+
+    def codegen(context, builder, sig, args):
+        f32, inv = cast(context, builder, args[:2], sig.args[:2], types.float32)
+        if dtype in FP8_ELEMENTS:
+            # no fast-math flags: LLVM keeps `value - value` (NaN for a non-finite value)
+            kept = builder.fsub(f32, builder.fsub(f32, f32))
+            f32 = builder.fmul(kept, inv)
+        return _from_f32(context, builder, f32, dtype)
+
+    return dtype(value, inv_scale, array), codegen
 
 
 # --- warp shuffles -----------------------------------------------------------------------
@@ -317,4 +375,4 @@ if SIMULATOR:
     from .ptxsim import (  # noqa: E402,F401,F811  (same names, simulated)
         bf16x2_to_f32, bytes_from, exp2_approx, f16x2_to_f32, f32_as_u32, f32x2_to_bf16x2,
         f32x2_to_f16x2, from_f32, ld_nc_v4, ld_v4, mul_wide_u32, shfl_idx, shfl_xor, st_v4,
-        to_f32, u32_as_f32)
+        to_f32, to_storage, u32_as_f32)

@@ -16,6 +16,7 @@ import struct
 import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
 
+from .fp8sim import narrow, widen
 from .simwarp import WarpError, exchange
 
 _WORD = struct.Struct("<I")
@@ -115,21 +116,41 @@ def f32x2_to_bf16x2(lo, hi):
     return np.uint32(int(halves[0]) | int(halves[1]) << 16)
 
 
+#: 8-bit float element types -> their formats
+_FP8 = {np.dtype(np.uint8): "e4m3", np.dtype(np.int8): "e5m2"}
+
+
 def to_f32(x):
-    """float32 of a float16 / float32 element, or of a uint16 element as bfloat16 bits."""
+    """float32 of a float16 / float32 element, of a uint16 element as bfloat16 bits, or of
+    a uint8 / int8 element as e4m3 / e5m2 bits."""
     if isinstance(x, np.uint16):
         return (np.uint32(x) << np.uint32(16)).view(np.float32)
+    if isinstance(x, (np.uint8, np.int8)):
+        return widen(x, _FP8[np.dtype(type(x))])
     return np.float32(x)
 
 
 def from_f32(value, array):
-    """`value` as an element of `array`: float16 / float32, or bfloat16 bits in uint16, each
-    rounded to nearest even (NaN stays NaN)."""
+    """`value` as an element of `array`: float16 / float32, bfloat16 bits in uint16, each
+    rounded to nearest even (NaN stays NaN), or e4m3 / e5m2 bits in uint8 / int8, rounded
+    and saturated (`fp8sim.narrow`)."""
     dtype = _unwrap(array).dtype
     if dtype == np.uint16:
         return np.uint16(f32x2_to_bf16x2(value, 0) & 0xFFFF)
+    if dtype in _FP8:
+        return np.array(narrow(value, _FP8[dtype]), np.uint8).view(dtype)[()]
     with np.errstate(over="ignore"):  # overflow to inf is the specified result
         return dtype.type(np.float32(value))
+
+
+def to_storage(value, inv_scale, array):
+    """`value` as K/V storage of `array`: for 8-bit floats `value - (value - value)` (NaN
+    when not finite) times `inv_scale`, then `from_f32`; otherwise `from_f32`."""
+    if _unwrap(array).dtype in _FP8:
+        value = np.float32(value)
+        with np.errstate(invalid="ignore", over="ignore"):
+            value = (value - (value - value)) * np.float32(inv_scale)
+    return from_f32(value, array)
 
 
 def u32_as_f32(u):

@@ -47,6 +47,8 @@ from numba import int32, uint32, uint64  # noqa: E402  (after kvnumba.device cho
 #: loops: all loads of a trip go out before its stores, and a token's (or a page
 #: pair's) lookups are shared by 2 * TRIP_VECTORS vectors a lane
 TRIP_VECTORS = 4
+#: the reciprocal scale of storage that is not 8-bit floats
+ONE = np.float32(1.0)
 #: a run longer than this many bytes takes the element-wise path (vector offsets in a
 #: run are 32-bit)
 WIDE_RUN_BYTES = 2**32 - VECTOR_BYTES
@@ -151,9 +153,11 @@ def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows, pages, page
 
 
 @cuda.jit
-def _write_elements(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits):
+def _write_elements(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits, k_inv,
+                    v_inv):
     """As `_write_vectors`, one (head, dim) element per lane and trip, converting to the
-    storage dtype (float16, float32, or bfloat16 held as uint16 bits)."""
+    storage dtype (float16, float32, bfloat16 held as uint16 bits, or 8-bit floats as
+    uint8 / int8 bits, divided by their scales: times `k_inv`, `v_inv`; `ptx.to_storage`)."""
     n_heads, head_dim = k.shape[1], k.shape[2]
     first_head, first_dim = divmod32(cuda.threadIdx.x, head_dim)
     skip_heads, skip_dims = divmod32(cuda.blockDim.x, head_dim)
@@ -164,10 +168,10 @@ def _write_elements(k_store, v_store, k, v, tables, width, ring_rows, pages, pag
             slot = uint32(page_slot(pages, seq, storage_row(position, ring_rows), page_bits))
             head, dim = first_head, first_dim
             while head < n_heads:
-                k_store[slot, head, dim] = ptx.from_f32(ptx.to_f32(k[token, head, dim]),
-                                                        k_store)
-                v_store[slot, head, dim] = ptx.from_f32(ptx.to_f32(v[token, head, dim]),
-                                                        v_store)
+                k_store[slot, head, dim] = ptx.to_storage(ptx.to_f32(k[token, head, dim]),
+                                                          k_inv, k_store)
+                v_store[slot, head, dim] = ptx.to_storage(ptx.to_f32(v[token, head, dim]),
+                                                          v_inv, v_store)
                 head, dim = step_on(head, dim, skip_heads, skip_dims, head_dim)
         token += cuda.gridDim.x * cuda.blockDim.y
 
@@ -199,8 +203,9 @@ class WriteRun:
     """The writes of one step into paged storage of one dtype and page size (`prepare`):
     its tables, width bound and `page_bits`, and for each input layout (16-byte vectors
     or elements) the launch shape worked out once, so a call (`run(k_store, v_store, k,
-    v, ring_rows, pages)`, once per layer, `pages` its layer kind's page table) only
-    tells its inputs' layout (`vectors_fit`) and packs its arrays."""
+    v, ring_rows, pages, k_inv, v_inv)`, once per layer, `pages` its layer kind's page
+    table, `k_inv` / `v_inv` the float32 reciprocals of its fp8 scales, 1.0 for other
+    dtypes) only tells its inputs' layout (`vectors_fit`) and packs its arrays."""
 
     def __init__(self, tables, width: int, run: int, dtype, page_bits: int, stream):
         self.tables, self.width, self.run, self.dtype = tables, width, run, dtype
@@ -209,7 +214,8 @@ class WriteRun:
         self._whole = whole_vectors(run, dtype)
         self._launches = {}      # the bound launch by layout: True for vectors
 
-    def __call__(self, k_store, v_store, k, v, ring_rows: int, pages) -> None:
+    def __call__(self, k_store, v_store, k, v, ring_rows: int, pages, k_inv=ONE,
+                 v_inv=ONE) -> None:
         if not self._any:
             return
         dtype = self.dtype
@@ -219,17 +225,21 @@ class WriteRun:
         launch = self._launches.get(vectors)
         if launch is None:
             launch = self._launches[vectors] = self._bind(vectors)
-        launch(k_store, v_store, k, v, ring_rows, pages)
+        if vectors:          # the bytes as they are: nothing to scale
+            launch(k_store, v_store, k, v, ring_rows, pages)
+        else:
+            launch(k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)
 
     def _bind(self, vectors: bool):
         if vectors:
             lanes, rows = vector_lanes(self.run * self.dtype.itemsize // VECTOR_BYTES)
-            kernel = _vectors
-        else:
-            (lanes, rows), kernel = run_block(self.run), _elements
-        return kernel.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
-                           PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables, self.width,
-                           PER_CALL, PER_CALL, self.page_bits)
+            return _vectors.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
+                                 PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables,
+                                 self.width, PER_CALL, PER_CALL, self.page_bits)
+        lanes, rows = run_block(self.run)
+        return _elements.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
+                              PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables, self.width,
+                              PER_CALL, PER_CALL, self.page_bits, PER_CALL, PER_CALL)
 
 
 def prepare(tables, width: int, run: int, dtype, page_bits: int, stream=0) -> WriteRun:
@@ -240,13 +250,14 @@ def prepare(tables, width: int, run: int, dtype, page_bits: int, stream=0) -> Wr
 
 
 def write_kv(k_store, v_store, k, v, tables, ring_rows: int, pages, page_bits: int,
-             stream=0) -> None:
+             stream=0, k_inv=ONE, v_inv=ONE) -> None:
     """Scatter `k`, `v` `[width, n_kv_heads, head_dim]` into slot storage `[n_slots,
     n_kv_heads, head_dim]` through the page table `pages` (int32 `[sequences, pages per
-    sequence]`, page-aligned slot bases; pages of `2**page_bits` slots).
+    sequence]`, page-aligned slot bases; pages of `2**page_bits` slots); 8-bit float
+    storage takes `k * k_inv`, `v * v_inv` (float32: the reciprocals of its scales).
 
     `tables`: int32 device array: `[0, width)` the sequence of each token (negative:
     none), `[width, 2 * width)` its position. One launch, on `stream`.
     """
     prepare(tables, k.shape[0], k.shape[1] * k.shape[2], k_store.dtype, page_bits, stream)(
-        k_store, v_store, k, v, int(ring_rows), pages)
+        k_store, v_store, k, v, int(ring_rows), pages, np.float32(k_inv), np.float32(v_inv))

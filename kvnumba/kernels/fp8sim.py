@@ -1,0 +1,103 @@
+"""`fp8`'s conversions for Numba's CUDA simulator: the same names and semantics, in
+NumPy, without ml_dtypes.
+
+The two formats (OCP 8-bit floats, as PTX's `.e4m3` / `.e5m2`): a sign bit, then
+`e4m3` 4 exponent bits (bias 7) and 3 mantissa bits, largest finite 448, no
+infinity, NaN `0x7F` / `0xFF`; `e5m2` 5 exponent bits (bias 15) and 2 mantissa bits,
+largest finite 57344, infinities `0x7C` / `0xFC`, NaN past them. Both have
+subnormals. Every value of either is exact in float16 (and float32).
+
+Narrowing (`cvt.rn.satfinite.<fmt>x2.f32`) rounds to nearest even and saturates: a
+magnitude past the largest finite (infinity included) becomes it, NaN becomes the
+canonical NaN `0x7F`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: format -> (exponent bits, mantissa bits, bias)
+LAYOUT = {"e4m3": (4, 3, 7), "e5m2": (5, 2, 15)}
+NAN_BITS = 0x7F
+
+
+def _decode_table(fmt: str) -> np.ndarray:
+    """float32 `[256]`: the value of every bit pattern of `fmt`."""
+    exp_bits, man_bits, bias = LAYOUT[fmt]
+    codes = np.arange(256)
+    sign = np.where(codes & 0x80, -1.0, 1.0)
+    exponent = (codes >> man_bits) & ((1 << exp_bits) - 1)
+    mantissa = codes & ((1 << man_bits) - 1)
+    normal = (1 + mantissa / (1 << man_bits)) * np.exp2(exponent.astype(float) - bias)
+    subnormal = mantissa / (1 << man_bits) * 2.0 ** (1 - bias)
+    values = sign * np.where(exponent == 0, subnormal, normal)
+    top = exponent == (1 << exp_bits) - 1
+    if fmt == "e4m3":            # only mantissa 111 at the top exponent is special: NaN
+        values[top & (mantissa == 7)] = np.nan
+    else:                        # IEEE-like: infinities, then NaNs
+        values[top & (mantissa == 0)] = sign[top & (mantissa == 0)] * np.inf
+        values[top & (mantissa != 0)] = np.nan
+    return values.astype(np.float32)
+
+
+DECODE = {fmt: _decode_table(fmt) for fmt in LAYOUT}
+#: the non-negative finite values of each format in code order (codes 0 .. largest)
+_FINITE = {fmt: table[:int(np.nanargmax(np.where(np.isfinite(table[:128]), table[:128],
+                                                    -1))) + 1].astype(np.float64)
+           for fmt, table in DECODE.items()}
+#: the largest finite value of each format
+LARGEST = {fmt: float(values[-1]) for fmt, values in _FINITE.items()}
+
+
+def narrow(value, fmt: str) -> int:
+    """The `fmt` bit pattern of float32 `value`: round to nearest even, saturate to the
+    largest finite, NaN -> `NAN_BITS`."""
+    x = float(np.float32(value))
+    if x != x:
+        return NAN_BITS
+    sign = 0x80 if np.signbit(x) else 0
+    finite = _FINITE[fmt]
+    a = min(abs(x), finite[-1])
+    above = int(np.searchsorted(finite, a))           # the first code >= a
+    if finite[above] != a:
+        below = above - 1
+        lo, hi = a - finite[below], finite[above] - a
+        above = below if lo < hi or (lo == hi and below % 2 == 0) else above
+    return sign | above
+
+
+def widen(code, fmt: str) -> np.float32:
+    """float32 of one `fmt` bit pattern (the low 8 bits of `code`)."""
+    return DECODE[fmt][int(code) & 0xFF]
+
+
+def _widen_word(u, fmt):
+    u = int(u)
+    table = DECODE[fmt]
+    return tuple(table[(u >> shift) & 0xFF] for shift in (0, 8, 16, 24))
+
+
+def e4m3x4_to_f32(u):
+    """The four e4m3 bytes of uint32 `u` (lowest byte first) as float32, exactly."""
+    return _widen_word(u, "e4m3")
+
+
+def e5m2x4_to_f32(u):
+    """The four e5m2 bytes of uint32 `u` (lowest byte first) as float32, exactly."""
+    return _widen_word(u, "e5m2")
+
+
+def _narrow_word(values, fmt):
+    word = 0
+    for i, value in enumerate(values):
+        word |= narrow(value, fmt) << (8 * i)
+    return np.uint32(word)
+
+
+def f32x4_to_e4m3x4(a, b, c, d):
+    """uint32 of four e4m3 bytes, `a` lowest: each rounded, saturated (`narrow`)."""
+    return _narrow_word((a, b, c, d), "e4m3")
+
+
+def f32x4_to_e5m2x4(a, b, c, d):
+    """uint32 of four e5m2 bytes, `a` lowest: each rounded, saturated (`narrow`)."""
+    return _narrow_word((a, b, c, d), "e5m2")

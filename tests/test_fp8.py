@@ -1,0 +1,234 @@
+"""8-bit float K/V storage (`float8_e4m3`, `float8_e5m2`) against independent references.
+
+The reference quantiser is ml_dtypes' (`float8_e4m3fn`, `float8_e5m2`), which turns an
+out-of-range value into NaN where the hardware's `satfinite` saturates: it clips first.
+Attention is checked against the float64 oracle over the quantised K/V (`k_scale *
+stored`), within the tolerance the 16-bit dtypes use; the quantisation error against
+the unquantised K/V is bounded separately (docs/semantics.md states it).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kvnumba as kv
+from kvnumba.errors import ConfigError
+from kvnumba.kernels import fp8sim
+from oracle import dense_attention
+
+FORMATS = {"float8_e4m3": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
+SIM = {"float8_e4m3": "e4m3", "float8_e5m2": "e5m2"}
+LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
+H, HQ, D = 2, 4, 16
+
+
+def quantised(x, dtype, scale=1.0):
+    """`scale * stored` in float64 for float32 inputs `x` written with `scale`: times the
+    float32 reciprocal, clipped to the format's range, rounded to nearest even."""
+    scaled = np.asarray(x, np.float32) * np.float32(1 / np.float32(scale))
+    largest = LARGEST[dtype]
+    stored = np.clip(scaled, -largest, largest).astype(FORMATS[dtype])
+    return stored.astype(np.float64) * np.float32(scale)
+
+
+# ---------------------------------------------------------------- conversions
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_the_simulated_conversions_match_ml_dtypes(dtype):
+    """Every bit pattern widens to ml_dtypes' value; narrowing rounds to nearest even
+    (ties included), saturates past the largest finite and infinity, keeps NaN."""
+    fmt, ref = SIM[dtype], FORMATS[dtype]
+    codes = np.arange(256, dtype=np.uint8)
+    want = codes.view(ref).astype(np.float32)
+    got = np.array([fp8sim.widen(c, fmt) for c in codes], np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32)[~np.isnan(want)],
+                                  want.view(np.uint32)[~np.isnan(want)])
+    assert np.isnan(got[np.isnan(want)]).all()
+    finite = want[np.isfinite(want)].astype(np.float64)
+    finite = np.unique(finite)
+    ties = (finite[:-1] + finite[1:]) / 2                  # exactly halfway: to even
+    rng = np.random.default_rng(0)
+    largest = LARGEST[dtype]
+    values = np.concatenate([finite, ties, rng.standard_normal(2000) * largest / 4,
+                             rng.standard_normal(500) * 1e-3, [largest * 1.04, 1e30, -1e30,
+                                                              np.inf, -np.inf, 0.0, -0.0]])
+    values = values.astype(np.float32)
+    for x in values:
+        bits = fp8sim.narrow(x, fmt)
+        expect = np.array(np.clip(x, -largest, largest), np.float32).astype(ref)
+        assert bits == int(expect.view(np.uint8)), (x, bits, expect)
+    assert fp8sim.narrow(np.nan, fmt) == fp8sim.NAN_BITS
+    assert np.isnan(fp8sim.widen(fp8sim.NAN_BITS, fmt))
+
+
+# ---------------------------------------------------------------- configuration
+
+def test_scales_are_checked_and_kept_per_layer():
+    layers = [kv.flat(), kv.ring(window=4)]
+    c = kv.CacheConfig(layers=layers, dtype="float8_e4m3", k_scale=[0.5, 2], v_scale=3)
+    assert c.k_scale == (0.5, 2.0) and c.v_scale == (3.0, 3.0) and c.is_fp8
+    half = kv.CacheConfig(layers=layers, dtype="float16")
+    assert c.page_bytes * 2 == half.page_bytes
+    assert c.bytes_per_token * 2 == half.bytes_per_token
+    assert c.np_dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    for bad, words in [(dict(k_scale=0), "positive"), (dict(k_scale=-1.0), "positive"),
+                       (dict(v_scale=float("inf")), "finite"), (dict(v_scale=np.nan), "finite"),
+                       (dict(k_scale=True), "number"), (dict(k_scale="1"), "number"),
+                       (dict(k_scale=[1.0]), "2 layers"), (dict(v_scale=1e-45), "reciprocal"),
+                       (dict(k_scale=1e39), "finite")]:
+        with pytest.raises(ConfigError, match=words):
+            kv.CacheConfig(layers=layers, dtype="float8_e5m2", **bad)
+    with pytest.raises(ConfigError, match="fp8 storage"):
+        kv.CacheConfig(layers=layers, dtype="float16", k_scale=2.0)
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_fp8_scales_from_samples(dtype):
+    """`fp8_scales`: each layer's amax over the format's largest finite, so the sample's
+    largest magnitude is stored as the largest finite value; all-zero samples give 1."""
+    rng = np.random.default_rng(1)
+    k = [rng.standard_normal((5, H, D)).astype(np.float32) * 1000, np.zeros((3, H, D))]
+    v = [rng.standard_normal((5, H, D)).astype(np.float16), np.full((3, H, D), -2.0)]
+    k_scale, v_scale = kv.fp8_scales(k, v, dtype)
+    largest = LARGEST[dtype]
+    assert k_scale[0] == pytest.approx(np.abs(k[0]).max() / largest, rel=1e-6)
+    assert k_scale[1] == 1.0 and v_scale[1] == pytest.approx(2.0 / largest)
+    assert kv.CacheConfig(layers=[kv.flat()] * 2, dtype=dtype, k_scale=k_scale,
+                          v_scale=v_scale).k_scale == k_scale
+    with pytest.raises(ConfigError, match="fp8"):
+        kv.fp8_scales(k, v, "float16")
+    with pytest.raises(ConfigError, match="finite"):
+        kv.fp8_scales([np.array([np.inf])], [np.array([1.0])], dtype)
+
+
+# ---------------------------------------------------------------- the cache
+
+def _cache(dtype, layers, k_scale, v_scale, **kw):
+    options = dict(n_kv_heads=H, head_dim=D, capacity=64, max_seqs=4, max_write=6,
+                   max_step=10, page_size=8, initial_pages=3, dtype=dtype, k_scale=k_scale,
+                   v_scale=v_scale)
+    options.update(kw)
+    return kv.BatchedSequenceCache(kv.CacheConfig(layers=layers, **options))
+
+
+class Quantised:
+    """Per sequence and layer, the float64 K/V the cache should hold (quantised) and the
+    K/V it was given (exact), fed by the same random steps as the cache."""
+
+    def __init__(self, cache, rng, q_dtype=np.float16):
+        self.cache, self.rng, self.q_dtype = cache, rng, q_dtype
+        self.held, self.exact = {}, {}
+        self.worst = {}             # path -> the largest error against the exact K/V
+
+    def step(self, runs):
+        c = self.cache
+        config = c.config
+        c.declare_step([s for s, n in runs for _ in range(n)])
+        plan = c.prepare_step()
+        for layer, spec in enumerate(config.layers):
+            shape = (plan.width, H, D)
+            k = (self.rng.standard_normal(shape) * 3).astype(self.q_dtype)
+            v = self.rng.standard_normal(shape).astype(self.q_dtype)
+            q = self.rng.standard_normal((plan.width, HQ, D)).astype(self.q_dtype)
+            out = c.update_and_attend(layer, q, k, v)
+            kq = quantised(k.astype(np.float32), config.dtype, config.k_scale[layer])
+            vq = quantised(v.astype(np.float32), config.dtype, config.v_scale[layer])
+            for g in plan.segments:
+                held = self.held.setdefault((g.seq, layer), {})
+                exact = self.exact.setdefault((g.seq, layer), {})
+                for i in range(g.q_len):
+                    held[g.pos_start + i] = (kq[g.q_start + i], vq[g.q_start + i])
+                    exact[g.pos_start + i] = (k[g.q_start + i].astype(np.float64),
+                                              v[g.q_start + i].astype(np.float64))
+                end = g.pos_start + g.q_len
+                lo = 0 if spec.window is None else max(0, g.pos_start - spec.window + 1)
+                rows = slice(g.q_start, g.q_start + g.q_len)
+                got = out[rows].astype(np.float64)
+                for name, table in (("quantised", held), ("exact", exact)):
+                    keys, vals = np.zeros((end, H, D)), np.zeros((end, H, D))
+                    for p in range(lo, end):
+                        keys[p], vals[p] = table[p]
+                    want = dense_attention(q[rows].astype(np.float64), keys, vals, g.pos_start,
+                                           spec.window or 0, 0, 1 / np.sqrt(D))
+                    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+                    if name == "quantised":   # as the 16-bit dtypes, plus the v_scale product
+                        assert err < 3e-3, (g, layer, err)
+                    else:
+                        path = "decode" if g.q_len <= 4 else "prefill"
+                        self.worst[path] = max(self.worst.get(path, 0.0), err)
+            np.testing.assert_array_equal(out[plan.n_tokens:], 0)
+        c.commit_step()
+
+    def check_stored(self, seq):
+        """The cache's stored K/V (`sequence_kv`, times the scales) equal the quantised
+        reference, bit for bit."""
+        config = self.cache.config
+        for layer in range(config.n_layers):
+            positions, k, v = self.cache.sequence_kv(seq, layer)
+            for p, kr, vr in zip(positions, k, v):
+                want_k, want_v = self.held[(seq, layer)][int(p)]
+                np.testing.assert_array_equal(kr.astype(np.float64) * config.k_scale[layer],
+                                              want_k)
+                np.testing.assert_array_equal(vr.astype(np.float64) * config.v_scale[layer],
+                                              want_v)
+
+    def clone(self, src, dst, keep):
+        for table in (self.held, self.exact):
+            for (s, layer), h in list(table.items()):
+                if s == src:
+                    table[(dst, layer)] = {p: x for p, x in h.items() if p < keep}
+
+
+#: the quantisation error of attention against the unquantised K/V (relative, over a
+#: segment's output; K of standard deviation 3, so sharp softmaxes), worst over this
+#: test's steps: measured 0.079 prefill / 0.142 decode (e4m3), 0.096 / 0.164 (e5m2),
+#: stated in docs/semantics.md; the bounds leave room for other random draws, and a
+#: storage that lost a bit more (a 16-bit value truncated to 4 bits) would pass them
+QUANTISATION_BOUND = {"float8_e4m3": 0.25, "float8_e5m2": 0.35}
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_attention_over_fp8_storage_matches_the_quantised_reference(nan_storage, dtype):
+    """Flat and ring layers (the ring wraps), decode and prefill segments in one step,
+    per-layer scales, a fork whose copy-on-write splits a shared page, a rewind: every
+    output matches the float64 oracle over the quantised K/V, the stored bytes are the
+    reference's, and the error against the exact K/V stays within the stated bound."""
+    layers = [kv.flat(), kv.ring(window=3)]
+    cache = _cache(dtype, layers, k_scale=[0.02, 1.0], v_scale=[1.0, 0.005])
+    q = Quantised(cache, np.random.default_rng(2))
+    a, b = cache.seq_new(), cache.seq_new()
+    q.step([(a, 6), (b, 3)])
+    q.step([(a, 4), (b, 1)])
+    c = cache.seq_clone(a)                  # shares a's pages; page 1 holds positions 8, 9
+    q.clone(a, c, cache.pos(a))
+    q.step([(a, 1), (c, 5), (b, 1)])        # both write into the shared page: copies
+    cache.rewind(b, cache.pos(b) - 2)
+    for key in [k for k in q.held if k[0] == b]:
+        for table in (q.held, q.exact):
+            table[key] = {p: x for p, x in table[key].items() if p < cache.pos(b)}
+    q.step([(a, 2), (b, 6), (c, 1)])        # the rings (R = 3 + 6 - 1 = 8 rows) wrap
+    for seq in (a, b, c):
+        q.check_stored(seq)
+    assert set(q.worst) == {"decode", "prefill"}
+    assert max(q.worst.values()) < QUANTISATION_BOUND[dtype], q.worst
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_a_non_finite_input_stays_non_finite_and_a_finite_one_saturates(dtype):
+    """NaN and +-inf are stored as NaN; a finite value past the range (after scaling) as
+    the largest finite, never NaN."""
+    cache = _cache(dtype, [kv.flat()], k_scale=0.5, v_scale=1.0, max_seqs=1)
+    s = cache.seq_new()
+    cache.declare_step([s] * 4)
+    cache.prepare_step()
+    k = np.zeros((4, H, D), np.float32)
+    k[0], k[1], k[2], k[3] = np.nan, np.inf, -np.inf, -1e30
+    v = np.zeros((4, H, D), np.float32)
+    v[:, 0, 0] = [3e38, -70000.0, 1.0, -0.0]
+    cache.write(0, k, v)
+    cache.commit_step()
+    _, ks, vs = cache.sequence_kv(s, 0)
+    ks, vs = ks.astype(np.float64), vs.astype(np.float64)
+    largest = LARGEST[dtype]
+    assert np.isnan(ks[:3]).all() and (ks[3] == -largest).all()
+    np.testing.assert_array_equal(vs[:, 0, 0], [largest, -largest, 1.0, 0.0])
+    assert np.signbit(vs[3, 0, 0])
