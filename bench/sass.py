@@ -119,9 +119,11 @@ class Specialisation:
     signature: str
 
 
-def _decode_signature(t: str) -> str:
-    return (f"void({t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[::1], "
-            f"int32[:, ::1], {t}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
+def _decode_signature(t: str, q: str | None = None) -> str:
+    """Storage of `t`, q and out of `q` (default `t`)."""
+    q = q or t
+    return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[::1], "
+            f"int32[:, ::1], {q}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
             f"{', '.join(['int64'] * 8)}, float32, float32)")
 
 
@@ -150,6 +152,17 @@ SPECIALISATIONS = (
                    _decode_signature("float16")),
     Specialisation("decode d128 bfloat16", f"{_DECODE}(128, 'uint16', 4, False)",
                    _decode_signature("uint16")),
+    # 8-bit float storage (e4m3 bits as uint8, e5m2 as int8) under float16 queries: at
+    # d128 its key rows take 8 lanes, and the registers hold 2 rows a block
+    Specialisation("decode d128 float8_e4m3 2 rows",
+                   f"{_DECODE}(128, 'uint8', 2, False, 'float16')",
+                   _decode_signature("uint8", "float16")),
+    Specialisation("decode d128 float8_e5m2 2 rows",
+                   f"{_DECODE}(128, 'int8', 2, False, 'float16')",
+                   _decode_signature("int8", "float16")),
+    Specialisation("decode d128 float8_e4m3 1 row",
+                   f"{_DECODE}(128, 'uint8', 1, False, 'float16')",
+                   _decode_signature("uint8", "float16")),
     Specialisation("decode d128 float32", f"{_DECODE}(128, 'float32', 4, False)",
                    _decode_signature("float32")),
     Specialisation("decode d128 float16 softcap", f"{_DECODE}(128, 'float16', 4, True)",

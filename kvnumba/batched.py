@@ -16,7 +16,8 @@ from .args import as_ids, as_int
 from .config import CacheConfig
 from .datapath import DataPath
 from .declare import StepDeclarer
-from .device import allocating, announce, cuda, device_id, on_its_device, placed_on
+from .device import (allocating, announce, check_storage_capability, cuda, device_id,
+                     on_its_device, placed_on)
 from .errors import CacheFullError, ConfigError, ShapeError
 from .kernels import padding, write
 from .paths import AttentionPaths, upload_entries
@@ -63,6 +64,7 @@ class BatchedSequenceCache(CacheQueries):
         if not isinstance(config, CacheConfig):
             raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
         self.device = device_id(device)
+        check_storage_capability(config.dtype, self.device)
         announce()
         self.config = config
         with placed_on(self.device):

@@ -271,6 +271,24 @@ def device_id(device) -> int:
     return int(number)
 
 
+#: the compute capability the 8-bit float conversions need (`cvt` to and from e4m3 /
+#: e5m2: PTX 7.8, sm_89)
+FP8_CAPABILITY = (8, 9)
+
+
+def check_storage_capability(dtype: str, device: int) -> None:
+    """Refuse 8-bit float storage (`ConfigError` naming the capability) on a GPU older than
+    `FP8_CAPABILITY`; the simulator and compile mode (sm_90) take every dtype."""
+    if KIND != "gpu" or not dtype.startswith("float8"):
+        return
+    capability = tuple(cuda.gpus[device].compute_capability)
+    if capability < FP8_CAPABILITY:
+        raise ConfigError(f"dtype={dtype!r}: 8-bit float storage needs compute capability "
+                          f"{FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (its conversions "
+                          f"are sm_89 instructions); device {device} has "
+                          f"{capability[0]}.{capability[1]}: store float16 or bfloat16 on it")
+
+
 def placed_on(device: int):
     """Make CUDA device `device` current inside the block (a GPU's; nothing to do on the
     simulator or in compile-only mode, which have device 0 only)."""

@@ -116,7 +116,8 @@ def parser() -> Parser:
     p.add_argument("--seed", type=seed, default=0,
                    help="the random seed: prompt i samples with seed + i; the self-check's "
                         "random model too (default 0)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float8_e4m3",
+                                       "float8_e5m2"],
                    help="K/V storage dtype (default: the model's)")
     p.add_argument("--draft", metavar="DIR",
                    help="a draft model directory with the model's vocabulary "

@@ -57,7 +57,9 @@ def layer_specs(config) -> list:
 
 
 def storage_dtype(model, dtype) -> str:
-    """`dtype` if given, else the model's own (float32, float16 or bfloat16)."""
+    """`dtype` if given (any `CacheConfig` dtype: "float8_e4m3" / "float8_e5m2" store K/V
+    in 8-bit floats, scaled by `k_scale` / `v_scale`), else the model's own (float32,
+    float16 or bfloat16)."""
     if dtype is not None:
         return dtype
     name = str(model.dtype).removeprefix("torch.")
