@@ -29,10 +29,11 @@ from .control import device_work
 HEADER = "Memory (paged storage)"
 
 
-def _cache(layers, *, capacity, max_seqs, max_write, page_size, initial_pages=None):
+def _cache(layers, *, capacity, max_seqs, max_write, page_size, initial_pages=None,
+           dtype="float16"):
     config = kv.CacheConfig(layers=layers, n_kv_heads=1, head_dim=16, capacity=capacity,
                             max_seqs=max_seqs, max_write=max_write, max_step=4096,
-                            dtype="float16", page_size=page_size, initial_pages=initial_pages)
+                            dtype=dtype, page_size=page_size, initial_pages=initial_pages)
     return kv.BatchedSequenceCache(config)
 
 
@@ -61,9 +62,12 @@ def skewed(quick: bool) -> dict:
     n, longest, page = (8, 2048, 16) if quick else (64, 32768, 16)
     lengths = np.geomspace(32, longest, n).astype(int).tolist()
     window = 4096 if not quick else 256
-    cache = _cache([kv.flat(), kv.ring(window=window)], capacity=longest, max_seqs=n,
-                   max_write=512, page_size=page)
-    _fill(cache, lengths, 4096)
+    caches = [_cache([kv.flat(), kv.ring(window=window)], capacity=longest, max_seqs=n,
+                     max_write=512, page_size=page, dtype=dtype)
+              for dtype in ("float16", "float8_e4m3")]
+    for each in caches:
+        _fill(each, lengths, 4096)
+    cache, fp8 = caches
     per_position = cache.config.page_bytes // page             # one layer, K and V
     ring_rows = int(cache.config.ring_rows()[1])
     # the flat layer holds each sequence's positions; the ring layer R positions per live
@@ -75,7 +79,8 @@ def skewed(quick: bool) -> dict:
                      f"(W {window}), page {page}",
                 held=cache.nbytes_held, positions=held_positions * per_position, bound=bound,
                 ratio=cache.nbytes_held / bound, columns=columns,
-                saving=columns / cache.nbytes_held)
+                saving=columns / cache.nbytes_held, fp8_held=fp8.nbytes_held,
+                fp8_ratio=fp8.nbytes_held / cache.nbytes_held)
 
 
 def forks(quick: bool) -> dict:
@@ -128,7 +133,8 @@ def report(result: dict) -> str:
         f"  {s['case']}: pages held {s['held'] / mib:.2f} MiB = {s['ratio']:.3f} x (positions "
         f"held {s['positions'] / mib:.2f} MiB + one page per sequence per layer kind; "
         f"target <= 1.05); one column per sequence would allocate {s['columns'] / mib:.1f} "
-        f"MiB ({s['saving']:.0f}x)",
+        f"MiB ({s['saving']:.0f}x); in float8_e4m3 {s['fp8_held'] / mib:.2f} MiB = "
+        f"{s['fp8_ratio']:.3f} x float16's (target <= 0.51)",
         f"  {f['case']}: {f['added']} pages added (target <= 8)",
         f"  fork (seq_clone + seq_rm, flat + ring): {t_short:.2f} ms at {short} positions, "
         f"{t_long:.2f} ms at {long} ({t_long / t_short:.2f}x); host work alone "

@@ -14,9 +14,10 @@ PROMPTS = [SYSTEM + q for q in QUESTIONS]
 NEW = 2
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["gemma2", "llama"])
 def test_requests_sharing_a_system_prompt_hit_and_match_generate(arch):
-    """The first request computes the shared part; the next, submitted after it
+    """(Gemma-2: windows shorter than the shared part beside a full layer; Llama: flat.)
+    The first request computes the shared part; the next, submitted after it
     finished, hits its last whole page (16 of 17 tokens) and generates the same tokens
     (and so does an engine without the prefix cache)."""
     model = tiny(arch)
