@@ -127,9 +127,11 @@ def _decode_signature(t: str, q: str | None = None) -> str:
             f"{', '.join(['int64'] * 8)}, float32, float32)")
 
 
-def _prefill_signature(t: str) -> str:
-    return (f"void({t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
-            f"int32[::1], {t}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, "
+def _prefill_signature(t: str, q: str | None = None) -> str:
+    """Storage of `t`, q and out of `q` (default `t`)."""
+    q = q or t
+    return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
+            f"int32[::1], {q}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, "
             f"float32, float32)")
 
 
@@ -180,6 +182,14 @@ SPECIALISATIONS = (
                    _prefill_signature("float16")),
     Specialisation("prefill d128 bfloat16", f"{_PREFILL}(128, 64, 64, 'bfloat16', False)",
                    _prefill_signature("uint16")),
+    # 8-bit float storage staged into float16 / bfloat16 tiles (e4m3 bits as uint8, e5m2
+    # as int8), queries of the mma type
+    Specialisation("prefill d128 float8_e4m3",
+                   f"{_PREFILL}(128, 64, 64, 'float16', False, True, None, 'e4m3')",
+                   _prefill_signature("uint8", "float16")),
+    Specialisation("prefill d128 float8_e5m2 bfloat16 q",
+                   f"{_PREFILL}(128, 64, 64, 'bfloat16', False, True, None, 'e5m2')",
+                   _prefill_signature("int8", "uint16")),
     Specialisation("prefill d128 float16 softcap", f"{_PREFILL}(128, 64, 64, 'float16', True)",
                    _prefill_signature("float16")),
     Specialisation("prefill d256 float16", f"{_PREFILL}(256, 48, 16, 'float16', False)",

@@ -278,3 +278,41 @@ def test_engine_logits_over_fp8_storage_stay_near_float32_storage():
     for dtype, bound in (("float8_e4m3", 0.05), ("float8_e5m2", 0.1)):
         torch.testing.assert_close(logits[dtype], logits["float32"], rtol=0, atol=bound)
         assert not torch.equal(logits[dtype], logits["float32"])    # it was quantised
+
+
+@pytest.mark.parametrize("dtype, q_type, twin", [("float8_e4m3", "float16", "float16"),
+                                                 ("float8_e5m2", "bfloat16", "bfloat16")])
+def test_tensor_core_prefill_over_fp8_equals_16_bit_storage_of_the_same_values(dtype, q_type,
+                                                                               twin):
+    """Every e4m3 / e5m2 value is exact in float16 and bfloat16, and the fp8 tiles are
+    widened to q's 16-bit type before the mma: so a prefill over fp8 storage (scales 1)
+    gives bit for bit the output of the same kernel over 16-bit storage holding the
+    stored values. Flat and ring layers, a 13-token chunk after a 6-token one (the ring
+    of 3 + 8 - 1 = 10 rows wraps), float16 and bfloat16 queries."""
+    q_np = np.dtype(ml_dtypes.bfloat16) if q_type == "bfloat16" else np.dtype(q_type)
+    layers = [kv.flat(), kv.ring(window=3)]
+    caches = {d: _cache(d, layers, 1.0, 1.0, max_seqs=1, max_write=13, max_step=13)
+              for d in (dtype, twin)}
+    assert all(c._paths.prefill_fast for c in caches.values())
+    rng = np.random.default_rng(3)
+    seqs = {d: c.seq_new() for d, c in caches.items()}
+    for n in (6, 13):
+        k = (rng.standard_normal((2, n, H, D)) * 3).astype(np.float32)
+        v = rng.standard_normal((2, n, H, D)).astype(np.float32)
+        q = rng.standard_normal((2, n, HQ, D)).astype(q_np)
+        outs = {}
+        for d, c in caches.items():
+            c.declare_step([seqs[d]] * n)
+            c.prepare_step()
+            for layer in range(2):
+                if d == dtype:
+                    kk, vv = k[layer], v[layer]
+                else:             # the values the fp8 cache stored, exact in `twin`
+                    kk = quantised(k[layer], dtype).astype(q_np if twin == q_type else twin)
+                    vv = quantised(v[layer], dtype).astype(q_np if twin == q_type else twin)
+                outs[d, layer] = c.update_and_attend(layer, q[layer], kk, vv)
+            c.commit_step()
+        for layer in range(2):
+            np.testing.assert_array_equal(outs[dtype, layer].view(np.uint16),
+                                          outs[twin, layer].view(np.uint16))
+            assert np.isfinite(outs[dtype, layer].astype(np.float32)).all()

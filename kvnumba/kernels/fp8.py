@@ -69,6 +69,27 @@ def _narrow4(name, fmt):
         """, narrow)
 
 
+def _to_f16x4(name, fmt):
+    def widen(typingctx, u):
+        check_integers(name, u)
+
+        def codegen(context, builder, sig, args):
+            (word,) = cast(context, builder, args, sig.args, types.uint32)
+            words = asm(builder, "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+                                 f"cvt.rn.f16x2.{fmt}x2 $0, lo; cvt.rn.f16x2.{fmt}x2 $1, hi; }}",
+                        "=r,=r,r", [I32] * 2, [word])
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return types.UniTuple(types.uint32, 2)(u), codegen
+
+    return named(name, f"""
+        `{name}(u) -> (lo, hi)` uint32: the four {fmt} bytes of uint32 `u` as two float16
+        pairs, exactly (`lo` holds bytes 0 and 1, byte 0 in its low half).
+        """, widen)
+
+
+e4m3x4_to_f16x4 = _to_f16x4("e4m3x4_to_f16x4", "e4m3")
+e5m2x4_to_f16x4 = _to_f16x4("e5m2x4_to_f16x4", "e5m2")
 e4m3x4_to_f32 = _widen4("e4m3x4_to_f32", "e4m3")
 e5m2x4_to_f32 = _widen4("e5m2x4_to_f32", "e5m2")
 f32x4_to_e4m3x4 = _narrow4("f32x4_to_e4m3x4", "e4m3")
@@ -77,4 +98,5 @@ f32x4_to_e5m2x4 = _narrow4("f32x4_to_e5m2x4", "e5m2")
 
 if SIMULATOR:
     from .fp8sim import (  # noqa: E402,F401,F811  (same names, simulated)
-        e4m3x4_to_f32, e5m2x4_to_f32, f32x4_to_e4m3x4, f32x4_to_e5m2x4)
+        e4m3x4_to_f16x4, e4m3x4_to_f32, e5m2x4_to_f16x4, e5m2x4_to_f32, f32x4_to_e4m3x4,
+        f32x4_to_e5m2x4)

@@ -86,6 +86,21 @@ def e5m2x4_to_f32(u):
     return _widen_word(u, "e5m2")
 
 
+def _f16x4(u, fmt):
+    halves = np.array(_widen_word(u, fmt), np.float16).view(np.uint32)
+    return np.uint32(halves[0]), np.uint32(halves[1])
+
+
+def e4m3x4_to_f16x4(u):
+    """Two uint32 of float16 pairs: the four e4m3 bytes of `u`, lowest first, exactly."""
+    return _f16x4(u, "e4m3")
+
+
+def e5m2x4_to_f16x4(u):
+    """Two uint32 of float16 pairs: the four e5m2 bytes of `u`, lowest first, exactly."""
+    return _f16x4(u, "e5m2")
+
+
 def _narrow_word(values, fmt):
     word = 0
     for i, value in enumerate(values):

@@ -1,4 +1,5 @@
-"""Prefill attention on tensor cores for 16-bit K/V storage: the path's host face.
+"""Prefill attention on tensor cores for 16-bit and 8-bit float K/V storage: the path's
+host face.
 
 Segments long enough to fill tensor-core tiles run on `prefill_kernel` (its doc tells
 how: FlashAttention-2 style, packed GQA rows, cp.async staging through the page
@@ -13,21 +14,29 @@ import numpy as np
 
 from .launch import PER_CALL, aligned, ceil_div, no_output
 from .prefill_kernel import prefill_kernel
-from .prefill_shape import (Q_OUT_TYPES, default_warp_rows, storage_type, supports,
-                            tile_shape, type_name)
+from .prefill_shape import (FP8_STORED, Q_OUT_TYPES, default_warp_rows, stored_type,
+                            supports, tile_shape, type_name)
+
+#: the mma type's array dtype name (bfloat16 as uint16 bits)
+MMA_DTYPES = {"float16": "float16", "bfloat16": "uint16"}
 
 
 @lru_cache(maxsize=None)
-def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> str:
-    """The storage type of a launch, after refusing what this path does not serve; cached
-    per combination, so a launch pays for the checks once, not per layer and step."""
-    storage = storage_type(storage_dtype)
-    if not supports(head_dim, storage):
-        raise ValueError(f"prefill: head_dim {head_dim} with {storage} storage is not served")
+def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
+    """`(mma type, stored type)` of a launch, after refusing what this path does not serve;
+    cached per combination, so a launch pays for the checks once, not per layer and step.
+    16-bit storage is its own mma type; 8-bit floats take the query's 16-bit type
+    (float16 for a float32 q), to which they convert exactly."""
+    if not supports(head_dim, storage_dtype):
+        raise ValueError(f"prefill: head_dim {head_dim} with {type_name(storage_dtype)} "
+                         f"storage is not served")
     for name, dtype in (("q", q_dtype), ("out", out_dtype)):
         if type_name(dtype) not in Q_OUT_TYPES:
             raise ValueError(f"prefill: {name} dtype {dtype} not in {Q_OUT_TYPES}")
-    return storage
+    stored = stored_type(storage_dtype)
+    if type_name(storage_dtype) not in FP8_STORED:
+        return stored, stored
+    return ("bfloat16" if type_name(q_dtype) == "uint16" else "float16"), stored
 
 
 class PrefillRun:
@@ -54,7 +63,7 @@ class PrefillRun:
         if not scale > 0:
             raise ValueError(f"prefill: scale {scale} must be positive")
         head_dim = q.shape[2]
-        storage = _served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
+        mma, stored = _served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
         shape = tuple(k_store.shape)
         if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
             raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
@@ -63,19 +72,19 @@ class PrefillRun:
                k_store.shape[1:], softcap > 0)
         launch = self._launches.get(key)
         if launch is None:
-            launch = self._launches[key] = self._bind(q, k_store, storage,
-                                                      key[2], key[-1])
+            launch = self._launches[key] = self._bind(q, k_store, mma, stored, key[2],
+                                                      key[-1])
         launch(q, k_store, v_store, pages, out, lse, int(ring_rows), int(window),
                np.float32(scale), np.float32(softcap))
 
-    def _bind(self, q, k_store, storage: str, q_aligned: bool, capped: bool):
+    def _bind(self, q, k_store, mma: str, stored: str, q_aligned: bool, capped: bool):
         head_dim, n_q_heads, n_kv_heads = q.shape[2], q.shape[1], k_store.shape[1]
         group = n_q_heads // n_kv_heads
         block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
         warp_rows = warp_rows[0] if warp_rows else None
-        q_copy = q.dtype == k_store.dtype and q_aligned     # Q in the mma type: cp.async
-        kernel = prefill_kernel(head_dim, block_rows, block_keys, storage, capped, q_copy,
-                                warp_rows)
+        q_copy = type_name(q.dtype) == MMA_DTYPES[mma] and q_aligned  # Q in the mma type
+        kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
+                                warp_rows, stored)
         warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
         n_row_tiles = ceil_div(group * self.max_q_len, block_rows)
         return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles), 32 * warps, self.stream,
@@ -102,8 +111,8 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
     (uint16 bits); only the listed segments' rows of `out` are written. k_store, v_store:
     slot storage [n_slots, n_kv_heads, head_dim] (a page pool [n_pages, page_size,
-    n_kv_heads, head_dim] reshaped; n_slots <= INT32_MAX), 16-bit (see `storage_type`),
-    C-contiguous. pages: the layer kind's int32 device page table [seq rows, pages per
+    n_kv_heads, head_dim] reshaped; n_slots <= INT32_MAX), 16-bit or 8-bit floats (see
+    `stored_type`), C-contiguous. pages: the layer kind's int32 device page table [seq rows, pages per
     sequence], C-contiguous, indexed by a segment's `SEQ`, each entry a page's first slot
     (page id times page_size); page_bits: log2(page_size). Storage row r of sequence
     `seq` (its position on a flat layer, position % ring_rows on a ring) is slot

@@ -1,5 +1,6 @@
 """The prefill attention kernel on tensor cores, FlashAttention-2 style, for 16-bit K/V
-storage (`prefill` plans and launches it).
+storage, or 8-bit float storage converted to a 16-bit type as it is staged
+(`prefill_staging`; `prefill` plans and launches it).
 
 Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
 ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and
@@ -87,12 +88,14 @@ from numba import float32, int32, uint16, uint32  # noqa: E402  (after device)
 
 @lru_cache(maxsize=None)
 def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
-                   capped: bool, q_copy: bool = True, warp_rows: int | None = None):
+                   capped: bool, q_copy: bool = True, warp_rows: int | None = None,
+                   stored: str | None = None):
     """The prefill kernel for one head_dim, tile shape (`warp_rows`: by default
-    `default_warp_rows`), 16-bit storage type, with (`capped`) or without a softcap, and Q
-    staged by cp.async (`q_copy`: q holds the storage's type, 16-byte aligned) or
-    converted value by value."""
-    shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows)
+    `default_warp_rows`), 16-bit mma type `storage` over K/V storage holding `stored`
+    (default the same type; "e4m3" / "e5m2": 8-bit floats converted while staged), with
+    (`capped`) or without a softcap, and Q staged by cp.async (`q_copy`: q holds the mma
+    type, 16-byte aligned) or converted value by value."""
+    shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored)
     stage_queries, stage_tile = staging_functions(shape, q_copy)
     scores, softcap_scores, mask, softmax_step, accumulate, store_rows = math_functions(shape)
     BR, BK, WR, H, PITCH = shape.br, shape.bk, shape.wr, shape.h, shape.pitch
@@ -103,6 +106,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
     SMEM, KEY_LANES, KEY_STEP, KEY_PASSES = (shape.smem, shape.key_lanes, shape.key_step,
                                              shape.key_passes)
     Q_LANES, Q_STEP = shape.q_lanes, shape.q_step
+    STORED_BYTES = shape.stored_bytes
 
     @cuda.jit(device=True)
     def tile_of(order, i):
@@ -214,7 +218,8 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         slots = cuda.local.array(KEY_PASSES, int32)     # the thread's keys' slots in a tile
         staging = (int32(K_BASE + first_key * PITCH + key_d0), ptx.bytes_from(k_store, src),
                    int32(V_BASE + first_key * PITCH + key_d0), ptx.bytes_from(v_store, src),
-                   slots, pages, seq, page_bits, uint32(2 * k_store.shape[1] * head_dim),
+                   slots, pages, seq, page_bits,
+                   uint32(STORED_BYTES * k_store.shape[1] * head_dim),
                    uint32(uint32(key_lo) % uint32(ring)), ring,
                    int32(min(BK, ring)), int32(key_hi - key_lo), first_key, key_d0)
 

@@ -25,6 +25,11 @@ Q_REGISTERS_MAX_DIM = 128
 WIDE_WARP_MAX_DIM = 64
 Q_OUT_TYPES = ("float16", "float32", "uint16")   # uint16: bfloat16 bits
 STORAGE_TYPES = ("float16", "bfloat16")
+#: what K/V storage may hold, and its bytes per value: the 16-bit types are staged as
+#: they are (cp.async), 8-bit floats (e4m3 bits as uint8, e5m2 as int8) converted to
+#: the mma's 16-bit type on the way into shared memory
+STORED_BYTES = {"float16": 2, "bfloat16": 2, "e4m3": 1, "e5m2": 1}
+FP8_STORED = {"uint8": "e4m3", "int8": "e5m2"}
 FLAT_RING = INT32_MAX     # the ring size a flat layer's rows are walked with: never wraps
 CHUNK_VALUES = 8          # 16-bit values in a 16-byte cp.async chunk
 LINE_CHUNKS = 8           # chunks in a 128-byte line
@@ -44,10 +49,17 @@ def type_name(dtype) -> str:
 
 def supports(head_dim, storage_dtype) -> bool:
     """Can this path serve a layer? head_dim a multiple of 8 (16-byte chunks) up to 256,
-    storage float16 or bfloat16 (a dtype, its name, or uint16: bfloat16 bits). float32
-    storage is not served."""
-    return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",)
+    storage float16 or bfloat16 (a dtype, its name, or uint16: bfloat16 bits), or 8-bit
+    floats (uint8: e4m3 bits, int8: e5m2). float32 storage is not served."""
+    return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",) + tuple(FP8_STORED)
             and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
+
+
+def stored_type(dtype) -> str:
+    """What K/V storage of `dtype` holds: a 16-bit type (`storage_type`), or "e4m3" /
+    "e5m2" for uint8 / int8 bits."""
+    name = type_name(dtype)
+    return FP8_STORED[name] if name in FP8_STORED else storage_type(name)
 
 
 def shared_layout(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, int, int, int]:
@@ -106,7 +118,8 @@ class PrefillShape:
     keys), `wr` rows per warp in `h` m16 halves, the padded head dim `dp` and shared
     pitch, the n8 / k16 tile counts, per-lane register arrays, the shared layout (Q, K,
     V bases, `smem` elements) and the cp.async staging of key and query rows
-    (`staging_layout`), for 16-bit `storage`."""
+    (`staging_layout`), for the 16-bit mma type `storage`, over K/V storage holding
+    `stored` (`STORED_BYTES`: the same type, or 8-bit floats converted to it)."""
 
     head_dim: int
     storage: str
@@ -146,10 +159,16 @@ class PrefillShape:
     q_step: int
     q_copies: int
     q_exact: bool
+    stored: str
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one stored K/V value."""
+        return STORED_BYTES[self.stored]
 
     @classmethod
     def of(cls, head_dim: int, block_rows: int, block_keys: int, storage: str,
-           warp_rows: int | None = None) -> "PrefillShape":
+           warp_rows: int | None = None, stored: str | None = None) -> "PrefillShape":
         br, bk = block_rows, block_keys
         wr = warp_rows or default_warp_rows(head_dim, br)
         assert br % wr == 0 and wr in (16, 32) and bk % 16 == 0 and storage in STORAGE_TYPES
@@ -179,4 +198,5 @@ class PrefillShape:
                    keys_exact=key_step * key_lanes == threads and key_step * key_passes == bk,
                    q_lanes=q_lanes, q_passes=q_passes, q_step=q_step,
                    q_copies=chunks // q_lanes,
-                   q_exact=q_step * q_lanes == threads and q_step * q_passes == br)
+                   q_exact=q_step * q_lanes == threads and q_step * q_passes == br,
+                   stored=stored or storage)

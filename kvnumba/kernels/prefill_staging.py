@@ -2,11 +2,17 @@
 (`staging_functions`): each key row's slot through the page table (wrapping a ring),
 K / V tiles and Q rows into shared memory by cp.async in 16-byte chunks (zero-filled
 where there is nothing to read), and a packed row's (token, head) (`prefill_kernel`'s
-doc tells the layout)."""
+doc tells the layout).
+
+8-bit float storage is converted on the way in: a chunk of 8 values is one 8-byte
+load, widened exactly to the mma's 16-bit type (e4m3 / e5m2 to float16 pairs by
+`cvt.rn.f16x2`; to bfloat16 through float32, exact too) and stored to shared memory
+as 16 bytes. These loads are synchronous, so a tile's loads do not overlap the math
+as cp.async's do."""
 from __future__ import annotations
 
 from ..device import cuda
-from . import ptx, tensorcore
+from . import fp8, ptx, tensorcore
 from .masks import page_slot
 from .prefill_shape import CHUNK_VALUES, PrefillShape
 
@@ -32,6 +38,21 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
     Q_LANES, Q_PASSES, Q_STEP = shape.q_lanes, shape.q_passes, shape.q_step
     Q_COPIES, Q_EXACT = shape.q_copies, shape.q_exact
     pack = ptx.f32x2_to_f16x2 if shape.storage == "float16" else ptx.f32x2_to_bf16x2
+    STORED_BYTES = shape.stored_bytes
+    if STORED_BYTES == 1:
+        to_f16x4 = fp8.e4m3x4_to_f16x4 if shape.stored == "e4m3" else fp8.e5m2x4_to_f16x4
+        to_f32x4 = fp8.e4m3x4_to_f32 if shape.stored == "e4m3" else fp8.e5m2x4_to_f32
+
+        @cuda.jit(device=True, inline="always")
+        def widen_to_f16(u):
+            return to_f16x4(u)
+
+        @cuda.jit(device=True, inline="always")
+        def widen_to_bf16(u):
+            a, b, c, d = to_f32x4(u)
+            return ptx.f32x2_to_bf16x2(a, b), ptx.f32x2_to_bf16x2(c, d)
+
+        widen = widen_to_f16 if shape.storage == "float16" else widen_to_bf16
 
     @cuda.jit(device=True)
     def find_slots(slots, pages, seq, page_bits, row, n_keys, ring, first_key):
@@ -48,7 +69,7 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
                 slots[p] = page_slot(pages, seq, r, page_bits)
 
     @cuda.jit(device=True)
-    def stage_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
+    def copy_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
         """cp.async this thread's chunks of a K or V tile: key first_key + p KEY_STEP in
         pass p, chunks d0 + c KEY_LANES, to tile index `dst` (its first key and chunk)
         on, from `src` (its head and d0 in slot 0) plus slots[p] times slot_bytes. Keys
@@ -63,6 +84,28 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
                         tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
                         src, at + uint64(2 * c * KEY_LANES * CHUNK_VALUES),
                         key >= n_keys or pad)
+
+    @cuda.jit(device=True)
+    def convert_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
+        """As `copy_keys` for 8-bit float storage: each chunk of 8 values one 8-byte load
+        (`src` and the slots in bytes), widened to the mma type, one 16-byte shared store;
+        zeros stored, nothing loaded, for keys from n_keys on and padding columns."""
+        for p in range(KEY_PASSES):
+            key = int32(first_key + p * KEY_STEP)
+            if KEYS_EXACT or key < BK:
+                at = ptx.mul_wide_u32(slots[p], slot_bytes)
+                for c in range(KEY_COPIES):
+                    pad = PADDED and d0 + c * KEY_LANES * CHUNK_VALUES >= head_dim
+                    w0 = w1 = w2 = w3 = uint32(0)
+                    if not (key >= n_keys or pad):
+                        u0, u1 = ptx.ld_nc_v2(src, at + uint64(c * KEY_LANES * CHUNK_VALUES))
+                        w0, w1 = widen(u0)
+                        w2, w3 = widen(u1)
+                    tensorcore.st_shared_v4(
+                        tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
+                        w0, w1, w2, w3)
+
+    stage_keys = copy_keys if STORED_BYTES == 2 else convert_keys
 
     @cuda.jit(device=True)
     def copy_q_chunk(tile, dst, q, token, head, d, zero):

@@ -64,6 +64,22 @@ ld_v4 = _load_v4("ld_v4", "ld.global.v4.u32", """
 
 
 @intrinsic
+def ld_nc_v2(typingctx, array, index):
+    """`ld_nc_v2(array, index) -> (u0, u1)` uint32: the 8 bytes at flat element `index` of
+    a global array (8-byte aligned), through the read-only data path
+    (`ld.global.nc.v2.u32`): eight 8-bit values, `u0` the lower four."""
+    check_array("ld_nc_v2", array, index)
+
+    def codegen(context, builder, sig, args):
+        address = state_address(context, builder, sig, args, GLOBAL)
+        words = asm(builder, "ld.global.nc.v2.u32 {$0, $1}, [$2];", "=r,=r,l", [I32] * 2,
+                    [address])
+        return context.make_tuple(builder, sig.return_type, words)
+
+    return types.UniTuple(types.uint32, 2)(array, index), codegen
+
+
+@intrinsic
 def st_v4(typingctx, array, index, u0, u1, u2, u3):
     """`st_v4(array, index, u0, u1, u2, u3)`: store 16 bytes (`u0` lowest) at flat element
     `index` of a global array: `st.global.v4.u32`."""
@@ -374,5 +390,5 @@ def mul_wide_u32(typingctx, a, b):
 if SIMULATOR:
     from .ptxsim import (  # noqa: E402,F401,F811  (same names, simulated)
         bf16x2_to_f32, bytes_from, exp2_approx, f16x2_to_f32, f32_as_u32, f32x2_to_bf16x2,
-        f32x2_to_f16x2, from_f32, ld_nc_v4, ld_v4, mul_wide_u32, shfl_idx, shfl_xor, st_v4,
+        f32x2_to_f16x2, from_f32, ld_nc_v2, ld_nc_v4, ld_v4, mul_wide_u32, shfl_idx, shfl_xor, st_v4,
         to_f32, to_storage, u32_as_f32)

@@ -67,6 +67,23 @@ def ld_v4(array, index):
 ld_nc_v4 = ld_v4  # the read-only path is a caching choice: same bytes
 
 
+def ld_nc_v2(array, index):
+    """`(u0, u1)` uint32: the 8 bytes at flat element `index` (8-byte aligned)."""
+    array = _numpy(array)
+    raw = array.reshape(-1).view(np.uint8)
+    start = int(index) * array.itemsize
+    if start < 0 or start + 8 > raw.size:
+        raise IndexError(f"8 bytes at element {index} are outside the array ({raw.size} bytes)")
+    if (raw.ctypes.data + start) % 8:
+        raise ValueError(f"element {index}: address not 8-byte aligned")
+    return tuple(raw[start:start + 8].view(np.uint32))
+
+
+def st_shared_v4(shared_array, index, u0, u1, u2, u3):
+    """Store `u0..u3` as the 16 bytes at flat element `index` of a shared array."""
+    st_v4(shared_array, index, u0, u1, u2, u3)
+
+
 def st_v4(array, index, u0, u1, u2, u3):
     """Store `u0..u3` (`u0` lowest) as the 16 bytes at flat element `index`."""
     words = [int(u) & _MASK32 for u in (u0, u1, u2, u3)]

@@ -189,7 +189,24 @@ def cp_async_16_zfill(typingctx, shared_array, shared_index, global_array, globa
     return types.void(shared_array, shared_index, global_array, global_index, zero), codegen
 
 
+@intrinsic
+def st_shared_v4(typingctx, shared_array, index, u0, u1, u2, u3):
+    """`st_shared_v4(shared_array, index, u0, u1, u2, u3)`: store 16 bytes (`u0` lowest) at
+    flat element `index` of a shared array, 16-byte aligned (`st.shared.v4.u32`; the
+    address in 32 bits from the array's base, as `cp_async_16_zfill`'s)."""
+    check_array("st_shared_v4", shared_array, index)
+    check_integers("st_shared_v4", u0, u1, u2, u3)
+
+    def codegen(context, builder, sig, args):
+        dst = shared_address32(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        words = cast(context, builder, args[2:], sig.args[2:], types.uint32)
+        asm(builder, "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r,~{memory}", [],
+            [dst, *words], side_effect=True)
+
+    return types.void(shared_array, index, u0, u1, u2, u3), codegen
+
+
 if SIMULATOR:
     from .ptxsim import (  # noqa: E402,F401,F811  (same names, simulated)
         cp_async_16, cp_async_16_zfill, cp_async_commit, cp_async_wait, ldmatrix_x4,
-        ldmatrix_x4_trans, mma_bf16_f32, mma_f16_f32)
+        ldmatrix_x4_trans, mma_bf16_f32, mma_f16_f32, st_shared_v4)
