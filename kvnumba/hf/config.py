@@ -106,3 +106,12 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
                        max_step=max_step,
                        dtype=storage_dtype(model, dtype), **options)
 
+
+def refuse_dropout(model) -> None:
+    """`ConfigError` for a model in training mode whose attention drops out: kvnumba
+    attends without dropout, so it would compute another model."""
+    dropout = getattr(text_config(model.config), "attention_dropout", 0.0) or 0.0
+    if model.training and dropout:
+        raise ConfigError(f"{model.config.model_type}: the model is in training mode with "
+                          f"attention dropout {dropout}; kvnumba attends without dropout: "
+                          f"put it in eval mode (model.eval())")

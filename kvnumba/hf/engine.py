@@ -36,7 +36,7 @@ import numpy as np
 from ..args import as_count
 from ..errors import CapacityError, ConfigError
 from .attention import register
-from .config import cache_config, text_config
+from .config import cache_config, refuse_dropout, text_config
 from .requests import Request, checked_prompts, checked_request, checked_seed
 from .served import ServedModel
 
@@ -265,8 +265,8 @@ class Engine:
         """A session of `served`'s table for `request`: from its prompt's longest indexed
         prefix with the prefix cache, else empty."""
         if not self.prefix_cache:
-            return served.table.open()
-        return served.table.open(request.tokens[:request.n_prompt], extra_key=request.extra)
+            return served.open()
+        return served.open(request.tokens[:request.n_prompt], request.extra)
 
     def _register(self, plan) -> None:
         """Offer each stepped request's newly completed pages of committed positions to
@@ -275,10 +275,10 @@ class Engine:
         size = self.config.page_size
         for request in {id(r): r for r, _, _ in plan}.values():
             if request.fed // size > request.offered // size:
-                self.target.table.register(request.sid, request.tokens[:request.fed])
+                self.target.register(request.sid, request.tokens[:request.fed])
                 request.offered = request.fed
             if self.draft and request.dfed // size > request.doffered // size:
-                self.draft.table.register(request.dsid, request.tokens[:request.dfed])
+                self.draft.register(request.dsid, request.tokens[:request.dfed])
                 request.doffered = request.dfed
 
     def _plan(self) -> list:
@@ -381,11 +381,11 @@ class Engine:
             generator.manual_seed(int(torch.randint(2**62, (), generator=request.generator)))
             child = Request(list(request.tokens), request.n_prompt, request.max_new,
                             request.sampling, request.eos, None, rid=request.rid,
-                            generator=generator, sid=self.target.table.clone(request.sid),
+                            generator=generator, sid=self.target.clone(request.sid),
                             fed=request.fed, group=request.group, extra=request.extra,
                             offered=request.offered, doffered=request.doffered)
             if self.draft:
-                child.dsid = self.draft.table.clone(request.dsid)
+                child.dsid = self.draft.clone(request.dsid)
                 child.dfed = request.dfed
             child.tokens.append(int(request.sampling.choose(logits, generator)[0]))
             child.fed = len(child.tokens) - 1
@@ -400,9 +400,9 @@ class Engine:
         finished, reported = [], set()
         for request in [r for r in self._running if r.done]:
             self._running.remove(request)
-            self.target.table.close(request.sid)
+            self.target.close(request.sid)
             if self.draft:
-                self.draft.table.close(request.dsid)
+                self.draft.close(request.dsid)
             group = request.group
             if id(group) not in reported and all(s.done for s in group) and group[0].n == 1:
                 reported.add(id(group))
@@ -416,16 +416,6 @@ def shared_pages(a: list, b: list, page_size: int) -> int:
     n = min(len(a), len(b)) // page_size * page_size
     differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return (int(differs[0]) if differs.size else n) // page_size
-
-
-def refuse_dropout(model) -> None:
-    """`ConfigError` for a model in training mode whose attention drops out: kvnumba
-    attends without dropout, so it would compute another model."""
-    dropout = getattr(text_config(model.config), "attention_dropout", 0.0) or 0.0
-    if model.training and dropout:
-        raise ConfigError(f"{model.config.model_type}: the model is in training mode with "
-                          f"attention dropout {dropout}; kvnumba attends without dropout: "
-                          f"put it in eval mode (model.eval())")
 
 
 def budgeted(configs: list, kv_bytes: int) -> list:
