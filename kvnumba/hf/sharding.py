@@ -37,6 +37,16 @@ class Sharding(NamedTuple):
 UNSPLIT = Sharding(1, 0, None)
 
 
+def split_loading() -> dict:
+    """The `from_pretrained` options that split a model over the torchrun job's ranks by
+    its own tensor-parallel plan (`transformers` opens the process group: gloo on CPUs,
+    NCCL on GPUs; it needs `accelerate`)."""
+    import transformers
+    config = getattr(transformers, "DistributedConfig", None)
+    return {"tp_plan": "auto"} if config is None else {"distributed_config":
+                                                        config(tp_plan="auto")}
+
+
 def sharding(model) -> Sharding:
     """The tensor-parallel state `transformers` left on `model` (`UNSPLIT` for a model
     loaded without `tp_plan`). A model also split another way (pipeline stages, FSDP

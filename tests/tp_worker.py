@@ -1,0 +1,90 @@
+"""The script `test_hf_tp` runs on every rank under torchrun: a tiny Llama split over the
+ranks by its tensor-parallel plan and served through `kvnumba.hf.Engine`, refusals of
+what the ranks cannot serve and the divergence check against a perturbed rank. Each rank
+writes what it saw to `OUT/rank<r>.json`.
+
+    torchrun --standalone --nproc-per-node 2 tests/tp_worker.py MODEL_DIR ONE_KV_HEAD_DIR OUT
+
+One job checks it all: starting ranks (torch, transformers and kvnumba imported in each)
+is most of its time.
+"""
+import json
+import os
+import sys
+import time
+
+#: the requests: the first alone for a step, then the second with two forks beside it
+PROMPTS = [[1, 5, 9, 3, 7], [4, 2, 8, 8, 1, 6, 3, 2, 9]]
+NEW_TOKENS = 3
+SIZES = dict(max_seqs=3, capacity=24, max_write=8, dtype="float32")
+
+
+def counting_caches(kv) -> list:
+    """A list that gains an entry for each cache made from now on."""
+    made = []
+    make = kv.BatchedSequenceCache.__init__
+
+    def counted(self, *args, **kwargs):
+        made.append(type(self).__name__)
+        make(self, *args, **kwargs)
+    kv.BatchedSequenceCache.__init__ = counted
+    return made
+
+
+def main(model_dir: str, one_kv_head_dir: str, out: str) -> None:
+    started = time.perf_counter()
+    os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
+    import torch.distributed as dist
+    import transformers
+
+    import kvnumba as kv
+    from kvnumba import device
+    from kvnumba.hf import Engine
+    from kvnumba.hf.sharding import split_loading
+    if device.SIMULATOR:
+        sys.setswitchinterval(device.SIMULATOR_SWITCH_INTERVAL)
+    transformers.utils.logging.disable_progress_bar()
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    model = load(model_dir, **split_loading()).eval()
+    rank = dist.get_rank()
+    seen = {"rank": rank, "ranks": dist.get_world_size()}
+
+    # refusals: a kv head the ranks cannot share, a draft not split as the model is
+    made = counting_caches(kv)
+    refused = {}
+    for case, served, draft in (("kv heads", load(one_kv_head_dir, **split_loading()), None),
+                                ("draft", model, load(model_dir).eval())):
+        try:
+            Engine(served, draft_model=draft, **SIZES)
+        except kv.ConfigError as exc:
+            refused[case] = str(exc)
+    seen["refused"], seen["caches made by the refusals"] = refused, len(made)
+
+    # continuous batching with forks, every step's tables checked across the ranks
+    engine = Engine(model, check_ranks=True, **SIZES)
+    seen["caches made"], seen["kv heads per rank"] = len(made), engine.config.n_kv_heads
+    first = engine.submit(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+    done = dict(engine.step())
+    second = engine.submit(PROMPTS[1], max_new_tokens=NEW_TOKENS, n=2)
+    while engine.busy:
+        done.update(engine.step())
+    seen["served"] = [done[first], done[second]]
+    seen["steps checked"] = engine.lockstep.steps
+
+    # the divergence check: rank 1's cache changed behind its engine's back
+    engine = Engine(model, check_ranks=True, **SIZES)
+    if rank == 1:
+        engine.target.table.open()
+    try:
+        engine.generate([PROMPTS[0]], max_new_tokens=1)
+    except kv.RankDivergenceError as exc:
+        seen["divergence"] = str(exc)
+
+    seen["seconds"] = round(time.perf_counter() - started, 1)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+        json.dump(seen, file)
+    print(f"rank {rank}: {seen}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
