@@ -2,8 +2,8 @@
 tensor-parallel plan (torchrun, gloo on the CPU, the CUDA simulator), each rank's engine
 against the whole model's `model.generate()` in this process; the refusals of a kv head
 count the ranks cannot share and of a draft not split as the model is, in every process
-and before any cache is made; the divergence check naming a perturbed rank. One torchrun
-job (`tp_worker.py`) checks all of it."""
+and before any cache is made; the divergence check naming a perturbed rank; the command
+line printing from rank 0 only. One torchrun job (`tp_worker.py`) checks all of it."""
 import json
 import os
 import subprocess
@@ -61,6 +61,12 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
         assert saw["caches made by the refusals"] == 0 and saw["caches made"] == 1
         assert saw["divergence"].startswith("step 1: rank 1 differs from rank 0 (rank 1 in "
                                             "the model's cache")
+        assert saw["cli status"] == 0
+    # the command line prints on rank 0 alone
+    printed = seen[0]["cli printed"]
+    assert "split over 2 ranks, 1 of 2 kv heads each" in printed
+    assert f"prompt 1: {PROMPTS[0]}\n  -> {want[0]}\n" in printed
+    assert seen[1]["cli printed"] == ""
 
 
 @pytest.mark.parametrize("heads, kv_heads, ranks, per_rank", [

@@ -1,13 +1,15 @@
 """The script `test_hf_tp` runs on every rank under torchrun: a tiny Llama split over the
 ranks by its tensor-parallel plan and served through `kvnumba.hf.Engine`, refusals of
-what the ranks cannot serve and the divergence check against a perturbed rank. Each rank
-writes what it saw to `OUT/rank<r>.json`.
+what the ranks cannot serve, the divergence check against a perturbed rank and the
+command line. Each rank writes what it saw to `OUT/rank<r>.json`.
 
     torchrun --standalone --nproc-per-node 2 tests/tp_worker.py MODEL_DIR ONE_KV_HEAD_DIR OUT
 
 One job checks it all: starting ranks (torch, transformers and kvnumba imported in each)
 is most of its time.
 """
+import contextlib
+import io
 import json
 import os
 import sys
@@ -39,7 +41,7 @@ def main(model_dir: str, one_kv_head_dir: str, out: str) -> None:
 
     import kvnumba as kv
     from kvnumba import device
-    from kvnumba.hf import Engine
+    from kvnumba.hf import Engine, cli
     from kvnumba.hf.sharding import split_loading
     if device.SIMULATOR:
         sys.setswitchinterval(device.SIMULATOR_SWITCH_INTERVAL)
@@ -80,6 +82,13 @@ def main(model_dir: str, one_kv_head_dir: str, out: str) -> None:
     except kv.RankDivergenceError as exc:
         seen["divergence"] = str(exc)
 
+    # the command line: served on every rank, printed by rank 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        seen["cli status"] = cli.main(["--model", model_dir, "--ignore-eos",
+                                       "--ids", ",".join(map(str, PROMPTS[0])),
+                                       "--max-new-tokens", str(NEW_TOKENS)])
+    seen["cli printed"] = printed.getvalue()
     seen["seconds"] = round(time.perf_counter() - started, 1)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
         json.dump(seen, file)

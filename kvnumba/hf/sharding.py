@@ -12,6 +12,7 @@ only: a head count the ranks cannot share is refused here, before any cache is m
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from ..errors import ConfigError
@@ -35,6 +36,16 @@ class Sharding(NamedTuple):
 
 
 UNSPLIT = Sharding(1, 0, None)
+
+
+def launched_ranks() -> int:
+    """The processes torchrun started for this job (`WORLD_SIZE`; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    """This process's rank in the torchrun job (`RANK`; 0 without torchrun)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def split_loading() -> dict:
