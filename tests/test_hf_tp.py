@@ -1,9 +1,10 @@
 """Tensor-parallel serving (contract §13): a tiny Llama split over two ranks by its
 tensor-parallel plan (torchrun, gloo on the CPU, the CUDA simulator), each rank's engine
-against the whole model's `model.generate()` in this process; the refusals of a kv head
-count the ranks cannot share and of a draft not split as the model is, in every process
-and before any cache is made; the divergence check naming a perturbed rank; the command
-line printing from rank 0 only. One torchrun job (`tp_worker.py`) checks all of it."""
+(continuous batching, forks, a prefix-cache hit, a draft) against the whole model's
+`model.generate()` in this process; the refusals of a kv head count the ranks cannot
+share and of a draft not split as the model is, in every process and before any cache is
+made; the divergence check naming a perturbed rank; the command line printing from rank 0
+only. One torchrun job (`tp_worker.py`) checks all of it."""
 import json
 import os
 import subprocess
@@ -29,6 +30,7 @@ RANKS = 2
 def test_two_ranks_serve_what_one_process_generates(tmp_path):
     model = tiny("llama")                            # 4 query heads, 2 kv heads
     model.save_pretrained(tmp_path / "model")
+    tiny("llama", seed=1).save_pretrained(tmp_path / "draft")
     tiny("llama", num_key_value_heads=1).save_pretrained(tmp_path / "one kv head")
     want = [generated(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
     out = tmp_path / "out"
@@ -38,7 +40,8 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
     started = time.perf_counter()
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", str(RANKS), str(ROOT / "tests" / "tp_worker.py"),
-                          str(tmp_path / "model"), str(tmp_path / "one kv head"), str(out)],
+                          str(tmp_path / "model"), str(tmp_path / "draft"),
+                          str(tmp_path / "one kv head"), str(out)],
                          capture_output=True, text=True, env=env, timeout=600)
     print(job.stdout)
     print(f"{RANKS} ranks: {time.perf_counter() - started:.1f} s")
@@ -48,17 +51,21 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
     for rank, saw in enumerate(seen):
         assert (saw["rank"], saw["ranks"]) == (rank, RANKS)
         # each rank's cache holds its share of the kv heads, and every rank returns the
-        # whole model's greedy tokens (the forks of the second request alike)
+        # whole model's greedy tokens (the forks of the second request alike), its
+        # second prompt's first page from the prefix cache, a draft whose rejected
+        # proposals were rewound on every rank
         assert saw["kv heads per rank"] == 1
         assert saw["served"] == [want[0], [want[1]] * 2]
         assert saw["steps checked"] >= NEW_TOKENS
+        assert saw["cached tokens"] == 8
+        assert saw["drafts"]["proposed"] > saw["drafts"]["accepted"]
         # refused on every rank, before any cache was made (the counter does count:
         # serving made one)
         assert "1 kv head and 4 query heads cannot be split over 2 ranks" in \
             saw["refused"]["kv heads"] and "serve it on 1 rank" in saw["refused"]["kv heads"]
         assert saw["refused"]["draft"].startswith(
             "draft_model: not split (1 rank), the model split over 2 ranks")
-        assert saw["caches made by the refusals"] == 0 and saw["caches made"] == 1
+        assert saw["caches made by the refusals"] == 0 and saw["caches made"] == 2
         assert saw["divergence"].startswith("step 1: rank 1 differs from rank 0 (rank 1 in "
                                             "the model's cache")
         assert saw["cli status"] == 0

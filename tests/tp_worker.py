@@ -3,7 +3,10 @@ ranks by its tensor-parallel plan and served through `kvnumba.hf.Engine`, refusa
 what the ranks cannot serve, the divergence check against a perturbed rank and the
 command line. Each rank writes what it saw to `OUT/rank<r>.json`.
 
-    torchrun --standalone --nproc-per-node 2 tests/tp_worker.py MODEL_DIR ONE_KV_HEAD_DIR OUT
+    torchrun --standalone --nproc-per-node 2 tests/tp_worker.py MODEL DRAFT ONE_KV_HEAD OUT
+
+(directories of the model, of a draft with its vocabulary and shape, of a model with one kv
+head; the directory for the JSON files).
 
 One job checks it all: starting ranks (torch, transformers and kvnumba imported in each)
 is most of its time.
@@ -15,10 +18,11 @@ import os
 import sys
 import time
 
-#: the requests: the first alone for a step, then the second with two forks beside it
-PROMPTS = [[1, 5, 9, 3, 7], [4, 2, 8, 8, 1, 6, 3, 2, 9]]
+#: the requests: the first alone for a step, then the second, whose first page the first
+#: has registered by then (pages of 8), with two forks beside it
+PROMPTS = [[1, 5, 9, 3, 7, 4, 2, 8, 6], [1, 5, 9, 3, 7, 4, 2, 8, 8, 1]]
 NEW_TOKENS = 3
-SIZES = dict(max_seqs=3, capacity=24, max_write=8, dtype="float32")
+SIZES = dict(max_seqs=3, capacity=24, max_write=8, dtype="float32", page_size=8)
 
 
 def counting_caches(kv) -> list:
@@ -33,7 +37,7 @@ def counting_caches(kv) -> list:
     return made
 
 
-def main(model_dir: str, one_kv_head_dir: str, out: str) -> None:
+def main(model_dir: str, draft_dir: str, one_kv_head_dir: str, out: str) -> None:
     started = time.perf_counter()
     os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
     import torch.distributed as dist
@@ -62,8 +66,10 @@ def main(model_dir: str, one_kv_head_dir: str, out: str) -> None:
             refused[case] = str(exc)
     seen["refused"], seen["caches made by the refusals"] = refused, len(made)
 
-    # continuous batching with forks, every step's tables checked across the ranks
-    engine = Engine(model, check_ranks=True, **SIZES)
+    # continuous batching with forks, a prefix-cache hit and a draft the model mostly
+    # rejects (rewinds), every step's tables checked across the ranks
+    draft = load(draft_dir, **split_loading()).eval()
+    engine = Engine(model, draft_model=draft, draft_len=2, check_ranks=True, **SIZES)
     seen["caches made"], seen["kv heads per rank"] = len(made), engine.config.n_kv_heads
     first = engine.submit(PROMPTS[0], max_new_tokens=NEW_TOKENS)
     done = dict(engine.step())
@@ -72,6 +78,8 @@ def main(model_dir: str, one_kv_head_dir: str, out: str) -> None:
         done.update(engine.step())
     seen["served"] = [done[first], done[second]]
     seen["steps checked"] = engine.lockstep.steps
+    seen["cached tokens"] = engine.stats.cached_tokens
+    seen["drafts"] = dict(proposed=engine.proposed, accepted=engine.accepted)
 
     # the divergence check: rank 1's cache changed behind its engine's back
     engine = Engine(model, check_ranks=True, **SIZES)
