@@ -22,8 +22,8 @@ from .config import CacheConfig, LayerSpec, flat, ring
 from .driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
-                     RingFloorError, SessionError, ShapeError, SlotStateError, StepProtocolError,
-                     UnknownSequenceError)
+                     RankDivergenceError, RingFloorError, SessionError, ShapeError,
+                     SlotStateError, StepProtocolError, UnknownSequenceError)
 from .page_accounting import PoolPages
 from .plan import Segment
 from .protocol import BatchControl, StepData
@@ -42,7 +42,7 @@ __all__ = [
     "BatchControl", "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
     "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "IndexCounts",
     "KVCacheError", "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages",
-    "PositionError", "PrefixStats",
+    "PositionError", "PrefixStats", "RankDivergenceError",
     "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "device", "flat",

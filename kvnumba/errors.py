@@ -66,3 +66,9 @@ class SessionError(KVCacheError):
 class FreeSequenceError(UnknownSequenceError, SlotStateError):
     """A free sequence slot named where a live sequence is needed: both unknown and in the
     wrong state."""
+
+
+class RankDivergenceError(KVCacheError):
+    """The ranks serving a model split by its tensor-parallel plan no longer hold the same
+    tables (`kvnumba.hf.Engine(..., check_ranks=True)`): names the step and the ranks that
+    differ from rank 0, and in what."""

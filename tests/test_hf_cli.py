@@ -251,6 +251,24 @@ def test_a_bug_keeps_its_traceback(llama_dir, monkeypatch):
         cli.main(["--model", str(llama_dir), "--ids", "1"])
 
 
+def test_under_torchrun_another_rank_prints_only_its_errors_naming_its_rank(monkeypatch,
+                                                                           capsys):
+    """Rank 1 of a torchrun job: what rank 0 prints (here `--help`) it does not; a user
+    error is still its one line on stderr, naming the rank."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert "usage: python -m kvnumba generate" in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert capsys.readouterr().out == ""
+    assert cli.main(["--n", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines()[-1] == (
+        "python -m kvnumba generate (rank 1): --n applies with --model only; without "
+        "--model the self-check serves its own prompts and models")
+
+
 def test_generate_self_check_reports_each_run_and_fails_on_a_difference(monkeypatch, capsys):
     """The self-check (no `--model`) prints the model's shape, the prompts and each run's
     sequences: greedy continuous batching against `model.generate()`, sampled forks that

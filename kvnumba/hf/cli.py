@@ -11,10 +11,16 @@ reference without kvnumba; exit status 1 on any difference.
 A mistake of the user's (a bad option, a missing directory, a prompt that does not fit,
 a model kvnumba refuses) is one line on stderr and exit status 2; the options and the
 model directory are checked before the model is loaded.
+
+Under torchrun (`torchrun --nproc-per-node N -m kvnumba generate ...`) the model, its
+draft and the self-check's random models are split over the N ranks by their
+tensor-parallel plan and every rank serves its share of the heads in step with rank 0.
+Only rank 0 prints the output; another rank prints only its own errors, its rank named.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from .. import device
 from ..errors import KVCacheError
+from .sharding import launched_rank, launched_ranks, split_loading
 
 PROG = "python -m kvnumba generate"
 #: the options that apply to a model directory only (the self-check fixes its own)
@@ -181,12 +188,12 @@ def has_tokenizer(path: str) -> bool:
     return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
 
 
-def load(loader, path: str, flag: str):
-    """`loader.from_pretrained(path)`, or a `UsageError` naming the directory and what
-    transformers said."""
+def load(loader, path: str, flag: str, **options):
+    """`loader.from_pretrained(path, **options)`, or a `UsageError` naming the directory
+    and what transformers said."""
     from safetensors import SafetensorError
     try:
-        return loader.from_pretrained(path)
+        return loader.from_pretrained(path, **options)
     except (OSError, ValueError, SafetensorError) as exc:   # unreadable, unknown, corrupt
         raise UsageError(f"{flag} {path}: transformers cannot load it: {one_line(exc)}") \
             from exc
@@ -236,8 +243,6 @@ def serve_directory(args) -> int:
     from . import Engine
     from .config import text_config
     from .progress import serve
-    if not sys.stderr.isatty():     # transformers' loading bars would log \r frames
-        transformers.utils.logging.disable_progress_bar()
     config = load(transformers.AutoConfig, args.model, "--model")
     vocab = text_config(config).vocab_size
     tokenizer = None
@@ -254,15 +259,16 @@ def serve_directory(args) -> int:
             raise UsageError(f"--draft {args.draft}: a vocabulary of {draft_vocab} tokens, "
                              f"the model's has {vocab}; a draft model shares the model's "
                              f"vocabulary")
-    model = load(transformers.AutoModelForCausalLM, args.model, "--model").eval()
-    draft = (load(transformers.AutoModelForCausalLM, args.draft, "--draft").eval()
+    split = split_loading() if launched_ranks() > 1 else {}
+    model = load(transformers.AutoModelForCausalLM, args.model, "--model", **split).eval()
+    draft = (load(transformers.AutoModelForCausalLM, args.draft, "--draft", **split).eval()
              if args.draft else None)
     eos, source = eos_ids(args, model, tokenizer)
     engine = Engine(model, max_seqs=len(prompts) * args.n, capacity=args.capacity,
                     dtype=args.dtype, draft_model=draft, draft_len=args.draft_len,
                     prefix_cache=not args.no_prefix_cache)
     print(f"model {args.model}: {config.model_type}, vocab {vocab}; eos "
-          f"{'none' if eos is None else eos} ({source})")
+          f"{'none' if eos is None else eos} ({source}){split_over(engine)}")
     outputs, seconds = serve(engine, prompts, n=args.n, seed=args.seed,
                              max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_p=args.top_p,
@@ -283,6 +289,39 @@ def serve_directory(args) -> int:
     return 0
 
 
+def split_over(engine) -> str:
+    """"; split over N ranks, K of H kv heads each" for an engine of a split model."""
+    if engine.lockstep is None:
+        return ""
+    ranks, heads = engine.lockstep.sharding.ranks, engine.config.n_kv_heads
+    return f"; split over {ranks} ranks, {heads} of {heads * ranks} kv heads each"
+
+
+class NotATerminal:
+    """`stream`, saying it is not a terminal (so no progress bar is drawn on it)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def isatty(self) -> bool:
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+@contextlib.contextmanager
+def printing_on_rank_zero():
+    """Under torchrun, the ranks other than 0 print no output (it would be rank 0's) and
+    no progress bars; their errors still reach stderr."""
+    if launched_rank() == 0:
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
+            contextlib.redirect_stderr(NotATerminal(sys.stderr)):
+        yield
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (transformers' span several)."""
     return " ".join(str(exc).split()) or type(exc).__name__
@@ -290,20 +329,32 @@ def one_line(exc: BaseException) -> str:
 
 def main(argv=None) -> int:
     """`python -m kvnumba generate [options]`: the exit status (0 done, 1 a self-check
-    difference, 2 a user error, printed as one line on stderr)."""
+    difference, 2 a user error, printed as one line on stderr). Under torchrun, only rank
+    0 prints the output."""
+    with printing_on_rank_zero():
+        return _main(argv)
+
+
+def _main(argv) -> int:
     try:
         args = parser().parse_args(argv)
-        missing = [name for name in ("torch", "transformers") if find_spec(name) is None]
+        # under torchrun, transformers needs accelerate to split a model over the ranks
+        needed = ("torch", "transformers") + (("accelerate",) if launched_ranks() > 1 else ())
+        missing = [name for name in needed if find_spec(name) is None]
         if missing:
             raise UsageError(f"needs the hf extra ({' and '.join(missing)} not installed): "
                              f"python -m pip install 'kvnumba[hf]' (in a checkout: python "
                              f"-m pip install -e '.[hf]')")
         check(args)
+        if not sys.stderr.isatty():     # transformers' loading bars would log \r frames
+            import transformers
+            transformers.utils.logging.disable_progress_bar()
         with device.simulator_pace():
             if args.model:
                 return serve_directory(args)
             from .selfcheck import self_check
             return self_check(args)
     except (UsageError, KVCacheError, OSError) as exc:
-        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
+        rank = launched_rank()
+        print(f"{PROG}{f' (rank {rank})' if rank else ''}: {one_line(exc)}", file=sys.stderr)
         return 2

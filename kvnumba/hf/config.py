@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..args import is_int
 from ..config import CacheConfig, flat, ring
 from ..errors import ConfigError
+from .sharding import kv_heads_per_rank, sharding
 
 #: storage dtypes by the model's torch dtype name
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
@@ -74,14 +75,16 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
                  tokens_per_decode: int = 1, **options) -> CacheConfig:
     """The `CacheConfig` that serves `model` (a `transformers` `PreTrainedModel`).
 
-    Layers from `layer_types` / `sliding_window`, `num_key_value_heads`, `head_dim`
-    (else `hidden_size // num_attention_heads`); storage dtype from the model unless
-    given. `max_write` (default `min(capacity, 256)`) and `max_step` (default
+    Layers from `layer_types` / `sliding_window`, `num_key_value_heads` (for a model
+    split over ranks by its tensor-parallel plan, this rank's share of them: `sharding`),
+    `head_dim` (else `hidden_size // num_attention_heads`); storage dtype from the model
+    unless given. `max_write` (default `min(capacity, 256)`) and `max_step` (default
     `max_write + max_seqs * tokens_per_decode`: every sequence's decode beside one
     prompt chunk) as in `CacheConfig`; `options` go to it too (`page_size`,
     `initial_pages`, `max_pages`).
     `ConfigError` for a model whose attention does not go through `transformers`'
-    attention interface or needs what kvnumba does not do.
+    attention interface or needs what kvnumba does not do, or whose heads its ranks
+    cannot share (`kv_heads_per_rank`).
     """
     config = text_config(model.config)
     if not getattr(model, "_supports_attention_backend", False):
@@ -92,14 +95,25 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = kv_heads_per_rank(heads, getattr(config, "num_key_value_heads", None) or heads,
+                                 sharding(model).ranks, model_type=config.model_type)
     # the defaults need ints; anything else goes on to CacheConfig, which names it
     if max_write is None:
         max_write = min(capacity, 256) if is_int(capacity) else capacity
     if max_step is None:
         max_step = (max_write + max_seqs * tokens_per_decode
                     if is_int(max_write) and is_int(max_seqs) else max_write)
-    return CacheConfig(layers=layer_specs(config),
-                       n_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                       head_dim=head_dim, capacity=capacity, max_seqs=max_seqs,
-                       max_write=max_write, max_step=max_step,
+    return CacheConfig(layers=layer_specs(config), n_kv_heads=kv_heads, head_dim=head_dim,
+                       capacity=capacity, max_seqs=max_seqs, max_write=max_write,
+                       max_step=max_step,
                        dtype=storage_dtype(model, dtype), **options)
+
+
+def refuse_dropout(model) -> None:
+    """`ConfigError` for a model in training mode whose attention drops out: kvnumba
+    attends without dropout, so it would compute another model."""
+    dropout = getattr(text_config(model.config), "attention_dropout", 0.0) or 0.0
+    if model.training and dropout:
+        raise ConfigError(f"{model.config.model_type}: the model is in training mode with "
+                          f"attention dropout {dropout}; kvnumba attends without dropout: "
+                          f"put it in eval mode (model.eval())")

@@ -23,10 +23,15 @@ prompt (whole pages, never all of it) in the model's cache and the draft's, and 
 request registers its committed positions, prompt and output, each time a page of them
 is complete, so later requests sharing a prefix, across requests and over time, skip
 computing it. Cached pages are reclaimable: admission counts them as available.
+
+A model split over ranks by its tensor-parallel plan (`from_pretrained(...,
+tp_plan="auto")` under torchrun) is served by an engine on every rank, each rank's caches
+holding its kv heads (`sharding`). Rank 0's engine queues, schedules and samples; every
+step's decisions reach the other ranks' engines through `torch.distributed` collectives
+on the model's process group (`lockstep`), so their caches take the same steps.
 """
 from __future__ import annotations
 
-import itertools
 import secrets
 from collections import deque
 from typing import NamedTuple
@@ -36,9 +41,11 @@ import numpy as np
 from ..args import as_count
 from ..errors import CapacityError, ConfigError
 from .attention import register
-from .config import cache_config, text_config
+from .config import cache_config, refuse_dropout, text_config
+from .lockstep import Lockstep
 from .requests import Request, checked_prompts, checked_request, checked_seed
 from .served import ServedModel
+from .sharding import check_draft, sharding
 
 
 class EngineStats(NamedTuple):
@@ -74,15 +81,28 @@ class Engine:
 
     A model in training mode with attention dropout is refused (`ConfigError`): kvnumba
     attends without dropout; put it in eval mode (`model.eval()`).
+
+    A model split over ranks by its tensor-parallel plan needs an engine on every rank of
+    its group, each made and called the same way (a script torchrun runs on every rank):
+    each rank's caches hold that rank's kv heads (a head count the ranks cannot share is
+    refused, and so is a draft model split otherwise), `kv_bytes` is each rank's budget,
+    and rank 0's engine serves the requests while the others follow its steps (`submit`,
+    `step`: every rank returns what rank 0 returns). `check_ranks`: after each step,
+    compare every rank's tables with rank 0's and raise `RankDivergenceError` on every
+    rank when they differ (a collective per step, for debugging; nothing in one process).
     """
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
                  draft_len: int = 4, kv_bytes: int | None = None, prefix_cache: bool = True,
-                 **cache_options):
-        if not isinstance(prefix_cache, bool):
-            raise ConfigError(f"prefix_cache={prefix_cache!r}: pass True or False")
+                 check_ranks: bool = False, **cache_options):
+        for name, value in (("prefix_cache", prefix_cache), ("check_ranks", check_ranks)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r}: pass True or False")
         self.prefix_cache = prefix_cache
+        split = sharding(model)
+        if draft_model is not None:
+            check_draft(split, sharding(draft_model))
         self.draft_len = as_count(draft_len, "draft_len", 1) if draft_model else 0
         for served in (model, draft_model):
             if served is not None:
@@ -108,9 +128,12 @@ class Engine:
             configs = budgeted(configs, as_count(kv_bytes, "kv_bytes", 1))
         register()
         self.config = configs[0]
-        self.target = ServedModel(model, configs[0])
-        self.draft = ServedModel(draft_model, configs[1]) if draft_model is not None else None
-        self._ids = itertools.count(1)
+        # rank 0 of a split model leads the others' engines; in one process, none
+        self.lockstep = Lockstep(split, check=check_ranks) if split.ranks > 1 else None
+        serve = self.lockstep.serve if self.lockstep else ServedModel
+        self.target = serve(model, configs[0])
+        self.draft = serve(draft_model, configs[1]) if draft_model is not None else None
+        self._last_id = 0        # the last request id drawn
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self.proposed = self.accepted = 0      # draft tokens proposed / accepted so far
@@ -118,8 +141,16 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
     @property
+    def _following(self) -> bool:
+        """Whether this engine follows rank 0's steps (a rank other than 0)."""
+        return self.lockstep is not None and not self.lockstep.leading
+
+    @property
     def busy(self) -> bool:
-        """Whether any request is waiting or running."""
+        """Whether any request is waiting or running (on a rank other than 0: on rank 0,
+        as its last step said, or since a `submit` on this rank)."""
+        if self._following:
+            return self.lockstep.busy
         return bool(self._waiting or self._running)
 
     @property
@@ -146,7 +177,11 @@ class Engine:
         None; `extra_key` (None, bytes or str): what besides the token ids makes the
         request's K/V (a tenant, an adapter, an image digest), part of every prefix-cache
         key it looks up and registers. Every prompt id and option is checked before
-        anything is queued, drawn or seeded (`ConfigError`, `CapacityError`)."""
+        anything is queued, drawn or seeded (`ConfigError`, `CapacityError`).
+
+        On a rank other than 0 of a split model, the request is checked as rank 0 checks
+        it and gets the id rank 0's same call gets (ids are drawn in call order), but it
+        is rank 0's request that is served: this rank only follows its steps."""
         return self._queue(self._checked(prompt, max_new_tokens, temperature, top_p, seed,
                                          eos_token_id, n, extra_key))
 
@@ -197,12 +232,17 @@ class Engine:
         return request
 
     def _queue(self, request: Request) -> int:
-        """Queue a checked request: its id drawn, its generator seeded."""
+        """Queue a checked request: its id drawn, its generator seeded (following rank 0:
+        its id drawn, this engine busy until rank 0 says otherwise)."""
         import torch
+        self._last_id += 1
+        if self._following:
+            self.lockstep.busy = True
+            return self._last_id
         generator = torch.Generator(device=self.target.device)
         generator.manual_seed(request.seed if request.seed is not None else
                               secrets.randbits(63))
-        request.rid, request.generator = next(self._ids), generator
+        request.rid, request.generator = self._last_id, generator
         request.group.append(request)
         self._waiting.append(request)
         return request.rid
@@ -210,7 +250,20 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list:
         """Run one engine step; returns `(request id, tokens)` of the requests that
-        finished in it."""
+        finished in it. On a rank other than 0 of a split model: take part in rank 0's
+        step, and return what it returns."""
+        if self._following:
+            finished, counters = self.lockstep.follow_step(self._last_id)
+            self.proposed, self.accepted, self.prompt_tokens, self.cached_tokens = counters
+            return finished
+        finished = self._step()
+        if self.lockstep:
+            counters = self.proposed, self.accepted, self.prompt_tokens, self.cached_tokens
+            self.lockstep.end_step(finished, self.busy, counters, self._last_id)
+        return finished
+
+    def _step(self) -> list:
+        """One step of the engine that serves the requests."""
         self._admit()
         plan = self._plan()
         self._running = self._running[1:] + self._running[:1]   # a fair turn at the budget
@@ -265,8 +318,8 @@ class Engine:
         """A session of `served`'s table for `request`: from its prompt's longest indexed
         prefix with the prefix cache, else empty."""
         if not self.prefix_cache:
-            return served.table.open()
-        return served.table.open(request.tokens[:request.n_prompt], extra_key=request.extra)
+            return served.open()
+        return served.open(request.tokens[:request.n_prompt], request.extra)
 
     def _register(self, plan) -> None:
         """Offer each stepped request's newly completed pages of committed positions to
@@ -275,10 +328,10 @@ class Engine:
         size = self.config.page_size
         for request in {id(r): r for r, _, _ in plan}.values():
             if request.fed // size > request.offered // size:
-                self.target.table.register(request.sid, request.tokens[:request.fed])
+                self.target.register(request.sid, request.tokens[:request.fed])
                 request.offered = request.fed
             if self.draft and request.dfed // size > request.doffered // size:
-                self.draft.table.register(request.dsid, request.tokens[:request.dfed])
+                self.draft.register(request.dsid, request.tokens[:request.dfed])
                 request.doffered = request.dfed
 
     def _plan(self) -> list:
@@ -381,11 +434,11 @@ class Engine:
             generator.manual_seed(int(torch.randint(2**62, (), generator=request.generator)))
             child = Request(list(request.tokens), request.n_prompt, request.max_new,
                             request.sampling, request.eos, None, rid=request.rid,
-                            generator=generator, sid=self.target.table.clone(request.sid),
+                            generator=generator, sid=self.target.clone(request.sid),
                             fed=request.fed, group=request.group, extra=request.extra,
                             offered=request.offered, doffered=request.doffered)
             if self.draft:
-                child.dsid = self.draft.table.clone(request.dsid)
+                child.dsid = self.draft.clone(request.dsid)
                 child.dfed = request.dfed
             child.tokens.append(int(request.sampling.choose(logits, generator)[0]))
             child.fed = len(child.tokens) - 1
@@ -400,9 +453,9 @@ class Engine:
         finished, reported = [], set()
         for request in [r for r in self._running if r.done]:
             self._running.remove(request)
-            self.target.table.close(request.sid)
+            self.target.close(request.sid)
             if self.draft:
-                self.draft.table.close(request.dsid)
+                self.draft.close(request.dsid)
             group = request.group
             if id(group) not in reported and all(s.done for s in group) and group[0].n == 1:
                 reported.add(id(group))
@@ -416,16 +469,6 @@ def shared_pages(a: list, b: list, page_size: int) -> int:
     n = min(len(a), len(b)) // page_size * page_size
     differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
     return (int(differs[0]) if differs.size else n) // page_size
-
-
-def refuse_dropout(model) -> None:
-    """`ConfigError` for a model in training mode whose attention drops out: kvnumba
-    attends without dropout, so it would compute another model."""
-    dropout = getattr(text_config(model.config), "attention_dropout", 0.0) or 0.0
-    if model.training and dropout:
-        raise ConfigError(f"{model.config.model_type}: the model is in training mode with "
-                          f"attention dropout {dropout}; kvnumba attends without dropout: "
-                          f"put it in eval mode (model.eval())")
 
 
 def budgeted(configs: list, kv_bytes: int) -> list:

@@ -12,16 +12,24 @@ checked against a reference that runs without kvnumba:
   last layer): the output against `model.generate()`, and the acceptance rate strictly
   between 0 and 1, so both the accepted and the rejected draft paths ran.
 
+Under torchrun the engines serve the random models split over the ranks by their
+tensor-parallel plan (each rank saves its copy, built from the same seed, and loads it
+split), and the references run the models whole: the check of the ranks in lockstep.
+
 Exit status 1 on any difference.
 """
 from __future__ import annotations
+
+import os
+import tempfile
 
 import torch
 import transformers
 
 from . import Engine
-from .sampling import Sampling
 from .progress import serve
+from .sampling import Sampling
+from .sharding import launched_ranks, split_loading
 
 #: the random model: small enough for the CUDA simulator, grouped kv heads
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -50,6 +58,18 @@ def without_last_layer(model):
     missing, _ = draft.load_state_dict(model.state_dict(), strict=False)
     assert not missing, missing          # every weight of the draft is the model's
     return draft
+
+
+def split_over_ranks(model):
+    """`model` split over the torchrun job's ranks by its tensor-parallel plan: saved to a
+    temporary directory of this rank and loaded from it split (`split_loading`). Saved
+    by safetensors itself: once a process group is open, `save_pretrained` writes on
+    rank 0 alone."""
+    from safetensors.torch import save_model
+    with tempfile.TemporaryDirectory() as where:
+        model.config.save_pretrained(where)
+        save_model(model, os.path.join(where, "model.safetensors"), metadata={"format": "pt"})
+        return type(model).from_pretrained(where, **split_loading()).eval()
 
 
 def greedy_reference(model, prompt, max_new_tokens: int) -> list:
@@ -108,18 +128,23 @@ def self_check(args) -> int:
     its sequences and its verdict: 0 when every check holds, else 1."""
     model, new = random_model(args.seed), args.max_new_tokens
     draft = without_last_layer(model)
+    served, served_draft = model, draft
+    ranks = launched_ranks()
+    if ranks > 1:
+        served, served_draft = split_over_ranks(model), split_over_ranks(draft)
     config = model.config
     print(f"model: random Llama (seed {args.seed}): {config.num_hidden_layers} layers, "
           f"{config.num_attention_heads} heads, {config.num_key_value_heads} kv heads, "
           f"head_dim {config.head_dim}, vocab {config.vocab_size}; storage "
-          f"{args.dtype or 'float32'}")
+          f"{args.dtype or 'float32'}" + (f"; served split over {ranks} ranks, checked "
+                                          f"against the whole model" if ranks > 1 else ""))
     for i, prompt in enumerate(PROMPTS, 1):
         print(f"prompt {i}: {prompt}")
     max_write = max(MAX_WRITE, args.draft_len + 1)
     capacity = max(max(map(len, PROMPTS)) + new, max_write)
 
     def engine(max_seqs, **extra):
-        return Engine(model, max_seqs=max_seqs, capacity=capacity, max_write=max_write,
+        return Engine(served, max_seqs=max_seqs, capacity=capacity, max_write=max_write,
                       dtype=args.dtype or "float32", **extra)
 
     def verdict(same: bool, reference: str) -> str:
@@ -151,7 +176,7 @@ def self_check(args) -> int:
               "another --seed or more --max-new-tokens")
         failures.append("forks: identical")
 
-    speculative = engine(len(PROMPTS), draft_model=draft, draft_len=args.draft_len)
+    speculative = engine(len(PROMPTS), draft_model=served_draft, draft_len=args.draft_len)
     got, seconds = serve(speculative, PROMPTS, max_new_tokens=new)
     rate = speculative.acceptance_rate
     shown = "no drafts proposed" if rate is None else f"draft acceptance {rate:.0%}"

@@ -1,5 +1,6 @@
 """A `transformers` model with its own kvnumba cache and session table, run one packed
-step at a time through the step driver (`ServedModel`), and what its pools can hold."""
+step at a time through the step driver (`ServedModel`), the verbs that change its
+table, and what its pools can hold."""
 from __future__ import annotations
 
 import contextlib
@@ -41,6 +42,27 @@ class ServedModel:
         """Whether `request`'s sequences fit the pools beside `reserved` pages."""
         return all(r + n <= bound for r, n, (_, bound) in
                    zip(reserved, self.need(request), self.kinds))
+
+    # the verbs that change the table: the engine's every decision about this model's
+    # cache goes through them (and `run`), so rank 0 of a split model can pass them on
+    def open(self, prompt=None, extra: bytes = b"") -> int:
+        """A session for a request: from the longest indexed prefix of `prompt`, or empty
+        when `prompt` is None."""
+        if prompt is None:
+            return self.table.open()
+        return self.table.open(prompt, extra_key=extra)
+
+    def clone(self, sid: int) -> int:
+        """A fork of session `sid` (all its positions)."""
+        return self.table.clone(sid)
+
+    def close(self, sid: int) -> None:
+        """Free session `sid`'s sequence."""
+        self.table.close(sid)
+
+    def register(self, sid: int, tokens: list) -> None:
+        """Offer session `sid`'s completed pages of `tokens` to the prefix index."""
+        self.table.register(sid, tokens)
 
     @contextlib.contextmanager
     def _attention(self):

@@ -1,0 +1,204 @@
+"""Ranks in lockstep: rank 0's step decisions replayed on the other ranks of a model split
+by its tensor-parallel plan (contract §13).
+
+Each rank's cache holds that rank's kv heads, and the model's forward is one computation
+over all the ranks (its projections meet in collectives), so every rank must run the
+model over the same packed steps, in the same order, and its cache must take the same
+verbs. Rank 0 owns the queue, the scheduling and the sampling. Every verb it applies to a
+served model's session table (`LeadingModel`: a request's session opened from its
+prompt, a fork, pages offered to the prefix index, a finished session closed) is
+recorded; before each run of a model, the records and the run's inputs go to the other
+ranks in one `torch.distributed.broadcast_object_list` on the model's process group, and
+they apply them to their own tables and run the model over the same inputs (their
+rewinds come with the inputs, as `SessionTable.pack` makes them). At the end of a step
+rank 0 broadcasts the requests it finished, whether it is still busy and its counters,
+so every rank's `step()` returns what rank 0's does. No transport of kvnumba's own.
+
+The other ranks map rank 0's session ids onto their own: equal while the ranks agree,
+and a rank whose tables were changed behind the engine's back still replays the step,
+so the check below can name it. With `check=True`, after each step every rank digests
+its tables (each sequence slot's state, positions, floor and page tables; the sessions;
+the pools' counts) and the requests it has drawn ids for, the digests are gathered on
+the group (`all_gather_object`) and every rank raises the same `RankDivergenceError`,
+naming the step and the ranks that differ from rank 0, when they do not all agree.
+"""
+from __future__ import annotations
+
+import hashlib
+
+from .. import SlotState
+from ..errors import RankDivergenceError
+from .served import ServedModel
+
+#: what each part of a rank's digest covers, in the digest's order after the requests
+MODEL_NAMES = ("the model's cache", "the draft model's cache")
+
+
+class Lockstep:
+    """This rank's side of the lockstep (module doc) for the served models an engine makes
+    through `serve` (the model's first, then its draft's), over `sharding`'s group."""
+
+    def __init__(self, sharding, *, check: bool):
+        import torch.distributed as dist
+        self.sharding = sharding
+        self.group = sharding.group
+        self.leading = sharding.rank == 0
+        self.check = check
+        self.source = dist.get_global_rank(self.group, 0)     # the group's rank 0, globally
+        self.models: list[ServedModel] = []
+        self._sids: list[dict] = []      # per model: rank 0's session ids -> this rank's
+        self._pending: list = []         # rank 0: the verbs applied since the last broadcast
+        self.steps = 0                   # steps taken, counted from 1
+        # the other ranks: whether rank 0 is busy, as its last step said (or a submit since)
+        self.busy = False
+
+    def serve(self, model, config) -> ServedModel:
+        """The model served on this rank: rank 0's records its verbs for the others."""
+        served = LeadingModel(model, config, self) if self.leading else ServedModel(model,
+                                                                                   config)
+        self.models.append(served)
+        self._sids.append({})
+        return served
+
+    # ------------------------------------------------------------------ rank 0
+    def record(self, served, verb: str, *args) -> None:
+        """Note a verb rank 0 applied to `served`'s table, for the next broadcast."""
+        self._pending.append((self.models.index(served), verb, args))
+
+    def send_run(self, served, inputs, rows) -> None:
+        """Send the verbs recorded so far and a run of `served` over `inputs` (logits at
+        `rows`) to the other ranks, which start it as rank 0 does."""
+        inputs = [(int(sid), int(start), [int(t) for t in tokens])
+                  for sid, start, tokens in inputs]
+        self.record(served, "run", inputs, [int(row) for row in rows])
+        self._broadcast([self._pending])
+        self._pending = []
+
+    def end_step(self, finished: list, busy: bool, counters: tuple, ids: int) -> None:
+        """Send the rest of the step and its end: the requests `finished`, whether rank 0
+        is still `busy`, its `counters`; then check the ranks (`ids`: request ids drawn)."""
+        self._pending.append((None, "end", (finished, busy, counters)))
+        self._broadcast([self._pending])
+        self._pending = []
+        self._after_step(ids)
+
+    # ------------------------------------------------------------------ the other ranks
+    def follow_step(self, ids: int) -> tuple:
+        """Take part in rank 0's next step: apply its verbs and runs as they come, until
+        its end; returns `(finished, counters)` as rank 0 sent them (`ids`: request ids
+        this rank drew, for the check)."""
+        while True:
+            message = [None]
+            self._broadcast(message)
+            for which, verb, args in message[0]:
+                if verb == "end":
+                    finished, self.busy, counters = args
+                    self._after_step(ids)
+                    return finished, counters
+                self._apply(self.models[which], self._sids[which], verb, args)
+
+    @staticmethod
+    def _apply(served, sids: dict, verb: str, args: tuple) -> None:
+        """One of rank 0's verbs on this rank's `served`, its session ids mapped."""
+        if verb == "open":
+            sid, prompt, extra = args
+            sids[sid] = served.open(prompt, extra)
+        elif verb == "clone":
+            source, sid = args
+            sids[sid] = served.clone(sids[source])
+        elif verb == "close":
+            served.close(sids.pop(args[0]))
+        elif verb == "register":
+            sid, tokens = args
+            served.register(sids[sid], tokens)
+        else:
+            inputs, rows = args
+            served.run([(sids[sid], start, tokens) for sid, start, tokens in inputs], rows)
+
+    # ------------------------------------------------------------------ every rank
+    def _broadcast(self, message: list) -> None:
+        import torch.distributed as dist
+        dist.broadcast_object_list(message, src=self.source, group=self.group)
+
+    def _after_step(self, ids: int) -> None:
+        self.steps += 1
+        if self.check:
+            self._compare(ids)
+
+    def _compare(self, ids: int) -> None:
+        """`RankDivergenceError` on every rank unless every rank's digest is rank 0's."""
+        import torch.distributed as dist
+        mine = (str(ids),) + tuple(tables_digest(served) for served in self.models)
+        every = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(every, mine, group=self.group)
+        parts = ("the requests submitted",) + MODEL_NAMES
+        differ = {rank: [part for part, a, b in zip(parts, theirs, every[0]) if a != b]
+                  for rank, theirs in enumerate(every) if theirs != every[0]}
+        if differ:
+            which = "; ".join(f"rank {rank} in {' and '.join(what)}"
+                              for rank, what in differ.items())
+            raise RankDivergenceError(
+                f"step {self.steps}: {_ranks(differ)} from rank 0 "
+                f"({which}: sequence states, positions, page tables, sessions, pool counts); "
+                f"every rank must make the same Engine calls, and nothing else may change an "
+                f"engine's caches")
+
+
+def _ranks(differ: dict) -> str:
+    """"rank 1 differs", "ranks 1, 3 differ"."""
+    if len(differ) == 1:
+        return f"rank {next(iter(differ))} differs"
+    return f"ranks {', '.join(map(str, differ))} differ"
+
+
+class LeadingModel(ServedModel):
+    """A served model on rank 0 (module doc): each verb that changes its table is applied,
+    then recorded for the other ranks; each run is sent to them before it starts, since
+    every rank enters the model's forward together."""
+
+    def __init__(self, model, config, lockstep: Lockstep):
+        super().__init__(model, config)
+        self.lockstep = lockstep
+
+    def open(self, prompt=None, extra: bytes = b"") -> int:
+        sid = super().open(prompt, extra)
+        self.lockstep.record(self, "open", int(sid), prompt, extra)
+        return sid
+
+    def clone(self, sid: int) -> int:
+        fork = super().clone(sid)
+        self.lockstep.record(self, "clone", int(sid), int(fork))
+        return fork
+
+    def close(self, sid: int) -> None:
+        super().close(sid)
+        self.lockstep.record(self, "close", int(sid))
+
+    def register(self, sid: int, tokens: list) -> None:
+        super().register(sid, tokens)
+        self.lockstep.record(self, "register", int(sid), list(tokens))
+
+    def run(self, inputs, rows):
+        self.lockstep.send_run(self, inputs, rows)
+        return super().run(inputs, rows)
+
+
+def tables_digest(served) -> str:
+    """A digest of `served`'s cache and session tables: every sequence slot's state,
+    position, high-water and floor and, for a live one, its page table on each layer
+    kind; the sessions with their sequences and positions; each pool's counts and the
+    prefix index's."""
+    cache, table = served.cache, served.table
+    digest = hashlib.blake2b(digest_size=16)
+    kinds = [pool.layers[0] for pool in cache.pool_pages()]
+    for seq in range(cache.max_seqs):
+        state = cache.state(seq)
+        digest.update(repr((seq, int(state), cache.pos(seq), cache.high_water(seq),
+                            cache.floor(seq))).encode())
+        if state != SlotState.FREE:
+            for layer in kinds:
+                digest.update(cache.page_table(seq, layer).tobytes())
+    digest.update(repr([(int(sid), table.seq(sid), table.pos(sid))
+                        for sid in table.sessions]).encode())
+    digest.update(repr((cache.pool_pages(), tuple(cache.prefix_counts))).encode())
+    return digest.hexdigest()
