@@ -135,6 +135,12 @@ def _prefill_signature(t: str, q: str | None = None) -> str:
             f"float32, float32)")
 
 
+def _narrow_signature(t: str) -> str:
+    """The write of `t` input into e4m3 storage (uint8 bits)."""
+    return (f"void(uint8[:, :, ::1], uint8[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], "
+            f"int32[::1], int64, int64, int32[:, ::1], int64, float32, float32)")
+
+
 _DECODE = "kvnumba.kernels.decode_kernel:decode_kernel"
 _PREFILL = "kvnumba.kernels.prefill_kernel:prefill_kernel"
 #: what --report and --check build: the kernels docs/benchmarks.md reports, at the
@@ -144,6 +150,14 @@ SPECIALISATIONS = (
     Specialisation("write", "kvnumba.kernels.write:_write_vectors",
                    "void(float16[:, :, ::1], float16[:, :, ::1], float16[:, :, ::1], "
                    "float16[:, :, ::1], int32[::1], int64, int64, int32[:, ::1], int64)"),
+    # into 8-bit float storage: float16 input at scale 1 (narrowed in float16 pairs), and
+    # bfloat16 input scaled (widened to float32)
+    Specialisation("write float8_e4m3 from float16",
+                   "kvnumba.kernels.write_fp8:narrow_kernel('float16', 'e4m3', False)",
+                   _narrow_signature("float16")),
+    Specialisation("write float8_e4m3 from bfloat16 scaled",
+                   "kvnumba.kernels.write_fp8:narrow_kernel('uint16', 'e4m3', True)",
+                   _narrow_signature("uint16")),
     Specialisation("copy", "kvnumba.kernels.copy:_copy_vectors",
                    "void(float16[:, :, :, :, :, ::1], int32[::1], int64, int64)"),
     Specialisation("decode d128 float16", f"{_DECODE}(128, 'float16', 4, False)",

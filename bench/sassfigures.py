@@ -61,6 +61,7 @@ KINDS = {
     "kvnumba.kernels.combine:_combine_kernel": sassattention.combine_figures,
     "kvnumba.kernels.write:_write_vectors": sassmove.write_figures,
     "kvnumba.kernels.copy:_copy_vectors": sassmove.copy_figures,
+    "kvnumba.kernels.write_fp8:narrow_kernel": sassmove.narrow_figures,
 }
 
 

@@ -65,6 +65,36 @@ def write_figures(flow: Flow, arguments: dict) -> Figures:
     return Figures(values, notes)
 
 
+def narrow_figures(flow: Flow, arguments: dict) -> Figures:
+    """Instructions per 16-byte vector read of the write into 8-bit float storage
+    (`write_fp8`), for token rows of each size in ROWS read as 16-bit input: a lane
+    narrows one stored vector of K and one of V a trip (the loop's loads: 2 of 16 bytes
+    each per stored vector), so a run of `R` input vectors per row is `R / 2` stored
+    ones over `lanes` lanes as the host launches them (`write_fp8.lanes_for`), `T` of
+    each a lane and trip; the formula of the module doc with `2 R` the input vectors of
+    K and V."""
+    from kvnumba.kernels import write_fp8
+
+    loop = main_loop(flow, is_wide_load, "the 16-byte loads (LDG.E.128)")
+    body, loads = len(loop.instructions), loop.count(is_wide_load)
+    span = flow.through(loop)
+    values, notes = {}, []
+    for name, row_bytes in ROWS:
+        read = row_bytes // VECTOR_BYTES                   # input vectors of a row
+        stored = row_bytes // 2 // write_fp8.VALUES        # its stored vectors
+        source = arguments["source"]
+        lanes, _ = write_fp8.lanes_for(stored, source)
+        trips = math.ceil(stored / (lanes * write_fp8.trip_vectors(source)))
+        for which, path in (("flat", span.shortest), ("ring", span.longest)):
+            values[f"instructions_per_vector_{name}_{which}"] = \
+                lanes * (path + body * trips) / (2 * read)
+        notes.append(f"rows of {read} input vectors of K and as many of V ({stored} stored): "
+                     f"{lanes} lanes, {trips} trip(s) of B = {body} instructions ({loads} "
+                     f"LDG.E.128) each, P = {span.shortest} to {span.longest} on the way")
+    notes += [*other_loops(flow, [loop], is_wide_load, "LDG.E.128"), *fallback_note(flow)]
+    return Figures(values, notes)
+
+
 def copy_figures(flow: Flow, arguments: dict) -> Figures:
     """Instructions per vector of a whole page's run of K and V rows, pages of the
     default page size holding token rows of each size in ROWS (P the longest path)."""

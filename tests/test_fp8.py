@@ -23,10 +23,14 @@ H, HQ, D = 2, 4, 16
 
 def quantised(x, dtype, scale=1.0):
     """`scale * stored` in float64 for float32 inputs `x` written with `scale`: times the
-    float32 reciprocal, clipped to the format's range, rounded to nearest even."""
-    scaled = np.asarray(x, np.float32) * np.float32(1 / np.float32(scale))
+    float32 reciprocal, clipped to the format's range, rounded to nearest even; NaN where
+    `x` is not finite (the contract's rule: a non-finite input stays non-finite)."""
+    x = np.asarray(x, np.float32)
+    with np.errstate(over="ignore"):
+        scaled = x * np.float32(1 / np.float32(scale))
     largest = LARGEST[dtype]
     stored = np.clip(scaled, -largest, largest).astype(FORMATS[dtype])
+    stored[~np.isfinite(x)] = np.nan
     return stored.astype(np.float64) * np.float32(scale)
 
 
@@ -316,3 +320,57 @@ def test_tensor_core_prefill_over_fp8_equals_16_bit_storage_of_the_same_values(d
             np.testing.assert_array_equal(outs[dtype, layer].view(np.uint16),
                                           outs[twin, layer].view(np.uint16))
             assert np.isfinite(outs[dtype, layer].astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_vector_and_element_writes_store_the_reference_bits(dtype, monkeypatch):
+    """Each input kind takes its write: float16 at scale 1 (narrowed in float16 pairs),
+    bfloat16 and float32 scaled (through float32) as 16-byte vectors, a strided view
+    element by element; every one stores ml_dtypes' bits of the clipped, scaled input,
+    non-finite values as NaN, on a flat and a wrapped ring layer."""
+    from kvnumba.kernels import write_fp8
+
+    layers = [kv.flat(), kv.ring(window=2)]
+    cache = _cache(dtype, layers, k_scale=[1.0, 0.25], v_scale=[1.0, 3.0], max_seqs=1,
+                   max_write=4, max_step=4)
+    built = []
+    real = write_fp8.narrow_kernel
+    monkeypatch.setattr(write_fp8, "narrow_kernel",
+                        lambda *args: built.append(args[0::2]) or real(*args))
+    s = cache.seq_new()
+    rng = np.random.default_rng(4)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    want = {}
+    for step, kind in enumerate(["float16", "bfloat16", "float32", "strided", "float16"]):
+        k = (rng.standard_normal((2, 4, H, 2 * D)) * 200).astype(np.float32)
+        v = (rng.standard_normal((2, 4, H, 2 * D)) * 200).astype(np.float32)
+        k[0, 0, 0, :3] = [np.inf, -np.inf, np.nan]
+        cast = {"float16": np.float16, "bfloat16": bf16, "float32": np.float32,
+                "strided": np.float32}[kind]
+        k, v = k.astype(cast), v.astype(cast)
+        if kind == "strided":
+            k, v = k[..., ::2], v[..., ::2]
+        else:
+            k, v = np.ascontiguousarray(k[..., :D]), np.ascontiguousarray(v[..., :D])
+        cache.declare_step([s] * 4)
+        cache.prepare_step()
+        for layer in range(2):
+            cache.write(layer, k[layer], v[layer])
+            for i in range(4):
+                config = cache.config
+                want[layer, 4 * step + i] = (
+                    quantised(k[layer, i].astype(np.float32), dtype, config.k_scale[layer]),
+                    quantised(v[layer, i].astype(np.float32), dtype, config.v_scale[layer]))
+        cache.commit_step()
+    # (input, scaled) of each vector write bound: layer 0 has scales 1, layer 1 not
+    assert sorted(set(built)) == [(source, scaled) for source in ("float16", "float32", "uint16")
+                                  for scaled in (False, True)]
+    for layer in range(2):
+        positions, ks, vs = cache.sequence_kv(s, layer)
+        assert len(positions) == (20 if layer == 0 else 5)
+        for p, kr, vr in zip(positions, ks, vs):
+            want_k, want_v = want[layer, int(p)]
+            got_k = kr.astype(np.float64) * cache.config.k_scale[layer]
+            got_v = vr.astype(np.float64) * cache.config.v_scale[layer]
+            np.testing.assert_array_equal(got_k, want_k)   # NaN where the input was not finite
+            np.testing.assert_array_equal(got_v, want_v)

@@ -189,7 +189,7 @@ def test_a_longer_write_fails_every_per_vector_budget(figures_of):
     def slot_in_64_bits(pages, seq, position, ring, shift, in_page):
         return masks.page_slot(pages, seq, masks.storage_row(position, ring), shift)
 
-    values = figures_of(clone(write._write_vectors.py_func, _slot=slot_in_64_bits), None,
+    values = figures_of(clone(write._write_vectors.py_func, token_slot=slot_in_64_bits), None,
                         "write")
     assert set(exceeded("write", values)) == {
         f"instructions_per_vector_{row}_{layer}" for row in ("2kb", "256b")

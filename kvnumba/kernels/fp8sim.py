@@ -101,18 +101,42 @@ def e5m2x4_to_f16x4(u):
     return _f16x4(u, "e5m2")
 
 
-def _narrow_word(values, fmt):
+def stored(value, inv_scale, fmt: str) -> int:
+    """The `fmt` bits K/V storage holds for `value`: `value * 0 + value` (NaN when not
+    finite, the value otherwise, -0 too) times `inv_scale`, in float32, then `narrow`."""
+    x = np.float32(value)
+    with np.errstate(invalid="ignore", over="ignore"):
+        x = (x * np.float32(0) + x) * np.float32(inv_scale)
+    return narrow(x, fmt)
+
+
+def _narrow_word(values, inv_scale, fmt):
     word = 0
     for i, value in enumerate(values):
-        word |= narrow(value, fmt) << (8 * i)
+        word |= stored(value, inv_scale, fmt) << (8 * i)
     return np.uint32(word)
 
 
-def f32x4_to_e4m3x4(a, b, c, d):
-    """uint32 of four e4m3 bytes, `a` lowest: each rounded, saturated (`narrow`)."""
-    return _narrow_word((a, b, c, d), "e4m3")
+def f32x4_to_e4m3x4(a, b, c, d, inv_scale):
+    """uint32 of four e4m3 bytes, `a` lowest, as storage holds them (`stored`)."""
+    return _narrow_word((a, b, c, d), inv_scale, "e4m3")
 
 
-def f32x4_to_e5m2x4(a, b, c, d):
-    """uint32 of four e5m2 bytes, `a` lowest: each rounded, saturated (`narrow`)."""
-    return _narrow_word((a, b, c, d), "e5m2")
+def f32x4_to_e5m2x4(a, b, c, d, inv_scale):
+    """uint32 of four e5m2 bytes, `a` lowest, as storage holds them (`stored`)."""
+    return _narrow_word((a, b, c, d), inv_scale, "e5m2")
+
+
+def _f16_word(lo, hi, fmt):
+    halves = np.array([int(lo) & 0xFFFFFFFF, int(hi) & 0xFFFFFFFF], np.uint32).view(np.float16)
+    return _narrow_word(halves.astype(np.float32), 1.0, fmt)
+
+
+def f16x4_to_e4m3x4(lo, hi):
+    """uint32 of four e4m3 bytes from two float16 pairs (`lo`'s low half lowest), scale 1."""
+    return _f16_word(lo, hi, "e4m3")
+
+
+def f16x4_to_e5m2x4(lo, hi):
+    """uint32 of four e5m2 bytes from two float16 pairs (`lo`'s low half lowest), scale 1."""
+    return _f16_word(lo, hi, "e5m2")

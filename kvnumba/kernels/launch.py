@@ -177,3 +177,11 @@ def aligned(array, alignment: int) -> bool:
 
 
 Specialised = SimulatedKernel if SIMULATOR else LeanKernel
+
+
+def run_block(items: int) -> tuple[int, int]:
+    """`(lanes, rows)`: a block of `STRIDE_THREADS` threads for runs of `items` items,
+    `lanes` (a power of two, at least `items` up to `STRIDE_THREADS`) along a run and
+    `rows` runs side by side."""
+    lanes = min(STRIDE_THREADS, 1 << max(0, items - 1).bit_length())
+    return lanes, STRIDE_THREADS // lanes

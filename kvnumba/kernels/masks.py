@@ -113,3 +113,23 @@ def store_row(row0, c, ring_rows):
         while row >= ring_rows:
             row -= ring_rows
     return row
+
+
+@cuda.jit(device=True)
+def seq_and_position(tables, width, token):
+    """`(sequence, position)` of `token` in the write tables. The indices are uint32 (Numba
+    adds no negative-index fix-up to an unsigned index): `token < width <= max_step`."""
+    return tables[uint32(token)], tables[uint32(uint32(width) + uint32(token))]
+
+
+@cuda.jit(device=True, inline="always")
+def token_slot(pages, seq, position, ring, shift, in_page):
+    """`page_slot(pages, seq, storage_row(position, ring), shift)` in 32-bit
+    arithmetic: `ring` (uint32, 0 on a flat layer) and `shift`, `in_page` (page_bits and
+    page_size - 1, uint32) are the launch's; the table has at most INT32_MAX entries
+    (`CacheConfig`), so a flat index into it is 32-bit."""
+    row = uint32(position)
+    if ring != 0:
+        row = uint32(row % ring)
+    entry = uint32(uint32(uint32(seq) * uint32(pages.shape[1])) + uint32(row >> shift))
+    return int32(pages.flat[entry] | int32(row & in_page))

@@ -280,7 +280,7 @@ def from_f32(typingctx, value, array):
 @intrinsic
 def to_storage(typingctx, value, inv_scale, array):
     """`to_storage(value, inv_scale, array)`: `value` as K/V storage of `array` holds it.
-    8-bit floats (uint8 / int8 arrays): `value - (value - value)` (NaN for +-inf and NaN,
+    8-bit floats (uint8 / int8 arrays): `value * 0 + value` (NaN for +-inf and NaN,
     `value` itself otherwise, -0 included) times `inv_scale`, then `from_f32`: a
     non-finite input stays non-finite (NaN: e4m3 has no infinity, and a saturating
     conversion would make e5m2's finite), a finite one never becomes NaN (past the
@@ -293,8 +293,9 @@ def to_storage(typingctx, value, inv_scale, array):
     def codegen(context, builder, sig, args):
         f32, inv = cast(context, builder, args[:2], sig.args[:2], types.float32)
         if dtype in FP8_ELEMENTS:
-            # no fast-math flags: LLVM keeps `value - value` (NaN for a non-finite value)
-            kept = builder.fsub(f32, builder.fsub(f32, f32))
+            # `value * 0 + value` in one fma: NaN for a non-finite value, the value
+            # otherwise (-0 too); no fast-math flags, so LLVM keeps it
+            kept = builder.fma(f32, ir.Constant(F32, 0.0), f32)
             f32 = builder.fmul(kept, inv)
         return _from_f32(context, builder, f32, dtype)
 

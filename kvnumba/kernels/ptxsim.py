@@ -16,7 +16,7 @@ import struct
 import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
 
-from .fp8sim import narrow, widen
+from .fp8sim import narrow, stored, widen
 from .simwarp import WarpError, exchange
 
 _WORD = struct.Struct("<I")
@@ -161,12 +161,11 @@ def from_f32(value, array):
 
 
 def to_storage(value, inv_scale, array):
-    """`value` as K/V storage of `array`: for 8-bit floats `value - (value - value)` (NaN
-    when not finite) times `inv_scale`, then `from_f32`; otherwise `from_f32`."""
-    if _unwrap(array).dtype in _FP8:
-        value = np.float32(value)
-        with np.errstate(invalid="ignore", over="ignore"):
-            value = (value - (value - value)) * np.float32(inv_scale)
+    """`value` as K/V storage of `array`: for 8-bit floats `fp8sim.stored` (NaN when not
+    finite, scaled, narrowed); otherwise `from_f32`."""
+    dtype = _unwrap(array).dtype
+    if dtype in _FP8:
+        return np.array(stored(value, inv_scale, _FP8[dtype]), np.uint8).view(dtype)[()]
     return from_f32(value, array)
 
 

@@ -36,30 +36,24 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import cuda
-from . import ptx
-from .launch import (MAX_BLOCKS, PER_CALL, STRIDE_THREADS, VECTOR_BYTES, Specialised, aligned,
-                     ceil_div)
-from .masks import divmod32, page_slot, step_on, storage_row
+from . import ptx, write_fp8
+from .launch import (MAX_BLOCKS, PER_CALL, VECTOR_BYTES, Specialised, aligned, ceil_div,
+                     run_block)
+from .masks import divmod32, page_slot, seq_and_position, step_on, storage_row, token_slot
 
-from numba import int32, uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
+from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
 #: 16-byte vectors of each of two runs (K and V) a lane moves per trip of the wide
 #: loops: all loads of a trip go out before its stores, and a token's (or a page
 #: pair's) lookups are shared by 2 * TRIP_VECTORS vectors a lane
 TRIP_VECTORS = 4
+#: 8-bit float storage dtypes (their bits) -> formats
+FP8_FORMATS = {"uint8": "e4m3", "int8": "e5m2"}
 #: the reciprocal scale of storage that is not 8-bit floats
 ONE = np.float32(1.0)
 #: a run longer than this many bytes takes the element-wise path (vector offsets in a
 #: run are 32-bit)
 WIDE_RUN_BYTES = 2**32 - VECTOR_BYTES
-
-
-def run_block(items: int) -> tuple[int, int]:
-    """`(lanes, rows)`: a block of `STRIDE_THREADS` threads for runs of `items` items,
-    `lanes` (a power of two, at least `items` up to `STRIDE_THREADS`) along a run and
-    `rows` runs side by side."""
-    lanes = min(STRIDE_THREADS, 1 << max(0, items - 1).bit_length())
-    return lanes, STRIDE_THREADS // lanes
 
 
 def vector_lanes(vectors: int) -> tuple[int, int]:
@@ -71,26 +65,6 @@ def vector_lanes(vectors: int) -> tuple[int, int]:
 def run_grid(runs: int, rows: int) -> int:
     """Blocks of `rows` runs each for a grid-stride loop over `runs` runs."""
     return min(MAX_BLOCKS, ceil_div(runs, rows))
-
-
-@cuda.jit(device=True)
-def _seq_and_position(tables, width, token):
-    """`(sequence, position)` of `token` in the write tables. The indices are uint32 (Numba
-    adds no negative-index fix-up to an unsigned index): `token < width <= max_step`."""
-    return tables[uint32(token)], tables[uint32(uint32(width) + uint32(token))]
-
-
-@cuda.jit(device=True, inline="always")
-def _slot(pages, seq, position, ring, shift, in_page):
-    """`masks.page_slot(pages, seq, masks.storage_row(position, ring), shift)` in 32-bit
-    arithmetic: `ring` (uint32, 0 on a flat layer) and `shift`, `in_page` (page_bits and
-    page_size - 1, uint32) are the launch's; the table has at most INT32_MAX entries
-    (`CacheConfig`), so a flat index into it is 32-bit."""
-    row = uint32(position)
-    if ring != 0:
-        row = uint32(row % ring)
-    entry = uint32(uint32(uint32(seq) * uint32(pages.shape[1])) + uint32(row >> shift))
-    return int32(pages.flat[entry] | int32(row & in_page))
 
 
 @cuda.jit(device=True, inline="always")
@@ -141,9 +115,9 @@ def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows, pages, page
     token = uint32(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y)
     stride = uint32(cuda.gridDim.x * cuda.blockDim.y)
     while token < uint32(width):
-        seq, position = _seq_and_position(tables, width, token)
+        seq, position = seq_and_position(tables, width, token)
         if seq >= 0:
-            slot = _slot(pages, seq, position, ring, shift, in_page)
+            slot = token_slot(pages, seq, position, ring, shift, in_page)
             start = ptx.mul_wide_u32(token, run)                 # in elements
             at = ptx.mul_wide_u32(slot, run)
             move_vectors(ptx.bytes_from(k_store, at), ptx.bytes_from(v_store, at),
@@ -163,7 +137,7 @@ def _write_elements(k_store, v_store, k, v, tables, width, ring_rows, pages, pag
     skip_heads, skip_dims = divmod32(cuda.blockDim.x, head_dim)
     token = cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y
     while token < width:
-        seq, position = _seq_and_position(tables, width, token)
+        seq, position = seq_and_position(tables, width, token)
         if seq >= 0:
             slot = uint32(page_slot(pages, seq, storage_row(position, ring_rows), page_bits))
             head, dim = first_head, first_dim
@@ -205,18 +179,27 @@ class WriteRun:
     or elements) the launch shape worked out once, so a call (`run(k_store, v_store, k,
     v, ring_rows, pages, k_inv, v_inv)`, once per layer, `pages` its layer kind's page
     table, `k_inv` / `v_inv` the float32 reciprocals of its fp8 scales, 1.0 for other
-    dtypes) only tells its inputs' layout (`vectors_fit`) and packs its arrays."""
+    dtypes) only tells its inputs' layout (`vectors_fit`) and packs its arrays.
+
+    8-bit float storage takes its own vector write (`write_fp8`), from float16, bfloat16
+    or float32 inputs of one dtype, C-contiguous, 16-byte aligned, whole vectors of 16
+    stored values a token."""
 
     def __init__(self, tables, width: int, run: int, dtype, page_bits: int, stream):
         self.tables, self.width, self.run, self.dtype = tables, width, run, dtype
         self.page_bits, self.stream = page_bits, stream
         self._any = width * run > 0
-        self._whole = whole_vectors(run, dtype)
-        self._launches = {}      # the bound launch by layout: True for vectors
+        self._fp8 = FP8_FORMATS.get(dtype.name)
+        self._whole = (run % write_fp8.VALUES == 0 and 4 * run <= WIDE_RUN_BYTES
+                       if self._fp8 else whole_vectors(run, dtype))
+        self._launches = {}      # the bound launch by layout (and, for fp8, input and scale)
 
     def __call__(self, k_store, v_store, k, v, ring_rows: int, pages, k_inv=ONE,
                  v_inv=ONE) -> None:
         if not self._any:
+            return
+        if self._fp8:
+            self._narrow(k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)
             return
         dtype = self.dtype
         vectors = (self._whole and k.dtype == dtype and v.dtype == dtype       # `vectors_fit`
@@ -229,6 +212,28 @@ class WriteRun:
             launch(k_store, v_store, k, v, ring_rows, pages)
         else:
             launch(k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)
+
+    def _narrow(self, k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv) -> None:
+        """A write into 8-bit float storage: 16-byte vectors where the inputs allow
+        (`write_fp8`), else elements."""
+        source = k.dtype.name
+        vectors = (self._whole and v.dtype == k.dtype and source in write_fp8.INPUTS
+                   and k.is_c_contiguous() and v.is_c_contiguous()
+                   and aligned(k, VECTOR_BYTES) and aligned(v, VECTOR_BYTES))
+        key = (source, bool(k_inv != 1 or v_inv != 1)) if vectors else False
+        launch = self._launches.get(key)
+        if launch is None:
+            if vectors:
+                lanes, rows = write_fp8.lanes_for(self.run // write_fp8.VALUES, source)
+                kernel = write_fp8.narrow_kernel(source, self._fp8, key[1])
+                launch = kernel.bind(run_grid(self.width, rows), (lanes, rows), self.stream,
+                                     PER_CALL, PER_CALL, PER_CALL, PER_CALL, self.tables,
+                                     self.width, PER_CALL, PER_CALL, self.page_bits, PER_CALL,
+                                     PER_CALL)
+            else:
+                launch = self._bind(False)
+            self._launches[key] = launch
+        launch(k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)
 
     def _bind(self, vectors: bool):
         if vectors:
