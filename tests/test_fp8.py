@@ -374,3 +374,35 @@ def test_vector_and_element_writes_store_the_reference_bits(dtype, monkeypatch):
             got_v = vr.astype(np.float64) * cache.config.v_scale[layer]
             np.testing.assert_array_equal(got_k, want_k)   # NaN where the input was not finite
             np.testing.assert_array_equal(got_v, want_v)
+
+
+def test_pytorch_tensors_in_the_models_dtype_over_fp8_storage():
+    """q, k, v as PyTorch bfloat16 tensors (a model's own) into e4m3 storage: the output
+    is a bfloat16 tensor, bit for bit what NumPy inputs of the same values give, on the
+    tensor-core prefill and the decode path."""
+    import torch
+
+    rng = np.random.default_rng(5)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    steps = [tuple(rng.standard_normal((n, heads, D)).astype(bf16) for heads in (HQ, H, H))
+             for n in (6, 1)]
+    outs = {}
+    for kind in ("numpy", "torch"):
+        cache = _cache("float8_e4m3", [kv.flat()], 0.5, 2.0, max_seqs=1)
+        s = cache.seq_new()
+        outs[kind] = []
+        for q, k, v in steps:
+            if kind == "torch":
+                q, k, v = (torch.from_numpy(x.view(np.int16)).view(torch.bfloat16)
+                           for x in (q, k, v))
+            cache.declare_step([s] * len(q))
+            cache.prepare_step()
+            out = cache.update_and_attend(0, q, k, v)
+            cache.commit_step()
+            if kind == "torch":
+                assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+                out = out.view(torch.int16).numpy().view(bf16)
+            outs[kind].append(out)
+    for a, b in zip(outs["numpy"], outs["torch"]):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+        assert np.isfinite(a.astype(np.float32)).all()

@@ -17,7 +17,10 @@ from kvnumba import reference
 
 H, HQ, D = 1, 2, 16
 HISTORY = 6
-UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+#: the unit roundoff of the mma type: the storage's 16-bit type, or for 8-bit float
+#: storage (widened exactly) the query's, float16 for these float32 queries
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float8_e4m3": 2.0 ** -11,
+                 "float8_e5m2": 2.0 ** -11}
 FLOAT32_SLACK = 1e-5
 
 
@@ -51,7 +54,7 @@ def through_both_paths(dtype):
         values.astype(np.float64)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", list(UNIT_ROUNDOFF))
 def test_decode_and_tensor_core_prefill_differ_by_at_most_the_stated_bound(dtype):
     decode, prefill, q, keys, values = through_both_paths(dtype)
     positions = np.arange(HISTORY, HISTORY + 4)
