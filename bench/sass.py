@@ -168,14 +168,15 @@ SPECIALISATIONS = (
                    _decode_signature("float16")),
     Specialisation("decode d128 bfloat16", f"{_DECODE}(128, 'uint16', 4, False)",
                    _decode_signature("uint16")),
-    # 8-bit float storage (e4m3 bits as uint8, e5m2 as int8) under float16 queries: at
-    # d128 its key rows take 8 lanes, and the registers hold 2 rows a block
+    # 8-bit float storage (e4m3 bits as uint8, e5m2 as int8) under float16 queries: 8-byte
+    # loads, so a d128 key row takes 16 lanes and a block 4 rows, as 16-bit storage
+    Specialisation("decode d128 float8_e4m3", f"{_DECODE}(128, 'uint8', 4, False, 'float16')",
+                   _decode_signature("uint8", "float16")),
+    Specialisation("decode d128 float8_e5m2", f"{_DECODE}(128, 'int8', 4, False, 'float16')",
+                   _decode_signature("int8", "float16")),
     Specialisation("decode d128 float8_e4m3 2 rows",
                    f"{_DECODE}(128, 'uint8', 2, False, 'float16')",
                    _decode_signature("uint8", "float16")),
-    Specialisation("decode d128 float8_e5m2 2 rows",
-                   f"{_DECODE}(128, 'int8', 2, False, 'float16')",
-                   _decode_signature("int8", "float16")),
     Specialisation("decode d128 float8_e4m3 1 row",
                    f"{_DECODE}(128, 'uint8', 1, False, 'float16')",
                    _decode_signature("uint8", "float16")),

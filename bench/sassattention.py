@@ -46,9 +46,16 @@ def decode_figures(flow: Flow, arguments: dict) -> Figures:
     from kvnumba.kernels import decode_shape
 
     itemsize = np.dtype(arguments["storage"]).itemsize
-    keys_per_trip = decode_shape.WARPS * decode_shape.UNROLL * \
-        decode_shape.Geometry.of(arguments["head_dim"], itemsize).key_slots
-    loop = main_loop(flow, is_wide_load, "the K/V loads (LDG.E.128)")
+    geometry = decode_shape.Geometry.of(arguments["head_dim"], itemsize)
+    keys_per_trip = decode_shape.WARPS * decode_shape.UNROLL * geometry.key_slots
+    # K/V loads of 16 bytes (LDG.E.128), or of 8 for 8-bit floats (LDG.E.64)
+    width = f".{8 * geometry.load}"
+    loads = f"LDG.E{width}"
+
+    def is_kv_load(ins):
+        return ins.base == "LDG" and width in ins.opcode
+
+    loop = main_loop(flow, is_kv_load, f"the K/V loads ({loads})")
     hot = flow.hot_path(loop).shortest
     rare = len(loop.instructions) - hot
     fixed = len(flow.executed) - len(loop.instructions)
@@ -58,11 +65,11 @@ def decode_figures(flow: Flow, arguments: dict) -> Figures:
     keys = sum(lengths)
     notes = [f"main loop at {loop.header:#x}: B = {hot} instructions on the hot path of a "
              f"{keys_per_trip}-key block trip ({hot / keys_per_trip:.1f} per key), "
-             f"{loop.count(is_wide_load)} LDG.E.128; R = {rare} in rarely taken blocks; "
+             f"{loop.count(is_kv_load)} {loads}; R = {rare} in rarely taken blocks; "
              f"fixed work F = {fixed} per warp per chunk",
              f"{keys} keys in {len(lengths)} chunks ({', '.join(map(str, sorted(set(lengths))))} "
              f"keys) of {decode_shape.WARPS} warps: {warp_instructions} warp instructions",
-             *other_loops(flow, [loop], is_wide_load, "LDG.E.128",
+             *other_loops(flow, [loop], is_kv_load, loads,
                           ", their bodies counted once in F"),
              *fallback_note(flow)]
     return Figures({"instructions_per_key": warp_instructions / keys}, notes)

@@ -9,6 +9,7 @@ shuffled order (`paging.paged`), whose unreferenced pages hold NaN too. The
 reference (`oracle.dense_attention`) works from dense per-sequence histories and
 explicit boolean masks.
 """
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,6 +26,21 @@ from oracle import dense_attention, seen_positions, visible_mask
 from paging import page_bits, paged
 
 SENTINEL = -3.5          # exactly representable in float16 and float32
+#: 8-bit float storage: (its bits' dtype, ml_dtypes' type, largest finite); values are
+#: clipped, rounded by ml_dtypes (an independent quantiser) and stored as bits
+FP8 = {"float8_e4m3": (np.uint8, ml_dtypes.float8_e4m3fn, 448.0),
+       "float8_e5m2": (np.int8, ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def stored(values, dtype):
+    """`(storage array, float64 values it holds)` of float values in storage `dtype` (a
+    NumPy dtype, or an fp8 name of `FP8`)."""
+    if dtype not in FP8:
+        held = np.asarray(values).astype(dtype)
+        return held, held.astype(np.float64)
+    bits, fmt, largest = FP8[dtype]
+    held = np.clip(np.asarray(values, np.float32), -largest, largest).astype(fmt)
+    return held.view(np.uint8).view(bits), held.astype(np.float64)
 PAGE_SIZE = 16           # the kernel tests' page size where they do not choose one
 
 
@@ -67,8 +83,10 @@ def make_case(rng, segments, *, n_kv_heads=1, group=1, head_dim=16, window=0, ri
     cols = rng.permutation(n_seg + 1)[:n_seg]    # one column is no one's
     kv_lens = [p + n for n, p, _ in specs]
     rows = ring_rows if ring_rows else max(kv_lens) + 2
-    k_store = np.full((rows, n_seg + 1, n_kv_heads, head_dim), np.nan, dtype)
-    v_store = np.full_like(k_store, np.nan)
+    storage = FP8[dtype][0] if dtype in FP8 else dtype
+    poison = 0x7F if dtype in FP8 else np.nan        # NaN bits in either fp8 format
+    k_store = np.full((rows, n_seg + 1, n_kv_heads, head_dim), poison, storage)
+    v_store = np.full_like(k_store, poison)
     c.info = np.zeros((n_seg, SEQ_INFO_FIELDS), np.int32)
     c.segments, c.hist_k, c.hist_v = [], [], []
     q_start = 1                                  # token 0 belongs to another path
@@ -76,16 +94,16 @@ def make_case(rng, segments, *, n_kv_heads=1, group=1, head_dim=16, window=0, ri
         q_len, pos_start, block = specs[k]
         kv_len = pos_start + q_len
         growth = 1.0 + key_growth * np.arange(kv_len)[:, None, None]
-        hk = (rng.standard_normal((kv_len, n_kv_heads, head_dim)) * growth).astype(dtype)
-        hv = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(dtype)
+        hk, hk64 = stored(rng.standard_normal((kv_len, n_kv_heads, head_dim)) * growth, dtype)
+        hv, hv64 = stored(rng.standard_normal((kv_len, n_kv_heads, head_dim)), dtype)
         if seg in c.served:                      # storage holds exactly what is visible
             seen = seen_positions(q_len, pos_start, block, window)
             where = seen % ring_rows if ring_rows else seen
             assert len(set(where)) == len(seen), "test bug: ring too small for the window"
             k_store[where, cols[seg]] = hk[seen]
             v_store[where, cols[seg]] = hv[seen]
-        c.hist_k.append(hk.astype(np.float64))
-        c.hist_v.append(hv.astype(np.float64))
+        c.hist_k.append(hk64)
+        c.hist_v.append(hv64)
         c.segments.append((q_start, q_len, pos_start, bool(block)))
         c.info[seg, [Q_START, Q_LEN, SEQ, POS_START]] = q_start, q_len, cols[seg], pos_start
         c.info[seg, FLAGS] = FLAG_BLOCK if block else 0
@@ -399,12 +417,13 @@ def test_queries_and_draft_blocks():
     check(case, got)
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, "float8_e4m3"])
 def test_rows_beyond_one_row_group(dtype):
     """group 4 x 3 queries = 12 rows, more than one block holds."""
     rng = np.random.default_rng(3)
-    case = make_case(rng, [(3, 90), (1, 6)], group=4, dtype=dtype)
-    assert dec.block_rows(12, 16, dtype) < 12
+    case = make_case(rng, [(3, 90), (1, 6)], group=4, dtype=dtype,
+                     q_dtype=np.float16 if dtype in FP8 else None)
+    assert dec.block_rows(12, 16, FP8[dtype][0] if dtype in FP8 else dtype) < 12
     check(case, run(case)[0])
 
 
@@ -451,11 +470,12 @@ def test_windows_on_flat_layers(window):
 @pytest.mark.parametrize("head_dim, dtype", [(16, np.float32), (48, np.float16),
                                              (48, np.float32), (64, np.float16),
                                              (128, np.float16), (256, np.float16),
-                                             (256, np.float32)])
+                                             (256, np.float32), (48, "float8_e4m3"),
+                                             (128, "float8_e5m2"), (256, "float8_e4m3")])
 def test_head_dims(head_dim, dtype):
     rng = np.random.default_rng(head_dim)
     case = make_case(rng, [(1, 8), (2, 3, True)], group=2, head_dim=head_dim, dtype=dtype,
-                     others=((1, 0),))
+                     q_dtype=np.float16 if dtype in FP8 else None, others=((1, 0),))
     check(case, run(case)[0])
 
 
@@ -492,7 +512,8 @@ def test_scores_that_keep_growing_rescale_each_row_on_its_own(head_dim, position
 
 @pytest.mark.parametrize("store, q_dtype, out_dtype", [
     (np.float16, np.float32, np.float32), (np.float32, np.float16, np.float16),
-    (np.float32, np.float32, np.float16), (np.float32, np.float32, np.float32)])
+    (np.float32, np.float32, np.float16), (np.float32, np.float32, np.float32),
+    ("float8_e4m3", np.float32, np.float16), ("float8_e5m2", np.float16, np.float32)])
 def test_storage_query_and_output_dtypes(store, q_dtype, out_dtype):
     rng = np.random.default_rng(5)
     case = make_case(rng, [(2, 75), (1, 4)], group=2, dtype=store, q_dtype=q_dtype,

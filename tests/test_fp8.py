@@ -128,11 +128,12 @@ class Quantised:
         config = c.config
         c.declare_step([s for s, n in runs for _ in range(n)])
         plan = c.prepare_step()
+        d = config.head_dim
         for layer, spec in enumerate(config.layers):
-            shape = (plan.width, H, D)
+            shape = (plan.width, H, d)
             k = (self.rng.standard_normal(shape) * 3).astype(self.q_dtype)
             v = self.rng.standard_normal(shape).astype(self.q_dtype)
-            q = self.rng.standard_normal((plan.width, HQ, D)).astype(self.q_dtype)
+            q = self.rng.standard_normal((plan.width, HQ, d)).astype(self.q_dtype)
             out = c.update_and_attend(layer, q, k, v)
             kq = quantised(k.astype(np.float32), config.dtype, config.k_scale[layer])
             vq = quantised(v.astype(np.float32), config.dtype, config.v_scale[layer])
@@ -148,11 +149,11 @@ class Quantised:
                 rows = slice(g.q_start, g.q_start + g.q_len)
                 got = out[rows].astype(np.float64)
                 for name, table in (("quantised", held), ("exact", exact)):
-                    keys, vals = np.zeros((end, H, D)), np.zeros((end, H, D))
+                    keys, vals = np.zeros((end, H, d)), np.zeros((end, H, d))
                     for p in range(lo, end):
                         keys[p], vals[p] = table[p]
                     want = dense_attention(q[rows].astype(np.float64), keys, vals, g.pos_start,
-                                           spec.window or 0, 0, 1 / np.sqrt(D))
+                                           spec.window or 0, 0, 1 / np.sqrt(d))
                     err = np.linalg.norm(got - want) / np.linalg.norm(want)
                     if name == "quantised":   # as the 16-bit dtypes, plus the v_scale product
                         assert err < 3e-3, (g, layer, err)
@@ -214,6 +215,21 @@ def test_attention_over_fp8_storage_matches_the_quantised_reference(nan_storage,
         q.check_stored(seq)
     assert set(q.worst) == {"decode", "prefill"}
     assert max(q.worst.values()) < QUANTISATION_BOUND[dtype], q.worst
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS))
+def test_the_generic_paths_read_fp8_storage(nan_storage, dtype):
+    """A head_dim of 12 (not whole 16-byte rows) takes the generic kernel for decode and
+    prefill alike: it reads fp8 element by element, against the quantised reference."""
+    cache = _cache(dtype, [kv.flat(), kv.ring(window=3)], k_scale=0.05, v_scale=[1.0, 0.01],
+                   head_dim=12, max_seqs=2)
+    assert not cache._paths.decode_fast and not cache._paths.prefill_fast
+    q = Quantised(cache, np.random.default_rng(6))
+    a, b = cache.seq_new(), cache.seq_new()
+    q.step([(a, 6), (b, 2)])
+    q.step([(a, 1), (b, 5)])
+    for seq in (a, b):
+        q.check_stored(seq)
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS))

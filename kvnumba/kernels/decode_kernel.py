@@ -102,6 +102,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
      _online_softmax, _rescale, _accumulate) = trip_functions(shape, WIDEN[np.dtype(storage)],
                                                                capped)
     VEC, PIECES, LANES, PER_LANE = shape.vec, shape.pieces, shape.lanes, shape.per_lane
+    WORDS = shape.words
     ELEMENTS, KEY_SLOTS, LANE_BITS, VEC_BITS = (shape.elements, shape.key_slots,
                                                 shape.lane_bits, shape.vec_bits)
     IDLE_PIECES, ROWS, HELD, COPY_BITS = shape.idle_pieces, rows, shape.held, shape.copy_bits
@@ -230,8 +231,8 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         first_lane = lane & (WARP - LANES)     # the key slot's lane sub = 0
         looked = cuda.local.array(LOOKUPS, int32)
         key_slots = cuda.local.array(UNROLL, int32)
-        k_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
-        v_words = cuda.local.array((UNROLL, PER_LANE, 4), uint32)
+        k_words = cuda.local.array((UNROLL, PER_LANE, WORDS), uint32)
+        v_words = cuda.local.array((UNROLL, PER_LANE, WORDS), uint32)
         _look_up(looked, look, store_last, wrap, pages, seq_pages, shift, in_page)
         _key_slots(key_slots, looked, first_lane)
         _load_keys(k_lane, k_words, key_slots, slot_bytes, sub)

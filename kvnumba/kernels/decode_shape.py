@@ -12,7 +12,7 @@ import numpy as np
 from ..config import MAX_HEAD_DIM
 from ..device import SIMULATOR
 from .constants import WARP
-from .decode_words import LOAD_BYTES, WIDEN
+from .decode_words import WIDEN, load_bytes
 
 WARPS = 4
 THREADS = WARPS * WARP
@@ -32,10 +32,10 @@ LAUNCH_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS, BLOCKS_PER_SM)}
 def supports(head_dim: int, storage_dtype) -> bool:
     """Whether this path serves K/V storage of `head_dim` and `storage_dtype`.
 
-    It needs a storage dtype it can widen (float16, float32, bfloat16 as uint16 bits)
-    and key rows that are whole 16-byte loads; it is built for the head dims models
-    use, multiples of 16 up to `MAX_HEAD_DIM` (those rows are whole 16-byte loads at
-    any 2- or 4-byte dtype). Anything else takes the generic kernel.
+    It needs a storage dtype it can widen (float16, float32, bfloat16 as uint16 bits,
+    8-bit floats as uint8 / int8 bits) and key rows that are whole loads; it is built
+    for the head dims models use, multiples of 16 up to `MAX_HEAD_DIM` (those rows are
+    whole loads at every dtype). Anything else takes the generic kernel.
     """
     dtype = np.dtype(storage_dtype)
     return dtype in WIDEN and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
@@ -45,12 +45,15 @@ def supports(head_dim: int, storage_dtype) -> bool:
 class Geometry:
     """How a key row of `head_dim` elements of `itemsize` bytes maps onto a warp.
 
-    vec: elements per 16-byte load; pieces: loads per key row; lanes: lanes per key
+    load: bytes per load (16; 8 for 8-bit floats, so that their rows spread over as many
+    lanes, and hold as few values a lane, as 16-bit rows do: `decode_words.load_bytes`);
+    vec: elements per load; pieces: loads per key row; lanes: lanes per key
     (a power of two, idle lanes when `pieces` is not); per_lane: loads per lane
     per key; elements: key elements per lane; key_slots: keys a warp takes at once;
     max_rows: rows per block within REGISTER_BUDGET and MAX_ROWS (a power of two).
     """
 
+    load: int
     vec: int
     pieces: int
     lanes: int
@@ -61,15 +64,21 @@ class Geometry:
 
     @classmethod
     def of(cls, head_dim: int, itemsize: int) -> "Geometry":
-        vec = LOAD_BYTES // itemsize
+        load = load_bytes(itemsize)
+        vec = load // itemsize
         pieces = head_dim // vec
         lanes = min(WARP, 1 << (pieces - 1).bit_length())
         per_lane = -(-pieces // lanes)
         elements = vec * per_lane
-        words = 2 * UNROLL * per_lane * 4          # K and V words of a trip
+        words = 2 * UNROLL * per_lane * (load // 4)   # K and V words of a trip
         rows = max(1, min(MAX_ROWS, (REGISTER_BUDGET - words) // (2 * elements)))
-        return cls(vec, pieces, lanes, per_lane, elements, WARP // lanes,
+        return cls(load, vec, pieces, lanes, per_lane, elements, WARP // lanes,
                    1 << (rows.bit_length() - 1))
+
+    @property
+    def words(self) -> int:
+        """32-bit words per load."""
+        return self.load // 4
 
 
 @lru_cache(maxsize=None)

@@ -18,7 +18,6 @@ from ..device import cuda
 from . import ptx
 from .constants import LOG2E, NEG_INF
 from .decode_shape import UNROLL, KernelShape
-from .decode_words import LOAD_BYTES
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device)
 
@@ -47,7 +46,8 @@ def trip_functions(shape: KernelShape, widen, capped: bool) -> tuple:
     PIECES, PER_LANE, ELEMENTS = shape.pieces, shape.per_lane, shape.elements
     IDLE_PIECES, LOOKUPS, LEVELS = shape.idle_pieces, shape.lookups, shape.levels
     SPLITS, HELD, COPY_BITS = shape.splits, shape.held, shape.copy_bits
-    PIECE_BYTES = LANES * LOAD_BYTES           # from a lane's piece c to its piece c + 1
+    PIECE_BYTES = LANES * shape.load           # from a lane's piece c to its piece c + 1
+    WORDS = shape.words
     CAPPED = capped
 
     # A key slot's UNROLL keys of a trip share the page-table lookups out among the
@@ -86,9 +86,10 @@ def trip_functions(shape: KernelShape, widen, capped: bool) -> tuple:
         return min(x, int32(x + int32(value != value)))
 
     @cuda.jit(device=True, inline="always")
-    def _load_keys(lane_bytes, words, key_slots, slot_bytes, sub):
+    def _load_keys_16(lane_bytes, words, key_slots, slot_bytes, sub):
         """Load this lane's pieces of the keys in `key_slots` (`lane_bytes`: K or V
-        storage from this lane's first piece of slot 0 on) into `words`."""
+        storage from this lane's first piece of slot 0 on) into `words`, 16 bytes a
+        piece."""
         for u in range(UNROLL):
             at = ptx.mul_wide_u32(key_slots[u], slot_bytes)
             for c in range(PER_LANE):
@@ -102,13 +103,38 @@ def trip_functions(shape: KernelShape, widen, capped: bool) -> tuple:
                 words[u, c, 3] = w3
 
     @cuda.jit(device=True, inline="always")
-    def _widen_words(words, values):
+    def _load_keys_8(lane_bytes, words, key_slots, slot_bytes, sub):
+        """As `_load_keys_16`, 8 bytes a piece (8-bit floats)."""
+        for u in range(UNROLL):
+            at = ptx.mul_wide_u32(key_slots[u], slot_bytes)
+            for c in range(PER_LANE):
+                if not IDLE_PIECES or c * LANES + sub < PIECES:
+                    w0, w1 = ptx.ld_nc_v2(lane_bytes, at + c * PIECE_BYTES)
+                else:
+                    w0 = w1 = uint32(0)
+                words[u, c, 0] = w0
+                words[u, c, 1] = w1
+
+    @cuda.jit(device=True, inline="always")
+    def _widen_words_16(words, values):
         """The trip's loaded words as float32: `values[u, e]`, element e of key slot u."""
         for u in range(UNROLL):
             for c in range(PER_LANE):
                 f = widen(words[u, c, 0], words[u, c, 1], words[u, c, 2], words[u, c, 3])
                 for e in range(VEC):
                     values[u, c * VEC + e] = f[e]
+
+    @cuda.jit(device=True, inline="always")
+    def _widen_words_8(words, values):
+        """As `_widen_words_16`, from 8-byte loads."""
+        for u in range(UNROLL):
+            for c in range(PER_LANE):
+                f = widen(words[u, c, 0], words[u, c, 1])
+                for e in range(VEC):
+                    values[u, c * VEC + e] = f[e]
+
+    _load_keys = _load_keys_16 if WORDS == 4 else _load_keys_8
+    _widen_words = _widen_words_16 if WORDS == 4 else _widen_words_8
 
     @cuda.jit(device=True, inline="always")
     def _split_rows(score):

@@ -15,8 +15,16 @@ from . import fp8, ptx
 
 from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
-#: bytes of one vector load
+#: bytes of one vector load (of q, and of K/V of 16- and 32-bit types)
 LOAD_BYTES = 16
+#: bytes of one K/V load of 8-bit floats: 8, so that a key row takes as many lanes as a
+#: 16-bit one and a lane widens as many values a load (registers for 4 rows a block)
+FP8_LOAD_BYTES = 8
+
+
+def load_bytes(itemsize: int) -> int:
+    """Bytes of one K/V load for storage of `itemsize`-byte values."""
+    return FP8_LOAD_BYTES if itemsize == 1 else LOAD_BYTES
 
 #: a 16-bit dtype -> the device function splitting a word into its two values
 PAIRS = {np.dtype(np.float16): ptx.f16x2_to_f32, np.dtype(np.uint16): ptx.bf16x2_to_f32}
@@ -45,20 +53,18 @@ QUADS = {np.dtype(np.uint8): fp8.e4m3x4_to_f32, np.dtype(np.int8): fp8.e5m2x4_to
 
 
 def _widen_quads(quad_to_f32):
-    """Widening for an 8-bit type: each word holds four values (`quad_to_f32`: through
-    float16, exact)."""
+    """Widening for an 8-bit type's 8-byte loads: each word holds four values
+    (`quad_to_f32`: through float16, exact)."""
     @cuda.jit(device=True)
-    def widen(w0, w1, w2, w3):
+    def widen(w0, w1):
         a0, a1, a2, a3 = quad_to_f32(w0)
         b0, b1, b2, b3 = quad_to_f32(w1)
-        c0, c1, c2, c3 = quad_to_f32(w2)
-        d0, d1, d2, d3 = quad_to_f32(w3)
-        return a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3
+        return a0, a1, a2, a3, b0, b1, b2, b3
     return widen
 
 
-#: dtype -> device function `widen(w0, w1, w2, w3)`: the 16 loaded bytes as a tuple of
-#: float32 values, lowest address first
+#: dtype -> device function `widen(w0, ...)`: the words of one K/V load (`load_bytes`:
+#: four, two for 8-bit floats) as a tuple of float32 values, lowest address first
 WIDEN = {np.dtype(np.float32): _widen_float32,
          **{dtype: _widen_pairs(pair) for dtype, pair in PAIRS.items()},
          **{dtype: _widen_quads(quad) for dtype, quad in QUADS.items()}}
@@ -108,7 +114,7 @@ def query_loader(dtype: np.dtype, head_dim: int, vec: int, vectors: bool):
             dest[j, at + 3] = b1
         return load_half
 
-    widen = WIDEN[dtype]
+    widen = WIDEN[dtype]          # q is never 8-bit: its loads are 16 bytes
     per_load = LOAD_BYTES // itemsize
     loads = vec // per_load
 
