@@ -124,3 +124,23 @@ def round_nearest_even(x, fmt):
     quiet_nan = ((f32 >> 16) & 0x8000) | inf_bits | (1 << (mantissa - 1)) | (
         (f32 & 0x7FFFFF) >> (23 - mantissa))
     return np.where(np.isnan(x), quiet_nan, out).astype(np.uint16)
+
+
+# ---------------------------------------------------------------- 8-bit float formats
+
+#: fp8 storage dtype name -> (the bits' NumPy dtype, ml_dtypes' type, largest finite):
+#: ml_dtypes is the independent quantiser (it makes an out-of-range value NaN where the
+#: hardware saturates, so values are clipped first)
+FP8 = {"float8_e4m3": (np.uint8, "float8_e4m3fn", 448.0),
+       "float8_e5m2": (np.int8, "float8_e5m2", 57344.0)}
+
+
+def fp8_stored(values, name):
+    """`(bits, float64 values)`: float `values` as fp8 storage `name` holds them (clipped,
+    rounded to nearest even; NaN stays NaN), and the values those bits are."""
+    import ml_dtypes
+
+    bits, fmt, largest = FP8[name]
+    held = np.clip(np.asarray(values, np.float32), -largest, largest).astype(
+        getattr(ml_dtypes, fmt))
+    return held.view(np.uint8).view(bits), held.astype(np.float64)

@@ -19,7 +19,7 @@ from kvnumba.kernels import attention as att  # noqa: E402
 from kvnumba.kernels.workspace import AttentionWorkspace  # noqa: E402
 from kvnumba.plan import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                           SEQ_INFO_FIELDS)
-from oracle import visible_mask  # noqa: E402
+from oracle import FP8, fp8_stored, visible_mask  # noqa: E402
 from paging import page_bits, paged  # noqa: E402
 
 
@@ -52,6 +52,15 @@ class Case:
     pass
 
 
+def as_stored(values, dtype):
+    """`(storage array, float64 values)` of float `values` in storage `dtype` (a NumPy
+    dtype, or an fp8 name of `oracle.FP8`)."""
+    if dtype in FP8:
+        return fp8_stored(values, dtype)
+    held = np.asarray(values).astype(dtype)
+    return held, held.astype(np.float64)
+
+
 def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ring_rows=0,
               dtype=np.float32, q_dtype=None, out_dtype=None, pad=0, softcap=0.0,
               spare_cols=2, qk_scale=1.0, page_size=16):
@@ -68,16 +77,16 @@ def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ri
     cols = rng.permutation(n_cols)[:n_seg]
     kv_lens = [p + n for n, p, _ in segments]
     rows = ring_rows if ring_rows else max(kv_lens) + 3
-    # NaN-free garbage everywhere nothing is held
-    k_store = rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, head_dim)).astype(dtype)
-    v_store = rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, head_dim)).astype(dtype)
+    # NaN-free garbage everywhere nothing is held (fp8: its bits, `oracle.fp8_stored`)
+    k_store, _ = as_stored(rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, head_dim)), dtype)
+    v_store, _ = as_stored(rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, head_dim)), dtype)
     c.hist_k, c.hist_v, c.segments = [], [], []
     q_start = 0
     info = rng.integers(-1000, 1000, (n_seg + 2, SEQ_INFO_FIELDS)).astype(np.int32)
     for seg, ((q_len, pos_start, block), col) in enumerate(zip(segments, cols)):
         kv_len = pos_start + q_len
-        hk = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(dtype)
-        hv = rng.standard_normal((kv_len, n_kv_heads, head_dim)).astype(dtype)
+        hk, hk64 = as_stored(rng.standard_normal((kv_len, n_kv_heads, head_dim)), dtype)
+        hv, hv64 = as_stored(rng.standard_normal((kv_len, n_kv_heads, head_dim)), dtype)
         if ring_rows:
             need = min(kv_len, window + q_len - 1) if window else kv_len
             assert need <= ring_rows, "test bug: ring too small for the window"
@@ -88,8 +97,8 @@ def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ri
             row = p % ring_rows if ring_rows else p
             k_store[row, col] = hk[p]
             v_store[row, col] = hv[p]
-        c.hist_k.append(hk.astype(np.float64))
-        c.hist_v.append(hv.astype(np.float64))
+        c.hist_k.append(hk64)
+        c.hist_v.append(hv64)
         c.segments.append((q_start, q_len, pos_start, bool(block)))
         info[seg, Q_START], info[seg, Q_LEN], info[seg, SEQ] = q_start, q_len, col
         info[seg, POS_START] = pos_start
@@ -313,7 +322,8 @@ def test_softcap(path):
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 @pytest.mark.parametrize("store, qd, outd", [
     (np.float16, np.float16, np.float16), (np.float16, np.float32, np.float32),
-    (np.float32, np.float16, np.float16), (np.float32, np.float32, np.float16)])
+    (np.float32, np.float16, np.float16), (np.float32, np.float32, np.float16),
+    ("float8_e4m3", np.float32, np.float32), ("float8_e5m2", np.float16, np.float16)])
 def test_dtypes(path, store, qd, outd):
     rng = np.random.default_rng(10)
     case = make_case(rng, segs_of((3, 12), (1, 5)), n_kv_heads=1, group=2, dtype=store,

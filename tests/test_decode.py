@@ -9,7 +9,6 @@ shuffled order (`paging.paged`), whose unreferenced pages hold NaN too. The
 reference (`oracle.dense_attention`) works from dense per-sequence histories and
 explicit boolean masks.
 """
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -22,25 +21,19 @@ from kvnumba.kernels.launch import aligned
 from kvnumba.kernels.masks import key_range
 from kvnumba.kernels.workspace import AttentionWorkspace
 from kvnumba.plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
-from oracle import dense_attention, seen_positions, visible_mask
+from oracle import FP8, dense_attention, fp8_stored, seen_positions, visible_mask
 from paging import page_bits, paged
 
 SENTINEL = -3.5          # exactly representable in float16 and float32
-#: 8-bit float storage: (its bits' dtype, ml_dtypes' type, largest finite); values are
-#: clipped, rounded by ml_dtypes (an independent quantiser) and stored as bits
-FP8 = {"float8_e4m3": (np.uint8, ml_dtypes.float8_e4m3fn, 448.0),
-       "float8_e5m2": (np.int8, ml_dtypes.float8_e5m2, 57344.0)}
 
 
 def stored(values, dtype):
     """`(storage array, float64 values it holds)` of float values in storage `dtype` (a
-    NumPy dtype, or an fp8 name of `FP8`)."""
-    if dtype not in FP8:
-        held = np.asarray(values).astype(dtype)
-        return held, held.astype(np.float64)
-    bits, fmt, largest = FP8[dtype]
-    held = np.clip(np.asarray(values, np.float32), -largest, largest).astype(fmt)
-    return held.view(np.uint8).view(bits), held.astype(np.float64)
+    NumPy dtype, or an fp8 name of `oracle.FP8`)."""
+    if dtype in FP8:
+        return fp8_stored(values, dtype)
+    held = np.asarray(values).astype(dtype)
+    return held, held.astype(np.float64)
 PAGE_SIZE = 16           # the kernel tests' page size where they do not choose one
 
 

@@ -16,7 +16,8 @@ from kvnumba.device import cuda
 from kvnumba.kernels import prefill, prefill_shape
 from kvnumba.kernels.launch import aligned
 from kvnumba.plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
-from oracle import bf16_values, dense_attention, round_nearest_even, seen_positions
+from oracle import (FP8, bf16_values, dense_attention, fp8_stored, round_nearest_even,
+                    seen_positions)
 from paging import page_bits, paged
 
 SMALL = (16, 16)                # (block_rows, block_keys): one warp, one k16 step of keys
@@ -77,6 +78,8 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
         if storage == "bfloat16":
             keys = bf16_values(round_nearest_even(keys, "bf16"))
             values = bf16_values(round_nearest_even(values, "bf16"))
+        elif storage in FP8:                            # the values fp8 holds, exactly
+            keys, values = fp8_stored(keys, storage)[1], fp8_stored(values, storage)[1]
         else:
             keys, values = keys.astype(np.float16), values.astype(np.float16)
         seen = seen_positions(q_len, pos_start, block, window)
@@ -100,6 +103,8 @@ def make_case(rng, segments, *, served=None, n_kv_heads=2, group=2, head_dim=16,
         c.q_values = c.q.astype(np.float64)
     if storage == "bfloat16":
         c.columns = round_nearest_even(k_store, "bf16"), round_nearest_even(v_store, "bf16")
+    elif storage in FP8:                                # their bits; NaN where none is held
+        c.columns = fp8_stored(k_store, storage)[0], fp8_stored(v_store, storage)[0]
     else:
         c.columns = k_store.astype(np.float16), v_store.astype(np.float16)
     (c.k_store, c.v_store), c.pages = paged(c.columns, page_size, seed=int(rng.integers(99)))
@@ -345,6 +350,19 @@ def test_bfloat16_storage_as_bit_patterns(q_dtype):
     c = make_case(rng, [(7, 6, False), (5, 0, True)], storage="bfloat16", q_dtype=q_dtype,
                   out_dtype=np.float32, page_size=8)
     check(c, run(c), tol=1e-2)
+
+
+@pytest.mark.parametrize("storage, q_dtype, out_dtype", [
+    ("float8_e4m3", np.float16, np.float16), ("float8_e5m2", "bfloat16", np.float32),
+    ("float8_e4m3", np.float32, np.float32)])
+def test_fp8_storage_is_widened_to_the_query_type(storage, q_dtype, out_dtype):
+    """8-bit float K/V tiles widened as they are staged: to float16 for float16 and
+    float32 queries, to bfloat16 for bfloat16 ones; a ring that wraps inside a tile,
+    against the float64 reference over the stored values."""
+    rng = np.random.default_rng(9)
+    c = make_case(rng, [(7, 6, False), (5, 0, True), (6, 20, False)], storage=storage,
+                  q_dtype=q_dtype, out_dtype=out_dtype, ring_rows=22, window=9, page_size=8)
+    check(c, run(c), tol=1e-2 if q_dtype == "bfloat16" else 2e-3)
 
 
 def test_queries_not_16_byte_aligned_are_read_value_by_value():
