@@ -133,3 +133,17 @@ def token_slot(pages, seq, position, ring, shift, in_page):
         row = uint32(row % ring)
     entry = uint32(uint32(uint32(seq) * uint32(pages.shape[1])) + uint32(row >> shift))
     return int32(pages.flat[entry] | int32(row & in_page))
+
+
+@cuda.jit(device=True, inline="always")
+def token_lanes(ring_rows, page_bits):
+    """What a token-writing kernel's lane works from (`token_slot`'s launch numbers and
+    its place in the grid): `(ring, shift, in_page, first, step, token, stride)`, uint32:
+    the ring's rows (0 flat), page_bits and page_size - 1; its first item of a token's
+    run (`threadIdx.x`) and the step between its items (`blockDim.x`); its block row's
+    first token and the step between its tokens (a grid stride)."""
+    shift = uint32(page_bits)
+    return (uint32(ring_rows), shift, uint32(uint32(uint32(1) << shift) - uint32(1)),
+            uint32(cuda.threadIdx.x), uint32(cuda.blockDim.x),
+            uint32(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y),
+            uint32(cuda.gridDim.x * cuda.blockDim.y))

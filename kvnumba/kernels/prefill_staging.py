@@ -68,44 +68,41 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
                 r = min(uint32(unwrapped), uint32(unwrapped - ring))
                 slots[p] = page_slot(pages, seq, r, page_bits)
 
+    @cuda.jit(device=True, inline="always")
+    def copy_chunk(tile, index, src, at, zero):
+        """cp.async the 16 bytes at byte `at` of `src` (8 16-bit values) to tile element
+        `index`, or zeros there where `zero`."""
+        tensorcore.cp_async_16_zfill(tile, index, src, at, zero)
+
+    @cuda.jit(device=True, inline="always")
+    def convert_chunk(tile, index, src, at, zero):
+        """The 8 bytes at byte `at` of `src` (8 8-bit floats, one load) widened to the mma
+        type and stored to tile element `index` (16 bytes), or zeros, nothing loaded."""
+        w0 = w1 = w2 = w3 = uint32(0)
+        if not zero:
+            u0, u1 = ptx.ld_nc_v2(src, at)
+            w0, w1 = widen(u0)
+            w2, w3 = widen(u1)
+        tensorcore.st_shared_v4(tile, index, w0, w1, w2, w3)
+
+    stage_chunk = copy_chunk if STORED_BYTES == 2 else convert_chunk
+
     @cuda.jit(device=True)
-    def copy_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
-        """cp.async this thread's chunks of a K or V tile: key first_key + p KEY_STEP in
-        pass p, chunks d0 + c KEY_LANES, to tile index `dst` (its first key and chunk)
-        on, from `src` (its head and d0 in slot 0) plus slots[p] times slot_bytes. Keys
-        from n_keys on and padding columns are zero-filled."""
+    def stage_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
+        """Stage this thread's chunks of a K or V tile (`stage_chunk`): key first_key + p
+        KEY_STEP in pass p, chunks d0 + c KEY_LANES, to tile index `dst` (its first key
+        and chunk) on, from `src` (its head and d0 in slot 0) plus slots[p] times
+        slot_bytes. Keys from n_keys on and padding columns are zero-filled."""
         for p in range(KEY_PASSES):
             key = int32(first_key + p * KEY_STEP)
             if KEYS_EXACT or key < BK:
                 at = ptx.mul_wide_u32(slots[p], slot_bytes)
                 for c in range(KEY_COPIES):
                     pad = PADDED and d0 + c * KEY_LANES * CHUNK_VALUES >= head_dim
-                    tensorcore.cp_async_16_zfill(
+                    stage_chunk(
                         tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
-                        src, at + uint64(2 * c * KEY_LANES * CHUNK_VALUES),
+                        src, at + uint64(STORED_BYTES * c * KEY_LANES * CHUNK_VALUES),
                         key >= n_keys or pad)
-
-    @cuda.jit(device=True)
-    def convert_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
-        """As `copy_keys` for 8-bit float storage: each chunk of 8 values one 8-byte load
-        (`src` and the slots in bytes), widened to the mma type, one 16-byte shared store;
-        zeros stored, nothing loaded, for keys from n_keys on and padding columns."""
-        for p in range(KEY_PASSES):
-            key = int32(first_key + p * KEY_STEP)
-            if KEYS_EXACT or key < BK:
-                at = ptx.mul_wide_u32(slots[p], slot_bytes)
-                for c in range(KEY_COPIES):
-                    pad = PADDED and d0 + c * KEY_LANES * CHUNK_VALUES >= head_dim
-                    w0 = w1 = w2 = w3 = uint32(0)
-                    if not (key >= n_keys or pad):
-                        u0, u1 = ptx.ld_nc_v2(src, at + uint64(c * KEY_LANES * CHUNK_VALUES))
-                        w0, w1 = widen(u0)
-                        w2, w3 = widen(u1)
-                    tensorcore.st_shared_v4(
-                        tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
-                        w0, w1, w2, w3)
-
-    stage_keys = copy_keys if STORED_BYTES == 2 else convert_keys
 
     @cuda.jit(device=True)
     def copy_q_chunk(tile, dst, q, token, head, d, zero):

@@ -39,7 +39,8 @@ from ..device import cuda
 from . import ptx, write_fp8
 from .launch import (MAX_BLOCKS, PER_CALL, VECTOR_BYTES, Specialised, aligned, ceil_div,
                      run_block)
-from .masks import divmod32, page_slot, seq_and_position, step_on, storage_row, token_slot
+from .masks import (divmod32, page_slot, seq_and_position, step_on, storage_row, token_lanes,
+                    token_slot)
 
 from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -107,13 +108,7 @@ def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows, pages, page
     """
     run = uint32(k.shape[1] * k.shape[2])                          # elements per token
     last = uint32(uint32(uint32(run * uint32(k.itemsize)) >> uint32(4)) - uint32(1))
-    ring = uint32(ring_rows)
-    shift = uint32(page_bits)
-    in_page = uint32(uint32(uint32(1) << shift) - uint32(1))
-    first = uint32(cuda.threadIdx.x)
-    step = uint32(cuda.blockDim.x)
-    token = uint32(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y)
-    stride = uint32(cuda.gridDim.x * cuda.blockDim.y)
+    ring, shift, in_page, first, step, token, stride = token_lanes(ring_rows, page_bits)
     while token < uint32(width):
         seq, position = seq_and_position(tables, width, token)
         if seq >= 0:

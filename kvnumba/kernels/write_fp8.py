@@ -22,7 +22,7 @@ from ..device import cuda
 from . import fp8, ptx
 from .decode_words import WIDEN
 from .launch import Specialised, ceil_div, run_block
-from .masks import seq_and_position, token_slot
+from .masks import seq_and_position, token_lanes, token_slot
 
 from numba import float32, uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -134,13 +134,7 @@ def narrow_kernel(source: str, fmt: str, scaled: bool):
         `write._write_vectors`'."""
         run = uint32(k.shape[1] * k.shape[2])                      # values per token
         last = uint32(uint32(run >> uint32(4)) - uint32(1))        # its last stored vector
-        ring = uint32(ring_rows)
-        shift = uint32(page_bits)
-        in_page = uint32(uint32(uint32(1) << shift) - uint32(1))
-        first = uint32(cuda.threadIdx.x)
-        step = uint32(cuda.blockDim.x)
-        token = uint32(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y)
-        stride = uint32(cuda.gridDim.x * cuda.blockDim.y)
+        ring, shift, in_page, first, step, token, stride = token_lanes(ring_rows, page_bits)
         while token < uint32(width):
             seq, position = seq_and_position(tables, width, token)
             if seq >= 0:
