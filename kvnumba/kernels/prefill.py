@@ -28,8 +28,8 @@ def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
     16-bit storage is its own mma type; 8-bit floats take the query's 16-bit type
     (float16 for a float32 q), to which they convert exactly."""
     if not supports(head_dim, storage_dtype):
-        raise ValueError(f"prefill: head_dim {head_dim} with {type_name(storage_dtype)} "
-                         f"storage is not served")
+        raise ValueError(f"prefill: head_dim {head_dim} with storage "
+                         f"{type_name(storage_dtype)!r} is not served")
     for name, dtype in (("q", q_dtype), ("out", out_dtype)):
         if type_name(dtype) not in Q_OUT_TYPES:
             raise ValueError(f"prefill: {name} dtype {dtype} not in {Q_OUT_TYPES}")
