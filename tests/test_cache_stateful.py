@@ -19,6 +19,11 @@ equally recent; pages held by a sequence never). A sequence started from a match
 read back exactly the K/V of the tokens it matched, and attend as if it had written
 them; the host page accounting (reference counts, owners, free stacks) must agree with
 the tables and the index after every rule.
+
+The search runs once per storage, float32 and each 8-bit float format (per-layer
+scales): at fp8 the model holds what the storage should (the float32 input quantised by the
+independent reference of tests/test_fp8.py, times the layer's scale), and every check of
+attention, stored K/V and the index's pages is against those values.
 """
 import hashlib
 from collections import Counter
@@ -31,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import kvnumba as kv
 from oracle import dense_attention, floor, ring_rows
+from test_fp8 import FORMATS, quantised
 
 WINDOWS = [None, 3]          # one flat layer, one ring layer
 MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 48
@@ -56,8 +62,30 @@ _rng = np.random.default_rng(14)
 SCRIPTS = _rng.integers(0, VOCAB, (N_SCRIPTS, CAPACITY))
 SCRIPTS[1, :12] = SCRIPTS[0, :12]
 KV = _rng.standard_normal((len(WINDOWS), VOCAB, CAPACITY, 2, HEADS, DIM)).astype(np.float32)
+#: a program's storage: dtype -> (k_scale, v_scale), one per layer. The fp8 scales are
+#: chosen so that the inputs (standard normal) meet every kind of rounding: a scale whose
+#: float32 reciprocal is inexact (0.3), subnormals (e4m3 below 2**-6: |k| < 0.125 at scale
+#: 8, ~10% of values; e5m2 below 2**-14: |k| < 0.061 at scale 1000, ~5%) and saturation
+#: (|v| > 2.24 at 1/200 past e4m3's 448, ~3%; |v| > 1.72 at 3e-5 past e5m2's 57344, ~10%)
+STORAGE = {"float32": ((1.0, 1.0), (1.0, 1.0)),
+           "float8_e4m3": ((0.3, 8.0), (1.0, 1 / 200)),
+           "float8_e5m2": ((1000.0, 0.3), (3e-5, 1.0))}
+#: per storage, the NumPy type of a stored element
+ELEMENT = {"float32": np.dtype(np.float32),
+           **{dtype: np.dtype(FORMATS[dtype]) for dtype in STORAGE if dtype != "float32"}}
+#: per storage, what it holds for KV (float64: the layer's scale times the stored value)
+STORED = {}
+for _dtype, (_k_scale, _v_scale) in STORAGE.items():
+    STORED[_dtype] = KV.astype(np.float64)
+    if _dtype != "float32":
+        for _layer in range(len(WINDOWS)):
+            STORED[_dtype][_layer, ..., 0, :, :] = quantised(KV[_layer, ..., 0, :, :], _dtype,
+                                                             _k_scale[_layer])
+            STORED[_dtype][_layer, ..., 1, :, :] = quantised(KV[_layer, ..., 1, :, :], _dtype,
+                                                             _v_scale[_layer])
+#: bytes of K and V of one page of one layer
+PAGE_BYTES = {dtype: 2 * PAGE * HEADS * DIM * ELEMENT[dtype].itemsize for dtype in STORAGE}
 EXTRAS = [b"", b"tenant"]
-PAGE_BYTES = 2 * PAGE * HEADS * DIM * 4      # K and V of one page of one layer, float32
 #: steps, spans and refusals the search ran (printed at the end of the pytest run)
 COUNTS = Counter()
 
@@ -84,10 +112,12 @@ class Refused(Exception):
 
 class Model:
     """contract §5-§7 and §14 by hand. `tokens[seq]` maps position -> the token last written
-    there (its K/V: `kv`)."""
+    there (its K/V as written: `given`; as stored, for a storage `storage`: `kv`)."""
 
-    def __init__(self, max_pages):
+    def __init__(self, max_pages, storage):
         self.max_pages = max_pages
+        self.storage = storage
+        self.stored = STORED[storage]
         self.state = ["free"] * MAX_SEQS
         self.pos = [0] * MAX_SEQS
         self.hw = [0] * MAX_SEQS
@@ -114,8 +144,19 @@ class Model:
             COUNTS[what] += n
             self.seen[what] += n
 
-    def kv(self, s, layer, p):
+    def given(self, s, layer, p):
         return KV[layer, self.tokens[s][p], p]
+
+    def kv(self, s, layer, p):
+        return self.stored[layer, self.tokens[s][p], p]
+
+    def read(self, layer, k, v):
+        """What storage arrays `k`, `v` (the storage's elements, or their bytes) hold, as
+        the values `kv` gives: each element times its layer's scale, in float64."""
+        k_scale, v_scale = (np.float32(scales[layer]) for scales in STORAGE[self.storage])
+        element = ELEMENT[self.storage]
+        return (np.asarray(k).view(element).astype(np.float64) * k_scale,
+                np.asarray(v).view(element).astype(np.float64) * v_scale)
 
     def committed(self, s):
         return [self.tokens[s][p] for p in range(self.pos[s])]
@@ -443,20 +484,28 @@ def live_at_least(n):
 
 
 class CacheMachine(RuleBasedStateMachine):
+    #: how this machine's caches store K/V (a key of STORAGE)
+    storage = "float32"
+
     @initialize(n_live=st.integers(0, MAX_SEQS), pool=st.sampled_from(POOLS),
                 register=st.sampled_from([EXTRAS[0], EXTRAS[0], EXTRAS[1]]))
     def setup(self, n_live, pool, register):
-        """A cache with pools `pool` and `n_live` sequences; every step's sequences
-        register their pages (under the extra key `register`) after its commit."""
+        """A cache with pools `pool`, K/V stored as `storage` and `n_live` sequences; every
+        step's sequences register their pages (under the extra key `register`) after its
+        commit."""
+        storage = self.storage
         initial, most = pool
         self.register = register
+        scales = {} if storage == "float32" else dict(zip(("k_scale", "v_scale"),
+                                                          STORAGE[storage]))
         self.config = kv.CacheConfig(
             layers=[kv.flat() if w is None else kv.ring(window=w) for w in WINDOWS],
             n_kv_heads=HEADS, head_dim=DIM, capacity=CAPACITY, max_seqs=MAX_SEQS,
-            max_write=MAX_WRITE, max_step=MAX_STEP, dtype="float32", page_size=PAGE,
-            initial_pages=initial, max_pages=most)
+            max_write=MAX_WRITE, max_step=MAX_STEP, dtype=storage, page_size=PAGE,
+            initial_pages=initial, max_pages=most, **scales)
         self.cache = kv.BatchedSequenceCache(self.config)
-        self.model = Model(most)
+        self.model = Model(most, storage)
+        self.model.seen[f"{storage} storage"] += 1
         self.rng = np.random.default_rng(0)
         self.page_of = {}        # flat page name -> the page id it was first seen at
         self.meddled = 0
@@ -695,6 +744,8 @@ class CacheMachine(RuleBasedStateMachine):
             return
         self.cache.commit_step()
         COUNTS["steps committed"] += 1
+        if self.model.storage != "float32":
+            COUNTS["steps committed over fp8 storage"] += 1
         if len(segments) > len({g[0] for g in segments}):
             COUNTS["committed steps with a sequence in several spans"] += 1
         self.model.advance(segments, commit=True)
@@ -757,7 +808,7 @@ class CacheMachine(RuleBasedStateMachine):
             out = np.full((width, Q_HEADS, DIM), np.nan, np.float32)
             for s, q0, n, p0, _ in segments:
                 for i in range(n):
-                    k[q0 + i], v[q0 + i] = model.kv(s, layer, p0 + i)
+                    k[q0 + i], v[q0 + i] = model.given(s, layer, p0 + i)
             if not attend:
                 self.cache.write(layer, k, v)
                 continue
@@ -770,6 +821,9 @@ class CacheMachine(RuleBasedStateMachine):
                 for j in range(lo, end):
                     keys[j], values[j] = model.kv(s, layer, j)
                 want = dense_attention(q[q0:q0 + n], keys, values, p0, window, block, scale)
+                # float32 arithmetic over K/V of the inputs' magnitude, whatever the storage:
+                # fp8 adds two float32 roundings (the softmax scale times k_scale, the output
+                # times v_scale), a few 1e-8 relative
                 np.testing.assert_allclose(out[q0:q0 + n], want, rtol=1e-4, atol=1e-5)
             assert not np.any(out[plan.n_tokens:]), "padding rows must be zero"
 
@@ -797,7 +851,8 @@ class CacheMachine(RuleBasedStateMachine):
         for pool in (flat, ring):
             assert pool.in_use + pool.free + pool.cached == pool.max_pages == model.max_pages
         assert self.cache.prefix_counts == (len(model.nodes), model.evicted,
-                                            (cached_flat + cached_ring) * PAGE_BYTES)
+                                            (cached_flat + cached_ring) *
+                                            PAGE_BYTES[model.storage])
         index = self.cache._pool.index
         assert set(index.nodes) == set(model.nodes)
         tables = [self.cache.page_table(s, 0).tolist()
@@ -858,20 +913,21 @@ class CacheMachine(RuleBasedStateMachine):
         if not self.model.nodes:
             return
         for layer, window in enumerate(WINDOWS):
-            k, v = (a.copy_to_host() for a in self.cache.layer_data(layer))
+            k, v = self.model.read(layer, *(a.copy_to_host()
+                                            for a in self.cache.layer_data(layer)))
             rows = range(PAGE) if window is None else range(PAGE - KEPT, PAGE)
             for key, (depth, _, _, tokens) in self.model.nodes.items():
                 page = index.node_pages[index.nodes[key], layer]   # kind i is layer i here
                 for row in rows:
-                    want_k, want_v = KV[layer, tokens[row], depth * PAGE + row]
+                    want_k, want_v = self.model.stored[layer, tokens[row], depth * PAGE + row]
                     np.testing.assert_array_equal(k[page, row], want_k)
                     np.testing.assert_array_equal(v[page, row], want_v)
 
     @invariant()
     def storage_matches_the_histories(self):
-        """Every live sequence's K/V read back equals its history (for a sequence started
-        from a match: the K/V of the tokens it matched); a free one's data reads are
-        refused."""
+        """Every live sequence's K/V read back (times the scales) equals its history, as
+        stored (for a sequence started from a match: the K/V of the tokens it matched); a
+        free one's data reads are refused."""
         for s in range(MAX_SEQS):
             if self.cache.state(s) == kv.SlotState.FREE:
                 with pytest.raises(kv.FreeSequenceError):
@@ -879,6 +935,7 @@ class CacheMachine(RuleBasedStateMachine):
                 continue
             for layer, window in enumerate(WINDOWS):
                 positions, k, v = self.cache.sequence_kv(s, layer)
+                k, v = self.model.read(layer, k, v)
                 pos, hw = self.model.pos[s], self.model.hw[s]
                 start = 0 if window is None else max(0, hw - ring_rows(window, MAX_WRITE,
                                                                       CAPACITY))
@@ -889,10 +946,21 @@ class CacheMachine(RuleBasedStateMachine):
                     np.testing.assert_array_equal(v[i], want_v)
 
 
-TestCacheMachine = CacheMachine.TestCase
+def machine_test(storage, ci_programs):
+    """The search over caches storing K/V as `storage`: `ci_programs` programs under the CI
+    profile, the profile's own count under the thorough one."""
+    machine = type(f"CacheMachine_{storage}", (CacheMachine,), {"storage": storage})
+    test = machine.TestCase
+    test.settings = settings(settings.default,
+                             max_examples=max(ci_programs, settings.default.max_examples
+                                              if settings.default.max_examples > 25
+                                              else ci_programs))
+    return test
+
+
 # under the CI profile, 16 programs (each of many steps, the prefix index's included) keep
-# the suite within its time; the thorough profile runs its own count
-TestCacheMachine.settings = settings(settings.default,
-                                     max_examples=max(16, settings.default.max_examples
-                                                      if settings.default.max_examples > 25
-                                                      else 16))
+# the suite within its time: one machine per storage (a drawn storage would leave the split
+# to chance, and hypothesis draws its first choice most often)
+TestCacheMachine = machine_test("float32", 6)
+TestCacheMachineE4M3 = machine_test("float8_e4m3", 5)
+TestCacheMachineE5M2 = machine_test("float8_e5m2", 5)

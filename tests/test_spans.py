@@ -4,13 +4,18 @@ Differential: the same tokens, declared as interleaved spans in one step or as e
 sequence alone, give the same positions, committed state, stored bytes and
 attention outputs (both also checked against the float64 reference built from the
 test's own histories), on a flat and a ring layer, across a ring wrap inside the
-step, with padding.
+step, with padding. Over 8-bit float storage, against the same reference over the
+quantised K/V (tests/test_fp8.py's quantiser).
 """
+import copy
+
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvnumba as kv
 from oracle import dense_attention
+from test_fp8 import quantised
 
 WINDOWS = (None, 3)                 # a flat layer and a ring layer: R = 3 + 6 - 1 = 8
 H, HQ, D = 1, 2, 4
@@ -19,11 +24,11 @@ SCALE = 1 / np.sqrt(D)
 EXAMPLES = max(6, settings.default.max_examples // 4)
 
 
-def make():
+def make(dtype="float32", **scales):
     config = kv.CacheConfig(layers=[kv.flat() if w is None else kv.ring(window=w)
                                     for w in WINDOWS], n_kv_heads=H, head_dim=D,
                             capacity=CAPACITY, max_seqs=3, max_write=MAX_WRITE,
-                            max_step=MAX_STEP, dtype="float32", initial_pages=4)
+                            max_step=MAX_STEP, dtype=dtype, initial_pages=4, **scales)
     return kv.BatchedSequenceCache(config)
 
 
@@ -65,9 +70,10 @@ def reference(history, new, seq, layer, window):
     return dense_attention(new[seq].q[layer], keys, values, pos_start, window, False, SCALE)
 
 
-def with_history(rng, hist_lens):
-    """A cache whose sequences hold `hist_lens` positions, and those positions' tokens."""
-    cache = make()
+def with_history(rng, hist_lens, **storage):
+    """A cache (`make(**storage)`) whose sequences hold `hist_lens` positions, and those
+    positions' tokens."""
+    cache = make(**storage)
     history = {}
     for seq, n in enumerate(hist_lens):
         assert cache.seq_new() == seq
@@ -160,6 +166,56 @@ def test_a_b_a_runs_and_matches_each_sequence_alone():
         for layer in range(len(WINDOWS)):
             np.testing.assert_allclose(outs[layer][rows], ref[layer], rtol=1e-5, atol=1e-6)
     assert (split.pos(0), split.pos(1)) == (9, 4)
+
+
+def stored_as(tokens, dtype, k_scale, v_scale):
+    """`tokens` with K and V as an fp8 cache holds them (`scale * stored`, float64), q as
+    given."""
+    held = copy.copy(tokens)
+    held.k = [quantised(k, dtype, scale) for k, scale in zip(tokens.k, k_scale)]
+    held.v = [quantised(v, dtype, scale) for v, scale in zip(tokens.v, v_scale)]
+    return held
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
+def test_interleaved_spans_over_fp8_storage_match_the_quantised_reference(dtype):
+    """[a x5, b, a, b, b] over fp8 storage with per-layer scales (a's ring wraps inside
+    the step; a prefill span of 5 tokens, decode spans of 1 and 2), with padding: every span's output matches the float64 attention over the quantised
+    K/V, and equals each sequence's tokens alone; the stored values times the scales are
+    the quantised reference's, and the same bytes as alone."""
+    scales = {"k_scale": [0.3, 1.0], "v_scale": [1.0, 0.01]}
+    rng = np.random.default_rng(11)
+    split, history = with_history(rng, [6, 2], dtype=dtype, **scales)
+    alone, _ = with_history(np.random.default_rng(11), [6, 2], dtype=dtype, **scales)
+    new = {0: Tokens(rng, 6), 1: Tokens(rng, 3)}
+    order = [(0, i) for i in range(5)] + [(1, 0), (0, 5), (1, 1), (1, 2)]
+    plan, outs = run_step(split, order, new, width=11)
+    assert [(g.seq, g.q_start, g.q_len, g.pos_start) for g in plan.segments] == \
+        [(0, 0, 5, 6), (1, 5, 1, 2), (0, 6, 1, 11), (1, 7, 2, 3)]
+    held = {seq: stored_as(t, dtype, **scales) for seq, t in history.items()}
+    held_new = {seq: stored_as(t, dtype, **scales) for seq, t in new.items()}
+    for seq in new:
+        _, alone_outs = run_step(alone, [(seq, i) for i in range(len(new[seq].k[0]))], new)
+        rows = [t for t, (s, _) in enumerate(order) if s == seq]
+        for layer, window in enumerate(WINDOWS):
+            want = reference(held, held_new, seq, layer, window)
+            # float32 arithmetic over K/V of the inputs' magnitude, as at float32 storage,
+            # plus two float32 roundings (softmax scale times k_scale, output times v_scale)
+            np.testing.assert_allclose(outs[layer][rows], want, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(alone_outs[layer], want, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(outs[layer][rows], alone_outs[layer], rtol=1e-5,
+                                       atol=1e-6)
+            positions, k, v = split.sequence_kv(seq, layer)
+            if window is not None and seq == 0:     # a's ring wrapped: R = 8 of 12 rows
+                assert positions.tolist() == list(range(4, 12))
+            keys = np.concatenate([held[seq].k[layer], held_new[seq].k[layer]])
+            values = np.concatenate([held[seq].v[layer], held_new[seq].v[layer]])
+            k_scale = np.float32(scales["k_scale"][layer])
+            v_scale = np.float32(scales["v_scale"][layer])
+            np.testing.assert_array_equal(k.astype(np.float64) * k_scale, keys[positions])
+            np.testing.assert_array_equal(v.astype(np.float64) * v_scale, values[positions])
+            _, k_alone, v_alone = alone.sequence_kv(seq, layer)
+            assert k.tobytes() == k_alone.tobytes() and v.tobytes() == v_alone.tobytes()
 
 
 def test_prepared_abort_raises_high_water_to_the_end_of_the_last_span():
