@@ -15,7 +15,7 @@ import numpy as np
 from .args import as_finite, describe, is_int
 from .arrays import Result, check, check_out, device_view, overlap
 from .config import CacheConfig
-from .errors import ConfigError, ShapeError, StepProtocolError
+from .errors import ShapeError, StepProtocolError
 from .kernels.launch import no_output
 from .kernels.out_scale import scale_out
 from .refusals import width_hint
@@ -42,7 +42,7 @@ class DataPath:
         self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
         # fp8 storage (contract §3): the write multiplies by each layer's reciprocal
         # scales, attention folds k_scale into its scale and multiplies out by v_scale
-        self._k_scale = np.array(config.k_scale, np.float64)
+        self._k_scale = config.k_scale
         self._v_scale = np.array(config.v_scale, np.float32)
         self._inverse = [(np.float32(1 / k), np.float32(1 / v))
                          for k, v in zip(config.k_scale, config.v_scale)]
@@ -104,18 +104,15 @@ class DataPath:
 
     def _layer_scale(self, layer: int, inputs: tuple) -> tuple:
         """`inputs` (`_attend_inputs`) with fp8 storage's `k_scale` folded into the scale
-        (K = k_scale * stored): the product a finite float32, zero only for a zero
-        scale, or `ConfigError`."""
+        (K = k_scale * stored), the product held to the range every scale keeps
+        (`args.as_finite`), or `ConfigError`."""
         if not self._scaled:
             return inputs
         q, out, scale, softcap, lse = inputs
-        with np.errstate(over="ignore", under="ignore"):
-            folded = np.float32(np.float64(scale) * self._k_scale[layer])
-        if not np.isfinite(folded) or (folded == 0) != (scale == 0):
-            raise ConfigError(f"attend: scale {float(scale)!r} times layer {layer}'s k_scale "
-                              f"{self._k_scale[layer]!r} is {float(folded)!r} as a float32; "
-                              f"the kernels need it finite and nonzero: use a scale nearer 1")
-        return q, out, folded, softcap, lse
+        k_scale = self._k_scale[layer]
+        folded = as_finite(float(scale) * k_scale, f"attend: scale {float(scale)!r} times "
+                                                   f"layer {layer}'s k_scale {k_scale!r}")
+        return q, out, np.float32(folded), softcap, lse
 
     def _attend_inputs(self, step, q, out, scale, softcap, lse, **inputs) -> tuple:
         """`(q, out, scale, softcap, lse)` checked, the defaults filled in; `inputs`: the

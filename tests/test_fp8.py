@@ -422,3 +422,26 @@ def test_pytorch_tensors_in_the_models_dtype_over_fp8_storage():
     for a, b in zip(outs["numpy"], outs["torch"]):
         np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
         assert np.isfinite(a.astype(np.float32)).all()
+
+
+def test_a_scale_that_k_scale_takes_out_of_range_is_refused_and_changes_nothing():
+    """A layer's `k_scale` joins the attend scale; their product is held to the range every
+    scale keeps ([2**-60, 2**60]): past it, `update_and_attend` and `attend` are refused
+    with `ConfigError` naming both, before the write, leaving states, positions, the step
+    and every byte as they were; a scale the product keeps in range is served."""
+    from snapshot import assert_unchanged, snapshot
+
+    cache = _cache("float8_e4m3", [kv.flat()], k_scale=2.0 ** 40, v_scale=1.0, max_seqs=1)
+    s = cache.seq_new()
+    cache.declare_step([s] * 2)
+    cache.prepare_step()
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, heads, D)).astype(np.float32) for heads in (HQ, H, H))
+    before = snapshot(cache)
+    for call in (lambda: cache.update_and_attend(0, q, k, v, scale=2.0 ** 30),
+                 lambda: cache.attend(0, q, scale=2.0 ** 25)):
+        with pytest.raises(ConfigError, match=r"k_scale 1099511627776\.0.*\[2\*\*-60, 2\*\*60\]"):
+            call()
+        assert_unchanged(before, snapshot(cache))
+    out = cache.update_and_attend(0, q, k, v, scale=2.0 ** -30)
+    assert np.isfinite(out).all()

@@ -1,4 +1,5 @@
-"""The numbers every kernel shares (float32 where they meet float32 arithmetic)."""
+"""The numbers every kernel shares (float32 where they meet float32 arithmetic), and
+the 8-bit float formats' bit dtypes."""
 from __future__ import annotations
 
 import math
@@ -13,3 +14,7 @@ NEG_INF = float32(-math.inf)
 LOG2E = float32(math.log2(math.e))
 #: ln(2): a base-2 log-sum-exp times it is the natural one
 LN2 = float32(math.log(2.0))
+#: 8-bit float storage: the name of the bits' dtype -> the format they hold (Numba has
+#: no 8-bit float types; each format has its own integer type, so the element type
+#: tells a kernel which)
+FP8_FORMATS = {"uint8": "e4m3", "int8": "e5m2"}

@@ -17,10 +17,9 @@ byte of a word. On Numba's CUDA simulator the same names are bound to `fp8sim`'s
 from __future__ import annotations
 
 from ..device import SIMULATOR
-from .ptxgen import F32, I32, asm, cast, check_integers, check_numbers, named
+from .ptxgen import F32, I32, asm, cast, check_integers, check_numbers, named, stored_value
 
-from llvmlite import ir  # noqa: E402  (after kvnumba.device chose the target)
-from numba.cuda import types  # noqa: E402
+from numba.cuda import types  # noqa: E402  (after kvnumba.device chose the target)
 
 F32X4 = types.UniTuple(types.float32, 4)
 
@@ -55,10 +54,7 @@ def _narrow4(name, fmt):
         def codegen(context, builder, sig, args):
             values = cast(context, builder, args, sig.args, types.float32)
             inv = values.pop()
-            zero = ir.Constant(F32, 0.0)
-            # `x * 0 + x` in one fma: NaN for a non-finite x, x itself otherwise (-0 too);
-            # no fast-math flags, so LLVM keeps it
-            scaled = [builder.fmul(builder.fma(x, zero, x), inv) for x in values]
+            scaled = [stored_value(builder, x, inv) for x in values]
             # `cvt.rn.satfinite.<fmt>x2.f32 d, x, y` puts x in the UPPER byte of d
             (word,) = asm(builder, "{ .reg .b16 lo, hi; "
                                    f"cvt.rn.satfinite.{fmt}x2.f32 lo, $2, $1; "

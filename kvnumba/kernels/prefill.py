@@ -12,9 +12,10 @@ from functools import lru_cache
 
 import numpy as np
 
+from .constants import FP8_FORMATS
 from .launch import PER_CALL, aligned, ceil_div, no_output
 from .prefill_kernel import prefill_kernel
-from .prefill_shape import (FP8_STORED, Q_OUT_TYPES, default_warp_rows, stored_type,
+from .prefill_shape import (Q_OUT_TYPES, default_warp_rows, stored_type,
                             supports, tile_shape, type_name)
 
 #: the mma type's array dtype name (bfloat16 as uint16 bits)
@@ -34,7 +35,7 @@ def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
         if type_name(dtype) not in Q_OUT_TYPES:
             raise ValueError(f"prefill: {name} dtype {dtype} not in {Q_OUT_TYPES}")
     stored = stored_type(storage_dtype)
-    if type_name(storage_dtype) not in FP8_STORED:
+    if type_name(storage_dtype) not in FP8_FORMATS:
         return stored, stored
     return ("bfloat16" if type_name(q_dtype) == "uint16" else "float16"), stored
 

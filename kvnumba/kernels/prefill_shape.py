@@ -10,6 +10,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..config import INT32_MAX, MAX_HEAD_DIM
+from .constants import FP8_FORMATS
 from .launch import ceil_div
 
 
@@ -29,7 +30,6 @@ STORAGE_TYPES = ("float16", "bfloat16")
 #: they are (cp.async), 8-bit floats (e4m3 bits as uint8, e5m2 as int8) converted to
 #: the mma's 16-bit type on the way into shared memory
 STORED_BYTES = {"float16": 2, "bfloat16": 2, "e4m3": 1, "e5m2": 1}
-FP8_STORED = {"uint8": "e4m3", "int8": "e5m2"}
 FLAT_RING = INT32_MAX     # the ring size a flat layer's rows are walked with: never wraps
 CHUNK_VALUES = 8          # 16-bit values in a 16-byte cp.async chunk
 LINE_CHUNKS = 8           # chunks in a 128-byte line
@@ -51,7 +51,7 @@ def supports(head_dim, storage_dtype) -> bool:
     """Can this path serve a layer? head_dim a multiple of 8 (16-byte chunks) up to 256,
     storage float16 or bfloat16 (a dtype, its name, or uint16: bfloat16 bits), or 8-bit
     floats (uint8: e4m3 bits, int8: e5m2). float32 storage is not served."""
-    return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",) + tuple(FP8_STORED)
+    return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",) + tuple(FP8_FORMATS)
             and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
 
 
@@ -59,7 +59,7 @@ def stored_type(dtype) -> str:
     """What K/V storage of `dtype` holds: a 16-bit type (`storage_type`), or "e4m3" /
     "e5m2" for uint8 / int8 bits."""
     name = type_name(dtype)
-    return FP8_STORED[name] if name in FP8_STORED else storage_type(name)
+    return FP8_FORMATS[name] if name in FP8_FORMATS else storage_type(name)
 
 
 def shared_layout(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, int, int, int]:

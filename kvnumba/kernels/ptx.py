@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from ..device import SIMULATOR
 from .ptxgen import (F32, GLOBAL, I32, U32X4, asm, cast, check_array, check_integers,
-                     check_numbers, named, state_address)
+                     check_numbers, named, state_address, stored_value)
 
 from llvmlite import ir  # noqa: E402  (after kvnumba.device chose the target)
 from numba.cuda import cgutils, types  # noqa: E402
@@ -293,10 +293,7 @@ def to_storage(typingctx, value, inv_scale, array):
     def codegen(context, builder, sig, args):
         f32, inv = cast(context, builder, args[:2], sig.args[:2], types.float32)
         if dtype in FP8_ELEMENTS:
-            # `value * 0 + value` in one fma: NaN for a non-finite value, the value
-            # otherwise (-0 too); no fast-math flags, so LLVM keeps it
-            kept = builder.fma(f32, ir.Constant(F32, 0.0), f32)
-            f32 = builder.fmul(kept, inv)
+            f32 = stored_value(builder, f32, inv)
         return _from_f32(context, builder, f32, dtype)
 
     return dtype(value, inv_scale, array), codegen

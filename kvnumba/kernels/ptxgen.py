@@ -43,6 +43,13 @@ def cast(context, builder, values, from_types, to_type):
     return [context.cast(builder, v, t, to_type) for v, t in zip(values, from_types)]
 
 
+def stored_value(builder, value, inv_scale):
+    """The float32 an 8-bit float store narrows: `value * 0 + value` in one fma (NaN for a
+    non-finite value, the value itself otherwise, -0 too) times `inv_scale`. No
+    fast-math flags, so LLVM keeps the fma."""
+    return builder.fmul(builder.fma(value, ir.Constant(F32, 0.0), value), inv_scale)
+
+
 def element_pointer(context, builder, array_type, array, index_type, index):
     """Generic pointer to flat element `index` of a C-contiguous array (no bounds check)."""
     data = context.make_array(array_type)(context, builder, value=array).data

@@ -16,6 +16,7 @@ import struct
 import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
 
+from .constants import FP8_FORMATS
 from .fp8sim import narrow, stored, widen
 from .simwarp import WarpError, exchange
 
@@ -134,7 +135,7 @@ def f32x2_to_bf16x2(lo, hi):
 
 
 #: 8-bit float element types -> their formats
-_FP8 = {np.dtype(np.uint8): "e4m3", np.dtype(np.int8): "e5m2"}
+_FP8 = {np.dtype(name): fmt for name, fmt in FP8_FORMATS.items()}
 
 
 def to_f32(x):

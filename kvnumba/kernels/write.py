@@ -37,6 +37,7 @@ import numpy as np
 
 from ..device import cuda
 from . import ptx, write_fp8
+from .constants import FP8_FORMATS
 from .launch import (MAX_BLOCKS, PER_CALL, VECTOR_BYTES, Specialised, aligned, ceil_div,
                      run_block)
 from .masks import (divmod32, page_slot, seq_and_position, step_on, storage_row, token_lanes,
@@ -48,8 +49,6 @@ from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the 
 #: loops: all loads of a trip go out before its stores, and a token's (or a page
 #: pair's) lookups are shared by 2 * TRIP_VECTORS vectors a lane
 TRIP_VECTORS = 4
-#: 8-bit float storage dtypes (their bits) -> formats
-FP8_FORMATS = {"uint8": "e4m3", "int8": "e5m2"}
 #: the reciprocal scale of storage that is not 8-bit floats
 ONE = np.float32(1.0)
 #: a run longer than this many bytes takes the element-wise path (vector offsets in a
