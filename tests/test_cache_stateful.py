@@ -961,6 +961,6 @@ def machine_test(storage, ci_programs):
 # under the CI profile, 16 programs (each of many steps, the prefix index's included) keep
 # the suite within its time: one machine per storage (a drawn storage would leave the split
 # to chance, and hypothesis draws its first choice most often)
-TestCacheMachine = machine_test("float32", 6)
-TestCacheMachineE4M3 = machine_test("float8_e4m3", 5)
-TestCacheMachineE5M2 = machine_test("float8_e5m2", 5)
+TestCacheMachine = machine_test("float32", 5)
+TestCacheMachineE4M3 = machine_test("float8_e4m3", 4)
+TestCacheMachineE5M2 = machine_test("float8_e5m2", 4)
