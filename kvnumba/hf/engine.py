@@ -136,6 +136,7 @@ class Engine:
         self._last_id = 0        # the last request id drawn
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
+        self._stepping: list[Request] = []     # the requests the current step admits or runs
         self.proposed = self.accepted = 0      # draft tokens proposed / accepted so far
         self.prompt_tokens = self.cached_tokens = 0   # of admitted requests, from the index
 
@@ -201,8 +202,13 @@ class Engine:
                    for i, p in enumerate(prompts)]
         rids = [self._queue(request) for request in checked]
         results = {}
-        while self.busy:
-            results.update(self.step())
+        try:
+            while self.busy:
+                results.update(self.step())
+        except BaseException:
+            for rid in rids:                 # the call's other requests end with it
+                self.cancel(rid)
+            raise
         out = []
         for rid in rids:
             out.extend(results[rid] if n > 1 else [results[rid]])
@@ -247,25 +253,70 @@ class Engine:
         self._waiting.append(request)
         return request.rid
 
+    def cancel(self, rid: int) -> bool:
+        """End request `rid` now, between steps: a waiting request leaves the queue, a
+        running one's sequences are freed (with `n > 1`, all of them); the pages it
+        registered in earlier steps stay indexed. Returns whether it was waiting or
+        running (a finished, failed or unknown id: False, nothing changed). On a rank
+        other than 0 of a split model: nothing (rank 0's cancel is replayed here)."""
+        if self._following:
+            return False
+        return bool(self._end({rid}))
+
     # ------------------------------------------------------------------ the loop
     def step(self) -> list:
         """Run one engine step; returns `(request id, tokens)` of the requests that
         finished in it. On a rank other than 0 of a split model: take part in rank 0's
-        step, and return what it returns."""
+        step, and return what it returns.
+
+        A step in which a model (or anything else) raises ends the requests in it (the
+        model run that raised is aborted, as any step of the step driver): their sequences are freed, nothing of
+        the failed step is registered in a prefix index (what earlier steps registered
+        stays), and the exception propagates with `failed_requests`, the ids of the
+        requests it ended. Requests outside the step go on; the engine serves the next
+        steps as if the failed requests had never been submitted. On the other ranks of
+        a split model, `step()` raises rank 0's exception too."""
         if self._following:
             finished, counters = self.lockstep.follow_step(self._last_id)
             self.proposed, self.accepted, self.prompt_tokens, self.cached_tokens = counters
             return finished
-        finished = self._step()
+        failure = None
+        try:
+            finished = self._step()
+        except BaseException as exc:
+            failure, finished = exc, []
+            failed = self._end({r.rid for r in self._stepping})
+            _name_failed(exc, failed)
         if self.lockstep:
             counters = self.proposed, self.accepted, self.prompt_tokens, self.cached_tokens
-            self.lockstep.end_step(finished, self.busy, counters, self._last_id)
+            self.lockstep.end_step(finished, self.busy, counters, self._last_id, failure)
+        if failure is not None:
+            raise failure
         return finished
+
+    def _end(self, rids: set) -> list:
+        """End the requests `rids` (every sequence of each, waiting or running), their
+        sessions closed; returns the ids that were waiting or running, in order."""
+        ended = sorted({r.rid for r in [*self._waiting, *self._running] if r.rid in rids})
+        self._waiting = deque(r for r in self._waiting if r.rid not in rids)
+        for request in [r for r in self._running if r.rid in rids]:
+            self._running.remove(request)
+            self._close(request)
+        return ended
+
+    def _close(self, request) -> None:
+        """Close `request`'s sessions (those it has opened)."""
+        for served, sid in ((self.target, request.sid), (self.draft, request.dsid)):
+            if served is not None and sid is not None:
+                served.close(sid)
+        request.sid = request.dsid = None
 
     def _step(self) -> list:
         """One step of the engine that serves the requests."""
+        self._stepping = []          # the requests this step admits or runs
         self._admit()
         plan = self._plan()
+        self._stepping += [request for request, _, _ in plan]
         self._running = self._running[1:] + self._running[:1]   # a fair turn at the budget
         if not plan:
             return []
@@ -287,18 +338,15 @@ class Engine:
         while self._waiting and self._waiting[0].n <= free and all(
                 model.fits(r, self._waiting[0]) for model, r in zip(models, reserved)) \
                 and not self._computing_its_prefix(self._waiting[0]):
-            request = self._waiting.popleft()
+            request = self._waiting[0]
+            self._stepping.append(request)
             free -= request.n
             reserved = [[a + b for a, b in zip(r, model.need(request))]
                         for model, r in zip(models, reserved)]
-            request.sid = self._open(self.target, request)
-            request.fed = request.offered = self.target.table.pos(request.sid)
-            if self.draft:
-                request.dsid = self._open(self.draft, request)
-                request.dfed = request.doffered = self.draft.table.pos(request.dsid)
+            self._open(request)
+            self._running.append(self._waiting.popleft())
             self.prompt_tokens += request.n_prompt
             self.cached_tokens += request.fed
-            self._running.append(request)
 
     def _computing_its_prefix(self, request) -> bool:
         """With the prefix cache: whether a running request is still prefilling whole
@@ -314,12 +362,45 @@ class Engine:
                     return True
         return False
 
-    def _open(self, served, request) -> int:
-        """A session of `served`'s table for `request`: from its prompt's longest indexed
-        prefix with the prefix cache, else empty."""
+    def _open(self, request) -> None:
+        """Open `request`'s sessions, in the model's table and the draft's, at one
+        position: with the prefix cache, the shorter of the two caches' hits on its
+        prompt (each cache's later pages are recomputed), so the draft is always fed the
+        tokens the model is fed, at the same positions. A refusal closes what it opened."""
+        models = self._models()
+        prompt = request.tokens[:request.n_prompt]
+        hits = [served.indexed(prompt, request.extra) if self.prefix_cache else 0
+                for served in models]
+        sids = []
+        try:
+            for served, hit in zip(models, hits):
+                sids.append(self._open_at(served, request, min(hits), hit))
+            # a match is shortened where a ring pool cannot spare its rows: reopen the
+            # longer sessions at the shortest until they agree (positions only fall)
+            while len({served.table.pos(sid) for served, sid in zip(models, sids)}) > 1:
+                upto = min(served.table.pos(sid) for served, sid in zip(models, sids))
+                for i, served in enumerate(models):
+                    if served.table.pos(sids[i]) > upto:
+                        served.close(sids[i])
+                        sids[i] = self._open_at(served, request, upto, upto + 1)
+        except BaseException:
+            for served, sid in zip(models, sids):
+                served.close(sid)
+            raise
+        request.sid = sids[0]
+        request.fed = request.offered = self.target.table.pos(request.sid)
+        if self.draft:
+            request.dsid = sids[1]
+            request.dfed = request.doffered = request.fed
+
+    def _open_at(self, served, request, upto: int, hit: int) -> int:
+        """A session of `served`'s table for `request` holding at most `upto` positions of
+        its prompt from the prefix index, whose own hit on the prompt is `hit` (the whole
+        prompt is looked up unless that is more; without the prefix cache: empty)."""
         if not self.prefix_cache:
             return served.open()
-        return served.open(request.tokens[:request.n_prompt], request.extra)
+        end = upto + 1 if hit > upto else request.n_prompt
+        return served.open(request.tokens[:end], request.extra)
 
     def _register(self, plan) -> None:
         """Offer each stepped request's newly completed pages of committed positions to
@@ -453,9 +534,7 @@ class Engine:
         finished, reported = [], set()
         for request in [r for r in self._running if r.done]:
             self._running.remove(request)
-            self.target.close(request.sid)
-            if self.draft:
-                self.draft.close(request.dsid)
+            self._close(request)
             group = request.group
             if id(group) not in reported and all(s.done for s in group) and group[0].n == 1:
                 reported.add(id(group))
@@ -477,3 +556,14 @@ def budgeted(configs: list, kv_bytes: int) -> list:
     for a pool."""
     total = sum(config.bytes_per_token for config in configs)
     return [config.fixed_pool(kv_bytes * config.bytes_per_token // total) for config in configs]
+
+
+def _name_failed(exc: BaseException, failed: list) -> None:
+    """Tell a step's exception which requests it ended (`failed_requests`, and a note)."""
+    try:
+        exc.failed_requests = tuple(failed)
+    except AttributeError:                  # an exception type that takes no attributes
+        pass
+    if failed and hasattr(exc, "add_note"):
+        exc.add_note(f"kvnumba.hf.Engine: the step failed; requests {failed} ended, their "
+                     f"sequences freed")

@@ -25,6 +25,7 @@ naming the step and the ranks that differ from rank 0, when they do not all agre
 from __future__ import annotations
 
 import hashlib
+import pickle
 
 from .. import SlotState
 from ..errors import RankDivergenceError
@@ -74,10 +75,13 @@ class Lockstep:
         self._broadcast([self._pending])
         self._pending = []
 
-    def end_step(self, finished: list, busy: bool, counters: tuple, ids: int) -> None:
+    def end_step(self, finished: list, busy: bool, counters: tuple, ids: int,
+                 failure: BaseException | None = None) -> None:
         """Send the rest of the step and its end: the requests `finished`, whether rank 0
-        is still `busy`, its `counters`; then check the ranks (`ids`: request ids drawn)."""
-        self._pending.append((None, "end", (finished, busy, counters)))
+        is still `busy`, its `counters`, and the exception its step raised (None); then
+        check the ranks (`ids`: request ids drawn)."""
+        sent = None if failure is None else portable(failure)
+        self._pending.append((None, "end", (finished, busy, counters, sent)))
         self._broadcast([self._pending])
         self._pending = []
         self._after_step(ids)
@@ -86,16 +90,27 @@ class Lockstep:
     def follow_step(self, ids: int) -> tuple:
         """Take part in rank 0's next step: apply its verbs and runs as they come, until
         its end; returns `(finished, counters)` as rank 0 sent them (`ids`: request ids
-        this rank drew, for the check)."""
+        this rank drew, for the check). Where rank 0's step raised, this rank raises its
+        exception at the end (having applied the verbs that ended its requests); where a
+        run raised on this rank alone, this rank's exception (its caches then differ from
+        rank 0's: `check` names them)."""
+        failed = None
         while True:
             message = [None]
             self._broadcast(message)
             for which, verb, args in message[0]:
                 if verb == "end":
-                    finished, self.busy, counters = args
+                    finished, self.busy, counters, failure = args
                     self._after_step(ids)
+                    if failure is not None or failed is not None:
+                        raise failure if failure is not None else failed
                     return finished, counters
-                self._apply(self.models[which], self._sids[which], verb, args)
+                if verb == "run" and failed is not None:
+                    continue                 # the runs after a failed one: not entered
+                try:
+                    self._apply(self.models[which], self._sids[which], verb, args)
+                except Exception as exc:     # noqa: BLE001  (raised at the step's end)
+                    failed = exc
 
     @staticmethod
     def _apply(served, sids: dict, verb: str, args: tuple) -> None:
@@ -142,6 +157,15 @@ class Lockstep:
                 f"({which}: sequence states, positions, page tables, sessions, pool counts); "
                 f"every rank must make the same Engine calls, and nothing else may change an "
                 f"engine's caches")
+
+
+def portable(exc: BaseException) -> BaseException:
+    """`exc` if it survives pickling (as a broadcast sends it), else a `RuntimeError`
+    naming its type and message."""
+    try:
+        return pickle.loads(pickle.dumps(exc))
+    except Exception:                       # noqa: BLE001  (any unpicklable exception)
+        return RuntimeError(f"rank 0's step raised {type(exc).__name__}: {exc}")
 
 
 def _ranks(differ: dict) -> str:

@@ -7,7 +7,7 @@ import contextlib
 
 import numpy as np
 
-from .. import BatchedSequenceCache, SessionTable, run_inputs
+from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
 from .attention import ATTENTION
 
 
@@ -42,6 +42,13 @@ class ServedModel:
         """Whether `request`'s sequences fit the pools beside `reserved` pages."""
         return all(r + n <= bound for r, n, (_, bound) in
                    zip(reserved, self.need(request), self.kinds))
+
+    def indexed(self, prompt: list, extra: bytes = b"") -> int:
+        """Positions of `prompt` its prefix index holds, in whole pages and never all of
+        it: where a session opened from `prompt` starts, at most (a match may be shortened
+        where a ring pool cannot spare its rows). Changes nothing."""
+        size = self.cache.config.page_size
+        return self.cache.prefix_match(page_keys(prompt[:-1], size, extra)) * size
 
     # the verbs that change the table: the engine's every decision about this model's
     # cache goes through them (and `run`), so rank 0 of a split model can pass them on
