@@ -205,8 +205,7 @@ class PrefixIndex:
         rows to copy."""
         size = self.page_size
         copies = [None] * len(self.kinds)
-        if chain:
-            self.touch(chain)
+        self.touch(chain)       # a new use, whether or not it touches indexed nodes
         owned = {}           # kind -> the pages new nodes take of it, in `new`'s order
         for i, kind in enumerate(self.kinds):
             if not (self.keeps_rows(i) and new):

@@ -272,3 +272,24 @@ def test_a_session_rewound_and_rewritten_registers_its_new_pages():
     assert table.register(sid, new) == 2
     for tokens_, hits in ((tokens, 2), (new, 2)):    # the old pages kept (copy-on-write)
         assert cache.prefix_match(page_keys(np.asarray(tokens_), 8)) == hits
+
+
+def test_every_registration_is_a_new_use_even_one_that_touches_no_indexed_page():
+    """Two chains registered by calls that touch no indexed page: the older one (B, one
+    page) is evicted before the newer, deeper one (A, two pages), as least recently
+    used first says (deepest first breaks ties within one use only: were the two calls
+    one use, A's second page would go)."""
+    cache = kv.BatchedSequenceCache(config([kv.flat()], 8, 64, 8, max_seqs=2,
+                                           initial_pages=5, max_pages=5))
+    b, a = [5] * 8, [6] * 16
+    for tokens in (b, a):                          # B first, then A: neither touches any
+        s = cache.seq_new()
+        feed(cache, s, tokens, 0, 8)
+        assert register(cache, s, tokens) == len(tokens) // 8     # one call each
+        cache.seq_rm(s)
+    keys = [page_keys(np.asarray(t), 8) for t in (a, b)]
+    assert pools(cache) == [(1, 1, 3)]
+    s = cache.seq_new()
+    feed(cache, s, [9] * 16, 0, 8)                 # the free page, then one evicted: B's
+    assert [cache.prefix_match(k) for k in keys] == [2, 0]
+    assert cache.prefix_counts.pages_evicted == 1
