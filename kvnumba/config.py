@@ -6,6 +6,7 @@ field and the rule it broke.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import NamedTuple
@@ -184,6 +185,8 @@ class CacheConfig:
         per layer: positive, finite, and with a finite float32 reciprocal (the write
         multiplies by it); anything but 1.0 only for fp8 storage."""
         n = len(self.layers)
+        if isinstance(value, np.ndarray) and value.ndim == 0:
+            value = value[()]                # a 0-d array: its one number
         scales = tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,) * n
         if len(scales) != n:
             raise ConfigError(f"{name}: {len(scales)} scales for {n} layers: give one "
@@ -195,6 +198,8 @@ class CacheConfig:
             if isinstance(scale, (bool, np.bool_)) or not isinstance(
                     scale, (int, float, np.integer, np.floating)):
                 raise ConfigError(f"{where}: must be a positive finite number")
+            if is_int(scale) and abs(int(scale)) > float(np.finfo(np.float32).max):
+                scale = math.inf if scale > 0 else -math.inf    # past float's range too
             with np.errstate(over="ignore", divide="ignore"):
                 f32 = np.float32(scale)
                 inverse = np.float32(1) / f32 if f32 > 0 else np.float32(0)

@@ -17,7 +17,7 @@ import hashlib
 
 import numpy as np
 
-from .args import describe
+from .args import as_count, describe
 from .errors import ShapeError
 
 #: the parent of a list's first page
@@ -62,10 +62,19 @@ def page_keys(tokens, page_size: int, extra=b"", parent: bytes = ROOT,
     """The keys of the whole pages of `tokens` (token ids from position 0: a list or a
     1-D integer array) from page `first` on, `parent` being the key of page `first - 1`
     (`ROOT` for page 0), under the extra key `extra` (None, bytes or str): one 32-byte
-    key per page, `len(tokens) // page_size - first` of them."""
+    key per page, `len(tokens) // page_size - first` of them. `page_size` (an int >= 1:
+    the cache's `config.page_size`) and `first` (an int >= 0) are `ConfigError` otherwise,
+    a `parent` that is not a key `ShapeError`."""
     tokens = token_ids(tokens, "page_keys tokens")
     extra = extra_bytes(extra)
+    page_size = as_count(page_size, "page_keys page_size (the cache's config.page_size)", 1)
+    first = as_count(first, "page_keys first", 0)
+    if not isinstance(parent, bytes) or len(parent) != KEY_BYTES:
+        raise ShapeError(f"page_keys parent: expected a {KEY_BYTES}-byte page key (ROOT or a "
+                         f"key page_keys made), got {describe(parent)}")
     n_pages = tokens.size // page_size
+    if n_pages <= first:
+        return []
     pages = np.ascontiguousarray(tokens[:n_pages * page_size], dtype="<i8")
     pages = pages.reshape(n_pages, page_size)
     salt = len(extra).to_bytes(8, "little") + extra
@@ -82,7 +91,8 @@ def page_keys(tokens, page_size: int, extra=b"", parent: bytes = ROOT,
 def as_keys(keys, what: str) -> list:
     """`keys` (a list of page keys, as `page_keys` makes them) as a list of bytes, or
     `ShapeError` naming `what`."""
-    if isinstance(keys, (bytes, str)) or not hasattr(keys, "__iter__"):
+    if isinstance(keys, (bytes, str)) or not hasattr(keys, "__iter__") or \
+            getattr(keys, "ndim", 1) == 0:
         raise ShapeError(f"{what}: expected a list of page keys (prefix_keys.page_keys), got "
                          f"{describe(keys)}")
     keys = list(keys)
