@@ -293,3 +293,27 @@ def test_every_registration_is_a_new_use_even_one_that_touches_no_indexed_page()
     feed(cache, s, [9] * 16, 0, 8)                 # the free page, then one evicted: B's
     assert [cache.prefix_match(k) for k in keys] == [2, 0]
     assert cache.prefix_counts.pages_evicted == 1
+
+
+def test_eviction_follows_registration_and_match_order_exactly():
+    """A, C, B registered one after another (each call touching no indexed page), then A
+    matched: the evictions go C, then B (deepest first), then A, one page at a time (were
+    the three registrations one use, B's second page, the deepest, would go first)."""
+    cache = kv.BatchedSequenceCache(config([kv.flat()], 8, 64, 8, max_seqs=2,
+                                           initial_pages=7, max_pages=7))
+    lists = {"a": [6] * 16, "c": [7] * 8, "b": [5] * 16}
+    for tokens in lists.values():
+        s = cache.seq_new()
+        feed(cache, s, tokens, 0, 8)
+        assert register(cache, s, tokens) == len(tokens) // 8
+        cache.seq_rm(s)
+    keys = {name: page_keys(np.asarray(t), 8) for name, t in lists.items()}
+    cache.seq_rm(cache.seq_from_prefix(keys["a"]))        # A used again, last
+    assert pools(cache) == [(1, 1, 5)]
+    s = cache.seq_new()
+    seen = []
+    for page in range(6):                                  # the free page, then 5 evicted
+        feed(cache, s, [9] * 8, 8 * page, 8)
+        seen.append(tuple(cache.prefix_match(keys[n]) for n in "abc"))
+    assert seen == [(2, 2, 1), (2, 2, 0), (2, 1, 0), (2, 0, 0), (1, 0, 0), (0, 0, 0)]
+    assert cache.prefix_counts.pages_evicted == 5
