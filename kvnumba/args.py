@@ -50,6 +50,13 @@ def describe(value) -> str:
     return text if kind in ("int", "float", "str") else f"{text} ({kind})"
 
 
+def is_listlike(value) -> bool:
+    """True for a list, a tuple, an array of at least one dimension or another iterable;
+    False for str and bytes, 0-d arrays, numbers and None."""
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__iter__") and \
+        getattr(value, "ndim", 1) != 0
+
+
 def is_int(value) -> bool:
     """True for Python and NumPy integers; False for bools (an id is never True or False)."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))

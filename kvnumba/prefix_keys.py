@@ -17,7 +17,7 @@ import hashlib
 
 import numpy as np
 
-from .args import as_count, describe
+from .args import as_count, describe, is_listlike
 from .errors import ShapeError
 
 #: the parent of a list's first page
@@ -91,8 +91,7 @@ def page_keys(tokens, page_size: int, extra=b"", parent: bytes = ROOT,
 def as_keys(keys, what: str) -> list:
     """`keys` (a list of page keys, as `page_keys` makes them) as a list of bytes, or
     `ShapeError` naming `what`."""
-    if isinstance(keys, (bytes, str)) or not hasattr(keys, "__iter__") or \
-            getattr(keys, "ndim", 1) == 0:
+    if not is_listlike(keys):
         raise ShapeError(f"{what}: expected a list of page keys (prefix_keys.page_keys), got "
                          f"{describe(keys)}")
     keys = list(keys)

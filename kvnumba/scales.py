@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .args import describe
+from .args import describe, is_listlike
 from .config import FP8_DTYPES, FP8_LARGEST
 from .errors import ConfigError
 
@@ -26,8 +26,7 @@ def _amax(sample, what: str) -> float:
     dtype, or a nested list of reals), refused (`ConfigError` naming it) when it is not
     real numbers or not finite."""
     if hasattr(sample, "detach"):               # torch: bfloat16 has no NumPy twin
-        if sample.is_complex() or sample.dtype.is_floating_point is False and \
-                str(sample.dtype) == "torch.bool":
+        if sample.is_complex() or str(sample.dtype) == "torch.bool":
             raise ConfigError(f"fp8_scales: {what} is a {sample.dtype} tensor; give real K "
                               f"or V values")
         amax = float(sample.detach().float().abs().max().item()) if sample.numel() else 0.0
@@ -52,9 +51,7 @@ def _amax(sample, what: str) -> float:
 
 def _per_layer(samples, name: str) -> list:
     """`samples` (one array per layer) as a list, or `ConfigError` naming what it is."""
-    if isinstance(samples, (str, bytes)) or samples is None or np.isscalar(samples) or \
-            not hasattr(samples, "__iter__") or hasattr(samples, "shape") and \
-            getattr(samples, "ndim", 1) == 0:
+    if not is_listlike(samples):
         raise ConfigError(f"fp8_scales: {name}_samples={describe(samples)}; give a list "
                           f"with one array of {name} values per layer")
     return list(samples)
