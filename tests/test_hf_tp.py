@@ -68,10 +68,6 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
         assert saw["caches made by the refusals"] == 0 and saw["caches made"] == 2
         assert saw["divergence"].startswith("step 1: rank 1 differs from rank 0 (rank 1 in "
                                             "the model's cache")
-        # the failed step ended its request on every rank, and the engine served on
-        assert saw["failed"] == ["OutOfMemoryError", [1]]
-        assert saw["busy after the failure"] is False
-        assert saw["served after the failure"] == [want[1]] and saw["sessions after"] == 0
         assert saw["cli status"] == 0
     # the command line prints on rank 0 alone
     printed = seen[0]["cli printed"]
