@@ -24,7 +24,7 @@
   naming the extra that installs them (`prerequisites.py`).
 - `python -m kvnumba.bench.sass [--report | --check]`: static sm_90a report (registers,
   spills, shared memory, key SASS instructions, per-key / per-tile / per-vector
-  figures) of compiled kernels, and `--check` against `bench/sass_budgets.json`; needs
+  figures) of compiled kernels, and `--check` against `bench/sass/budgets.json`; needs
   no GPU, only the CUDA tools of the `sass` extra.
 
 Benchmarks never assert timings; the tests only check that they run.

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import kvnumba.device as kv_device
 
-from . import control, engine, host, kernels, memory, prefix
-from .kernelsizes import add_size_arguments, device_name, sizes_for
+from . import control, engine, host, memory, prefix
+from .kernels import run as kernels
+from .kernels.sizes import add_size_arguments, device_name, sizes_for
 from .prerequisites import MissingTool, missing_packages
 
 RESULTS = Path("bench-results")   # relative: under the directory it runs from

@@ -38,9 +38,9 @@ from kvnumba.statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 
 import kvnumba as kv
 import kvnumba.device as kv_device
-import kvnumba.storage as kv_storage
-import kvnumba.upload as kv_upload
-from kvnumba.plan import SEQ_INFO_FIELDS
+import kvnumba.data.storage as kv_storage
+import kvnumba.data.upload as kv_upload
+from kvnumba.host.positions import SEQ_INFO_FIELDS
 
 from .command import section_main
 

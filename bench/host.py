@@ -42,7 +42,7 @@ import numpy as np
 
 import kvnumba as kv
 import kvnumba.device as kv_device
-from kvnumba.kernels import launch, lean
+from kvnumba.kernels.launch import calling as launch, lean
 
 from .command import section_main
 
@@ -72,7 +72,7 @@ _record = tuple.__new__
 
 
 class Recorder:
-    """Stands in for `kvnumba.kernels.lean.driver`: records every launch (`launches`)
+    """Stands in for `kvnumba.kernels.launch.lean.driver`: records every launch (`launches`)
     instead of calling `cuLaunchKernel`, after the same grid and stream conversions, and
     counts the uploads it would copy.
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from .args import as_count, describe, is_int
 from .errors import ConfigError
-from .pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
-from .plan import layer_rows
+from .host.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
+from .host.positions import layer_rows
 
 #: storage dtypes, by name: the dtype of the device arrays. Numba has no bfloat16 or
 #: 8-bit float types, so those arrays hold bit patterns, each format in its own integer

@@ -15,8 +15,8 @@ if TYPE_CHECKING:   # names for the annotations only: the face imports no implem
     import numpy as np
 
     from .config import CacheConfig
-    from .slots import SlotState, StepState
-    from .step import StepPlan
+    from .host.slots import SlotState, StepState
+    from .host.step import StepPlan
 
 
 @runtime_checkable

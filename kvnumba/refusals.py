@@ -8,7 +8,7 @@ import numpy as np
 from .config import CacheConfig
 from .errors import (CapacityError, OwnerRunError, PositionError, RingFloorError,
                      StepProtocolError)
-from .plan import ring_floor
+from .host.positions import ring_floor
 
 
 def split_hint(config: CacheConfig) -> str:

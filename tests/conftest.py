@@ -39,7 +39,7 @@ def nan_storage(monkeypatch):
     whatever reads it."""
     import numpy as np
 
-    from kvnumba import storage as storage_module
+    from kvnumba.data import storage as storage_module
     real = storage_module.PageStorage._allocate
 
     def poisoned(self, kind, n_pages):

@@ -1,5 +1,5 @@
 """SASS snippets for the `bench.sass` tests, written in nvdisasm's format."""
-from kvnumba.bench.sassmodel import Instruction, parse
+from kvnumba.bench.sass.model import Instruction, parse
 
 
 def sass_text(body: str, name: str = "_ZN6kernelE") -> str:

@@ -1,4 +1,4 @@
-"""Attention kernels (kvnumba.kernels.attention) against an independent float64 NumPy oracle.
+"""Attention kernels (kvnumba.kernels.generic) against an independent float64 NumPy oracle.
 
 The oracle works from dense per-sequence histories and explicit boolean masks;
 storage and the segment table are built by hand here, so nothing of the kernel's
@@ -15,10 +15,10 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
 from kvnumba.device import cuda  # noqa: E402
-from kvnumba.kernels import attention as att  # noqa: E402
+from kvnumba.kernels import generic as att  # noqa: E402
 from kvnumba.kernels.workspace import AttentionWorkspace  # noqa: E402
-from kvnumba.plan import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
-                          SEQ_INFO_FIELDS)
+from kvnumba.host.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
+                                    SEQ_INFO_FIELDS)
 from oracle import FP8, fp8_stored, visible_mask  # noqa: E402
 from paging import page_bits, paged  # noqa: E402
 

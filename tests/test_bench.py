@@ -12,7 +12,8 @@ import pytest
 
 import kvnumba.device as kv_device
 from kvnumba.bench import __main__ as bench_main
-from kvnumba.bench import control, host, kernels, prefix
+from kvnumba.bench import control, host, prefix
+from kvnumba.bench.kernels import run as kernels
 
 
 def test_control_quick_reports_every_batch_and_kind():

@@ -1,4 +1,4 @@
-"""The decode path's combine kernel (kvnumba.kernels.combine) against a float64 reference.
+"""The decode path's combine kernel (kvnumba.kernels.decode.combine) against a float64 reference.
 
 Partials are made here from first principles: random base-2 scores and values of each
 (query, q head) row over a segment's keys, cut into chunks as decode cuts a key range,
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from kvnumba.device import cuda
-from kvnumba.kernels import combine as comb
+from kvnumba.kernels.decode import combine as comb
 from kvnumba.kernels import decode as dec
-from kvnumba.plan import SEQ, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from kvnumba.host.positions import SEQ, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values
 
 SENTINEL = -3.5                 # exact in float16, bfloat16 and float32

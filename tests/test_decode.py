@@ -15,12 +15,13 @@ import pytest
 from kvnumba import device
 from kvnumba.device import cuda
 from kvnumba.kernels import decode as dec
-from kvnumba.kernels.attention import DECODE_MAX_Q_LEN
-from kvnumba.kernels.decode_trip import RESCALE_SLACK
-from kvnumba.kernels.launch import aligned
+from kvnumba.kernels.generic import DECODE_MAX_Q_LEN
+from kvnumba.kernels.decode.trip import RESCALE_SLACK
+from kvnumba.kernels.launch.calling import aligned
 from kvnumba.kernels.masks import key_range
 from kvnumba.kernels.workspace import AttentionWorkspace
-from kvnumba.plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from kvnumba.host.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,
+                                    SEQ_INFO_FIELDS)
 from oracle import FP8, dense_attention, fp8_stored, seen_positions, visible_mask
 from paging import page_bits, paged
 

@@ -152,7 +152,7 @@ def test_simulator_shared_arrays_are_shared_by_every_thread_of_a_block():
 
 def test_attention_launch_is_repeatable_on_the_device():
     """The same launch, many times: identical bits (a shared-memory race would differ)."""
-    from kvnumba.kernels import attention
+    from kvnumba.kernels import generic as attention
     from kvnumba.kernels.workspace import AttentionWorkspace
 
     rng = np.random.default_rng(3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba import storage as storage_module
+from kvnumba.data import storage as storage_module
 from numba import cuda
 from snapshot import assert_unchanged, fill, run_step, snapshot
 

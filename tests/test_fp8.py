@@ -12,7 +12,7 @@ import pytest
 
 import kvnumba as kv
 from kvnumba.errors import ConfigError
-from kvnumba.kernels import fp8sim
+from kvnumba.kernels.intrinsics import fp8sim
 from oracle import dense_attention
 
 FORMATS = {"float8_e4m3": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
@@ -261,7 +261,7 @@ def test_a_gpu_below_compute_capability_8_9_is_refused_before_anything_is_alloca
     from types import SimpleNamespace
 
     from kvnumba import device as device_module
-    from kvnumba import storage as storage_module
+    from kvnumba.data import storage as storage_module
 
     gpu = SimpleNamespace(compute_capability=(8, 6))
     monkeypatch.setattr(device_module, "KIND", "gpu")
@@ -344,7 +344,7 @@ def test_vector_and_element_writes_store_the_reference_bits(dtype, monkeypatch):
     bfloat16 and float32 scaled (through float32) as 16-byte vectors, a strided view
     element by element; every one stores ml_dtypes' bits of the clipped, scaled input,
     non-finite values as NaN, on a flat and a wrapped ring layer."""
-    from kvnumba.kernels import write_fp8
+    from kvnumba.kernels.moves import write_fp8
 
     layers = [kv.flat(), kv.ring(window=2)]
     cache = _cache(dtype, layers, k_scale=[1.0, 0.25], v_scale=[1.0, 3.0], max_seqs=1,

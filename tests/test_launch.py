@@ -1,7 +1,7 @@
 """The lean launch path: what it packs for each kernel, and what a decode step launches.
 
 On a GPU kvnumba launches its kernels through `cuLaunchKernel` with a parameter buffer
-it packs itself (`kvnumba.kernels.launch`); the simulator keeps Numba's dispatcher. The
+it packs itself (`kvnumba.kernels.launch.calling`); the simulator keeps Numba's dispatcher. The
 lean path is checked here without a GPU, in `KVNUMBA_DEVICE=compile` mode (kernels
 compiled to PTX) with `bench.host.fake_device` standing in for the device and a
 recorder in place of `cuLaunchKernel`:
@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import kvnumba.device as kv_device
-from kvnumba.kernels import abi, launch, lean
-from kvnumba.kernels.launch import DeviceView
+from kvnumba.kernels.launch import abi, calling as launch, lean
+from kvnumba.kernels.launch.calling import DeviceView
 
 COMPILE = kv_device.KIND == "compile"
 compile_mode = pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile only (run by "
@@ -97,7 +97,7 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     and each window's work and combine tables, at the offsets the launches read."""
     import kvnumba as kv
     from kvnumba.kernels import decode
-    from kvnumba.paths import upload_entries
+    from kvnumba.data.routing import upload_entries
     config = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=300)], n_kv_heads=1,
                             head_dim=16, capacity=2048, max_seqs=2, max_write=64,
                             max_step=128, dtype="float16", initial_pages=2048)
@@ -425,7 +425,7 @@ def test_a_kernel_refuses_a_host_array_where_it_took_a_device_array(device):
 @pytest.mark.parametrize("dtype", ["float16", "float32", "bfloat16"])
 def test_a_torch_tensor_reaches_the_kernels_as_a_view_of_its_memory(dtype):
     torch = pytest.importorskip("torch")
-    from kvnumba.arrays import _torch_view
+    from kvnumba.data.arrays import _torch_view
     tensor = torch.zeros(4, 3, 16, dtype=getattr(torch, dtype))
     for t in (tensor, tensor.transpose(0, 1), tensor[:, 1:2]):
         view = _torch_view(t)
@@ -441,7 +441,7 @@ def test_a_torch_tensor_reaches_the_kernels_as_a_view_of_its_memory(dtype):
 def test_an_interface_array_that_names_a_stream_goes_through_numba(device):
     """CUDA array interface v3: a consumer waits on the exporter's stream; Numba does."""
     host, _ = device
-    from kvnumba.arrays import device_view
+    from kvnumba.data.arrays import device_view
     base = kv_device.cuda.device_array((4, 8), np.float32)
 
     class WithStream(host.InterfaceArray):

@@ -10,23 +10,22 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvnumba"
 
-#: each module's layer (docs/architecture.md); a package's modules share its layer
+#: each module's layer (docs/architecture.md): the longest dotted prefix of a module's name
+#: that has a layer gives it (a folder's modules share its layer unless named here)
 LAYERS = {
-    "errors": 0,
-    "args": 1, "pages": 1, "plan": 1, "protocol": 1,
-    "prefix_keys": 1.5,
+    "errors": 0, "host": 0,        # host/__init__: a docstring only
+    "args": 1, "host.pages": 1, "host.positions": 1, "protocol": 1,
+    "host.prefix_keys": 1.5,
     "config": 2,
     "scales": 2.5,
     "statemachines": 2,              # installed inside kvnumba; imports no kvnumba module
-    "refusals": 3, "slots": 3, "page_accounting": 3, "device": 3,
-    "prefix_index": 3.5,
+    "refusals": 3, "host.slots": 3, "host.page_accounting": 3, "device": 3,
+    "host.prefix_index": 3.5, "host.step": 3.5,
+    "host.declare": 3.8,
     "kernels": 4,
-    "arrays": 5, "storage": 5, "upload": 5, "step": 5, "reference": 5,
-    "pool": 6, "paths": 6, "declare": 6,
-    "datapath": 7,
-    "queries": 8, "batched": 9,
-    "single": 10, "sequence_control": 11,
-    "sessions": 12, "driver": 12,
+    "data": 5, "reference": 5,
+    "cache": 6,
+    "serving": 12,
     "__init__": 12.5,                # the public face: `import kvnumba as kv`
     "demo": 13, "hf": 13, "__main__": 14,
 }
@@ -38,6 +37,15 @@ def module_name(path: Path) -> str:
 
 
 def top(name: str) -> str:
+    """The key of LAYERS that places module `name` (its longest prefix there)."""
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    return parts[0]
+
+
+def plane(name: str) -> str:
     return name.split(".")[0]
 
 
@@ -125,23 +133,24 @@ def reach(module: str) -> set:
     return seen
 
 
-def test_page_accounting_is_host_only():
-    reached = {top(name) for name in reach("page_accounting")}
-    assert reached <= {"config", "errors", "pages", "args", "plan"}, reached
+#: what host/ may reach: the foundations below the device, and itself
+HOST_REACH = {"args", "config", "errors", "protocol", "refusals", "statemachines"}
 
 
-def test_the_prefix_index_is_host_only():
-    reached = {top(name) for name in reach("prefix_index")}
-    assert reached <= {"config", "errors", "pages", "args", "plan", "page_accounting"}, reached
+@pytest.mark.parametrize("module", sorted(m for m in GRAPH if plane(m) == "host"))
+def test_the_host_planes_reach_no_device(module):
+    reached = {name for name in reach(module) if plane(name) != "host"}
+    assert {top(name) for name in reached} <= HOST_REACH, reached
 
 
 def test_kernels_know_no_cache():
     for module, names in GRAPH.items():
-        if top(module) == "kernels":
-            assert {top(n) for n in names} <= {"kernels", "device", "config", "plan"}, module
+        if plane(module) == "kernels":
+            assert {top(n) for n in names} <= {"kernels", "device", "config",
+                                               "host.positions"}, module
 
 
-@pytest.mark.parametrize("module", ["sessions", "driver"])
+@pytest.mark.parametrize("module", ["serving.sessions", "serving.driver"])
 def test_the_faces_over_a_control_import_no_cache(module):
-    reached = {top(name) for name in reach(module)}
-    assert not reached & {"batched", "pool", "storage", "datapath", "queries"}, reached
+    reached = {plane(name) for name in reach(module)}
+    assert not reached & {"cache", "data", "kernels", "device"}, reached

@@ -1,7 +1,7 @@
 """`attend(..., lse=)`: each row's natural-log log-sum-exp of its final scores, on every
 attention path, against a float64 reference written here from the masks of the oracle.
 
-Routing (contract §8, `kvnumba.paths`): segments of at most 4 queries take the decode
+Routing (contract §8, `kvnumba.data.routing`): segments of at most 4 queries take the decode
 path, longer ones the prefill path; float16 storage at head_dim 16 runs the fast decode
 kernel and the tensor-core prefill kernel, head_dim 12 the generic kernel on both. A
 decode segment whose keys span several chunks is split and merged by the combine; the

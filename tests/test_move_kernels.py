@@ -25,11 +25,11 @@ import numpy as np
 import pytest
 
 from kvnumba.device import cuda
-from kvnumba.kernels import copy as copy_kernels
-from kvnumba.kernels import launch
-from kvnumba.kernels import write as write_kernels
+from kvnumba.kernels.moves import page_copy as copy_kernels
+from kvnumba.kernels.launch import calling as launch
+from kvnumba.kernels.moves import write as write_kernels
 from kvnumba.kernels.padding import zero_rows
-from kvnumba.kernels.page_table import patch_pages
+from kvnumba.kernels.moves.page_table import patch_pages
 from oracle import round_nearest_even
 from paging import page_bits, paged
 

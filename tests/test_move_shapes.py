@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kvnumba.device import cuda
-from kvnumba.kernels import copy as copy_kernels
-from kvnumba.kernels import write as write_kernels
+from kvnumba.kernels.moves import page_copy as copy_kernels
+from kvnumba.kernels.moves import write as write_kernels
 from test_move_kernels import (check_write, partial_runs, random_bits, reference_copy,
                                same_bits, tables_holding)
 

@@ -1,12 +1,12 @@
-"""Host page accounting (`kvnumba.page_accounting`) on its own: no device, no kernel, no
+"""Host page accounting (`kvnumba.host.page_accounting`) on its own: no device, no kernel, no
 simulated launch. A hand-worked scenario with every page id written down, and a long
 random run checked against an independent model of which sequences share which page."""
 import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba.page_accounting import PageAccounting
-from kvnumba.pages import pages_for
+from kvnumba.host.page_accounting import PageAccounting
+from kvnumba.host.pages import pages_for
 
 P = 8
 

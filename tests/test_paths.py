@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba import paths as paths_module
+from kvnumba.data import routing as paths_module
 from kvnumba.kernels import decode, prefill
 from oracle import dense_attention
 

@@ -1,4 +1,4 @@
-"""`kvnumba.kernels.ptx` in small kernels, against NumPy references.
+"""`kvnumba.kernels.intrinsics.ptx` in small kernels, against NumPy references.
 
 Fragment layouts are re-derived in this file from the PTX ISA (`mma.m16n8k16` and
 `ldmatrix` fragment tables) and rounding (IEEE round-to-nearest-even) in
@@ -12,7 +12,7 @@ import pytest
 
 from kvnumba import device
 from kvnumba.device import cuda
-from kvnumba.kernels import ptx, tensorcore
+from kvnumba.kernels.intrinsics import ptx, tensorcore
 from oracle import FORMATS, round_nearest_even
 
 RNG_SEED = 20240607
@@ -551,7 +551,7 @@ def lane_waits_at_syncthreads(values, out):
                                             (lane_waits_at_syncthreads,
                                              r"lane 3 waits at syncthreads|lane \d+ exited")])
 def test_simulated_warp_reports_lanes_that_do_not_join_and_then_works(kernel, message):
-    from kvnumba.kernels.simwarp import WarpError
+    from kvnumba.kernels.intrinsics.simwarp import WarpError
 
     values = np.arange(32, dtype=np.float32)
     with pytest.raises(WarpError, match=message):

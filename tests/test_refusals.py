@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba.slots import SlotState
+from kvnumba.host.slots import SlotState
 from snapshot import assert_unchanged, snapshot
 
 

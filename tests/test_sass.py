@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvnumba.bench import sass, sassbudget, sassfigures
-from kvnumba.bench.sassflow import Flow
-from kvnumba.bench.sassloops import is_wide_load
-from kvnumba.bench.sassmodel import (Instruction, address_slice, all_instructions, backward_slice,
-                             is_div64_call, is_float64, parse, round_trips)
+from kvnumba.bench.sass import report as sass, budget as sassbudget, figures as sassfigures
+from kvnumba.bench.sass.flow import Flow
+from kvnumba.bench.sass.loops import is_wide_load
+from kvnumba.bench.sass.model import (Instruction, address_slice, all_instructions,
+                                      backward_slice, is_div64_call, is_float64, parse,
+                                      round_trips)
 from sasstext import TOKEN_LOOP, code, listing, sass_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -344,7 +345,8 @@ def test_checked_in_budgets_name_documented_kernels_and_bound_every_kind():
     and copy 4 blocks of 256 threads an SM, the combine 3. Prefill (128 threads) keeps
     2 blocks at any count up to 255. The fp8 write from float16 keeps the issue's
     target of 20 instructions per 16-byte vector, fp8 decode at 2 rows of 60 per key."""
-    from kvnumba.kernels import combine, launch
+    from kvnumba.kernels.decode import combine
+    from kvnumba.kernels.launch import calling as launch
     budgets = sassbudget.load(sass.DEFAULT_BUDGETS)
     labels = [item.label for item in sass.SPECIALISATIONS]
     assert len(set(labels)) == len(labels)
@@ -367,16 +369,16 @@ def test_checked_in_budgets_name_documented_kernels_and_bound_every_kind():
 # --- specialisations and tools --------------------------------------------------------------
 
 def test_a_factory_kernel_is_named_by_its_literal_arguments():
-    from kvnumba.kernels import decode_kernel
+    from kvnumba.kernels.decode import kernel as decode_kernel
     kernel = decode_kernel.decode_kernel(16, "float16", 1, False)
-    got = sass.load_kernel("kvnumba.kernels.decode_kernel:decode_kernel(16, 'float16', 1, False)")
+    got = sass.load_kernel("kvnumba.kernels.decode.kernel:decode_kernel(16, 'float16', 1, False)")
     assert got is kernel.dispatcher
-    assert sass.factory_arguments("kvnumba.kernels.decode_kernel:decode_kernel(16, 'float16', "
+    assert sass.factory_arguments("kvnumba.kernels.decode.kernel:decode_kernel(16, 'float16', "
                                   "1, False)")["head_dim"] == 16
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
         sass.load_kernel("decode_kernel(16)")
     with pytest.raises(ValueError, match="MODULE:FACTORY"):
-        sass.load_kernel("kvnumba.kernels.decode_kernel:decode_kernel(16, 'float16'")
+        sass.load_kernel("kvnumba.kernels.decode.kernel:decode_kernel(16, 'float16'")
 
 
 def test_each_specialisation_keeps_its_own_files():
@@ -384,7 +386,7 @@ def test_each_specialisation_keeps_its_own_files():
     assert len(set(stems)) == len(stems)
     assert sass.file_stem("m:k", "void(int32)") != sass.file_stem("m:k", "void(int64)")
     decode = [item.spec for item in sass.SPECIALISATIONS].index(
-        "kvnumba.kernels.decode_kernel:decode_kernel(128, 'float16', 4, False)")
+        "kvnumba.kernels.decode.kernel:decode_kernel(128, 'float16', 4, False)")
     assert re.fullmatch(r"decode_kernel_128_float16_4_False-[0-9a-f]{8}", stems[decode])
 
 

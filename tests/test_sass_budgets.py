@@ -1,4 +1,4 @@
-"""The checked-in budgets (`bench/sass_budgets.json`) fail on deliberately regressed
+"""The checked-in budgets (`bench/sass/budgets.json`) fail on deliberately regressed
 kernels: each kind of budget, on a variant of a kernel it bounds made one step worse
 (spilled, more registers, serialised loads, longer, less HMMA), compiled, assembled and
 disassembled as `python -m kvnumba.bench.sass` builds the real ones. The real kernels meet the
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import kvnumba.device as kv_device
-from kvnumba.bench import sass, sassbudget, sassfigures
+from kvnumba.bench.sass import report as sass, budget as sassbudget, figures as sassfigures
 
 COMPILE = kv_device.KIND == "compile"
 compile_mode = pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile only (run by "
@@ -111,7 +111,7 @@ def slower_exponential(monkeypatch):
     from numba import float32
 
     from kvnumba.device import cuda
-    from kvnumba.kernels import ptx
+    from kvnumba.kernels.intrinsics import ptx
     exp2 = ptx.exp2_approx
 
     @cuda.jit(device=True, inline="always")
@@ -127,7 +127,7 @@ def wider_addresses(monkeypatch):
     from numba import uint64
 
     from kvnumba.device import cuda
-    from kvnumba.kernels import ptx
+    from kvnumba.kernels.intrinsics import ptx
 
     @cuda.jit(device=True, inline="always")
     def wide_product(a, b):
@@ -140,7 +140,7 @@ def wider_addresses(monkeypatch):
 def test_a_kernel_that_spills_fails_every_kernels_spill_budget(figures_of):
     """The write under launch bounds of 1024 threads, 2 blocks an SM: 32 registers for
     a kernel that needs 56, so ptxas spills."""
-    from kvnumba.kernels import write
+    from kvnumba.kernels.moves import write
     values = figures_of(write._write_vectors.py_func, (1024, 2), "write")
     assert values["register_cap"] == 32
     assert values["spill_bytes"] > 0 and "spill_bytes" in exceeded("write", values)
@@ -152,7 +152,8 @@ def test_more_registers_fail_the_register_budgets(figures_of):
     stored; the combine loading 16 parts a trip: fewer blocks an SM than the budgets
     keep."""
     from kvnumba.device import cuda
-    from kvnumba.kernels import combine, write
+    from kvnumba.kernels.decode import combine
+    from kvnumba.kernels.moves import write
     moves = cuda.jit(device=True, inline="always")(
         clone(write.move_vectors.py_func, TRIP_VECTORS=8))
     values = figures_of(clone(write._write_vectors.py_func, move_vectors=moves), None, "write")
@@ -169,7 +170,7 @@ def test_more_registers_fail_the_register_budgets(figures_of):
 def test_a_serialised_combine_fails_its_round_trip_budget(monkeypatch, figures_of):
     """One part a thread per loop trip (the compiler issues 4 parts' loads before their
     uses): 5 trips for 129 parts, not 3, each a round trip."""
-    from kvnumba.kernels import combine
+    from kvnumba.kernels.decode import combine
     monkeypatch.setattr(combine, "UNROLL", 1)
     monkeypatch.setattr(combine, "PARTS_PER_TRIP", combine.PART_GROUPS)
     values = figures_of(*fresh("combine d128"), "combine d128")
@@ -183,7 +184,8 @@ def test_a_longer_write_fails_every_per_vector_budget(figures_of):
     ring_rows), page_bits)`: 64-bit row and table indices, 2 instructions more per token
     a lane (a quarter instruction per vector)."""
     from kvnumba.device import cuda
-    from kvnumba.kernels import masks, write
+    from kvnumba.kernels import masks
+    from kvnumba.kernels.moves import write
 
     @cuda.jit(device=True, inline="always")
     def slot_in_64_bits(pages, seq, position, ring, shift, in_page):
@@ -203,7 +205,7 @@ def test_a_longer_copy_fails_every_per_vector_budget(figures_of):
     from numba import uint32
 
     from kvnumba.device import cuda
-    from kvnumba.kernels import copy
+    from kvnumba.kernels.moves import page_copy as copy
 
     @cuda.jit(device=True)
     def run_in_64_bits(tables, runs_off, run):

@@ -1,10 +1,10 @@
-"""The kinds' figures of `python -m kvnumba.bench.sass` (`bench.sassattention`, `bench.sassmove`)
+"""The kinds' figures of `python -m kvnumba.bench.sass` (`bench.sass.attention`, `bench.sass.move`)
 on hand-written SASS, against hand-computed values."""
 import pytest
 
-from kvnumba.bench import sassattention, sassmove
-from kvnumba.bench.sassflow import Flow
-from kvnumba.bench.sassmodel import parse
+from kvnumba.bench.sass import attention as sassattention, move as sassmove
+from kvnumba.bench.sass.flow import Flow
+from kvnumba.bench.sass.model import parse
 from sasstext import TOKEN_LOOP, listing
 
 
@@ -105,7 +105,7 @@ COMBINE_LIKE = (
 def test_combine_round_trips_walk_the_tables_then_each_trip():
     """129 parts over 8 part groups, one part a trip: 17 trips, 2 + 17 round trips; with
     the part's loads hoisted before the trip's uses (4 parts a trip), 2 + 5."""
-    from kvnumba.kernels import combine
+    from kvnumba.kernels.decode import combine
     assert combine.PART_GROUPS == 8
     figures = sassattention.combine_figures(flow_of(*COMBINE_LIKE), {})
     assert figures.values == {"round_trips": 19}
@@ -124,7 +124,7 @@ def test_write_counts_a_lanes_whole_run_per_vector_of_a_token():
     """A 2 KiB row is 128 vectors: 32 lanes (at least 128 / 4), each 4 trips of this loop's
     one vector a row: 32 * (13 + 7 * 4) / 256 flat, 32 * (16 + 28) / 256 on a ring; a
     256-byte row, 16 vectors: 4 lanes, 4 trips each, the same."""
-    from kvnumba.kernels import write
+    from kvnumba.kernels.moves import write
     assert write.vector_lanes(128) == (32, 8) and write.vector_lanes(16) == (4, 64)
     figures = sassmove.write_figures(flow_of(*MOVE_LIKE), {})
     assert figures.values == {"instructions_per_vector_2kb_flat": 41 / 8,
@@ -137,8 +137,8 @@ def test_copy_counts_a_lanes_whole_run_per_vector_of_a_whole_page_run():
     """Pages of 16 token rows: 2 KiB rows, 2048 vectors a page: 256 lanes, 8 trips each:
     256 * (16 + 7 * 8) / 4096; 256-byte rows, 256 vectors: 64 lanes, 4 trips:
     64 * (16 + 28) / 512 (the longest way through)."""
-    from kvnumba.kernels import write
-    from kvnumba.pages import DEFAULT_PAGE_SIZE
+    from kvnumba.kernels.moves import write
+    from kvnumba.host.pages import DEFAULT_PAGE_SIZE
     assert DEFAULT_PAGE_SIZE == 16
     assert write.vector_lanes(2048) == (256, 1) and write.vector_lanes(256) == (64, 4)
     figures = sassmove.copy_figures(flow_of(*MOVE_LIKE), {})

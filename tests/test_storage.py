@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba import storage as storage_module
+from kvnumba.data import storage as storage_module
 
 H, D = 2, 4
 
@@ -256,7 +256,7 @@ def test_write_refusals_launch_nothing(bad):
 def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtype, head_dim,
                                                        strided):
     from kvnumba.device import cuda
-    from kvnumba.kernels.write import wide_ok
+    from kvnumba.kernels.moves.write import wide_ok
     rng = np.random.default_rng(9)
     cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=2)], n_kv_heads=1,
                          head_dim=head_dim, capacity=16, max_seqs=2, max_write=4, max_step=8,
@@ -302,7 +302,7 @@ def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtyp
 
 @pytest.mark.parametrize("dtype,head_dim", [("float16", 8), ("float16", 3), ("float32", 4)])
 def test_clone_copies_every_kind_in_one_launch_each(dtype, head_dim, monkeypatch):
-    from kvnumba.kernels import copy as copy_module
+    from kvnumba.kernels.moves import page_copy as copy_module
     rng = np.random.default_rng(10)
     layers = [kv.flat(), kv.ring(window=3), kv.flat(), kv.ring(window=5), kv.ring(window=3)]
     cfg = kv.CacheConfig(layers=layers, n_kv_heads=2, head_dim=head_dim, capacity=32,
@@ -320,7 +320,7 @@ def test_clone_copies_every_kind_in_one_launch_each(dtype, head_dim, monkeypatch
         c.commit_step()
     launches = []
     real = copy_module.copy_rows
-    monkeypatch.setattr("kvnumba.storage.copy_rows",
+    monkeypatch.setattr("kvnumba.data.storage.copy_rows",
                         lambda *args, **kw: launches.append(args[0].shape) or real(*args, **kw))
     b = c.seq_clone(a, upto=9)
     # ring R=8 alone; R=6 and flat pairs (the flat page straddling position 9 is copied)

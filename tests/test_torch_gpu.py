@@ -8,7 +8,7 @@ import pytest
 
 import kvnumba as kv
 from kvnumba import device
-from kvnumba.kernels.launch import device_pointer
+from kvnumba.kernels.launch.calling import device_pointer
 from oracle import dense_attention
 
 torch = pytest.importorskip("torch")

@@ -20,7 +20,7 @@ head and dim) along a grid-stride loop with no division at all.
 from __future__ import annotations
 
 from ..device import cuda
-from ..plan import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from ..host.positions import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 
 from numba import int32, int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import cuda
-from . import ptx
-from .launch import Specialised
+from .intrinsics import ptx
+from .launch.calling import Specialised
 from .masks import divmod32, step_on
 
 THREADS = 128

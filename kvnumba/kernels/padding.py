@@ -3,9 +3,9 @@ those of its log-sum-exp output, when there is one, to -inf (a row over no key).
 from __future__ import annotations
 
 from ..device import cuda
-from . import ptx
-from .constants import NEG_INF
-from .launch import PER_CALL, Specialised, no_output
+from .intrinsics import ptx
+from .launch.constants import NEG_INF
+from .launch.calling import PER_CALL, Specialised, no_output
 from .masks import divmod32, step_on
 
 THREADS = 128

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import cuda
-from .launch import device_pointer
+from .launch.calling import device_pointer
 
 
 class AttentionWorkspace:

@@ -1,0 +1,4 @@
+"""`python -m kvnumba.bench.kernels`."""
+from .run import main
+
+raise SystemExit(main())

@@ -1,0 +1,4 @@
+"""`python -m kvnumba.bench.sass`."""
+from .report import main
+
+raise SystemExit(main())

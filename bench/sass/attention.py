@@ -1,0 +1,126 @@
+"""The figures of the attention kernels' SASS (`bench.sass.figures` dispatches to them):
+decode's instructions per key, prefill's HMMA shares and `cp.async` addressing, and
+the combine's round trips to global memory."""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from . import model
+from .flow import Flow
+from .loops import COUNTED, Figures, fallback_note, is_wide_load, main_loop, other_loops
+
+#: the decode model's segment: 4096 keys of history and one query (4097 keys)
+DECODE_HISTORY = 4096
+#: the combine model's segment: the 129 chunks of a 32K-key segment
+COMBINE_PARTS = 129
+
+
+def decode_chunks() -> list[int]:
+    """The keys of each chunk of a one-query segment of DECODE_HISTORY + 1 keys, cut as
+    `decode.plan` cuts it."""
+    from kvnumba.host import positions as fields
+    from kvnumba.kernels import decode
+    planning = sys.modules[decode.plan.__module__]     # the work table's field constants
+
+    seq_info = np.zeros((1, fields.SEQ_INFO_FIELDS), np.int32)
+    seq_info[0, [fields.Q_START, fields.Q_LEN, fields.SEQ, fields.POS_START, fields.FLAGS]] = \
+        (0, 1, 0, DECODE_HISTORY, 0)
+    work = decode.plan(seq_info, [0], window=0).work
+    return [int(n) for n in work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]]
+
+
+def decode_figures(flow: Flow, arguments: dict) -> Figures:
+    """Instructions per key per kv head on a one-segment step of DECODE_HISTORY + 1
+    keys, the chunks as `decode.plan` cuts them. Each chunk is one block of `WARPS`
+    warps per kv head; a warp runs the main loop's hot path B once per block trip of
+    `WARPS * UNROLL * key_slots` keys (the shortest path from the loop's header back
+    to it: the rarely taken blocks inside the loop, such as the accumulators' rescale
+    when a row's reference max moves, are left out of it) and, once per chunk, the
+    fixed work F (every executed instruction outside the main loop) and the loop's
+    rarely taken blocks R: sum over chunks of WARPS * (F + R + B * ceil(len / keys
+    per trip)), over the keys."""
+    from kvnumba.kernels.decode import shape as decode_shape
+
+    itemsize = np.dtype(arguments["storage"]).itemsize
+    geometry = decode_shape.Geometry.of(arguments["head_dim"], itemsize)
+    keys_per_trip = decode_shape.WARPS * decode_shape.UNROLL * geometry.key_slots
+    # K/V loads of 16 bytes (LDG.E.128), or of 8 for 8-bit floats (LDG.E.64)
+    width = f".{8 * geometry.load}"
+    loads = f"LDG.E{width}"
+
+    def is_kv_load(ins):
+        return ins.base == "LDG" and width in ins.opcode
+
+    loop = main_loop(flow, is_kv_load, f"the K/V loads ({loads})")
+    hot = flow.hot_path(loop).shortest
+    rare = len(loop.instructions) - hot
+    fixed = len(flow.executed) - len(loop.instructions)
+    lengths = decode_chunks()
+    warp_instructions = sum(decode_shape.WARPS * (fixed + rare + hot * math.ceil(n / keys_per_trip))
+                            for n in lengths)
+    keys = sum(lengths)
+    notes = [f"main loop at {loop.header:#x}: B = {hot} instructions on the hot path of a "
+             f"{keys_per_trip}-key block trip ({hot / keys_per_trip:.1f} per key), "
+             f"{loop.count(is_kv_load)} {loads}; R = {rare} in rarely taken blocks; "
+             f"fixed work F = {fixed} per warp per chunk",
+             f"{keys} keys in {len(lengths)} chunks ({', '.join(map(str, sorted(set(lengths))))} "
+             f"keys) of {decode_shape.WARPS} warps: {warp_instructions} warp instructions",
+             *other_loops(flow, [loop], is_kv_load, loads,
+                          ", their bodies counted once in F"),
+             *fallback_note(flow)]
+    return Figures({"instructions_per_key": warp_instructions / keys}, notes)
+
+
+def prefill_figures(flow: Flow, arguments: dict) -> Figures:
+    """HMMA as a percentage of the main loop (the loop holding the most HMMAs, the
+    leaner of equals: one unmasked key tile per trip) and of the masked loop (the other
+    loop holding HMMAs: the tiles some row sees in part, the diagonal's), and the
+    instructions of the main loop in the address computation of its cp.async (LDGSTS)
+    per LDGSTS."""
+    is_hmma, is_copy = COUNTED["HMMA"], COUNTED["LDGSTS"]
+    loop = main_loop(flow, is_hmma, "the HMMAs")
+    masked = max((other for other in flow.loops if other is not loop and other.count(is_hmma)),
+                 key=lambda other: other.count(is_hmma), default=None)
+    if masked is None:
+        raise ValueError("no second loop holds HMMAs: the masked tiles' loop is not in the SASS")
+    copies = loop.count(is_copy)
+    addressing = model.address_slice(loop.instructions, is_copy)
+    values = {"hmma_percent": 100.0 * loop.count(is_hmma) / len(loop.instructions),
+              "masked_hmma_percent": 100.0 * masked.count(is_hmma) / len(masked.instructions),
+              "instructions_per_cp_async": len(addressing) / copies if copies else 0.0}
+    notes = [f"main loop at {loop.header:#x}: {len(loop.instructions)} instructions per key "
+             f"tile, {loop.count(is_hmma)} HMMA, {loop.count(COUNTED['LDSM'])} LDSM, {copies} "
+             f"LDGSTS whose addresses take {len(addressing)} of them",
+             f"masked loop at {masked.header:#x}: {len(masked.instructions)} instructions per "
+             f"key tile, {masked.count(is_hmma)} HMMA",
+             *other_loops(flow, [loop, masked], is_hmma, "HMMA"), *fallback_note(flow)]
+    return Figures(values, notes)
+
+
+def combine_figures(flow: Flow, arguments: dict) -> Figures:
+    """Round trips to global memory a thread waits on for COMBINE_PARTS parts
+    (`sassmodel.round_trips`: a wait wherever a load's result is first used while it
+    is outstanding), over the code it runs in order: the executed instructions before
+    the accumulator loop, the loop's body once per trip, the rest. Trips:
+    ceil(COMBINE_PARTS / (`PART_GROUPS` * LDG.E.128 per trip)), `PART_GROUPS`
+    threads over the parts, each taking one part per LDG.E.128 of a trip."""
+    from kvnumba.kernels.decode import combine
+
+    loop = main_loop(flow, is_wide_load, "the accumulator loads (LDG.E.128)")
+    acc_loads = loop.count(is_wide_load)
+    trips = math.ceil(COMBINE_PARTS / (combine.PART_GROUPS * acc_loads))
+    inside = set(map(id, loop.instructions))
+    before = [ins for ins in flow.executed if ins.address < loop.header]
+    after = [ins for ins in flow.executed if ins.address > loop.header and id(ins) not in inside]
+    run = [*before, *loop.instructions * trips, *after]
+    waits = model.round_trips(run)
+    notes = [f"accumulator loop at {loop.header:#x}: {acc_loads} LDG.E.128 + "
+             f"{loop.count(model.is_global_load) - acc_loads} other LDG per trip, "
+             f"{model.round_trips(loop.instructions)} round trip(s) per trip alone, {trips} "
+             f"trips for {COMBINE_PARTS} parts; {model.round_trips(before)} round trip(s) "
+             f"before the loop; {waits} in all",
+             *other_loops(flow, [loop], is_wide_load, "LDG.E.128"), *fallback_note(flow)]
+    return Figures({"round_trips": waits}, notes)

@@ -1,0 +1,156 @@
+"""The kernels `python -m kvnumba.bench.sass` builds (`SPECIALISATIONS`): each a label,
+a `module:function` or `module:factory(ARGS)` and its Numba signature, as
+docs/benchmarks.md reports them and bench/sass/budgets.json bounds them; and the probe
+kernel that runs every inline-PTX intrinsic as the attention kernels use them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvnumba.device import cuda
+from kvnumba.kernels.intrinsics import ptx, tensorcore
+
+TILE = 16 * 16                  # one 16x16 float16 tile: 32 lanes x 16 bytes
+
+
+@cuda.jit
+def intrinsics_probe(keys, values, out, scratch):
+    """Every `ptx` and `tensorcore` function as the attention kernels use them, in one
+    warp: stage a 16x16 float16 K tile with cp.async, load mma fragments with ldmatrix,
+    multiply (f16 and bf16), reduce over the lanes of a row with shuffles, and stream 16-byte
+    chunks of V through registers (f16 and bf16 unpacked, scaled, repacked)."""
+    lane = cuda.laneid
+    tile = cuda.shared.array(TILE, np.float16)
+    tensorcore.cp_async_16(tile, lane * 8, keys, lane * 8)
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(0)
+    cuda.syncthreads()
+    frag = (lane % 16) * 16 + (lane // 16) * 8
+    a0, a1, a2, a3 = tensorcore.ldmatrix_x4(tile, frag)
+    b0, b1, b2, b3 = tensorcore.ldmatrix_x4_trans(tile, frag)
+    d0, d1, d2, d3 = tensorcore.mma_f16_f32(a0, a1, a2, a3, b0, b1, 0.0, 0.0, 0.0, 0.0)
+    p = ptx.f32x2_to_bf16x2(d0, d1)
+    q = ptx.f32x2_to_bf16x2(d2, d3)
+    e0, e1, e2, e3 = tensorcore.mma_bf16_f32(p, q, p, q, b2, b3, d0, d1, d2, d3)
+    row_max = max(e0, e1)                             # a row of D lives in 4 lanes
+    row_max = max(row_max, ptx.shfl_xor(row_max, 1))
+    row_max = max(row_max, ptx.shfl_xor(row_max, 2))
+    scale = ptx.shfl_idx(row_max, 0) + max(e2, e3)
+    u0, u1, u2, u3 = ptx.ld_nc_v4(values, lane * 8)
+    lo, hi = ptx.f16x2_to_f32(u0)
+    blo, bhi = ptx.bf16x2_to_f32(u1)
+    w0, w1, w2, w3 = ptx.ld_v4(scratch, lane * 4)
+    sign = ptx.shfl_xor(w0, 16) & 0x80000000
+    flipped = ptx.u32_as_f32(ptx.f32_as_u32(scale) ^ sign)
+    ptx.st_v4(out, lane * 8, ptx.f32x2_to_f16x2(lo * flipped, hi * flipped),
+              ptx.f32x2_to_bf16x2(blo * scale, bhi * scale), u2 ^ w2, u3 ^ w3)
+    ptx.st_v4(scratch, lane * 4, w1, w0, w3, w2)
+
+
+PROBE_SIGNATURE = "void(float16[::1], float16[::1], float16[::1], uint32[::1])"
+
+
+@dataclass(frozen=True)
+class Specialisation:
+    """A kernel of the report: its label, `module:function` or `module:factory(ARGS)`,
+    and Numba signature."""
+
+    label: str
+    spec: str
+    signature: str
+
+
+def _decode_signature(t: str, q: str | None = None) -> str:
+    """Storage of `t`, q and out of `q` (default `t`)."""
+    q = q or t
+    return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[::1], "
+            f"int32[:, ::1], {q}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
+            f"{', '.join(['int64'] * 8)}, float32, float32)")
+
+
+def _prefill_signature(t: str, q: str | None = None) -> str:
+    """Storage of `t`, q and out of `q` (default `t`)."""
+    q = q or t
+    return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
+            f"int32[::1], {q}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, "
+            f"float32, float32)")
+
+
+def _narrow_signature(t: str) -> str:
+    """The write of `t` input into e4m3 storage (uint8 bits)."""
+    return (f"void(uint8[:, :, ::1], uint8[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], "
+            f"int32[::1], int64, int64, int32[:, ::1], int64, float32, float32)")
+
+
+_DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
+_PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
+#: what --report and --check build: the kernels docs/benchmarks.md reports, at the
+#: specialisations it lists (bfloat16 storage is held as uint16 bits)
+SPECIALISATIONS = (
+    Specialisation("probe", "kvnumba.bench.sass.specs:intrinsics_probe", PROBE_SIGNATURE),
+    Specialisation("write", "kvnumba.kernels.moves.write:_write_vectors",
+                   "void(float16[:, :, ::1], float16[:, :, ::1], float16[:, :, ::1], "
+                   "float16[:, :, ::1], int32[::1], int64, int64, int32[:, ::1], int64)"),
+    # into 8-bit float storage: float16 input at scale 1 (narrowed in float16 pairs), and
+    # bfloat16 input scaled (widened to float32)
+    Specialisation("write float8_e4m3 from float16",
+                   "kvnumba.kernels.moves.write_fp8:narrow_kernel('float16', 'e4m3', False)",
+                   _narrow_signature("float16")),
+    Specialisation("write float8_e4m3 from bfloat16 scaled",
+                   "kvnumba.kernels.moves.write_fp8:narrow_kernel('uint16', 'e4m3', True)",
+                   _narrow_signature("uint16")),
+    Specialisation("copy", "kvnumba.kernels.moves.page_copy:_copy_vectors",
+                   "void(float16[:, :, :, :, :, ::1], int32[::1], int64, int64)"),
+    Specialisation("decode d128 float16", f"{_DECODE}(128, 'float16', 4, False)",
+                   _decode_signature("float16")),
+    Specialisation("decode d128 float16 2 rows", f"{_DECODE}(128, 'float16', 2, False)",
+                   _decode_signature("float16")),
+    Specialisation("decode d128 float16 1 row", f"{_DECODE}(128, 'float16', 1, False)",
+                   _decode_signature("float16")),
+    Specialisation("decode d128 bfloat16", f"{_DECODE}(128, 'uint16', 4, False)",
+                   _decode_signature("uint16")),
+    # 8-bit float storage (e4m3 bits as uint8, e5m2 as int8) under float16 queries: 8-byte
+    # loads, so a d128 key row takes 16 lanes and a block 4 rows, as 16-bit storage
+    Specialisation("decode d128 float8_e4m3", f"{_DECODE}(128, 'uint8', 4, False, 'float16')",
+                   _decode_signature("uint8", "float16")),
+    Specialisation("decode d128 float8_e5m2", f"{_DECODE}(128, 'int8', 4, False, 'float16')",
+                   _decode_signature("int8", "float16")),
+    Specialisation("decode d128 float8_e4m3 2 rows",
+                   f"{_DECODE}(128, 'uint8', 2, False, 'float16')",
+                   _decode_signature("uint8", "float16")),
+    Specialisation("decode d128 float8_e4m3 1 row",
+                   f"{_DECODE}(128, 'uint8', 1, False, 'float16')",
+                   _decode_signature("uint8", "float16")),
+    Specialisation("decode d128 float32", f"{_DECODE}(128, 'float32', 4, False)",
+                   _decode_signature("float32")),
+    Specialisation("decode d128 float16 softcap", f"{_DECODE}(128, 'float16', 4, True)",
+                   _decode_signature("float16")),
+    Specialisation("decode d256 float16", f"{_DECODE}(256, 'float16', 4, False)",
+                   _decode_signature("float16")),
+    Specialisation("decode d256 bfloat16 softcap 2 rows", f"{_DECODE}(256, 'uint16', 2, True)",
+                   _decode_signature("uint16")),
+    Specialisation("combine d128", "kvnumba.kernels.decode.combine:_combine_kernel(128)",
+                   "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], "
+                   "float32[:, ::1], int64, int64, int64)"),
+    Specialisation("prefill d64 float16", f"{_PREFILL}(64, 64, 64, 'float16', False)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d128 float16", f"{_PREFILL}(128, 64, 64, 'float16', False)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d128 bfloat16", f"{_PREFILL}(128, 64, 64, 'bfloat16', False)",
+                   _prefill_signature("uint16")),
+    # 8-bit float storage staged into float16 / bfloat16 tiles (e4m3 bits as uint8, e5m2
+    # as int8), queries of the mma type
+    Specialisation("prefill d128 float8_e4m3",
+                   f"{_PREFILL}(128, 64, 64, 'float16', False, True, None, 'e4m3')",
+                   _prefill_signature("uint8", "float16")),
+    Specialisation("prefill d128 float8_e5m2 bfloat16 q",
+                   f"{_PREFILL}(128, 64, 64, 'bfloat16', False, True, None, 'e5m2')",
+                   _prefill_signature("int8", "uint16")),
+    Specialisation("prefill d128 float16 softcap", f"{_PREFILL}(128, 64, 64, 'float16', True)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d256 float16", f"{_PREFILL}(256, 48, 16, 'float16', False)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d256 bfloat16 softcap",
+                   f"{_PREFILL}(256, 48, 16, 'bfloat16', True)", _prefill_signature("uint16")),
+)

@@ -1,0 +1,404 @@
+"""`BatchedSequenceCache`: many sequences in shared page pools, behind the BatchControl
+face (contract §7) and the data path of a prepared step (§8).
+
+The face composes the parts and holds none of their logic: the slot table and step
+machine (`slots`), the pools (`pool`: host accounting and device storage), the step
+declarer (`declare`), the open step (`step.OpenStep`), the step's upload (`upload`),
+the attention paths (`paths`) and the data path (`datapath`). Host planning (declare,
+prepare, commit, validated a whole batch at a time) stays apart from device work
+(uploads and launches, all on the cache's stream).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..args import as_ids, as_int
+from ..config import CacheConfig
+from ..data.attend import DataPath
+from ..host.declare import StepDeclarer
+from ..device import (allocating, announce, check_storage_capability, cuda, device_id,
+                      on_its_device, placed_on)
+from ..errors import CacheFullError, ConfigError, ShapeError
+from ..kernels import padding
+from ..kernels.moves import write
+from ..data.routing import AttentionPaths, upload_entries
+from ..host.positions import resumed_high_water, stage_tables
+from ..host.prefix_keys import as_keys
+from .queries import CacheQueries
+from .pool import Pool
+from ..refusals import (floor_refusal, half_written_refusal, position_refusal,
+                        unprepared_refusal, width_refusal)
+from ..host.slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
+from ..statemachines import CLONE_SOURCE_STATES
+from ..host.step import OpenStep, StepPlan
+from ..data.upload import Upload
+
+_CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
+#: int32 entries a clone's upload starts with (its table patches and row runs); grown
+#: on demand
+CLONE_UPLOAD = 4096
+
+
+class BatchedSequenceCache(CacheQueries):
+    """A KV cache whose sequences share every layer's page pool, each through its page
+    tables.
+
+    Storage per layer: K and V pools `[n_pages, page_size, n_kv_heads, head_dim]`
+    (`layer_data`). A sequence slot's flat-layer page table lists the pages of its
+    positions in order (position `p`: slot `p % page_size` of its page `p //
+    page_size`); its ring-layer tables the `ceil(R / page_size)` pages of each ring
+    (position `p`: ring slot `p % R`). Flat pages are taken by `prepare_step` as
+    positions need them and shared by `seq_clone` (copy-on-write); ring pages come with
+    `seq_new`. Page 0 of every pool is scratch for padding tokens.
+
+    `device`: the CUDA device holding the storage, an int id or a Numba device (None:
+    the current one; the simulator has device 0 only; another id is `ConfigError`).
+    Every launch and copy goes to that device. An input or `out` on another device is
+    refused (`ShapeError`) before any launch. `stream`: the CUDA stream every launch and
+    copy goes on (Numba's default if None). `scratch_column=False` builds pools without
+    the scratch page: padding tokens get sequence -1 and are written nowhere
+    (`SequenceCache` is built this way).
+    """
+
+    def __init__(self, config: CacheConfig, device=None, stream=None, *,
+                 scratch_column: bool = True):
+        if not isinstance(config, CacheConfig):
+            raise ConfigError(f"config: expected a CacheConfig, got {type(config).__name__}")
+        self.device = device_id(device)
+        check_storage_capability(config.dtype, self.device)
+        announce()
+        self.config = config
+        with placed_on(self.device):
+            self._build(config, stream, scratch_column)
+
+    def _build(self, config: CacheConfig, stream, scratch_column: bool) -> None:
+        """`__init__` on the cache's device: its stream, tables and storage."""
+        self.stream = stream if stream is not None else cuda.default_stream()
+        n = config.max_seqs
+        self._n, self._pad_col = n, (n if scratch_column else -1)
+        self._step_machine = StepMachine()
+        with allocating(f"BatchedSequenceCache({n} sequences, capacity {config.capacity}, "
+                        f"max_step {config.max_step})"):
+            self._slots = SlotTable(n)
+            self._pool = Pool(config, n + 1 if scratch_column else n, scratch_column,
+                              self.stream)
+            self._upload = Upload(upload_entries(config), self.stream)
+            self._clone_upload = Upload(CLONE_UPLOAD, self.stream)
+            storage, kinds = self._pool.storage, self._pool.pages.kinds
+            tables = {kind.rows: storage.kind_tables[i] for i, kind in enumerate(kinds)}
+            rows = config.ring_rows().tolist()
+            windows = {spec.window or 0: (r, tables[r]) for spec, r in zip(config.layers, rows)}
+            self._paths = AttentionPaths(config, self.stream, windows,
+                                         self._pool.pages.page_bits)
+        self._declarer = StepDeclarer(config, self._slots, self._pool.pages)
+        geometry = [(r, spec.window or 0, tables[r]) for r, spec in zip(rows, config.layers)]
+        self._data = DataPath(config, self.device, self.stream, storage, self._paths, geometry)
+        self._step: OpenStep | None = None    # the open step, as the cache keeps it
+        self._plan: StepPlan | None = None    # its read-only view, handed to callers
+        self._writes = None   # the last prepared step's K/V writes (`write.WriteRun`)
+        self._floor_rows = config.floor_ring[0]   # R of the ring layer that sets floors
+
+    # ------------------------------------------------------------------ sequence verbs
+    @on_its_device
+    def seq_new(self) -> int:
+        """Claim the lowest free slot: state CLAIMED, pos 0, high-water 0, and its ring
+        pages (`CapacityError`, nothing claimed, when a ring pool cannot give them)."""
+        self._step_machine.require_idle("seq_new")
+        seq = self._lowest_free("seq_new")
+        next_state = self._slots.check_one("seq_new", seq)
+        self._pool.claim_rings(seq, "seq_new")
+        self._slots.apply("seq_new", seq, next_state)
+        self._slots.pos[seq] = self._slots.high_water[seq] = 0
+        return seq
+
+    def seq_rm(self, seq: int) -> None:
+        """Free the sequence and its pages: state FREE, pos 0, high-water 0 (bytes are not
+        zeroed; a page shared with a clone stays with the clone)."""
+        self._step_machine.require_idle("seq_rm")
+        seq = self._id(seq, "seq_rm")
+        next_state = self._slots.check_one("seq_rm", seq)
+        self._pool.pages.release(seq)
+        self._slots.apply("seq_rm", seq, next_state)
+        self._slots.pos[seq] = self._slots.high_water[seq] = 0
+
+    @on_its_device
+    def seq_clone(self, src: int, upto: int | None = None) -> int:
+        """A new sequence in the lowest free slot holding `src`'s first `upto` positions
+        (default all).
+
+        Flat layers share `src`'s pages wholly below `upto` and copy the one that
+        straddles it; ring layers get pages of their own, copied. Neither sequence sees
+        the other's later writes (a write into a shared page copies it first). The clone
+        is COMMITTED with `pos = upto` and `src`'s high-water. Refused: `src` not
+        COMMITTED/REWOUND, `upto` outside `[max(1, floor), pos]`, no free slot, a pool
+        that cannot give the clone's new pages (`CapacityError`).
+        """
+        self._step_machine.require_idle("seq_clone")
+        src = self._id(src, "seq_clone")
+        state = SlotState(int(self._slots.state[src]))
+        if state not in _CLONE_SOURCES:
+            raise state_refusal(src, state, "seq_clone from it",
+                                [s.name for s in _CLONE_SOURCES])
+        pos = int(self._slots.pos[src])
+        keep = pos if upto is None else as_int(upto, "seq_clone upto")
+        if not 1 <= keep <= pos:
+            raise position_refusal(f"seq_clone: upto={keep}", src, 1, pos)
+        self._check_floor(src, keep, "seq_clone")
+        dst = self._lowest_free("seq_clone")
+        next_state = self._slots.check_one("clone_into", dst)
+        high_water = int(self._slots.high_water[src])
+        self._pool.clone(src, dst, keep, self._clone_upload, "seq_clone")
+        self._slots.apply("clone_into", dst, next_state)
+        self._slots.pos[dst] = keep
+        self._slots.high_water[dst] = high_water
+        return dst
+
+    def rewind(self, seq: int, position: int) -> None:
+        """Move the sequence back to `position` (`floor <= position <= pos`); no bytes move.
+        Its flat pages wholly at or past `position` are released."""
+        self._step_machine.require_idle("rewind")
+        seq = self._id(seq, "rewind")
+        next_state = self._slots.check_one("rewind", seq)
+        position = as_int(position, "rewind position")
+        pos = int(self._slots.pos[seq])
+        if position > pos or position < 0:
+            raise position_refusal(f"rewind: position {position}", seq, self._floor(seq), pos)
+        self._check_floor(seq, position, "rewind")
+        self._pool.pages.rewind(seq, position)
+        self._slots.apply("rewind", seq, next_state)
+        self._slots.pos[seq] = position
+
+    # ------------------------------------------------------------------ prefix index
+    def prefix_match(self, keys) -> int:
+        """How many leading page keys of `keys` (`prefix_keys.page_keys`) the prefix index
+        holds: the pages `seq_from_prefix(keys)` would share. Changes nothing."""
+        return self._pool.index.match(as_keys(keys, "prefix_match keys"))
+
+    @on_its_device
+    def seq_from_prefix(self, keys) -> int:
+        """Claim the lowest free slot holding the longest indexed prefix of `keys`: `m =
+        prefix_match(keys)` pages. With `m = 0` it is `seq_new`. Otherwise the sequence
+        shares the matched flat pages (copy-on-write, as a clone), each ring layer gets
+        back the positions it reads before the match point `L = m * page_size`, and it is
+        COMMITTED at `pos = L` with high-water `L + max_write` when there are ring layers
+        (`plan.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
+        where the sequence's rings would need the match's own ring rows (`pos` says
+        where it starts). Refused as `seq_new` (`CacheFullError`, `CapacityError`),
+        nothing changed."""
+        self._step_machine.require_idle("seq_from_prefix")
+        keys = as_keys(keys, "seq_from_prefix keys")
+        keys = keys[:self._pool.index.match(keys)]
+        if not keys:
+            return self.seq_new()
+        seq = self._lowest_free("seq_from_prefix")
+        next_state = self._slots.check_one("clone_into", seq)
+        shared = self._pool.start(seq, keys, self._clone_upload, "seq_from_prefix")
+        if not shared:                 # shortened to nothing: a fresh sequence
+            self._slots.apply("seq_new", seq, self._slots.check_one("seq_new", seq))
+            self._slots.pos[seq] = self._slots.high_water[seq] = 0
+            return seq
+        self._slots.apply("clone_into", seq, next_state)
+        pos = shared * self.config.page_size
+        self._slots.pos[seq] = pos
+        self._slots.high_water[seq] = resumed_high_water(pos, self.config.max_write) \
+            if self._pool.pages.rings else pos
+        return seq
+
+    @on_its_device
+    def prefix_register(self, seq: int, keys) -> int:
+        """Index sequence `seq`'s committed pages of positions under `keys` (`keys[i]`:
+        the key of positions `[i P, (i + 1) P)`, `prefix_keys.page_keys` of the tokens it
+        holds; at most `pos // page_size` of them are used). Pages already indexed are
+        marked used; a new one shares its flat page with the index and copies the rows a
+        later match needs out of each ring. A ring keeps those rows only while its
+        window covers them: register after each `commit_step` (a page whose rows the
+        ring has overwritten, and every page after it, stays out), and before a
+        rewind. Ring pages for the index come from free or cached pages (the least
+        recently used nodes are evicted, never this chain's); registration stops where
+        none is left (a ring pool may grow for them, as for any verb: `CapacityError`,
+        nothing changed, when that growth fails). Returns the leading keys now indexed."""
+        self._step_machine.require_idle("prefix_register")
+        seq = self._live(self._id(seq, "prefix_register"), "prefix_register")
+        keys = as_keys(keys, "prefix_register keys")
+        pos = int(self._slots.pos[seq])
+        keys = keys[:pos // self.config.page_size]
+        index = self._pool.index
+        first = index.first_registrable(pos, int(self._slots.high_water[seq]))
+        return self._pool.register(seq, keys, first, self._clone_upload, "prefix_register")
+
+    def prefix_forget(self, keys) -> int:
+        """Drop the index entries of `keys` (their pages go back to the sequences holding
+        them, or free); returns how many were indexed."""
+        self._step_machine.require_idle("prefix_forget")
+        return self._pool.index.forget(as_keys(keys, "prefix_forget keys"))
+
+    def prefix_clear(self) -> int:
+        """Drop every index entry; returns how many there were."""
+        self._step_machine.require_idle("prefix_clear")
+        return self._pool.index.clear()
+
+    # ------------------------------------------------------------------ step protocol
+    def declare_step(self, seq_ids, *, blocks=()) -> StepPlan:
+        """Open a step: one sequence id per token, in token order (ints or an int array
+        `[n_tokens]`).
+
+        Each maximal run of one id is a span and one attention segment. A sequence
+        may have several spans (`[a, b, a]`): they take consecutive positions in
+        token order, and a later span's queries see the keys the earlier ones write
+        in the same step. `blocks`: sequences whose tokens are a bidirectional draft
+        block; a block owner must be exactly one span. Refusals, in order: an open
+        step; an unknown or free id; a block owner in more or fewer than one span; a
+        sequence writing more than `max_write` tokens (all its spans); `pos` + its
+        tokens past `capacity`; more than `max_step` tokens; more new flat pages than
+        the pool can give. The cache copies `seq_ids` (the caller may reuse its buffer
+        at once) and returns a read-only `StepPlan`.
+        """
+        next_state = self._step_machine.check("declare", "declare_step")
+        ids = as_ids(seq_ids, self._n, "declare_step seq_ids")
+        if ids.size == 0:
+            raise ShapeError("declare_step: seq_ids must be a non-empty 1-D sequence of ints "
+                             "(one sequence id per token)")
+        step = self._declarer.declare(ids, self._declarer.block_ids(blocks))
+        self._step_machine.apply("declare", next_state)
+        self._step, self._plan = step, StepPlan(step)
+        return self._plan
+
+    @on_its_device
+    def prepare_step(self, width: int | None = None) -> StepPlan:
+        """Stage the declared step at `width` tokens (default: no padding).
+
+        Takes the flat pages the step's positions need (growing the pool when allowed,
+        transactionally: a failed growth is `CapacityError` with the step still
+        declared), replaces each shared page the step writes into by a copy
+        (copy-on-write), builds `seq_cols` / `positions` (padding -> the scratch row,
+        position 0) and uploads them with the segment table, the attention plans and
+        the page-table changes in one host-to-device copy, without a host sync; the
+        table patches and the copies run on the device before any write.
+        """
+        next_state = self._step_machine.check("prepare", "prepare_step")
+        step, config = self._step, self.config
+        width = step.n_tokens if width is None else as_int(width, "prepare_step width")
+        if not step.n_tokens <= width <= config.max_step:
+            raise width_refusal(width, step.n_tokens, config)
+        patches, copies = self._pool.claim_step(step.seqs, step.totals, self._slots.pos,
+                                                step.pages_needed, "prepare_step")
+        upload, info = self._upload, step.seq_info
+        host = upload.begin(2 * width + info.size)
+        end = stage_tables(host, *step.spans, info, step.n_tokens, width, self._pad_col)
+        tokens = host[:2 * width].copy()
+        tokens.setflags(write=False)
+        upload.mark("tokens", 2 * width)
+        upload.mark("segments", int(end))
+        routes = self._paths.plan(info, step.max_q_len, step.max_kv_len, upload)
+        if patches is not None:
+            upload.put("patches", patches)
+        if copies is not None and len(copies):
+            upload.put("copies", copies)
+        self._paths.bind(routes, upload)
+        upload.send()
+        self._pool.run_step_pages(upload)
+        writes = self._writes    # the last step's, with its launches, if it fits this one
+        if writes is None or writes.width != width or writes.tables is not upload.device:
+            self._writes = writes = write.prepare(
+                upload.device, width, config.n_kv_heads * config.head_dim,
+                config.storage_dtype, self._pool.pages.page_bits, self.stream)
+        step.prepare(width, self._pad_col, tokens, upload, routes, writes,
+                     padding.prepare(width, step.n_tokens, self.stream),
+                     (width, config.n_kv_heads, config.head_dim), config.n_layers,
+                     (self._pool.storage, upload, self._paths.workspace))
+        self._step_machine.apply("prepare", next_state)
+        return self._plan
+
+    def commit_step(self) -> None:
+        """Advance every sequence of the step by all its spans' tokens; COMMITTED.
+
+        A step that wrote some layers and not others is refused (`StepProtocolError`
+        naming the unwritten layers; `abort_step` discards it); a step that wrote no
+        layer commits positions only.
+        """
+        next_state = self._step_machine.check("commit", "commit_step")
+        step = self._step
+        written = step.written
+        if 0 < np.count_nonzero(written) < written.size:
+            raise half_written_refusal(written)
+        self._slots.advance("commit", step.seqs, step.totals)
+        self._close(next_state, "commit")
+
+    def abort_step(self) -> None:
+        """Return every sequence of the step to its earlier state; nothing advances.
+
+        After `prepare_step` the kernels may have written, so each sequence's
+        high-water rises to the end of its last span, and the flat pages the step took
+        past its positions are released.
+        """
+        next_state = self._step_machine.check("abort", "abort_step")
+        step = self._step
+        seqs = step.seqs
+        self._slots.apply("abort", seqs, self._slots.check("abort", seqs))
+        if step.prepared:
+            hw = self._slots.high_water
+            hw[seqs] = np.maximum(hw[seqs], self._slots.pos[seqs] + step.totals)
+            self._pool.pages.abort(seqs, self._slots.pos)
+        self._close(next_state, "abort")
+
+    def check_declarable(self, seqs: np.ndarray) -> None:
+        """Raise what `declare_step` would raise first for sequences `seqs` (an int64 array
+        of valid ids): an open step, then a free or busy sequence. Changes nothing."""
+        self._step_machine.check("declare", "declare_step")
+        self._slots.check("declare", seqs)
+
+    def _close(self, next_state, event):
+        self._step_machine.apply(event, next_state)
+        self._step = self._plan = None
+
+    # ------------------------------------------------------------------ data path
+    @on_its_device
+    def write(self, layer: int, k, v) -> None:
+        """Write the prepared step's K and V, each `[width, n_kv_heads, head_dim]` (float16,
+        float32 or bfloat16: NumPy, PyTorch or device arrays; converted to the storage
+        dtype in the kernel), into `layer`: token `i` to its sequence's page and slot for
+        `positions[i]`."""
+        self._data.write(self._prepared("write"), layer, k, v)
+
+    @on_its_device
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
+        """Attention of the prepared step's queries over their own sequences' histories.
+
+        q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`;
+        float16, float32 or bfloat16 (NumPy as `ml_dtypes.bfloat16`, or PyTorch).
+        Returns `out` (`[width, n_q_heads, head_dim]`) if given, else a new array of q's
+        kind and dtype: a tensor on q's device for a PyTorch q, NumPy for NumPy, a
+        device array for a device array. Padding rows are zero. The step must have
+        written `layer` first (`write` or `update_and_attend`); `scale` (default
+        `1/sqrt(head_dim)`) and `softcap` (None or > 0) must be finite.
+
+        `lse`: None, or a float32 `[width, n_q_heads]` array of q's kinds (NumPy, PyTorch,
+        device) that receives each row's natural-log log-sum-exp of its final scores
+        (scaled, then soft-capped), `-inf` on padding rows: FlashAttention's convention,
+        so that attentions over parts of a history can be merged.
+        """
+        return self._data.attend(self._prepared("attend"), layer, q, out, scale, softcap, lse)
+
+    @on_its_device
+    def update_and_attend(self, layer: int, q, k, v, **kw):
+        """`write(layer, k, v)` then `attend(layer, q, **kw)` (`kw`: `out`, `scale`,
+        `softcap`, `lse`): every argument of both halves is checked before anything is
+        written."""
+        return self._data.update_and_attend(self._prepared("write"), layer, q, k, v, kw)
+
+    def _prepared(self, verb: str) -> OpenStep:
+        """The open step, once prepared, or `StepProtocolError`."""
+        if self._step_machine.index != StepState.PREPARED:
+            raise unprepared_refusal(verb, self._step_machine.state)
+        return self._step
+
+    def _lowest_free(self, verb: str) -> int:
+        free = np.flatnonzero(self._slots.state == SlotState.FREE)
+        if free.size == 0:
+            raise CacheFullError(f"{verb}: all {self._n} sequence slots are in use")
+        return int(free[0])
+
+    def _check_floor(self, seq: int, target: int, verb: str) -> None:
+        if target < self._floor(seq):
+            raise floor_refusal(verb, seq, target, int(self._slots.high_water[seq]),
+                                self.config)

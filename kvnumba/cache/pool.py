@@ -1,0 +1,155 @@
+"""The page pools of one cache: host accounting (`page_accounting`) and device storage
+(`storage`) kept in step (contract §4).
+
+Every verb that takes pages first checks all its pools can give them (`require`, a
+`CapacityError` changing nothing), then grows the storage of any pool without enough
+free pages, by doubling up to `max_pages`, transactionally (the new storage is
+allocated before anything is swapped in), and only then takes the pages. A clone's
+device work is one small upload of its own (its table patches and row runs), one
+patch launch, one device copy of its shared table entries and one copy launch per kind
+that copies: none of it grows with the shared prefix.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import CacheConfig
+from ..host.page_accounting import PageAccounting
+from ..host.prefix_index import PrefixIndex
+from ..data.storage import PageStorage
+
+
+class Pool:
+    """`pages`: the host accounting (`PageAccounting`); `storage`: the device storage
+    (`PageStorage`), with `n_rows` page-table rows (one per sequence slot, plus the
+    scratch row when `scratch`) and launches on `stream`."""
+
+    def __init__(self, config: CacheConfig, n_rows: int, scratch: bool, stream=0):
+        self.config = config
+        self.pages = PageAccounting(config, n_rows, scratch)
+        self.index = PrefixIndex(self.pages)
+        self.storage = PageStorage(config, n_rows, stream)
+        self._index = {id(kind): i for i, kind in enumerate(self.pages.kinds)}
+
+    @property
+    def nbytes_held(self) -> int:
+        """Bytes of the pages live sequences hold (a shared page once; not the scratch)."""
+        return self.pages.held_pages() * self.config.page_bytes
+
+    @property
+    def nbytes_cached(self) -> int:
+        """Bytes of the pages the prefix index alone holds (reclaimable)."""
+        return self.pages.cached_pages() * self.config.page_bytes
+
+    def reserve(self, demand: list, verb: str, protect=()) -> None:
+        """Make the pages of `demand` (`(KindPages, pages)` pairs) free: free pages first
+        (growing the pool, by doubling, as far as `max_pages` allows), then cached pages
+        evicted from the prefix index (never those of the index nodes `protect`).
+        `CapacityError`, nothing changed (the index included), when a pool cannot give
+        them under `max_pages`, or when growing the storage of one fails (every grown
+        storage is allocated before any is put in use, and nothing is evicted before)."""
+        index = self.index
+        kept = [(kind, needed, self._index[id(kind)],
+                 index.cached_in(self._index[id(kind)], protect) if len(protect) else 0)
+                for kind, needed in demand]
+        for kind, needed, _, unavailable in kept:
+            kind.require(needed, verb, unavailable)
+        growing = [(kind, i, kind.grown(needed))
+                   for kind, needed, i, _ in kept if needed > kind.n_free]
+        fresh = [(kind, n_pages, self.storage.grown(i, n_pages, verb))
+                 for kind, i, n_pages in growing if n_pages > kind.n_pages]
+        for kind, n_pages, group in fresh:
+            self.storage.install(self._index[id(kind)], group)
+            kind.grow(n_pages)
+        for kind, needed, i, _ in kept:
+            if needed > kind.n_free:
+                index.evict(i, needed - kind.n_free, protect)
+
+    # ------------------------------------------------------------------ verbs
+    def claim_rings(self, seq: int, verb: str) -> None:
+        """Give `seq` its ring pages (`CapacityError`, nothing taken, when a pool cannot)."""
+        self.reserve(self.pages.ring_demand(), verb)
+        self.pages.claim_rings(seq)
+
+    def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray, needed: int,
+                   verb: str) -> tuple:
+        """Take a declared step's `needed` flat pages (growing the pool first:
+        `CapacityError`, nothing taken, when it cannot); `(patches, copies)` as
+        `PageAccounting.claim_step` gives them."""
+        if needed:
+            self.reserve([(self.pages.flat, needed)], verb)
+        return self.pages.claim_step(seqs, totals, pos, needed)
+
+    def clone(self, src: int, dst: int, keep: int, upload, verb: str) -> None:
+        """The pages and device work of `seq_clone` (module doc), through `upload` (an
+        `upload.Upload` kept for clones); `CapacityError`, nothing changed, when a pool
+        cannot give the clone's pages."""
+        self.reserve(self.pages.clone_demand(keep), verb)
+        work = self.pages.clone(src, dst, keep)
+        self._send(upload, work.patches, work.copies, work.shared)
+
+    def start(self, seq: int, keys: list, upload, verb: str) -> int:
+        """Give a free `seq` its rings and the indexed pages of `keys` (every one indexed):
+        the flat pages shared, the rows the ring layers read before the match point
+        copied back (`PrefixIndex.share`). A match whose own ring rows the rings would
+        need is shortened until they need none of them; returns the pages shared.
+        `CapacityError`, nothing changed, when a ring pool cannot give the rings even so
+        (as `seq_new`)."""
+        index, demand = self.index, self.pages.ring_demand()
+        chain = index.chain(keys)
+        while len(chain) and any(needed > kind.available - index.cached_in(self._index[id(kind)],
+                                                                           chain)
+                                 for kind, needed in demand):
+            chain = chain[:-1]           # its last node's ring pages go to the rings
+        keys = keys[:len(chain)]
+        self.reserve(demand, verb, chain)
+        self.pages.claim_rings(seq)
+        copies = index.share(seq, keys) if keys else [None] * len(self.pages.kinds)
+        self._send(upload, self.pages.flush(None), copies, None)
+        return len(keys)
+
+    def register(self, seq: int, keys: list, first: int, upload, verb: str) -> int:
+        """Index `seq`'s pages under `keys` (`PrefixIndex.plan_register`, `register`: as
+        many as its rings and the ring pools can give, pages taken as for any verb) and
+        copy their ring rows; returns how many leading keys are indexed. `CapacityError`,
+        nothing changed, when growing a ring pool fails."""
+        index = self.index
+        chain, new = index.plan_register(seq, keys, first)
+        if new:
+            self.reserve([(kind, len(new)) for i, kind in enumerate(self.pages.kinds)
+                          if index.keeps_rows(i)], verb, chain)
+        indexed, copies = index.register(seq, keys, chain, new)
+        self._send(upload, None, copies, None)
+        return indexed
+
+    def _send(self, upload, patches, copies: list, shared) -> None:
+        """Device work outside a step, in one upload of its own: table `patches` (`[n, 2]`
+        or None), row runs `copies` per kind (`[m, 3]` or None), `shared` table entries
+        `(from, to, count)` to copy on the device (or None)."""
+        if patches is None and shared is None and all(c is None for c in copies):
+            return
+        upload.begin()
+        if patches is not None:
+            upload.put("patches", patches)
+        for i, runs in enumerate(copies):
+            if runs is not None:
+                upload.put(f"copies {i}", runs)
+        upload.send()
+        storage, tables = self.storage, upload.device
+        if patches is not None:
+            storage.patch(tables, upload.section("patches"))
+        if shared is not None:
+            storage.copy_entries(*shared)
+        for i, runs in enumerate(copies):
+            if runs is not None:
+                storage.copy(i, tables, upload.section(f"copies {i}"))
+
+    def run_step_pages(self, upload) -> None:
+        """The device side of a prepared step's pages, from its upload: the table patches,
+        then the copy-on-write copies (both before any write; none when the upload has no
+        such section)."""
+        sections, tables = upload.sections, upload.device
+        if "patches" in sections:
+            self.storage.patch(tables, sections["patches"])
+        if "copies" in sections:
+            self.storage.copy(0, tables, sections["copies"])

@@ -1,0 +1,186 @@
+"""The data path of a prepared step (contract §8): `write`, `attend` and
+`update_and_attend` of one cache, each checked whole before anything launches.
+
+`DataPath` knows the cache's storage, attention paths, stream and device, and works on
+the open step it is handed (`step.OpenStep`): the step's width, its bound write and
+padding launches and its attention routes were made once in `prepare_step`, so a
+layer's call checks its arrays, fills in the defaults and launches.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..args import as_finite, describe, is_int
+from .arrays import Result, check, check_out, device_view, overlap
+from ..config import CacheConfig
+from ..errors import ShapeError, StepProtocolError
+from ..kernels.launch.calling import no_output
+from ..kernels.out_scale import scale_out
+from ..refusals import width_hint
+
+#: the dtypes q, k, v and out may have
+IO_DTYPES = ("float16", "float32", "bfloat16")
+#: what `update_and_attend` passes on to `attend`
+ATTEND_KEYWORDS = frozenset({"out", "scale", "softcap", "lse"})
+_LSE_DTYPES = ("float32",)
+_NO_SOFTCAP = np.float32(0.0)
+
+
+class DataPath:
+    """`write` / `attend` of one cache: its `config`, `device`, `stream`, storage (a
+    `storage.PageStorage`), attention paths (`paths.AttentionPaths`), and per layer what
+    a launch needs of it: `(ring rows R or 0, window or 0, its kind's device page
+    table)`."""
+
+    def __init__(self, config: CacheConfig, device: int, stream, storage, paths,
+                 layer_geometry: list):
+        self.config, self.device, self.stream = config, device, stream
+        self.storage, self.paths, self.layer_geometry = storage, paths, layer_geometry
+        # the kernels take scale and softcap as float32: the defaults converted once
+        self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
+        # fp8 storage (contract §3): the write multiplies by each layer's reciprocal
+        # scales, attention folds k_scale into its scale and multiplies out by v_scale
+        self._k_scale = config.k_scale
+        self._v_scale = np.array(config.v_scale, np.float32)
+        self._inverse = [(np.float32(1 / k), np.float32(1 / v))
+                         for k, v in zip(config.k_scale, config.v_scale)]
+        self._scaled = config.is_fp8
+
+    def write(self, step, layer, k, v) -> None:
+        """`k`, `v` `[width, n_kv_heads, head_dim]` into `layer` for the prepared `step`."""
+        self._launch_write(step, self._write_args(step, layer, k, v), k, v)
+
+    def attend(self, step, layer, q, out, scale, softcap, lse):
+        """Attention of `step`'s queries on `layer`; refused before `layer` is written."""
+        args = self._attend_args(step, layer, q, out, scale, softcap, lse)
+        if not step.written[args[0]]:
+            raise StepProtocolError(f"attend: the prepared step has not written layer "
+                                    f"{args[0]}'s K/V; call write({args[0]}, k, v) or "
+                                    f"update_and_attend first")
+        return self._launch_attend(step, *args)
+
+    def update_and_attend(self, step, layer, q, k, v, kw: dict):
+        """`write` then `attend`, every argument of both checked first."""
+        if not ATTEND_KEYWORDS.issuperset(kw):
+            raise ShapeError(f"update_and_attend: unexpected keyword arguments "
+                             f"{sorted(set(kw) - ATTEND_KEYWORDS)} (allowed: out, scale, "
+                             f"softcap, lse)")
+        layer = self._write_args(step, layer, k, v)
+        attend_args = self._layer_scale(layer, self._attend_inputs(
+            step, q, kw.get("out"), kw.get("scale"), kw.get("softcap"), kw.get("lse"), k=k,
+            v=v))
+        self._launch_write(step, layer, k, v)
+        return self._launch_attend(step, layer, *attend_args)
+
+    # ------------------------------------------------------------------ checks
+    def layer(self, layer, verb: str) -> int:
+        """`layer` as an int index in `[0, n_layers)`, or `ShapeError`."""
+        n_layers = len(self.layer_geometry)
+        if type(layer) is int and 0 <= layer < n_layers:    # the usual call: nothing to convert
+            return layer
+        if not is_int(layer):
+            raise ShapeError(f"{verb}: layer must be an int index in [0, {n_layers}), got "
+                             f"{describe(layer)}")
+        if not 0 <= layer < n_layers:
+            raise ShapeError(f"{verb}: layer {int(layer)} is outside [0, {n_layers})")
+        return int(layer)
+
+    def _write_args(self, step, layer, k, v) -> int:
+        """`layer` as an index, once k and v fit the step."""
+        layer = self.layer(layer, "write")
+        try:
+            check("k", k, step.kv_shape, IO_DTYPES, self.device)
+            check("v", v, step.kv_shape, IO_DTYPES, self.device)
+        except ShapeError as exc:
+            raise ShapeError(f"{exc}{width_hint(step, k, v)}") from None
+        return layer
+
+    def _attend_args(self, step, layer, q, out, scale, softcap, lse) -> tuple:
+        layer = self.layer(layer, "attend")
+        return (layer, *self._layer_scale(layer, self._attend_inputs(step, q, out, scale,
+                                                                     softcap, lse)))
+
+    def _layer_scale(self, layer: int, inputs: tuple) -> tuple:
+        """`inputs` (`_attend_inputs`) with fp8 storage's `k_scale` folded into the scale
+        (K = k_scale * stored), the product held to the range every scale keeps
+        (`args.as_finite`), or `ConfigError`."""
+        if not self._scaled:
+            return inputs
+        q, out, scale, softcap, lse = inputs
+        k_scale = self._k_scale[layer]
+        folded = as_finite(float(scale) * k_scale, f"attend: scale {float(scale)!r} times "
+                                                   f"layer {layer}'s k_scale {k_scale!r}")
+        return q, out, np.float32(folded), softcap, lse
+
+    def _attend_inputs(self, step, q, out, scale, softcap, lse, **inputs) -> tuple:
+        """`(q, out, scale, softcap, lse)` checked, the defaults filled in; `inputs`: the
+        other arrays of the call (`k`, `v`), which `out` and `lse` must not overlap
+        either."""
+        shape = self._check_q(step, q)
+        if out is not None:
+            check_out("out", out, shape, IO_DTYPES, self.device)
+        if lse is not None:
+            check_out("lse", lse, shape[:2], _LSE_DTYPES)
+        if out is not None or lse is not None:
+            _check_apart(dict(out=out, lse=lse), dict(q=q, **inputs))
+        scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
+        softcap = _NO_SOFTCAP if softcap is None else as_finite(softcap, "attend: softcap",
+                                                                positive=True)
+        return q, out, scale, softcap, lse
+
+    def _check_q(self, step, q) -> tuple:
+        """q's shape `[width, n_q_heads, head_dim]`, or `ShapeError` (kind and dtype first,
+        then the rank, the heads and the shape)."""
+        check("q", q, None, IO_DTYPES, self.device)
+        shape = tuple(q.shape)
+        if len(shape) != 3:
+            raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got shape "
+                             f"{shape}")
+        n_q_heads, n_kv_heads = shape[1], self.config.n_kv_heads
+        if n_q_heads < 1 or n_q_heads % n_kv_heads:
+            raise ShapeError(f"q: n_q_heads={n_q_heads} must be a positive multiple of "
+                             f"n_kv_heads={n_kv_heads} (query head h reads kv head "
+                             f"h // (n_q_heads // n_kv_heads))")
+        want = (step.width, n_q_heads, self.config.head_dim)
+        if shape != want:
+            raise ShapeError(f"q: expected shape {want}, got {shape}{width_hint(step, q)}")
+        return shape
+
+    # ------------------------------------------------------------------ launches
+    def _launch_write(self, step, layer, k, v) -> None:
+        storage, stream = self.storage, self.stream
+        ring_rows, _, pages = self.layer_geometry[layer]
+        step.writes(storage.k_slots[layer], storage.v_slots[layer], device_view(k, stream),
+                    device_view(v, stream), ring_rows, pages, *self._inverse[layer])
+        step.written[layer] = True
+
+    def _launch_attend(self, step, layer, q, out, scale, softcap, lse):
+        stream = self.stream
+        result = Result(q, out, tuple(q.shape), stream)
+        row_lse = None if lse is None else Result(q, lse, tuple(q.shape[:2]), stream)
+        lse_device = no_output() if row_lse is None else row_lse.device
+        if step.zero is not None:
+            step.zero(result.device, lse_device)
+        ring_rows, window, pages = self.layer_geometry[layer]
+        self.paths.run(step.routes, device_view(q, stream), self.storage.k_slots[layer],
+                       self.storage.v_slots[layer], result.device, lse_device,
+                       ring_rows=ring_rows, window=window, pages=pages, scale=scale,
+                       softcap=softcap)
+        if self._scaled:
+            scale_out(result.device, self._v_scale[layer], stream)
+        if row_lse is not None:
+            row_lse.value()          # a host `lse` is filled from the device
+        return result.value()
+
+
+def _check_apart(outputs: dict, inputs: dict) -> None:
+    """Refuse (`ShapeError`) an output (`out`, `lse`; None: not given) that overlaps another
+    output or an input (contract §8): the kernels would read what they write."""
+    given = [(name, array) for name, array in outputs.items() if array is not None]
+    for i, (name, array) in enumerate(given):
+        for other, found in [*given[i + 1:], *inputs.items()]:
+            if overlap(array, found):
+                raise ShapeError(f"{name}: its memory overlaps {other}'s; pass an {name} "
+                                 f"that shares no memory with q, k, v or the other output")

@@ -1,0 +1,217 @@
+"""Which attention kernel serves which segments of a step: planned once per step in
+`prepare_step`, launched per layer in `attend` (FlashInfer's plan() / run() split).
+
+A step's segments fall in two groups by length (contract §8): *decode* segments
+(`q_len <= DECODE_MAX_Q_LEN`: a token, or a short speculative draft) and *prefill*
+segments. Each group runs on its own path, over its own list of segments, so a
+step launches at most two attention kernels (plus the decode path's combine) and a
+segment's output never depends on what shares its step:
+
+* decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK_KEYS`) where it
+  serves the storage, else `kernels.attention` split-K in chunks of the same length;
+* prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
+  the storage, else `kernels.attention` (CUDA cores, exact for float32).
+
+`AttentionPaths.plan` writes the step's sections into its upload (`upload.Upload`): for
+the fast decode path one work / combine table per distinct layer window (the window
+decides which keys a chunk covers), for the others their segment lists; and it makes
+each path's run for the step (`decode.DecodeRun` per window, `prefill.PrefillRun`,
+`attention.GenericRun`), so `run` launches with nothing left to plan: a layer adds only
+its own arrays and scalars.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import CacheConfig
+from ..kernels import generic, decode, prefill
+from ..kernels.generic import DECODE_MAX_Q_LEN
+from ..kernels.workspace import AttentionWorkspace
+from ..host.positions import POS_START, Q_LEN, SEQ_INFO_FIELDS
+
+_max = np.maximum.reduce
+_min = np.minimum.reduce
+
+
+class Group(NamedTuple):
+    """The segments one path serves in a step: how many, their longest q_len and the
+    furthest position + 1 they reach (the generic kernel sizes its grid from these)."""
+
+    n: int
+    max_q_len: int
+    max_kv_len: int
+
+
+_NONE = Group(0, 0, 0)
+
+
+class StepPaths:
+    """A prepared step's routing (`AttentionPaths.plan`): the two groups and each path's
+    run for the step: the fast decode path's `decode.DecodeRun` by layer window
+    (`decode_runs`, with their placed plans `decode_plans`) or the generic decode run,
+    and the prefill group's tensor-core run with its generic fallback (float32 storage,
+    or a layer whose scale is not positive)."""
+
+    __slots__ = ("decode", "prefill", "decode_plans", "decode_runs", "decode_generic",
+                 "prefill_fast", "prefill_generic")
+
+    def __init__(self, decode_group, prefill_group):
+        self.decode, self.prefill = decode_group, prefill_group
+        self.decode_plans, self.decode_runs = {}, {}
+        self.decode_generic = self.prefill_fast = self.prefill_generic = None
+
+    def launch_key(self) -> tuple:
+        """What the launches' grids depend on, besides the step's width and the buffers'
+        addresses: the decode plans' sizes (or, on the generic path, the split-K chunks
+        of the longest history) and the prefill group's size. Two steps with equal keys
+        (widths and addresses) launch the same grids, so a CUDA graph of one replays the
+        other (the positions and sequences it reads are the upload's contents)."""
+        d, p = self.decode, self.prefill
+        if self.decode_plans:
+            decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
+                               for window, f in sorted(self.decode_plans.items()))
+        else:
+            decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS))
+        return decode_key, (p.n, p.max_q_len)
+
+
+class AttentionPaths:
+    """The attention paths of one cache (chosen once from its config) and their workspace.
+
+    `window_tables`: for each distinct layer window W (0: flat), its ring rows R (0:
+    flat) and its layer kind's device page table, as the pool holds them; `page_bits`:
+    log2 of the page size."""
+
+    def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
+        self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
+        self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
+        self.window_tables = window_tables
+        self.windows = sorted(window_tables)
+        self.page_bits = page_bits
+        self.stream = stream
+        self.workspace = AttentionWorkspace()
+        self._ramp = np.arange(0, dtype=np.int32)    # every segment's index, grown on demand
+        self._all_last = self._ramp
+        self._runs = {}       # the last step's decode runs, by window
+
+    # ------------------------------------------------------------------ host, per step
+    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, upload) -> StepPaths:
+        """The routing of the step whose segment table is `seq_info` (its longest segment
+        `max_q_len`, its furthest reach `max_kv_len`), staged in `upload` (its `segments`
+        section written): the paths' sections are written into it (`upload` doc) and
+        each path's run made for the step."""
+        n = len(seq_info)
+        if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
+            paths = StepPaths(Group(n, max_q_len, max_kv_len), _NONE)
+            decode_segs = self._all(n)
+        elif _min(seq_info[:, Q_LEN]) > DECODE_MAX_Q_LEN:    # a prefill step: the other
+            paths = StepPaths(_NONE, Group(n, max_q_len, max_kv_len))
+            prefill_segs = self._all(n)
+        else:
+            is_decode = seq_info[:, Q_LEN] <= DECODE_MAX_Q_LEN
+            decode_segs = np.flatnonzero(is_decode).astype(np.int32)
+            prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
+            paths = StepPaths(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
+        if paths.decode.n and self.decode_fast:     # a work list per window; no segment list
+            for window in self.windows:
+                name = f"decode {window}"
+                paths.decode_plans[window] = placed = decode.plan_into(
+                    seq_info, decode_segs, window=window, staging=upload, at=upload.end)
+                upload.mark(name, placed.combine_off + placed.n_combine * decode.COMBINE_FIELDS)
+        elif paths.decode.n:
+            upload.put("decode list", decode_segs)
+        if paths.prefill.n:
+            upload.put("prefill list", prefill_segs)
+        return paths
+
+    def bind(self, paths: StepPaths, upload) -> None:
+        """Each path's run for the step, on `upload`'s device buffer as it stands once
+        every section is written (the buffer only grows while they are)."""
+        tables, info_at = upload.device, upload.section("segments").offset
+        if paths.decode_plans:
+            paths.decode_runs = self._decode_runs(paths.decode_plans, tables, info_at)
+        elif paths.decode.n:
+            group = paths.decode
+            paths.decode_generic = generic.prepare(
+                tables, seq_info_off=info_at, segments_off=upload.section("decode list").offset,
+                n_segments=group.n, max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
+                page_bits=self.page_bits, workspace=self.workspace, path="decode",
+                kv_chunk=decode.CHUNK_KEYS, stream=self.stream)
+        if paths.prefill.n:
+            group, listed = paths.prefill, upload.section("prefill list").offset
+            if self.prefill_fast:
+                paths.prefill_fast = prefill.prepare(
+                    tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
+                    max_q_len=group.max_q_len, page_bits=self.page_bits, stream=self.stream)
+            paths.prefill_generic = generic.prepare(
+                tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
+                max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
+                page_bits=self.page_bits, workspace=self.workspace, path="prefill",
+                stream=self.stream)
+
+    def _all(self, n: int) -> np.ndarray:
+        """Every segment's index, `[0, n)` (int32, read-only; the last one made is kept:
+        a decode loop's steps ask for the same)."""
+        found = self._all_last
+        if found.size == n:
+            return found
+        if n > self._ramp.size:
+            self._ramp = np.arange(max(n, 2 * self._ramp.size), dtype=np.int32)
+            self._ramp.setflags(write=False)
+        self._all_last = found = self._ramp[:n]
+        return found
+
+    def _decode_runs(self, plans: dict, tables, info_at: int) -> dict:
+        """A `decode.DecodeRun` per window of the step's placed `plans`. One the last step
+        made for the same tables, placed alike, is taken again, with the launches it has
+        bound (a steady decode loop binds them once)."""
+        runs = self._runs
+        for window, found in plans.items():
+            run = runs.get(window)
+            if run is None or run.tables is not tables or run.seq_info_off != info_at or \
+                    run.placed != found:
+                rows, pages = self.window_tables[window]
+                runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace, rows,
+                                                window, pages, self.page_bits, self.stream)
+        return runs.copy()
+
+    # ------------------------------------------------------------------ device, per layer
+    def run(self, paths: StepPaths, q, k_store, v_store, out, lse, *, ring_rows, window,
+            pages, scale, softcap) -> None:
+        """Launch the step's paths for one layer (`k_store`, `v_store`: its slot storage,
+        `pages`: its kind's device page table): each writes its segments' rows of `out`,
+        and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
+        rows (`launch.no_output()`)."""
+        if paths.decode_runs:
+            paths.decode_runs[window](q, k_store, v_store, out, lse, scale, softcap)
+        elif paths.decode_generic is not None:
+            paths.decode_generic(q, k_store, v_store, pages, out, lse, ring_rows, window,
+                                 scale, softcap)
+        if not paths.prefill.n:
+            return
+        run = paths.prefill_fast if paths.prefill_fast is not None and scale > 0 else \
+            paths.prefill_generic
+        run(q, k_store, v_store, pages, out, lse, ring_rows, window, scale, softcap)
+
+
+def upload_entries(config: CacheConfig) -> int:
+    """int32 entries the upload of a usual step takes: per token its sequence and position,
+    a segment (at most one per token) and its place in a path's list; per layer window a
+    decode plan of one chunk per segment plus the chunks of `max_seqs` sequences at
+    capacity. A step that needs more grows the buffers (`upload.Upload.reserve`)."""
+    per_token = 2 + SEQ_INFO_FIELDS + 1
+    chunks = config.max_step + min(config.max_step, config.max_seqs) * \
+        -(-config.capacity // decode.CHUNK_KEYS)
+    windows = len({spec.window for spec in config.layers})
+    return per_token * config.max_step + windows * (decode.WORK_FIELDS * chunks +
+                                                   decode.COMBINE_FIELDS * config.max_step)
+
+
+def _group(seq_info, segments) -> Group:
+    if segments.size == 0:
+        return _NONE
+    rows = seq_info[segments]
+    return Group(int(segments.size), int(_max(rows[:, Q_LEN])),
+                 int(_max(rows[:, POS_START] + rows[:, Q_LEN])))

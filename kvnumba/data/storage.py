@@ -1,0 +1,123 @@
+"""Device storage of a cache's page pools (contract §4): K and V of every layer, the
+device page tables, their growth, and the launches that change them.
+
+A layer kind's storage is one allocation, a *group* `[n_layers, 2, n_pages, page_size,
+n_kv_heads, head_dim]` (index 1: 0 = K, 1 = V), so that copying a page (a clone, a
+copy-on-write) is one launch for all its layers. A layer's K and V pools are views
+`[n_pages, page_size, n_kv_heads, head_dim]` of its group, and the kernels read them as
+slots `[n_pages * page_size, n_kv_heads, head_dim]` (`k_slots`, `v_slots`).
+
+The device page tables are one int32 buffer, allocated once at its full size (so it
+never moves, and a captured CUDA graph keeps reading it): each kind's table `[seq rows,
+table_pages]` of slot bases (page id times page size) is a fixed view of it
+(`kind_tables`). The host decides every entry (`page_accounting`); this module stores
+the patches an upload carries and copies the pages a clone or copy-on-write names.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import CacheConfig
+from ..device import allocating, cuda
+from ..kernels.moves.page_copy import RUN_ENTRIES, copy_rows
+from ..kernels.launch.calling import device_pointer
+from ..kernels.moves.page_table import PagePatcher
+
+
+class PageStorage:
+    """The storage of one cache: per layer kind (`config.layer_kinds` order) its group
+    `groups[i]`, starting with `initial_pages[i]` pages, and its device table
+    `kind_tables[i]` (int32 `[n_rows, table_pages]`, a view of `device_tables`); per
+    layer its pools `k[layer]`, `v[layer]` and their slot views. Launches and copies go
+    on `stream`."""
+
+    def __init__(self, config: CacheConfig, n_rows: int, stream=0):
+        self.config, self.stream = config, stream
+        self.page_size = config.page_size
+        kinds = config.layer_kinds
+        sizes = [n_rows * kind.table_pages for kind in kinds]
+        # zeros: an entry no sequence holds points at page 0 (the scratch page), in storage
+        self.device_tables = cuda.to_device(np.zeros(sum(sizes), np.int32), stream=stream)
+        self._patcher = PagePatcher(self.device_tables, stream)
+        self.kind_tables, at = [], 0
+        for kind, size in zip(kinds, sizes):
+            self.kind_tables.append(self.device_tables[at:at + size].reshape(
+                n_rows, kind.table_pages))
+            at += size
+        n_layers = config.n_layers
+        self.k, self.v = [None] * n_layers, [None] * n_layers
+        self.k_slots, self.v_slots = [None] * n_layers, [None] * n_layers
+        self.groups = [None] * len(kinds)
+        self._layers = [kind.layers for kind in kinds]
+        for i, kind in enumerate(kinds):
+            self._install(i, self._allocate(i, kind.initial_pages))
+
+    def _allocate(self, i: int, n_pages: int):
+        """Storage for kind `i`: `[n_layers, 2, n_pages, page_size, n_kv_heads, head_dim]`."""
+        c = self.config
+        shape = (len(self._layers[i]), 2, n_pages, self.page_size, c.n_kv_heads, c.head_dim)
+        return cuda.device_array(shape, dtype=c.storage_dtype, stream=self.stream)
+
+    def _install(self, i: int, group) -> None:
+        self.groups[i] = group
+        slots = (group.shape[2] * self.page_size,) + group.shape[4:]
+        for j, layer in enumerate(self._layers[i]):
+            self.k[layer], self.v[layer] = group[j, 0], group[j, 1]
+            self.k_slots[layer] = group[j, 0].reshape(*slots)
+            self.v_slots[layer] = group[j, 1].reshape(*slots)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage allocated, over all kinds."""
+        return sum(group.nbytes for group in self.groups)
+
+    def n_pages(self, i: int) -> int:
+        return self.groups[i].shape[2]
+
+    def grown(self, i: int, n_pages: int, what: str):
+        """Kind `i`'s storage grown to `n_pages`, every page copied in, not yet in use
+        (`install` it): a failed allocation (`CapacityError` naming `what`) leaves the old
+        storage as it was."""
+        old = self.groups[i]
+        old_n = old.shape[2]
+        with allocating(f"{what}: growing the pool of the "
+                        f"{self.config.layer_kinds[i].name} from {old_n} to {n_pages} pages "
+                        f"(the old pool is kept)"):
+            fresh = self._allocate(i, n_pages)
+        for j in range(old.shape[0]):          # pages are outermost in each (layer, K/V)
+            for kv in range(2):
+                fresh[j, kv, :old_n].copy_to_device(old[j, kv], stream=self.stream)
+        return fresh
+
+    def install(self, i: int, group) -> None:
+        """Kind `i`'s storage is `group` from now on (`grown`)."""
+        self._install(i, group)
+
+    # ------------------------------------------------------------------ device work
+    def patch(self, tables, section) -> None:
+        """Store the page-table patches (flat index, slot base) of `section` (an
+        `upload.Section`) of the int32 device array `tables`; one launch."""
+        self._patcher(tables, section.offset, section.size // 2)
+
+    def copy(self, i: int, tables, section) -> None:
+        """Copy the row runs of `section` of `tables` (`[m, 3]`: source slot, destination
+        slot, rows; `kernels.copy`) in every layer of kind `i`, K and V; one launch."""
+        copy_rows(self.groups[i], tables, section.offset, section.size // RUN_ENTRIES,
+                  self.stream)
+
+    def copy_entries(self, source: int, destination: int, n: int) -> None:
+        """Copy `n` device-table entries from index `source` to `destination` on the
+        device (a clone's shared pages: one copy, whatever their number)."""
+        tables = self.device_tables
+        tables[destination:destination + n].copy_to_device(tables[source:source + n],
+                                                           stream=self.stream)
+
+    def read(self, layer: int, slots: np.ndarray, host_dtype) -> tuple:
+        """Host copies `(k, v)` `[len(slots), n_kv_heads, head_dim]` of `layer`'s slots
+        `slots` (int64), as `host_dtype`."""
+        return tuple(store.copy_to_host(stream=self.stream)[slots].view(host_dtype)
+                     for store in (self.k_slots[layer], self.v_slots[layer]))
+
+    def addresses(self) -> tuple:
+        """Where the buffers every launch reads are now (they move when a pool grows)."""
+        return tuple(device_pointer(array) for array in (*self.groups, self.device_tables))

@@ -1,0 +1,349 @@
+"""Host page accounting of a cache's page pools (contract §4): which pages each sequence
+holds, how many sequences hold each page, which pages are free, and which device
+page-table entries must change. NumPy and the compiled passes of `pages` only: nothing
+here touches a device, so every decision is tested without one.
+
+Layers of one kind (`config.LayerKind`: all flat layers, or the ring layers of one
+ring size R) share page ids. Per kind, `KindPages` keeps
+
+* `table [seq rows, table_pages]` (int32): the page ids of each sequence, in position
+  order (flat: page `i` holds positions `[i P, (i + 1) P)`; ring: ring slots);
+* `held [seq rows]` (int32): how many leading entries of its row a sequence holds;
+* `refs [n_pages]` (int32): how many sequences hold each page (a clone shares);
+* `free[:n_free]` (int32): a stack of free page ids, low ids on top;
+* `owner [n_pages]` (int32): the prefix index's node holding each page, or -1
+  (`prefix_index`): the index holds one reference of each page it owns, so a page is
+  free (on the stack), cached (its only reference is the index's: reclaimable) or held
+  (by at least one sequence).
+
+One row per sequence slot, and with `scratch` one more, the scratch row of padding
+tokens: page 0 of every kind is the scratch page, held forever, and the scratch row's
+entries all point at it.
+
+The device keeps the same tables as slot bases (page id times page size) in one int32
+buffer, every kind's table at its own offset (`KindPages.table_off`). What the host
+changes there is queued in `pending` (flat buffer index -> slot base) until the next
+upload carries it (`PageAccounting.flush`). A sequence's entries past what it holds are
+never read, so releasing pages queues nothing.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..config import CacheConfig, LayerKind
+from ..errors import CapacityError
+from .pages import claim_step, grown_pages, pages_for, release_each, release_pages, step_demand
+
+
+class PoolPages(NamedTuple):
+    """One layer kind's pool (`BatchedSequenceCache.pool_pages`): `kind` ("flat layers" or
+    "ring layers of R rows"), `rows` (0, or that R), its `layers`, `page_size`, pages
+    `in_use` (held by sequences, the scratch page included), `free` (neither held nor
+    cached: free now or by growing to `max_pages`), `allocated`, `max_pages`, and
+    `cached` (held by the prefix index alone: given out, evicted, when free pages run
+    short). `in_use + free + cached == max_pages`; a step can take `free + cached`."""
+
+    kind: str
+    rows: int
+    layers: tuple
+    page_size: int
+    in_use: int
+    free: int
+    allocated: int
+    max_pages: int
+    cached: int = 0
+
+
+class KindPages:
+    """The host pages of one layer kind (module doc): its tables, holdings, reference
+    counts and free stack, its place `table_off` in the device tables, and the `pending`
+    patches it shares with the other kinds of its cache."""
+
+    def __init__(self, kind: LayerKind, n_rows: int, scratch: bool, page_size: int,
+                 table_off: int, pending: dict):
+        self.kind, self.rows, self.layers = kind, kind.rows, kind.layers
+        self.name, self.table_pages, self.max_pages = kind.name, kind.table_pages, kind.max_pages
+        self.page_size, self.table_off, self.pending = page_size, table_off, pending
+        self.scratch = int(scratch)        # page 0: the scratch row's every entry
+        self.table = np.zeros((n_rows, kind.table_pages), np.int32)
+        self.held = np.zeros(n_rows, np.int32)
+        initial = kind.initial_pages
+        self.refs = np.zeros(initial, np.int32)
+        self.refs[:self.scratch] = 1
+        self.n_free = initial - self.scratch
+        self.free = np.zeros(initial, np.int32)    # popped from the end: low ids first
+        self.free[:self.n_free] = np.arange(initial - 1, self.scratch - 1, -1)
+        self.owner = np.full(initial, -1, np.int32)
+
+    @property
+    def n_pages(self) -> int:
+        """Pages allocated."""
+        return self.refs.size
+
+    @property
+    def used(self) -> int:
+        """Pages off the free stack: held, cached and the scratch page."""
+        return self.n_pages - self.n_free
+
+    @property
+    def cached(self) -> int:
+        """Pages whose only reference is the prefix index's (reclaimable)."""
+        return int(np.count_nonzero((self.owner >= 0) & (self.refs == 1)))
+
+    @property
+    def in_use(self) -> int:
+        """Pages some sequence (or the scratch row) holds."""
+        return self.used - self.cached
+
+    @property
+    def available(self) -> int:
+        """Pages a sequence could still take: free now, by growing to `max_pages`, or
+        cached (evicted from the prefix index)."""
+        return self.max_pages - self.used + self.cached
+
+    def report(self) -> PoolPages:
+        cached = self.cached
+        return PoolPages(self.name, self.rows, tuple(self.layers), self.page_size,
+                         self.used - cached, self.max_pages - self.used, self.n_pages,
+                         self.max_pages, cached)
+
+    def require(self, needed: int, verb: str, unavailable: int = 0) -> None:
+        """Refuse (`CapacityError`) taking `needed` pages past `max_pages`, counting cached
+        pages as available but for `unavailable` of them (the prefix pages a verb is
+        about to share)."""
+        if needed <= self.max_pages - self.used:
+            return
+        cached = self.cached
+        available = self.max_pages - self.used + cached - unavailable
+        if needed > available:
+            raise CapacityError(
+                f"{verb}: the {self.name} need {needed} new pages of {self.page_size} "
+                f"positions, and their pool has {available} available of max_pages "
+                f"{self.max_pages} ({self.used - cached} held by sequences, {cached} cached "
+                f"by the prefix index); free sequences (seq_rm), or raise max_pages")
+
+    def grown(self, needed: int) -> int:
+        """Pages the pool must have allocated for `needed` more to be free, as far as
+        `max_pages` allows: its size now, or grown by doubling (`pages.grown_pages`, at
+        most `max_pages`; what growth cannot give, eviction from the prefix index must)."""
+        if needed <= self.n_free:
+            return self.n_pages
+        return grown_pages(self.n_pages, self.used + needed, self.max_pages)
+
+    def grow(self, n_pages: int) -> None:
+        """Account for storage grown to `n_pages`: the new pages are free."""
+        old = self.n_pages
+        refs = np.zeros(n_pages, np.int32)
+        refs[:old] = self.refs
+        free = np.empty(n_pages, np.int32)
+        free[:self.n_free] = self.free[:self.n_free]
+        free[self.n_free:self.n_free + n_pages - old] = np.arange(n_pages - 1, old - 1, -1)
+        owner = np.full(n_pages, -1, np.int32)
+        owner[:old] = self.owner
+        self.refs, self.free, self.n_free = refs, free, self.n_free + n_pages - old
+        self.owner = owner
+
+    def take(self, n: int) -> np.ndarray:
+        """Pop `n` free page ids (the caller made sure they exist), each held once."""
+        self.n_free -= n
+        pages = self.free[self.n_free:self.n_free + n].copy()
+        self.refs[pages] = 1
+        return pages
+
+    def hold(self, seq: int, pages: np.ndarray, first: int = 0) -> None:
+        """`seq` holds `pages` from its entry `first` on (and nothing past them); their
+        device-table entries are queued."""
+        self.table[seq, first:first + pages.size] = pages
+        self.held[seq] = first + pages.size
+        base = self.table_off + seq * self.table_pages + first
+        for i, page in enumerate(pages.tolist()):
+            self.pending[base + i] = page * self.page_size
+
+    def drop(self, page: int) -> None:
+        """One reference of `page` goes (the index's); unreferenced, it is free."""
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self.free[self.n_free] = page
+            self.n_free += 1
+
+    def release(self, seq: int, keep: int) -> None:
+        """Let `seq` hold only its first `keep` pages; a page no sequence holds any more
+        goes back on the free stack."""
+        self.n_free = release_pages(seq, keep, self.held, self.table, self.refs, self.free,
+                                    self.n_free)
+
+    def share(self, src: int, dst: int, n: int) -> None:
+        """`dst` holds `src`'s first `n` pages too (reference counts rise); their device
+        entries are copied on the device (`PageAccounting.clone`), not queued."""
+        pages = self.table[src, :n]
+        self.refs[pages] += 1
+        self.table[dst, :n] = pages
+        self.held[dst] = n
+
+    def entry(self, seq: int) -> int:
+        """The device-table index of `seq`'s first entry."""
+        return self.table_off + seq * self.table_pages
+
+
+class CloneWork(NamedTuple):
+    """The device side of a clone (`PageAccounting.clone`): the table patches `[n, 2]`
+    (flat device-table index, slot base) or None; per kind index, the page copies as
+    row runs `[m, 3]` int32 (source slot, destination slot, rows: a whole page is
+    `(source * page_size, destination * page_size, page_size)`; `kernels.copy`) or
+    None; and the shared entries to copy on the device, `(from index, to index, count)`
+    or None."""
+
+    patches: np.ndarray | None
+    copies: list
+    shared: tuple | None
+
+
+class PageAccounting:
+    """The host pages of every layer kind of one cache (`kinds`, flat first; `flat`,
+    `rings`, `kind_of[layer]`), `n_rows` page-table rows (one per sequence slot, and the
+    scratch row when `scratch`), and the device-table patches `pending` for the next
+    upload. The verbs here assume what a caller checked: that the pages exist
+    (`require`, then storage grown and `KindPages.grow`) and the ids are valid."""
+
+    def __init__(self, config: CacheConfig, n_rows: int, scratch: bool):
+        self.config, self.n_rows, self.scratch = config, n_rows, scratch
+        self.page_size = config.page_size
+        self.page_bits = self.page_size.bit_length() - 1
+        self.pending: dict = {}
+        self.kinds, self.kind_of = [], [None] * config.n_layers
+        offset = 0
+        for kind in config.layer_kinds:
+            pages = KindPages(kind, n_rows, scratch, self.page_size, offset, self.pending)
+            offset += n_rows * kind.table_pages
+            self.kinds.append(pages)
+            for layer in kind.layers:
+                self.kind_of[layer] = pages
+        self.table_entries = offset          # the device tables' size, int32 entries
+        self.flat = self.kinds[0] if self.kinds[0].rows == 0 else None
+        self.rings = [k for k in self.kinds if k.rows]
+
+    # ------------------------------------------------------------------ what verbs need
+    def ring_demand(self) -> list:
+        """`(kind, pages)` a new sequence takes: its whole ring on every ring kind."""
+        return [(kind, kind.table_pages) for kind in self.rings]
+
+    def clone_demand(self, keep: int) -> list:
+        """`(kind, pages)` a clone of `keep` positions takes: the flat page that straddles
+        `keep` (copied; those below are shared) and a ring per ring kind."""
+        straddles = self.flat is not None and keep % self.page_size != 0
+        return [(self.flat, 1)] * straddles + self.ring_demand()
+
+    def step_demand(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray) -> int:
+        """New flat pages a step of sequences `seqs` (int64, distinct) writing `totals`
+        tokens from `pos[seq]` takes, copy-on-write pages included; 0 without flat
+        layers."""
+        kind = self.flat
+        if kind is None:
+            return 0
+        return int(step_demand(seqs, totals, pos, kind.held, kind.table, kind.refs,
+                               self.page_size))
+
+    # ------------------------------------------------------------------ sequences
+    def claim_rings(self, seq: int) -> None:
+        """`seq` takes its ring pages on every ring kind."""
+        for kind in self.rings:
+            kind.hold(seq, kind.take(kind.table_pages))
+
+    def release(self, seq: int) -> None:
+        """`seq_rm`: every page of `seq`, on every kind."""
+        for kind in self.kinds:
+            kind.release(seq, 0)
+
+    def rewind(self, seq: int, position: int) -> None:
+        """The flat pages wholly at or past `position` go."""
+        if self.flat is not None:
+            self.flat.release(seq, pages_for(position, self.page_size))
+
+    def abort(self, seqs: np.ndarray, pos: np.ndarray) -> None:
+        """An aborted step's sequences (int64, distinct) hold the flat pages of their
+        positions `pos[seq]` again."""
+        kind = self.flat
+        if kind is not None:
+            keeps = pages_for(pos[seqs], self.page_size)
+            kind.n_free = release_each(seqs, keeps, kind.held, kind.table, kind.refs,
+                                       kind.free, kind.n_free)
+
+    def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray,
+                   needed: int) -> tuple:
+        """Take a step's `needed` flat pages (`step_demand`) and give each sequence whose
+        first write lands in a page another sequence holds a fresh page in its place.
+        Returns `(patches [n, 2] or None, copies [m, 3] or None)`: every device-table
+        patch due (the step's and those queued before), and the whole-page row runs
+        (source slot, destination slot, rows) copy-on-write must run before the step
+        writes."""
+        kind = self.flat
+        if kind is None or needed == 0:
+            return self.flush(None), None
+        kind.n_free, patches, copies = claim_step(
+            seqs, totals, pos, kind.held, kind.table, kind.refs, kind.free, kind.n_free,
+            needed, self.page_size, kind.table_off)
+        return self.flush(patches), copies
+
+    def clone(self, src: int, dst: int, keep: int) -> CloneWork:
+        """`dst` holds `src`'s first `keep` positions: the flat pages wholly below `keep`
+        shared, the one straddling it and every ring on fresh pages (copies of `src`'s).
+        None of the work grows with `keep`: the shared entries move as one device copy."""
+        copies = []
+        shared = None
+        flat = self.flat
+        if flat is not None:
+            n_shared = keep // self.page_size
+            flat.share(src, dst, n_shared)
+            if n_shared:
+                shared = (flat.entry(src), flat.entry(dst), n_shared)
+            if keep % self.page_size:
+                new = flat.take(1)
+                copies.append(self.page_runs(flat.table[src, n_shared:n_shared + 1], new))
+                flat.hold(dst, new, n_shared)
+            else:
+                copies.append(None)
+        for kind in self.rings:
+            new = kind.take(kind.table_pages)
+            copies.append(self.page_runs(kind.table[src, :kind.table_pages], new))
+            kind.hold(dst, new)
+        return CloneWork(self.flush(None), copies, shared)
+
+    def page_runs(self, sources, destinations) -> np.ndarray:
+        """Row runs `[m, 3]` int32 copying whole pages `sources[i]` to `destinations[i]`:
+        `(source * page_size, destination * page_size, page_size)`."""
+        runs = np.empty((len(sources), 3), np.int32)
+        runs[:, 0] = sources
+        runs[:, 1] = destinations
+        runs[:, :2] *= self.page_size
+        runs[:, 2] = self.page_size
+        return runs
+
+    def flush(self, patches) -> np.ndarray | None:
+        """The pending patches and `patches` (`[n, 2]`, or None) as one `[n, 2]` int32
+        array (`patches` win where both name an entry), or None; nothing stays pending."""
+        pending = self.pending
+        if not pending:
+            return patches if patches is not None and len(patches) else None
+        if patches is not None:
+            pending.update(zip(patches[:, 0].tolist(), patches[:, 1].tolist()))
+        merged = np.array(list(pending.items()), np.int32).reshape(-1, 2)
+        pending.clear()
+        return merged
+
+    # ------------------------------------------------------------------ reading
+    def slots(self, layer: int, seq: int, rows: np.ndarray) -> np.ndarray:
+        """The storage slots of rows `rows` (int64) of `seq` on `layer`."""
+        kind = self.kind_of[layer]
+        return kind.table[seq, rows >> self.page_bits] * self.page_size + \
+            (rows & (self.page_size - 1))
+
+    def held_pages(self) -> int:
+        """Page-layers live sequences hold: per kind, its pages in use past the scratch
+        page times its layers (a shared page once)."""
+        return sum((kind.in_use - int(self.scratch)) * len(kind.layers) for kind in self.kinds)
+
+    def cached_pages(self) -> int:
+        """Page-layers the prefix index alone holds."""
+        return sum(kind.cached * len(kind.layers) for kind in self.kinds)

@@ -1,0 +1,173 @@
+"""Decode attention built for memory bandwidth: a host `plan()` and a device `run()`.
+
+Decode segments (at most `DECODE_MAX_Q_LEN` queries each) read every key of their
+history once per step and do little arithmetic with it, so the kernel
+(`decode_kernel`, whose doc tells how it streams K and V) is shaped to run at the
+chip's bandwidth with few instructions per key. This module is the path's host face:
+
+* `plan` / `plan_into` (from `decode_plan`): each served segment's key range cut into
+  chunks of `CHUNK_KEYS` keys, one work item each, and the combine table of the
+  segments cut into several;
+* `prepare` (a `DecodeRun`, once per step and layer window) and `run` (per layer):
+  the launch bound once per signature, then only each layer's arrays and scalars;
+* `supports` / `block_rows` (from `decode_shape`): what the path serves, rows per
+  block.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import combine
+from .kernel import decode_kernel
+from .chunks import (CHUNK_KEYS, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG,  # noqa: F401  (the decode path's planning, re-exported)
+                     KEY_TILE, WORK_SEQ, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART,
+                     WORK_Q_LEN, WORK_Q_START, WORK_SEG, DecodePlan, PlacedPlan, chunk_count,
+                     plan, plan_into)
+from .shape import THREADS, block_rows, supports
+from ..intrinsics.words import LOAD_BYTES
+from ..launch.calling import PER_CALL, aligned, no_output
+
+
+_FLOAT32 = np.float32
+
+
+def check_storage(head_dim: int, k_store, v_store) -> None:
+    """Refuse (`ValueError`) K/V storage this path does not serve: a head_dim or dtype
+    outside `supports`, K and V of different dtypes, or storage that is not slot
+    storage `[n_slots, n_kv_heads, head_dim]`."""
+    storage = np.dtype(k_store.dtype)
+    if not supports(head_dim, storage) or v_store.dtype != storage:
+        raise ValueError(f"decode.run: head_dim {head_dim} with {storage} / {v_store.dtype} "
+                         f"storage is not served (see decode.supports)")
+    for store in (k_store, v_store):
+        if len(store.shape) != 3 or store.shape[2] != head_dim:
+            raise ValueError(f"decode.run: storage of shape {tuple(store.shape)} is not slot "
+                             f"storage [n_slots, n_kv_heads, {head_dim}]")
+
+
+class DecodeRun:
+    """The decode launches of one step for the layers of one window (`prepare`): the
+    step's tables (their device buffer, where the segment table sits in it, the window's
+    placed plan: `PlacedPlan`), the window's ring rows, its layer kind's page table
+    (`pages`, int32 `[n_seq_rows, pages_per_seq]` on the device, and `page_bits`) and
+    the stream fixed.
+
+    A call (`run(q, k_store, v_store, out, lse, scale, softcap)`, once per layer; `lse`
+    a float32 `[width, n_q_heads]` device array, or one of no rows for none) looks its
+    signature up: q's dtype, q heads and 16-byte alignment, and softcap on or off. The
+    first call of a signature checks the storage (`check_storage`), works out the block
+    rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
+    and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
+    One `DecodeRun` serves the layers of one cache that share the page table: their
+    storage shares a dtype and a slot shape.
+    """
+
+    def __init__(self, tables, seq_info_off: int, placed: PlacedPlan, workspace,
+                 ring_rows: int, window: int, pages, page_bits: int, stream=0):
+        self.tables, self.seq_info_off, self.placed = tables, seq_info_off, placed
+        self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
+        self.pages, self.page_bits, self.stream = pages, page_bits, stream
+        self.n_items = placed.n_items
+        self._launches = {}    # (decode launch, combine launch or None) by signature
+
+    def __call__(self, q, k_store, v_store, out, lse, scale, softcap) -> None:
+        if not self.n_items:
+            return
+        key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0)
+        launches = self._launches.get(key)
+        if launches is None:
+            launches = self._launches[key] = self._bind(q, k_store, v_store, *key)
+        decode, merge = launches
+        # the kernel takes float32 scalars: converted only when they are not (a conversion
+        # costs more host time than the rest of a scalar's launch work)
+        decode(q, k_store, v_store, out, lse,
+               scale if type(scale) is _FLOAT32 else _FLOAT32(scale),
+               softcap if type(softcap) is _FLOAT32 else _FLOAT32(softcap))
+        if merge is not None:
+            merge(out, lse)
+
+    def check(self, q, k_store, v_store) -> None:
+        """Refuse storage this path does not serve (`check_storage`) when there is work."""
+        if self.n_items:
+            check_storage(q.shape[2], k_store, v_store)
+
+    def _bind(self, q, k_store, v_store, dtype, n_q_heads, vectors, capped) -> tuple:
+        self.check(q, k_store, v_store)
+        head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
+        storage = np.dtype(k_store.dtype)
+        placed, seq_info_off = self.placed, self.seq_info_off
+        max_q_len, n_parts = placed.max_q_len, placed.n_parts
+        group = n_q_heads // n_kv_heads
+        rows = block_rows(group * max_q_len, head_dim, storage)
+        # row groups are rounded up to a power of two (the extra ones return at once), so
+        # the kernel splits its block index with a shift
+        row_group_bits = (-(-group * max_q_len // rows) - 1).bit_length()
+        if n_parts > 0:
+            part_acc, part_ml = self.workspace.partials(
+                n_parts * max_q_len * n_q_heads * head_dim, n_parts * max_q_len * n_q_heads * 2,
+                self.stream)
+        else:
+            part_acc = part_ml = self.workspace.dummy
+        kernel = decode_kernel(head_dim, storage.name, rows, bool(capped),
+                                np.dtype(dtype).name, vectors)
+        decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
+                             self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, self.pages,
+                             PER_CALL, PER_CALL, part_acc, part_ml, seq_info_off,
+                             placed.work_off, max_q_len, group, row_group_bits, self.ring_rows,
+                             self.window, self.page_bits, PER_CALL, PER_CALL)
+        merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
+                                combine_off=placed.combine_off, n_combine=placed.n_combine,
+                                max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
+                                stream=self.stream)
+        return decode, merge
+
+
+def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, n_parts,
+            max_q_len, workspace, ring_rows, window, pages, page_bits, stream=0) -> DecodeRun:
+    """The plan side of `run`: what a step fixes for its layers of one window, once
+    (`DecodeRun`); the arguments are `run`'s."""
+    placed = PlacedPlan(int(work_off), int(n_items), int(combine_off), int(n_combine),
+                        int(n_parts), int(max_q_len))
+    return DecodeRun(tables, int(seq_info_off), placed, workspace, int(ring_rows),
+                     int(window), pages, int(page_bits), stream)
+
+
+def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, softcap,
+        lse=None, stream=0, planned=None, **step):
+    """Attention of the planned segments' queries; writes their rows of `out`.
+
+    q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
+    (uint16 bits); q is read in 16-byte vectors when it is 16-byte aligned, else element
+    by element. k_store, v_store: slot storage [n_slots, n_kv_heads, head_dim]
+    (C-contiguous, n_slots = n_pages * page_size under 2**31), float16, float32 or
+    bfloat16 as uint16 (`supports`). pages: the layer kind's page table, an int32
+    [n_seq_rows, pages_per_seq] device array whose entries are pages' first slots (page
+    id * page_size), page_bits: log2 page_size (a power of two, 8 to 256): storage row
+    r (a position, or on a ring its slot `position % ring_rows`) of the sequence in
+    field `SEQ` of the segment table lives in slot `pages[seq, r >> page_bits] | (r &
+    (page_size - 1))` (`masks.page_slot`). tables: int32 device array holding the
+    segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
+    rows) and its combine table at `combine_off` (`n_combine` rows), each flat
+    row-major. softcap: 0 = off. lse: None, or a float32 `[width, n_q_heads]` device array
+    that receives each served row's natural-log log-sum-exp of its scores.
+
+    `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
+    `n_combine`, `n_parts` and `max_q_len` (the plan's), the `workspace`, `ring_rows`
+    (0: flat, or R) and `window` (0 or W), as `prepare` takes them with `pages` and
+    `page_bits`; or `planned`, what `prepare` returned for this step and window (a cache
+    plans once per step, and its layers pass their own storage only: `pages` and
+    `page_bits` are the plan's then).
+
+    Writes exactly `out[token, head, :]` for every query token of a planned segment
+    and every head: no padding row, no other segment's row. Partials (float32, in
+    `workspace`): acc `[n_parts, max_q_len, n_q_heads, head_dim]`, (max, sum) pairs
+    `[n_parts, max_q_len, n_q_heads, 2]`. Launches on `stream` only; no
+    synchronisation, no device allocation once `workspace` is warm.
+    """
+    if planned is None:
+        if pages is None or page_bits is None:
+            raise TypeError("decode.run: pages and page_bits are needed without `planned`")
+        planned = prepare(tables, pages=pages, page_bits=page_bits, stream=stream, **step)
+        planned.check(q, k_store, v_store)       # refused before q itself is read
+    planned(q, k_store, v_store, out, no_output() if lse is None else lse, scale, softcap)
+    return out

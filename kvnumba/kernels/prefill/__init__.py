@@ -1,0 +1,134 @@
+"""Prefill attention on tensor cores for 16-bit and 8-bit float K/V storage: the path's
+host face.
+
+Segments long enough to fill tensor-core tiles run on `prefill_kernel` (its doc tells
+how: FlashAttention-2 style, packed GQA rows, cp.async staging through the page
+tables, `mma.sync` for S = Q K^T and O += P V); `supports` says which storage and
+head dims the path serves, `run` checks a launch and makes it.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ..launch.constants import FP8_FORMATS
+from ..launch.calling import PER_CALL, aligned, ceil_div, no_output
+from .kernel import prefill_kernel
+from .shape import Q_OUT_TYPES, default_warp_rows, stored_type, supports, tile_shape, type_name
+
+#: the mma type's array dtype name (bfloat16 as uint16 bits)
+MMA_DTYPES = {"float16": "float16", "bfloat16": "uint16"}
+
+
+@lru_cache(maxsize=None)
+def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
+    """`(mma type, stored type)` of a launch, after refusing what this path does not serve;
+    cached per combination, so a launch pays for the checks once, not per layer and step.
+    16-bit storage is its own mma type; 8-bit floats take the query's 16-bit type
+    (float16 for a float32 q), to which they convert exactly."""
+    if not supports(head_dim, storage_dtype):
+        raise ValueError(f"prefill: head_dim {head_dim} with storage "
+                         f"{type_name(storage_dtype)!r} is not served")
+    for name, dtype in (("q", q_dtype), ("out", out_dtype)):
+        if type_name(dtype) not in Q_OUT_TYPES:
+            raise ValueError(f"prefill: {name} dtype {dtype} not in {Q_OUT_TYPES}")
+    stored = stored_type(storage_dtype)
+    if type_name(storage_dtype) not in FP8_FORMATS:
+        return stored, stored
+    return ("bfloat16" if type_name(q_dtype) == "uint16" else "float16"), stored
+
+
+class PrefillRun:
+    """The prefill launches of one step (`prepare`): the step's tables (where the segment
+    table and the served list are), how many segments, the longest, `page_bits`, the
+    tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
+    ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
+    out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, softcap
+    on or off. The first call of a signature checks what the path serves (`_served`),
+    picks the kernel and its grid and binds it; later calls pack their arrays and
+    scalars only."""
+
+    def __init__(self, tables, *, seq_info_off: int, segments_off: int, n_segments: int,
+                 max_q_len: int, page_bits: int, stream=0, tile=None):
+        self.tables, self.seq_info_off, self.segments_off = tables, seq_info_off, segments_off
+        self.n_segments, self.max_q_len, self.page_bits = n_segments, max_q_len, page_bits
+        self.stream, self.tile = stream, tile
+        self._launches = {}
+
+    def __call__(self, q, k_store, v_store, pages, out, lse, ring_rows, window, scale,
+                 softcap) -> None:
+        if self.n_segments == 0 or self.max_q_len == 0:
+            return
+        if not scale > 0:
+            raise ValueError(f"prefill: scale {scale} must be positive")
+        head_dim = q.shape[2]
+        mma, stored = _served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
+        shape = tuple(k_store.shape)
+        if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
+            raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
+                             f"storage [n_slots, n_kv_heads, {head_dim}] of one shape")
+        key = (q.dtype, q.shape[1], aligned(q, 16), out.dtype, k_store.dtype,
+               k_store.shape[1:], softcap > 0)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = self._bind(q, k_store, mma, stored, key[2],
+                                                      key[-1])
+        launch(q, k_store, v_store, pages, out, lse, int(ring_rows), int(window),
+               np.float32(scale), np.float32(softcap))
+
+    def _bind(self, q, k_store, mma: str, stored: str, q_aligned: bool, capped: bool):
+        head_dim, n_q_heads, n_kv_heads = q.shape[2], q.shape[1], k_store.shape[1]
+        group = n_q_heads // n_kv_heads
+        block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
+        warp_rows = warp_rows[0] if warp_rows else None
+        q_copy = type_name(q.dtype) == MMA_DTYPES[mma] and q_aligned  # Q in the mma type
+        kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
+                                warp_rows, stored)
+        warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
+        n_row_tiles = ceil_div(group * self.max_q_len, block_rows)
+        return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles), 32 * warps, self.stream,
+                           PER_CALL, PER_CALL, PER_CALL, PER_CALL, int(self.page_bits),
+                           self.tables, PER_CALL, PER_CALL, int(self.seq_info_off),
+                           int(self.segments_off), n_row_tiles, group, PER_CALL, PER_CALL,
+                           PER_CALL, PER_CALL)
+
+
+def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_bits,
+            stream=0, tile=None) -> PrefillRun:
+    """The plan side of `run`: what a step fixes for its prefill group, once
+    (`PrefillRun`); the arguments are `run`'s."""
+    return PrefillRun(tables, seq_info_off=int(seq_info_off), segments_off=int(segments_off),
+                      n_segments=int(n_segments), max_q_len=int(max_q_len),
+                      page_bits=int(page_bits), stream=stream, tile=tile)
+
+
+def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments_off,
+        n_segments, max_q_len, out, ring_rows, window, scale, softcap, lse=None, stream=0,
+        tile=None):
+    """Attention of the listed segments' queries over their own sequence's keys, into `out`.
+
+    q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
+    (uint16 bits); only the listed segments' rows of `out` are written. k_store, v_store:
+    slot storage [n_slots, n_kv_heads, head_dim] (a page pool [n_pages, page_size,
+    n_kv_heads, head_dim] reshaped; n_slots <= INT32_MAX), 16-bit or 8-bit floats (see
+    `stored_type`), C-contiguous. pages: the layer kind's int32 device page table [seq rows, pages per
+    sequence], C-contiguous, indexed by a segment's `SEQ`, each entry a page's first slot
+    (page id times page_size); page_bits: log2(page_size). Storage row r of sequence
+    `seq` (its position on a flat layer, position % ring_rows on a ring) is slot
+    `pages[seq, r >> page_bits] | (r & (page_size - 1))`; a sequence's pages cover rows
+    up to its keys' last (flat) or all ring_rows rows (ring). tables: flat int32 device
+    array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`; the
+    segments served are `tables[segments_off + i]`, `i < n_segments`, none longer than
+    `max_q_len`. ring_rows: 0 (flat) or R; window: 0 (none) or W; softcap 0.0 = off.
+    lse: None, or a float32 `[width, n_q_heads]` device array that receives each listed
+    row's natural-log log-sum-exp of its (scaled, capped) scores. One launch on
+    `stream`: no synchronisation, no allocation. `tile`: (block_rows, block_keys),
+    multiples of 16, and optionally warp_rows (16 or 32, dividing block_rows; else
+    `default_warp_rows`), instead of `tile_shape(head_dim)`.
+    """
+    prepare(tables, seq_info_off=seq_info_off, segments_off=segments_off,
+            n_segments=n_segments, max_q_len=max_q_len, page_bits=page_bits, stream=stream,
+            tile=tile)(q, k_store, v_store, pages, out, no_output() if lse is None else lse,
+                       ring_rows, window, scale, softcap)
+    return out

@@ -1,0 +1,185 @@
+"""The prefill kernel's arithmetic on mma fragments, as device functions of one
+specialisation (`math_functions`): S = Q K^T, the softcap, masks, the online softmax
+with P packed to 16 bits, O += P V with the row sums from one more mma, and the
+normalised rows' stores (`prefill_kernel`'s doc tells the fragment bookkeeping)."""
+from __future__ import annotations
+
+import math
+
+from ...device import cuda
+from ..intrinsics import ptx, tensorcore
+from ..launch.constants import NEG_INF
+from .shape import ONES, PrefillShape
+from .staging import split_row
+
+from numba import float32, uint32  # noqa: E402  (after device)
+
+
+def math_functions(shape: PrefillShape) -> tuple:
+    """`(scores, softcap_scores, mask, softmax_step, accumulate, store_rows)` for one
+    kernel `shape`."""
+    head_dim, BK, PITCH, H = shape.head_dim, shape.bk, shape.pitch, shape.h
+    KT, DK, DT = shape.kt, shape.dk, shape.dt
+    S_FLOATS, P_WORDS, O_FLOATS = shape.s_floats, shape.p_words, shape.o_floats
+    LANE_ROWS, S_ALL, Q_IN_REGISTERS = shape.lane_rows, shape.s_all, shape.q_in_registers
+    K_BASE, V_BASE = shape.k_base, shape.v_base
+    ONE_PAIR = uint32(ONES[shape.storage])
+    float16 = shape.storage == "float16"
+    mma = tensorcore.mma_f16_f32 if float16 else tensorcore.mma_bf16_f32
+    pack = ptx.f32x2_to_f16x2 if float16 else ptx.f32x2_to_bf16x2
+
+    @cuda.jit(device=True)
+    def quad_max(x):
+        """Max over the 4 lanes holding one accumulator row (lanes 4g .. 4g+3)."""
+        x = max(x, ptx.shfl_xor(x, 1))
+        return max(x, ptx.shfl_xor(x, 2))
+
+    @cuda.jit(device=True)
+    def mma_into(acc, n, a0, a1, a2, a3, b0, b1):
+        """acc's n8 tile n (acc[4n .. 4n + 4]) += A (a0..a3) times B (b0, b1)."""
+        d0, d1, d2, d3 = mma(a0, a1, a2, a3, b0, b1, acc[4 * n], acc[4 * n + 1],
+                             acc[4 * n + 2], acc[4 * n + 3])
+        acc[4 * n] = d0
+        acc[4 * n + 1] = d1
+        acc[4 * n + 2] = d2
+        acc[4 * n + 3] = d3
+
+    @cuda.jit(device=True)
+    def mma_pair(acc, n0, a0, a1, a2, a3, b0, b1, b2, b3):
+        """acc's n8 tiles n0 and n0 + 1 += A (a0..a3) times the two B fragments one
+        `ldmatrix_x4` gives: (b0, b1) for the first tile, (b2, b3) for the second."""
+        mma_into(acc, n0, a0, a1, a2, a3, b0, b1)
+        mma_into(acc, n0 + 1, a0, a1, a2, a3, b2, b3)
+
+    @cuda.jit(device=True)
+    def scores(s, qf, qa, tile, q_lane, k_lane):
+        """s = Q K^T for the warp's rows (half h in s[h S_FLOATS ..]) and the tile's BK keys
+        (unscaled). Q's A operands come from registers (qf) or from the warp's Q rows in
+        shared memory, through qa; each K fragment serves every half."""
+        for i in range(S_ALL):
+            s[i] = 0.0
+        for kc in range(DK):                # dims 16 kc .. 16 kc + 15
+            for h in range(H):
+                if Q_IN_REGISTERS:
+                    for i in range(4):
+                        qa[4 * h + i] = qf[(h * DK + kc) * 4 + i]
+                else:
+                    qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = tensorcore.ldmatrix_x4(
+                        tile, q_lane + h * 16 * PITCH + kc * 16)
+            for kp in range(BK // 16):      # keys 16 kp .. 16 kp + 15: two n8 tiles
+                b0, b1, b2, b3 = tensorcore.ldmatrix_x4(tile, K_BASE + k_lane + kp * 16 * PITCH
+                                                        + kc * 16)
+                for h in range(H):
+                    mma_pair(s, h * KT + 2 * kp, qa[4 * h], qa[4 * h + 1], qa[4 * h + 2],
+                             qa[4 * h + 3], b0, b1, b2, b3)
+
+    @cuda.jit(device=True)
+    def accumulate(o, l, pf, tile, a_lane):
+        """o += P V for the warp's rows (P from the packed pairs, V rows by .trans: each V
+        fragment serves every half), and the row sums l += P's row sums."""
+        for kk in range(BK // 16):          # keys 16 kk .. 16 kk + 15: A = p[4 kk .. 4 kk + 3]
+            for dc in range(DK):            # dims 16 dc .. 16 dc + 15: two n8 tiles of O
+                b0, b1, b2, b3 = tensorcore.ldmatrix_x4_trans(tile, V_BASE + a_lane
+                                                              + kk * 16 * PITCH + dc * 16)
+                for h in range(H):
+                    a = h * P_WORDS + 4 * kk
+                    mma_pair(o, h * DT + 2 * dc, pf[a], pf[a + 1], pf[a + 2], pf[a + 3],
+                             b0, b1, b2, b3)
+            for h in range(H):              # P times ones: each column holds the row sums
+                a = h * P_WORDS + 4 * kk
+                mma_into(l, h, pf[a], pf[a + 1], pf[a + 2], pf[a + 3], ONE_PAIR, ONE_PAIR)
+
+    @cuda.jit(device=True)
+    def softcap_scores(s, scale, softcap):
+        """The softcap in units of unscaled scores: `softcap / scale * tanh(scale * s /
+        softcap)`, so that `scale * s` is the capped score."""
+        outer = softcap / scale
+        inner = scale / softcap
+        for i in range(S_ALL):
+            s[i] = outer * math.tanh(s[i] * inner)
+
+    @cuda.jit(device=True)
+    def mask(s, lo, hi, first):
+        """-inf where the key is outside its row's visible interval: row r of the lane
+        (rows g + 8 r) sees [lo[r], hi[r]) relative to the lane's first key of tile 0, so
+        `s[h S_FLOATS + 4n + i]` (row 2h + i // 2) holds key `first + 8n + i % 2` on."""
+        for h in range(H):
+            for n in range(KT):
+                for i in range(4):
+                    r = 2 * h + i // 2
+                    key = first + 8 * n + i % 2
+                    if key < lo[r] or key >= hi[r]:
+                        s[h * S_FLOATS + 4 * n + i] = NEG_INF
+
+    @cuda.jit(device=True)
+    def rescaling(m, new, scale_log2):
+        """(alpha, base) of a row whose running max goes from m to new (unscaled scores):
+        the factor for what it summed so far, and what exp2's argument subtracts. A row
+        with no visible key yet has new == -inf: it subtracts 0, and exp2(-inf) = 0."""
+        settled = new if new != NEG_INF else float32(0.0)
+        return ptx.exp2_approx((m - settled) * scale_log2), settled * scale_log2
+
+    @cuda.jit(device=True)
+    def rescale(acc, i, alpha_a, alpha_b):
+        """Scale the accumulator registers acc[i .. i + 4] (rows a, a, b, b)."""
+        acc[i] *= alpha_a
+        acc[i + 1] *= alpha_a
+        acc[i + 2] *= alpha_b
+        acc[i + 3] *= alpha_b
+
+    @cuda.jit(device=True)
+    def softmax_step(s, pf, o, l, m, scale_log2):
+        """Online softmax over one tile's unscaled scores (scale > 0: the max commutes
+        with scaling, and `exp(scale s - scale m) = exp2(s scale_log2 - m scale_log2)`
+        is one FFMA and one `ex2.approx.ftz`), per half h (rows a = 2h, b = 2h + 1 of the
+        lane): new running maxima m (quad-wide), P packed into pf, O and the row sums l
+        rescaled. Once the maxima settle alpha is exactly 1 (exp2 of 0) and most tiles
+        skip the rescale."""
+        for h in range(H):
+            x_a = NEG_INF
+            x_b = NEG_INF
+            for n in range(KT):
+                x_a = max(x_a, max(s[h * S_FLOATS + 4 * n], s[h * S_FLOATS + 4 * n + 1]))
+                x_b = max(x_b, max(s[h * S_FLOATS + 4 * n + 2], s[h * S_FLOATS + 4 * n + 3]))
+            new_a = max(m[2 * h], quad_max(x_a))
+            new_b = max(m[2 * h + 1], quad_max(x_b))
+            alpha_a, base_a = rescaling(m[2 * h], new_a, scale_log2)
+            alpha_b, base_b = rescaling(m[2 * h + 1], new_b, scale_log2)
+            m[2 * h] = new_a
+            m[2 * h + 1] = new_b
+            for n in range(KT):
+                i = h * S_FLOATS + 4 * n
+                p0 = ptx.exp2_approx(s[i] * scale_log2 - base_a)
+                p1 = ptx.exp2_approx(s[i + 1] * scale_log2 - base_a)
+                p2 = ptx.exp2_approx(s[i + 2] * scale_log2 - base_b)
+                p3 = ptx.exp2_approx(s[i + 3] * scale_log2 - base_b)
+                pf[h * P_WORDS + 2 * n] = pack(p0, p1)
+                pf[h * P_WORDS + 2 * n + 1] = pack(p2, p3)
+            if alpha_a != 1 or alpha_b != 1:
+                for n in range(DT):
+                    rescale(o, h * O_FLOATS + 4 * n, alpha_a, alpha_b)
+                rescale(l, 4 * h, alpha_a, alpha_b)
+
+    @cuda.jit(device=True)
+    def store_rows(out, lse, o, l, m, scale, warp_row, n_end, g, t, q_start, group, kv_head):
+        """Write the lane's real rows (g + 8 r of the warp's), each normalised by its sum
+        (every real row sees a key: its sum is > 0), and, when `lse` has rows, each row's
+        log-sum-exp `scale m + log l` (lane t = 0 of the quad, which all hold m and l)."""
+        for r in range(LANE_ROWS):
+            row = warp_row + g + 8 * r
+            if row < n_end:
+                at = (r // 2) * O_FLOATS + 2 * (r % 2)      # row a or b of half r // 2
+                row_sum = l[4 * (r // 2) + 2 * (r % 2)]
+                inv_l = float32(1.0) / row_sum
+                token, head = split_row(row, group)
+                if t == 0 and lse.shape[0] > 0:
+                    lse[q_start + token, kv_head * group + head] = \
+                        m[r] * scale + math.log(row_sum)
+                for n in range(DT):
+                    d = 8 * n + 2 * t
+                    if d < head_dim:
+                        for i in range(2):
+                            out[q_start + token, kv_head * group + head, d + i] = \
+                                ptx.from_f32(o[at + 4 * n + i] * inv_l, out)
+
+    return scores, softcap_scores, mask, softmax_step, accumulate, store_rows

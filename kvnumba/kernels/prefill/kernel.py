@@ -1,0 +1,266 @@
+"""The prefill attention kernel on tensor cores, FlashAttention-2 style, for 16-bit K/V
+storage, or 8-bit float storage converted to a 16-bit type as it is staged
+(`prefill_staging`; `prefill` plans and launches it).
+
+Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
+ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and
+accumulation), for segments long enough to fill tensor-core tiles; scale > 0.
+
+A block takes `block_rows` query *rows* of one segment and one kv head, packed GQA
+as in `attention`: row `r` of the segment is (token `r // group`, q head
+`kv_head * group + r % group`), so each K/V tile serves the whole group. Each warp owns
+16 or 32 consecutive rows (`default_warp_rows`): one or two m16 "halves" that share
+every K and V fragment. Per key tile of `block_keys` keys:
+
+  S = Q K^T   mma.m16n8k16, Q fragments loaded once into registers by ldmatrix (above
+              head_dim 128: kept in shared memory, loaded per tile), K^T by ldmatrix;
+  online softmax on the S accumulators (quad shuffles, `ex2.approx`), P packed to 16
+              bits in place;
+  O += P V    P as the A operand, V by ldmatrix .trans; O in float32 registers. The row
+              sums come from one more mma per 16 keys, P times ones: sums of the very
+              16-bit P that meets V, with no addition per element.
+
+At the end each row's O is divided by its sum, and its log-sum-exp (natural log:
+scale times the running max of unscaled scores, plus the log of the sum) goes to
+`lse` when the caller passes one with rows.
+
+Staging: Q, K and V reach shared memory by cp.async in 16-byte chunks, `lanes`
+consecutive threads per row, so that a warp instruction reads whole 128-byte lines
+(`staging_layout`). A chunk with nothing to read (a row past the segment or past the
+tile's keys, the columns from head_dim to the padded head dim) is zero-filled by the
+same instruction: no NaN from stale shared memory or padding meets an mma. A tile's
+keys are consecutive positions, so a ring (position p in row p % ring_rows) wraps at
+most once inside it: the key at unwrapped row r < 2 ring_rows lives in row min(r, r -
+ring_rows) as unsigned 32-bit numbers (before the wrap, r - ring_rows underflows).
+
+Storage is paged: K and V are slot storage [n_slots, n_kv_heads, head_dim] (a page pool
+[n_pages, page_size, ...] reshaped), and row r of sequence `seq` (the segment's `SEQ`)
+is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` of its layer kind's page
+table (`masks.page_slot`). Each thread looks up the slot of each key row it stages
+(one page-table load, a shift and two logical operations), so a tile may straddle
+pages and the ring's wrap alike; K(j) and V(j) share rows, so V reuses K's slots, kept
+in registers. A key's 64-bit address is one multiply-add, its slot times the slot's
+bytes (slots are below 2**31) on the thread's head and chunk in slot 0. No 64-bit
+division anywhere.
+
+One K buffer and one V buffer, overlapped: V(j) loads while S(j) and its softmax run,
+K(j+1) while O += P V(j). With Q in registers, Q is staged in V's rows together with the
+first K tile. Shared rows are padded by 16 bytes, so the 8 rows an ldmatrix reads hit 8
+different bank groups; the buffer is 16-byte aligned, as ldmatrix and cp.async require.
+
+Masking: each row sees one key interval (`key_range`), moving forward with the row.
+A block loads only keys [lo(first row), hi(last row)), the union of its rows'
+intervals. The tiles all its rows see whole run in a loop with no masks and no checks;
+the others first, in a loop where a warp computes only on tiles that meet [lo(its first
+row), hi(its last row)) and masks (-inf before the softmax, per row and key) those not
+inside every one of its rows' intervals. A row that sees no key of a tile gets P = 0
+there: its running max stays -inf until it sees one, and exp2 then subtracts 0.
+
+Fragment bookkeeping (m16n8k16, lane = 4 g + t, see `ptx`): of each half's 16 rows a
+lane holds rows `g` ("a") and `g + 8` ("b"); half h's registers follow half h - 1's:
+
+  S n8 tile n (keys 8n .. 8n+7):  s[4n], s[4n+1] = row a, keys 8n+2t, 8n+2t+1;
+                                  s[4n+2], s[4n+3] = row b, the same keys.
+  P for keys 16k .. 16k+15 is the A operand of P V: its rows g / g+8, columns 2t, 2t+1
+  are S tile 2k, its columns 2t+8, 2t+9 are S tile 2k+1, so the packed pairs
+  p[2n] = (s[4n], s[4n+1]), p[2n+1] = (s[4n+2], s[4n+3]) give a0..a3 = p[4k .. 4k+3].
+  O n8 tile n (dims 8n .. 8n+7):  o[4n .. 4n+3], rows a, a, b, b as S.
+
+Storage 16-bit types: "float16" (`mma.f32.f16`) or "bfloat16" (`mma.f32.bf16`, the
+storage holding bfloat16 bit patterns, e.g. as uint16), a compile-time choice of the
+kernel factory with the tile shape and head_dim.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ...device import cuda
+from ..intrinsics import ptx, tensorcore
+from ..launch.constants import LOG2E, NEG_INF
+from ..launch.calling import Specialised
+from ..masks import key_range, read_segment
+from .arithmetic import math_functions
+from .shape import CHUNK_VALUES, FLAT_RING, PrefillShape
+from .staging import split_row, staging_functions
+
+from numba import float32, int32, uint16, uint32  # noqa: E402  (after device)
+
+
+@lru_cache(maxsize=None)
+def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
+                   capped: bool, q_copy: bool = True, warp_rows: int | None = None,
+                   stored: str | None = None):
+    """The prefill kernel for one head_dim, tile shape (`warp_rows`: by default
+    `default_warp_rows`), 16-bit mma type `storage` over K/V storage holding `stored`
+    (default the same type; "e4m3" / "e5m2": 8-bit floats converted while staged), with
+    (`capped`) or without a softcap, and Q staged by cp.async (`q_copy`: q holds the mma
+    type, 16-byte aligned) or converted value by value."""
+    shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored)
+    stage_queries, stage_tile = staging_functions(shape, q_copy)
+    scores, softcap_scores, mask, softmax_step, accumulate, store_rows = math_functions(shape)
+    BR, BK, WR, H, PITCH = shape.br, shape.bk, shape.wr, shape.h, shape.pitch
+    DK, LANE_ROWS, FRAGMENT = shape.dk, shape.lane_rows, shape.fragment
+    Q_ALL, S_ALL, P_ALL, O_ALL = shape.q_all, shape.s_all, shape.p_all, shape.o_all
+    Q_IN_REGISTERS, Q_BASE, K_BASE, V_BASE = (shape.q_in_registers, shape.q_base,
+                                              shape.k_base, shape.v_base)
+    SMEM, KEY_LANES, KEY_STEP, KEY_PASSES = (shape.smem, shape.key_lanes, shape.key_step,
+                                             shape.key_passes)
+    Q_LANES, Q_STEP = shape.q_lanes, shape.q_step
+    STORED_BYTES = shape.stored_bytes
+
+    @cuda.jit(device=True)
+    def tile_of(order, i):
+        """The key tile of step i of a loop: order = (first, split, skip, after) takes
+        tiles first + i, skipping `skip` tiles from step `split` on."""
+        first, split, skip, _ = order
+        return int32(first + i + (skip if i >= split else 0))
+
+    def key_tiles(masked):
+        """The loop over `count` key tiles of a block, in `order` (see `tile_of`; K of its
+        first tile staged, K(after) staged at its end unless after < 0). `masked`: tiles
+        some of the block's rows do not see whole, each warp skipping those none of its
+        rows meets and masking those not all of its rows see whole; else tiles every row
+        sees whole: no checks."""
+
+        @cuda.jit(device=True)
+        def loop(count, order, buffers, staging, lanes, bounds, scales):
+            tile, qf, qa, s, pf, o, l, m, lo, hi = buffers
+            q_lane, k_lane, a_lane = lanes
+            j_first, j_end, j_full, j_part = bounds
+            scale_log2, scale, softcap = scales
+            for i in range(count):
+                j = tile_of(order, i)
+                tensorcore.cp_async_wait(0)
+                cuda.syncthreads()      # K(j) is in; every warp is done with the last V / Q
+                stage_tile(tile, j, staging, True)
+                active = j_first <= j < j_end if masked else j_first < j_end  # warp-uniform
+                if active:
+                    scores(s, qf, qa, tile, q_lane, k_lane)
+                    if capped:
+                        softcap_scores(s, scale, softcap)
+                    if masked and (j < j_full or j >= j_part):
+                        mask(s, lo, hi, int32(j * BK))
+                    softmax_step(s, pf, o, l, m, scale_log2)
+                tensorcore.cp_async_wait(0)
+                cuda.syncthreads()      # V(j) is in; every warp is done with K(j)
+                following = tile_of(order, int32(i + 1)) if int32(i + 1) < count else order[3]
+                if following >= 0:
+                    stage_tile(tile, following, staging, False)
+                if active:
+                    accumulate(o, l, pf, tile, a_lane)
+
+        return loop
+
+    masked_tiles = key_tiles(True)
+    unmasked_tiles = key_tiles(False)
+
+    @cuda.jit
+    def prefill(q, k_store, v_store, pages, page_bits, tables, out, lse, seq_info_off,
+                segments_off, n_row_tiles, group, ring_rows, window, scale, softcap):
+        """`run`'s launch: pages and page_bits follow the slot storage they address, as
+        in `attention`'s kernel; grid (kv heads, served segments, row tiles)."""
+        tid = cuda.threadIdx.x
+        lane = cuda.laneid
+        g = lane // 4
+        t = lane % 4
+        kv_head = cuda.blockIdx.x
+        seg = tables[segments_off + cuda.blockIdx.y]
+        first_row = int32((n_row_tiles - 1 - cuda.blockIdx.z) * BR)   # longest tiles first
+        q_start, q_len, seq, pos_start, block = read_segment(tables, seq_info_off, seg)
+        n_end = int32(group * q_len)            # the segment's rows
+        n_rows = int32(min(BR, n_end - first_row))
+        if n_rows <= 0:
+            return
+        # Integers are int32 from here (registers, 32-bit arithmetic). The block loads keys
+        # [key_lo, key_hi), the union of its rows' intervals, in tiles j = 0 .. n_tiles.
+        win = int32(window)
+        key_lo, hi_block = key_range(split_row(first_row, group)[0], q_len, pos_start, block,
+                                     win)
+        lo_block, key_hi = key_range(split_row(first_row + n_rows - 1, group)[0], q_len,
+                                     pos_start, block, win)
+        key_lo = int32(key_lo)
+        n_tiles = int32((key_hi - key_lo + BK - 1) // BK)
+        # its tiles [j1, j2) are seen whole by all its rows (past its last row's lo, before
+        # its first row's hi): the unmasked loop takes them, after the masked loop the others
+        j1 = int32(min(n_tiles, (lo_block - key_lo + BK - 1) // BK))
+        j2 = int32(max(j1, min(n_tiles, (hi_block - key_lo) // BK)))
+        masked_order = (int32(0), j1, int32(j2 - j1), j1 if j2 > j1 else int32(-1))
+        unmasked_order = (j1, int32(j2 - j1), int32(0), int32(-1))
+        n_masked = int32(j1 + n_tiles - j2)
+        # this warp's rows [warp_row, warp_end): it computes on tiles [j_first, j_end)
+        # (its first row's lo, its last row's hi) and masks none in [j_full, j_part)
+        warp_row = int32(first_row + WR * (tid // 32))
+        warp_end = int32(min(warp_row + WR, first_row + n_rows))
+        lo_first, hi_first = key_range(split_row(warp_row, group)[0], q_len, pos_start, block,
+                                       win)
+        lo_last, hi_last = key_range(split_row(warp_end - 1, group)[0], q_len, pos_start,
+                                     block, win)
+        bounds = (int32((lo_first - key_lo) // BK),
+                  int32((hi_last - key_lo + BK - 1) // BK if warp_row < warp_end else 0),
+                  int32((lo_last - key_lo + BK - 1) // BK), int32((hi_first - key_lo) // BK))
+        # the lane's rows g + 8 r (clamped to the last real row: no key_range past q_len):
+        # their intervals relative to the lane's first key of tile 0, key_lo + 2t
+        lo = cuda.local.array(LANE_ROWS, int32)
+        hi = cuda.local.array(LANE_ROWS, int32)
+        for r in range(LANE_ROWS):
+            lo_r, hi_r = key_range(split_row(min(warp_row + g + 8 * r, n_end - 1), group)[0],
+                                   q_len, pos_start, block, win)
+            lo[r] = int32(lo_r - key_lo - 2 * t)
+            hi[r] = int32(hi_r - key_lo - 2 * t)
+
+        # staging: this thread's first Q row and key, and its first chunk in them
+        first_q = int32(tid // Q_LANES if tid < Q_STEP * Q_LANES else BR)
+        q_d0 = int32(tid % Q_LANES * CHUNK_VALUES)
+        first_key = int32(tid // KEY_LANES if tid < KEY_STEP * KEY_LANES else BK)
+        key_d0 = int32(tid % KEY_LANES * CHUNK_VALUES)
+        src = kv_head * head_dim + key_d0       # in slot 0: slots add slot_bytes each
+        ring = int32(ring_rows if ring_rows > 0 else FLAT_RING)
+        slots = cuda.local.array(KEY_PASSES, int32)     # the thread's keys' slots in a tile
+        staging = (int32(K_BASE + first_key * PITCH + key_d0), ptx.bytes_from(k_store, src),
+                   int32(V_BASE + first_key * PITCH + key_d0), ptx.bytes_from(v_store, src),
+                   slots, pages, seq, page_bits,
+                   uint32(STORED_BYTES * k_store.shape[1] * head_dim),
+                   uint32(uint32(key_lo) % uint32(ring)), ring,
+                   int32(min(BK, ring)), int32(key_hi - key_lo), first_key, key_d0)
+
+        # 16-byte aligned: ldmatrix rows and cp.async destinations
+        tile = cuda.shared.array(SMEM, uint16, alignment=16)
+        stage_queries(tile, q, q_start, first_row, n_rows, group, kv_head, first_q, q_d0)
+        stage_tile(tile, tile_of(masked_order, 0) if n_masked > 0 else j1, staging, False)
+        tensorcore.cp_async_wait(0)
+        cuda.syncthreads()              # Q and the first K tile are in
+        # A-operand lane address: row lane % 16, columns 8 (lane // 16) on (V .trans too)
+        a_lane = (lane % 16) * PITCH + (lane // 16) * 8
+        # K^T (B, non-trans): key lane % 8 + 8 (lane // 16), dims 8 (lane // 8 % 2) on
+        k_lane = (lane % 8 + 8 * (lane // 16)) * PITCH + (lane // 8 % 2) * 8
+        q_lane = Q_BASE + (tid // 32) * WR * PITCH + a_lane     # the warp's Q rows
+        qf = cuda.local.array(Q_ALL, uint32)
+        if Q_IN_REGISTERS:              # V takes Q's rows after the loop's first barrier
+            for h in range(H):
+                for kc in range(DK):
+                    a0, a1, a2, a3 = tensorcore.ldmatrix_x4(tile, q_lane + h * 16 * PITCH + kc * 16)
+                    qf[(h * DK + kc) * 4] = a0
+                    qf[(h * DK + kc) * 4 + 1] = a1
+                    qf[(h * DK + kc) * 4 + 2] = a2
+                    qf[(h * DK + kc) * 4 + 3] = a3
+
+        qa = cuda.local.array(FRAGMENT, uint32)     # Q's A operands of one k16 chunk
+        s = cuda.local.array(S_ALL, float32)
+        pf = cuda.local.array(P_ALL, uint32)
+        o = cuda.local.array(O_ALL, float32)
+        for i in range(O_ALL):
+            o[i] = 0.0
+        l = cuda.local.array(FRAGMENT, float32)     # running sums of rows a, a, b, b per half
+        m = cuda.local.array(LANE_ROWS, float32)    # running maxima (unscaled scores)
+        for i in range(FRAGMENT):
+            l[i] = 0.0
+        for i in range(LANE_ROWS):
+            m[i] = NEG_INF
+        buffers = (tile, qf, qa, s, pf, o, l, m, lo, hi)
+        lanes = (q_lane, k_lane, a_lane)
+        scales = (scale * LOG2E, scale, softcap)
+        masked_tiles(n_masked, masked_order, buffers, staging, lanes, bounds, scales)
+        unmasked_tiles(int32(j2 - j1), unmasked_order, buffers, staging, lanes, bounds, scales)
+        store_rows(out, lse, o, l, m, scale, warp_row, n_end, g, t, q_start, group, kv_head)
+
+    return Specialised(prefill)

@@ -1,0 +1,202 @@
+"""The tensor-core prefill kernel's shapes: tiles per head_dim, the shared-memory and
+staging layouts, and every compile-time number of one specialisation (`PrefillShape`),
+shared by its kernel (`prefill_kernel`) and its device functions (`prefill_staging`,
+`prefill_math`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ...config import INT32_MAX, MAX_HEAD_DIM
+from ..launch.constants import FP8_FORMATS
+from ..launch.calling import ceil_div
+
+
+#: (block_rows, block_keys) for padded head dims up to the key; shared memory (see
+#: `shared_layout`) stays within the 48 KiB static limit. Per thread and m16 half of
+#: its warp, registers hold dpad / 2 O floats, block_keys / 2 S floats, block_keys / 4
+#: P words and, up to Q_REGISTERS_MAX_DIM, dpad / 4 Q words; above it Q stays in shared
+#: memory (with Q in registers head_dim 256 needs all 255 registers on sm_90). Two
+#: halves per warp fit up to WIDE_WARP_MAX_DIM (head_dim 128 would need O, Q and S of
+#: 64 registers each per half).
+TILES = {64: (64, 64), 128: (64, 64), 256: (48, 16)}
+Q_REGISTERS_MAX_DIM = 128
+WIDE_WARP_MAX_DIM = 64
+Q_OUT_TYPES = ("float16", "float32", "uint16")   # uint16: bfloat16 bits
+STORAGE_TYPES = ("float16", "bfloat16")
+#: what K/V storage may hold, and its bytes per value: the 16-bit types are staged as
+#: they are (cp.async), 8-bit floats (e4m3 bits as uint8, e5m2 as int8) converted to
+#: the mma's 16-bit type on the way into shared memory
+STORED_BYTES = {"float16": 2, "bfloat16": 2, "e4m3": 1, "e5m2": 1}
+FLAT_RING = INT32_MAX     # the ring size a flat layer's rows are walked with: never wraps
+CHUNK_VALUES = 8          # 16-bit values in a 16-byte cp.async chunk
+LINE_CHUNKS = 8           # chunks in a 128-byte line
+#: a pair of 16-bit ones in each storage type: the B operand of the row-sum mma
+ONES = {"float16": 0x3C003C00, "bfloat16": 0x3F803F80}
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """head_dim rounded up to whole k16 fragments."""
+    return ceil_div(head_dim, 16) * 16
+
+
+def type_name(dtype) -> str:
+    """A dtype's name; a name stays as it is ("bfloat16" needs no NumPy dtype)."""
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def supports(head_dim, storage_dtype) -> bool:
+    """Can this path serve a layer? head_dim a multiple of 8 (16-byte chunks) up to 256,
+    storage float16 or bfloat16 (a dtype, its name, or uint16: bfloat16 bits), or 8-bit
+    floats (uint8: e4m3 bits, int8: e5m2). float32 storage is not served."""
+    return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",) + tuple(FP8_FORMATS)
+            and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
+
+
+def stored_type(dtype) -> str:
+    """What K/V storage of `dtype` holds: a 16-bit type (`storage_type`), or "e4m3" /
+    "e5m2" for uint8 / int8 bits."""
+    name = type_name(dtype)
+    return FP8_FORMATS[name] if name in FP8_FORMATS else storage_type(name)
+
+
+def shared_layout(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, int, int, int]:
+    """(q_row, k_row, v_row, rows): where Q, K and V start in the one shared buffer of
+    `rows` rows of padded_head_dim + 8 16-bit values. Up to Q_REGISTERS_MAX_DIM Q moves to
+    registers before V(0) is loaded, so it is staged in V's rows (and past them when
+    block_rows > block_keys); above, Q keeps rows 0 .. block_rows, K and V follow."""
+    if padded_head_dim(head_dim) <= Q_REGISTERS_MAX_DIM:
+        return block_keys, 0, block_keys, block_keys + max(block_rows, block_keys)
+    return 0, block_rows, block_rows + block_keys, block_rows + 2 * block_keys
+
+
+def staging_layout(chunks: int, threads: int, rows: int) -> tuple[int, int]:
+    """(lanes, passes): how `threads` threads cp.async `rows` rows of `chunks` 16-byte
+    chunks. `lanes` consecutive threads share a row, lane h copying its chunks h, h +
+    lanes, ..., so that each warp instruction reads whole 128-byte lines (lanes >=
+    min(chunks, 8)); threads // lanes rows per pass, `passes` passes. Of the divisors of
+    `chunks` that qualify: the fewest copies per thread, then the fewest passes (each
+    pass computes one storage address)."""
+    options = []
+    for lanes in range(min(chunks, LINE_CHUNKS), chunks + 1):
+        if chunks % lanes == 0:
+            passes = ceil_div(rows, threads // lanes)
+            options.append((passes * (chunks // lanes), passes, lanes))
+    _, passes, lanes = min(options)
+    return lanes, passes
+
+
+def default_warp_rows(head_dim: int, block_rows: int) -> int:
+    """Query rows per warp: 32 (two m16 row blocks sharing each K and V fragment: half the
+    ldmatrix per mma) up to WIDE_WARP_MAX_DIM, where O, S and Q of 32 rows fit in
+    registers, and when block_rows allows; else 16."""
+    wide = padded_head_dim(head_dim) <= WIDE_WARP_MAX_DIM and block_rows % 32 == 0
+    return 32 if wide else 16
+
+
+@lru_cache(maxsize=None)
+def tile_shape(head_dim: int) -> tuple[int, int]:
+    """(block_rows, block_keys) the GPU uses for `head_dim`."""
+    dpad = padded_head_dim(head_dim)
+    return TILES[next(d for d in sorted(TILES) if dpad <= d)]
+
+
+def storage_type(dtype) -> str:
+    """The 16-bit type K/V storage of `dtype` holds: "float16", or "bfloat16" (its bit
+    patterns held as uint16, as everywhere in kvnumba; the name "bfloat16" too)."""
+    name = type_name(dtype)
+    name = "bfloat16" if name == "uint16" else name
+    if name not in STORAGE_TYPES:
+        raise ValueError(f"prefill: storage {name!r} not in {STORAGE_TYPES}")
+    return name
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """The compile-time numbers of one prefill kernel (`of`): tile `br` x `bk` (rows,
+    keys), `wr` rows per warp in `h` m16 halves, the padded head dim `dp` and shared
+    pitch, the n8 / k16 tile counts, per-lane register arrays, the shared layout (Q, K,
+    V bases, `smem` elements) and the cp.async staging of key and query rows
+    (`staging_layout`), for the 16-bit mma type `storage`, over K/V storage holding
+    `stored` (`STORED_BYTES`: the same type, or 8-bit floats converted to it)."""
+
+    head_dim: int
+    storage: str
+    br: int
+    bk: int
+    wr: int
+    h: int
+    dp: int
+    pitch: int
+    threads: int
+    kt: int
+    dk: int
+    dt: int
+    s_floats: int
+    p_words: int
+    o_floats: int
+    lane_rows: int
+    fragment: int
+    q_all: int
+    s_all: int
+    p_all: int
+    o_all: int
+    chunks: int
+    padded: bool
+    q_in_registers: bool
+    q_base: int
+    k_base: int
+    v_base: int
+    smem: int
+    key_lanes: int
+    key_passes: int
+    key_step: int
+    key_copies: int
+    keys_exact: bool
+    q_lanes: int
+    q_passes: int
+    q_step: int
+    q_copies: int
+    q_exact: bool
+    stored: str
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of one stored K/V value."""
+        return STORED_BYTES[self.stored]
+
+    @classmethod
+    def of(cls, head_dim: int, block_rows: int, block_keys: int, storage: str,
+           warp_rows: int | None = None, stored: str | None = None) -> "PrefillShape":
+        br, bk = block_rows, block_keys
+        wr = warp_rows or default_warp_rows(head_dim, br)
+        assert br % wr == 0 and wr in (16, 32) and bk % 16 == 0 and storage in STORAGE_TYPES
+        h = wr // 16                    # m16 row blocks ("halves") of a warp
+        dp = padded_head_dim(head_dim)
+        pitch = dp + 8                  # 8 rows of an ldmatrix fall 16 bytes apart
+        threads = 32 * (br // wr)
+        kt, dk, dt = bk // 8, dp // 16, dp // 8   # n8 tiles of S, k16 chunks of Q / K^T, n8 of O
+        # per lane and half: Q words, S floats, P words, O floats
+        q_words, s_floats, p_words, o_floats = 4 * dk, 4 * kt, 2 * kt, 4 * dt
+        chunks = dp // CHUNK_VALUES     # chunks of a padded row; those from head_dim on: zeros
+        q_row, k_row, v_row, rows = shared_layout(head_dim, br, bk)
+        # staging (see staging_layout): thread tid copies chunks tid % lanes + c lanes of
+        # rows tid // lanes + p step; the rest of the threads (step lanes < threads) idle
+        key_lanes, key_passes = staging_layout(chunks, threads, bk)
+        key_step = threads // key_lanes
+        q_lanes, q_passes = staging_layout(chunks, threads, br)
+        q_step = threads // q_lanes
+        return cls(head_dim, storage, br, bk, wr, h, dp, pitch, threads, kt, dk, dt,
+                   s_floats, p_words, o_floats, lane_rows=2 * h, fragment=4 * h,
+                   q_all=h * q_words, s_all=h * s_floats, p_all=h * p_words,
+                   o_all=h * o_floats, chunks=chunks, padded=dp > head_dim,
+                   q_in_registers=dp <= Q_REGISTERS_MAX_DIM, q_base=q_row * pitch,
+                   k_base=k_row * pitch, v_base=v_row * pitch, smem=rows * pitch,
+                   key_lanes=key_lanes, key_passes=key_passes, key_step=key_step,
+                   key_copies=chunks // key_lanes,
+                   keys_exact=key_step * key_lanes == threads and key_step * key_passes == bk,
+                   q_lanes=q_lanes, q_passes=q_passes, q_step=q_step,
+                   q_copies=chunks // q_lanes,
+                   q_exact=q_step * q_lanes == threads and q_step * q_passes == br,
+                   stored=stored or storage)
