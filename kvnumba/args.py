@@ -77,14 +77,6 @@ def as_count(value, what: str, least: int, error=ConfigError) -> int:
     return value
 
 
-def as_index(value, n: int, what: str, error=ShapeError) -> int:
-    """An int in `[0, n)`, else `error` naming the value and the range."""
-    index = as_int(value, what, error)
-    if not 0 <= index < n:
-        raise error(f"{what}: {index} is outside [0, {n})")
-    return index
-
-
 def as_id(value, n: int, what: str) -> int:
     """A sequence id in `[0, n)` as a Python int. Refused: a `SessionId` (`SessionError`
     naming its sequence), a non-int (`ShapeError`), an id out of range

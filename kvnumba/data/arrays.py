@@ -72,11 +72,6 @@ def on_device(array) -> bool:
     return kind == DEVICE or kind == INTERFACE or (kind == TORCH and array.is_cuda)
 
 
-def is_array(array) -> bool:
-    """What the data path accepts: NumPy arrays, device arrays, PyTorch tensors."""
-    return _kind(array) is not None
-
-
 def _name_of_dtype(dtype) -> str | None:
     if type(dtype).__module__.split(".")[0] == "torch":
         return str(dtype).rsplit(".", 1)[-1]

@@ -30,11 +30,6 @@ def pages_for(positions: int, page_size: int) -> int:
     return -(-positions // page_size)
 
 
-def page_bits(page_size: int) -> int:
-    """`log2(page_size)` of a power-of-two page size."""
-    return page_size.bit_length() - 1
-
-
 @njit(cache=True)
 def step_demand(seqs, totals, pos, held, table, refs, page_size):
     """New pages a step takes on one flat kind (exactly what `claim_step` takes): for
