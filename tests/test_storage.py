@@ -256,7 +256,13 @@ def test_write_refusals_launch_nothing(bad):
 def test_write_paths_store_exactly_the_input_converted(storage_dtype, input_dtype, head_dim,
                                                        strided):
     from kvnumba.device import cuda
-    from kvnumba.kernels.moves.write import wide_ok
+    from kvnumba.kernels.launch.calling import VECTOR_BYTES, aligned
+    from kvnumba.kernels.moves.write import whole_vectors
+
+    def wide_ok(store, array):      # the write's test for its 16-byte vector path
+        return (whole_vectors(array.shape[1] * array.shape[2], store.dtype)
+                and array.dtype == store.dtype and array.is_c_contiguous()
+                and aligned(array, VECTOR_BYTES))
     rng = np.random.default_rng(9)
     cfg = kv.CacheConfig(layers=[kv.flat(), kv.ring(window=2)], n_kv_heads=1,
                          head_dim=head_dim, capacity=16, max_seqs=2, max_write=4, max_step=8,

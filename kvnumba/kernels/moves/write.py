@@ -149,23 +149,11 @@ _vectors = Specialised(_write_vectors)
 _elements = Specialised(_write_elements)
 
 
-def wide_ok(store, array) -> bool:
-    """Whether `array` can be moved into `store` as 16-byte vectors."""
-    return (whole_vectors(array.shape[1] * array.shape[2], store.dtype)
-            and vectors_fit(array, store.dtype))
-
-
 def whole_vectors(run: int, dtype) -> bool:
     """Whether a run of `run` elements of `dtype` is whole 16-byte vectors, at most
     `WIDE_RUN_BYTES`."""
     size = run * dtype.itemsize
     return size % VECTOR_BYTES == 0 and size <= WIDE_RUN_BYTES
-
-
-def vectors_fit(array, dtype) -> bool:
-    """Whether `array` holds `dtype` elements, C-contiguous from a 16-byte boundary (its
-    runs can be read as 16-byte vectors when they are whole vectors)."""
-    return array.dtype == dtype and array.is_c_contiguous() and aligned(array, VECTOR_BYTES)
 
 
 class WriteRun:
@@ -174,7 +162,8 @@ class WriteRun:
     or elements) the launch shape worked out once, so a call (`run(k_store, v_store, k,
     v, ring_rows, pages, k_inv, v_inv)`, once per layer, `pages` its layer kind's page
     table, `k_inv` / `v_inv` the float32 reciprocals of its fp8 scales, 1.0 for other
-    dtypes) only tells its inputs' layout (`vectors_fit`) and packs its arrays.
+    dtypes) only tells its inputs' layout (16-byte vectors: both of the storage dtype,
+    C-contiguous from a 16-byte boundary, in whole vectors a token) and packs its arrays.
 
     8-bit float storage takes its own vector write (`write_fp8`), from float16, bfloat16
     or float32 inputs of one dtype, C-contiguous, 16-byte aligned, whole vectors of 16
@@ -197,7 +186,7 @@ class WriteRun:
             self._narrow(k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)
             return
         dtype = self.dtype
-        vectors = (self._whole and k.dtype == dtype and v.dtype == dtype       # `vectors_fit`
+        vectors = (self._whole and k.dtype == dtype and v.dtype == dtype
                    and k.is_c_contiguous() and v.is_c_contiguous()
                    and aligned(k, VECTOR_BYTES) and aligned(v, VECTOR_BYTES))
         launch = self._launches.get(vectors)
