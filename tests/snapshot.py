@@ -45,10 +45,10 @@ def snapshot(face):
     for layer in range(cache.config.n_layers):
         k, v = cache.layer_data(layer)
         storage.append((k.shape, k.copy_to_host().tobytes(), v.copy_to_host().tobytes()))
-    step = cache._step
+    step = cache._steps.step
     written = None if step is None or step.written is None else step.written.tobytes()
     state = (slots, cache.step_state, _plan(cache.plan), written,
-             cache._upload.device.copy_to_host().tobytes(), storage + _pages(cache),
+             cache._steps.upload.device.copy_to_host().tobytes(), storage + _pages(cache),
              cache.nbytes)
     if isinstance(face, kv.SessionTable):
         sessions = [(sid, face.seq(sid)) for sid in face.sessions]

@@ -164,7 +164,7 @@ def segs_of(*specs):
 
 
 def plan_path(case, **kw):
-    return att.launch_plan(n_segments=len(case.segments), max_q_len=case.max_q_len,
+    return att.launch_shape(n_segments=len(case.segments), max_q_len=case.max_q_len,
                            max_kv_len=case.max_kv_len, n_q_heads=case.q.shape[1],
                            n_kv_heads=case.n_kv_heads, head_dim=case.q.shape[2],
                            window=case.window, **kw)
@@ -383,19 +383,19 @@ def test_only_the_served_segments_rows_are_written(path):
             assert np.isnan(got[rows]).all(), f"segment {seg} is not served"
 
 
-def test_launch_plan_threshold_and_splits():
+def test_launch_shape_threshold_and_splits():
     kw = dict(n_q_heads=32, n_kv_heads=8, head_dim=128, window=0)
-    long_decode = att.launch_plan(n_segments=8, max_q_len=1, max_kv_len=32768, **kw)
+    long_decode = att.launch_shape(n_segments=8, max_q_len=1, max_kv_len=32768, **kw)
     assert long_decode["path"] == "decode" and long_decode["n_splits"] > 1
     assert long_decode["chunk"] % long_decode["block_keys"] == 0
     assert long_decode["chunk"] >= att.DECODE_MIN_CHUNK
     assert long_decode["block_rows"] == 4            # 4 query heads per kv head
-    short = att.launch_plan(n_segments=256, max_q_len=1, max_kv_len=200, **kw)
+    short = att.launch_shape(n_segments=256, max_q_len=1, max_kv_len=200, **kw)
     assert short["n_splits"] == 1
-    at = att.launch_plan(n_segments=1, max_q_len=att.DECODE_MAX_Q_LEN, max_kv_len=99, **kw)
-    over = att.launch_plan(n_segments=1, max_q_len=att.DECODE_MAX_Q_LEN + 1, max_kv_len=99, **kw)
+    at = att.launch_shape(n_segments=1, max_q_len=att.DECODE_MAX_Q_LEN, max_kv_len=99, **kw)
+    over = att.launch_shape(n_segments=1, max_q_len=att.DECODE_MAX_Q_LEN + 1, max_kv_len=99, **kw)
     assert at["path"] == "decode" and over["path"] == "prefill" and over["n_splits"] == 1
-    windowed = att.launch_plan(n_segments=1, max_q_len=1, max_kv_len=1 << 20,
+    windowed = att.launch_shape(n_segments=1, max_q_len=1, max_kv_len=1 << 20,
                                **dict(kw, window=512))
     assert windowed["n_splits"] * windowed["chunk"] >= 512
     assert windowed["chunk"] * (windowed["n_splits"] - 1) < 512

@@ -538,7 +538,7 @@ def test_what_a_plan_hands_out_cannot_reach_the_cache():
                     reached.setflags(write=True)
                 with pytest.raises(ValueError):
                     reached.reshape(-1)[0] = 99
-        staged = cache._upload.device.copy_to_host()[2 * WIDTH:2 * WIDTH + declared.size]
+        staged = cache._steps.upload.device.copy_to_host()[2 * WIDTH:2 * WIDTH + declared.size]
         assert (staged == declared.ravel()).all() and (plan.seq_info == declared).all()
         cache.abort_step()
     later = cache.declare_step(seqs[:2])

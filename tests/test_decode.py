@@ -136,7 +136,7 @@ def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=P
     of `page_size`; returns (out on the host, plan). `q`: the device array to pass as q
     (default: a copy of `case.q`)."""
     rng = np.random.default_rng(seed)
-    plan = dec.plan(case.info, case.served, window=case.window, chunk=chunk)
+    plan = dec.chunk_tables(case.info, case.served, window=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
     q = cuda.to_device(case.q) if q is None else q
@@ -267,7 +267,7 @@ def test_plan_balances_a_skewed_batch():
     kv_lens = np.geomspace(32, 32768, 64).astype(int)
     info = table_of([(1, n - 1) for n in kv_lens])
     segments = np.arange(64)
-    plan = dec.plan(info, segments, window=0)
+    plan = dec.chunk_tables(info, segments, window=0)
     check_plan(plan, info, segments, 0, dec.CHUNK_KEYS)
     lengths = plan.work[:, dec.WORK_KEY_HI] - plan.work[:, dec.WORK_KEY_LO]
     assert lengths.max() < dec.CHUNK_KEYS + dec.CHUNK_KEYS // 2
@@ -278,7 +278,7 @@ def test_a_remainder_under_half_a_chunk_joins_the_last_chunk():
     """4096 keys of history and one query: 15 chunks of 256 keys and a last one of 257,
     not a 17th chunk of one key."""
     info = table_of([(1, 4096)])
-    chunks = chunks_of(dec.plan(info, [0], window=0), 0)
+    chunks = chunks_of(dec.chunk_tables(info, [0], window=0), 0)
     assert chunks == [(256 * c, 256 * (c + 1)) for c in range(15)] + [(3840, 4097)]
 
 
@@ -290,7 +290,7 @@ def test_chunk_lengths_follow_the_segment_alone(keys, lengths):
     """Hand-computed cuts at the nominal 256-key chunk, alone and beside other segments."""
     info = table_of([(1, keys - 1), (1, 5000), (3, 40, True)])
     for segments in ([0], [2, 0, 1]):
-        assert chunk_lengths(dec.plan(info, segments, window=0), 0) == lengths
+        assert chunk_lengths(dec.chunk_tables(info, segments, window=0), 0) == lengths
     assert dec.chunk_count(keys) == len(lengths)
 
 
@@ -302,26 +302,26 @@ def test_plan_tiles_every_key_range_exactly(window):
     info = table_of(rows)
     segments = rng.permutation(40)[:30]
     for chunk in (dec.KEY_TILE, 2 * dec.KEY_TILE, dec.CHUNK_KEYS, 2048):
-        check_plan(dec.plan(info, segments, window=window, chunk=chunk), info, segments,
+        check_plan(dec.chunk_tables(info, segments, window=window, chunk=chunk), info, segments,
                    window, chunk)
 
 
 def test_a_segments_chunks_do_not_depend_on_the_rest_of_the_step():
     info = table_of([(1, 5000), (2, 10), (4, 700, True), (1, 90000)])
-    alone = dec.plan(info, [0], window=0)
-    together = dec.plan(info, [3, 1, 0, 2], window=0)
+    alone = dec.chunk_tables(info, [0], window=0)
+    together = dec.chunk_tables(info, [3, 1, 0, 2], window=0)
     assert chunks_of(alone, 0) == chunks_of(together, 0)
     assert len(chunks_of(together, 1)) == 1 and together.chunk == alone.chunk
 
 
 def test_plan_of_nothing_and_refusals():
     info = table_of([(1, 9), (5, 0)])
-    empty = dec.plan(info, [], window=0)
+    empty = dec.chunk_tables(info, [], window=0)
     assert empty.n_items == empty.n_combine == empty.n_parts == 0
     with pytest.raises(ValueError, match="queries"):
-        dec.plan(info, [0, 1], window=0)
+        dec.chunk_tables(info, [0, 1], window=0)
     with pytest.raises(ValueError, match="power of two"):
-        dec.plan(info, [0], window=0, chunk=3 * dec.KEY_TILE)
+        dec.chunk_tables(info, [0], window=0, chunk=3 * dec.KEY_TILE)
 
 
 @cuda.jit
@@ -552,7 +552,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
     workspace = AttentionWorkspace()
     check(case, run(case, workspace=workspace)[0])
     buffers = workspace.part_acc, workspace.part_ml
-    plan = dec.plan(case.info, case.served[:1], window=0, chunk=dec.KEY_TILE)
+    plan = dec.chunk_tables(case.info, case.served[:1], window=0, chunk=dec.KEY_TILE)
     tables, offsets = pack_tables(rng, case, plan)
     k_slots, v_slots, pages, bits = paged_storage(case)
     q, tables = cuda.to_device(case.q), cuda.to_device(tables)
@@ -578,7 +578,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
 def test_nothing_to_serve_launches_nothing():
     rng = np.random.default_rng(7)
     case = make_case(rng, [(1, 4)])
-    plan = dec.plan(case.info, [], window=0)
+    plan = dec.chunk_tables(case.info, [], window=0)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, np.float16))
     k_slots, v_slots, pages, bits = paged_storage(case)
     dec.run(cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(case.info.reshape(-1)),

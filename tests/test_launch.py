@@ -110,8 +110,8 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     ids = [a, b] * 32
     plan = cache.declare_step(ids)
     cache.prepare_step(70)
-    staged = cache._upload.device.copy_to_host()
-    assert cache._upload.size > upload_entries(config)
+    staged = cache._steps.upload.device.copy_to_host()
+    assert cache._steps.upload.size > upload_entries(config)
     cursor = {a: 31 * 64, b: 31 * 60}
     positions = []
     for seq in ids:
@@ -124,16 +124,16 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     assert (plan.positions == staged[width:2 * width]).all()
     info = plan.seq_info
     assert (staged[2 * width:2 * width + info.size] == info.ravel()).all()
-    routes = cache._step.routes
-    assert routes.decode_plans[0].n_items > 6 * len(info)     # the flat layer's long keys
-    for window, placed in routes.decode_plans.items():
-        want = decode.plan(info, np.arange(len(info)), window=window)
+    routes = cache._steps.step.routes
+    assert routes.decode_chunks[0].n_items > 6 * len(info)     # the flat layer's long keys
+    for window, placed in routes.decode_chunks.items():
+        want = decode.chunk_tables(info, np.arange(len(info)), window=window)
         assert placed.n_items == want.n_items and placed.n_combine == want.n_combine
         work = staged[placed.work_off:placed.work_off + want.work.size]
         combine = staged[placed.combine_off:placed.combine_off + want.combine.size]
         assert (work == want.work.ravel()).all() and (combine == want.combine.ravel()).all()
         run = routes.decode_runs[window]
-        assert run.tables is cache._upload.device and run.seq_info_off == 2 * width
+        assert run.tables is cache._steps.upload.device and run.seq_info_off == 2 * width
     cache.abort_step()
 
 

@@ -145,8 +145,8 @@ def test_lse_on_the_prefill_and_decode_paths(path):
 def test_lse_of_a_decode_segment_split_into_chunks(path, monkeypatch):
     """A long history split into several chunks (merged by the combine) beside a short
     one in a single chunk, in a padded decode step."""
-    monkeypatch.setattr(decode, "plan_into",
-                        functools.partial(decode.plan_into, chunk=decode.KEY_TILE))
+    monkeypatch.setattr(decode, "chunks_into",
+                        functools.partial(decode.chunks_into, chunk=decode.KEY_TILE))
     monkeypatch.setattr(decode, "CHUNK_KEYS", decode.KEY_TILE)      # the generic split-K
     run = Run(PATHS[path], (None,), capacity=192, max_write=64, max_step=72,
               lengths=(3 * decode.KEY_TILE, 8))
@@ -157,9 +157,9 @@ def test_lse_of_a_decode_segment_split_into_chunks(path, monkeypatch):
     rows = run.rows(step)
     run.cache.declare_step([0, 1])
     run.cache.prepare_step(3)
-    routes = run.cache._step.routes
-    if routes.decode_plans:                 # fast: one segment split, one not
-        assert routes.decode_plans[0].n_combine == 1 and routes.decode_plans[0].n_parts > 1
+    routes = run.cache._steps.step.routes
+    if routes.decode_chunks:                 # fast: one segment split, one not
+        assert routes.decode_chunks[0].n_combine == 1 and routes.decode_chunks[0].n_parts > 1
     else:                                   # generic: split-K over the longest history
         assert routes.decode_generic.max_kv_len > 2 * decode.CHUNK_KEYS
     lse = np.full((3, HQ), np.nan, np.float32)

@@ -32,12 +32,14 @@ def check_consistent(pages: PageAccounting):
 
 
 def step(pages, pos, seqs, totals):
-    """A step's pages, as `prepare_step` takes them; then positions advance."""
+    """A step's pages, as `prepare_step` takes them; then positions advance. Returns the
+    pages taken, the table patches and the flat kind's row copies (None for none)."""
     seqs, totals = np.asarray(seqs, np.int64), np.asarray(totals, np.int64)
     needed = pages.step_demand(seqs, totals, pos)
-    patches, copies = pages.claim_step(seqs, totals, pos, needed)
+    work = pages.claim_step(seqs, totals, pos, needed)
+    assert work.shared is None and all(runs is None for runs in work.copies[1:])
     pos[seqs] += totals
-    return needed, patches, copies
+    return needed, work.patches, work.copies[0]
 
 
 def test_a_hand_worked_life_of_pages():
@@ -52,7 +54,7 @@ def test_a_hand_worked_life_of_pages():
     needed3, patches3, _ = step(pages, pos, [0], [4])      # positions 0..11: pages 1, 2
     assert (needed, needed2, needed3) == (1, 0, 1)
     assert patches.tolist() == [[ring.entry(0), 1 * P], [flat.entry(0), 1 * P]]
-    assert patches2 is None and copies2 is None and len(copies) == 0
+    assert patches2 is None and copies2 is None and copies is None
     assert patches3.tolist() == [[flat.entry(0) + 1, 2 * P]]
     assert flat.table[0, :flat.held[0]].tolist() == [1, 2]
     check_consistent(pages)

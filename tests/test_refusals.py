@@ -174,7 +174,7 @@ def test_strict_mode_drives_the_transitions_models(monkeypatch):
     models = c._slots._models
     assert models is not None
     assert [m.state for m in models] == [c.state(s).name.lower() for s in range(3)]
-    assert c._step_machine._model.state == "idle"
+    assert c._steps.machine._model.state == "idle"
 
 
 # ---------------------------------------------------------------- half-written steps

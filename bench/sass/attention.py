@@ -20,21 +20,21 @@ COMBINE_PARTS = 129
 
 def decode_chunks() -> list[int]:
     """The keys of each chunk of a one-query segment of DECODE_HISTORY + 1 keys, cut as
-    `decode.plan` cuts it."""
+    `decode.chunk_tables` cuts it."""
     from kvnumba.host import positions as fields
     from kvnumba.kernels import decode
-    planning = sys.modules[decode.plan.__module__]     # the work table's field constants
+    planning = sys.modules[decode.chunk_tables.__module__]     # the work table's field constants
 
     seq_info = np.zeros((1, fields.SEQ_INFO_FIELDS), np.int32)
     seq_info[0, [fields.Q_START, fields.Q_LEN, fields.SEQ, fields.POS_START, fields.FLAGS]] = \
         (0, 1, 0, DECODE_HISTORY, 0)
-    work = decode.plan(seq_info, [0], window=0).work
+    work = decode.chunk_tables(seq_info, [0], window=0).work
     return [int(n) for n in work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]]
 
 
 def decode_figures(flow: Flow, arguments: dict) -> Figures:
     """Instructions per key per kv head on a one-segment step of DECODE_HISTORY + 1
-    keys, the chunks as `decode.plan` cuts them. Each chunk is one block of `WARPS`
+    keys, the chunks as `decode.chunk_tables` cuts them. Each chunk is one block of `WARPS`
     warps per kv head; a warp runs the main loop's hot path B once per block trip of
     `WARPS * UNROLL * key_slots` keys (the shortest path from the loop's header back
     to it: the rarely taken blocks inside the loop, such as the accumulators' rescale

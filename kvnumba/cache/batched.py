@@ -4,7 +4,7 @@ face (contract §7) and the data path of a prepared step (§8).
 The face composes the parts and holds none of their logic: the slot table and step
 machine (`slots`), the pools (`pool`: host accounting and device storage), the step
 declarer (`declare`), the open step (`step.OpenStep`), the step's upload (`upload`),
-the attention paths (`paths`) and the data path (`datapath`). Host planning (declare,
+the attention routing (`routing`) and the data path (`attend`). Host planning (declare,
 prepare, commit, validated a whole batch at a time) stays apart from device work
 (uploads and launches, all on the cache's stream).
 """
@@ -12,26 +12,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..args import as_ids, as_int
+from ..args import as_int
 from ..config import CacheConfig
 from ..data.attend import DataPath
-from ..host.declare import StepDeclarer
+from ..data.routing import Routing, upload_entries
+from ..data.upload import Upload
 from ..device import (allocating, announce, check_storage_capability, cuda, device_id,
                       on_its_device, placed_on)
-from ..errors import CacheFullError, ConfigError, ShapeError
-from ..kernels import padding
-from ..kernels.moves import write
-from ..data.routing import AttentionPaths, upload_entries
-from ..host.positions import resumed_high_water, stage_tables
+from ..errors import CacheFullError, ConfigError
+from ..host.declare import StepDeclarer
+from ..host.positions import resumed_high_water
 from ..host.prefix_keys import as_keys
-from .queries import CacheQueries
-from .pool import Pool
-from ..refusals import (floor_refusal, half_written_refusal, position_refusal,
-                        unprepared_refusal, width_refusal)
-from ..host.slots import SlotState, SlotTable, StepMachine, StepState, state_refusal
+from ..host.slots import SlotState, SlotTable, state_refusal
+from ..host.step import StepPlan
+from ..refusals import floor_refusal, position_refusal
 from ..statemachines import CLONE_SOURCE_STATES
-from ..host.step import OpenStep, StepPlan
-from ..data.upload import Upload
+from .pool import Pool
+from .queries import CacheParts, CacheQueries
+from .stepping import StepProtocol
 
 _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
 #: int32 entries a clone's upload starts with (its table patches and row runs); grown
@@ -75,35 +73,32 @@ class BatchedSequenceCache(CacheQueries):
         """`__init__` on the cache's device: its stream, tables and storage."""
         self.stream = stream if stream is not None else cuda.default_stream()
         n = config.max_seqs
-        self._n, self._pad_col = n, (n if scratch_column else -1)
-        self._step_machine = StepMachine()
         with allocating(f"BatchedSequenceCache({n} sequences, capacity {config.capacity}, "
                         f"max_step {config.max_step})"):
             self._slots = SlotTable(n)
             self._pool = Pool(config, n + 1 if scratch_column else n, scratch_column,
                               self.stream)
-            self._upload = Upload(upload_entries(config), self.stream)
+            upload = Upload(upload_entries(config), self.stream)
             self._clone_upload = Upload(CLONE_UPLOAD, self.stream)
             storage, kinds = self._pool.storage, self._pool.pages.kinds
             tables = {kind.rows: storage.kind_tables[i] for i, kind in enumerate(kinds)}
             rows = config.ring_rows().tolist()
             windows = {spec.window or 0: (r, tables[r]) for spec, r in zip(config.layers, rows)}
-            self._paths = AttentionPaths(config, self.stream, windows,
-                                         self._pool.pages.page_bits)
-        self._declarer = StepDeclarer(config, self._slots, self._pool.pages)
+            self._routing = Routing(config, self.stream, windows, self._pool.pages.page_bits)
+        self._steps = StepProtocol(
+            config=config, slots=self._slots, pool=self._pool,
+            declarer=StepDeclarer(config, self._slots, self._pool.pages), upload=upload,
+            routing=self._routing, pad_col=n if scratch_column else -1, stream=self.stream)
         geometry = [(r, spec.window or 0, tables[r]) for r, spec in zip(rows, config.layers)]
-        self._data = DataPath(config, self.device, self.stream, storage, self._paths, geometry)
-        self._step: OpenStep | None = None    # the open step, as the cache keeps it
-        self._plan: StepPlan | None = None    # its read-only view, handed to callers
-        self._writes = None   # the last prepared step's K/V writes (`write.WriteRun`)
-        self._floor_rows = config.floor_ring[0]   # R of the ring layer that sets floors
+        data = DataPath(config, self.device, self.stream, storage, self._routing, geometry)
+        self._parts = CacheParts(config, self._slots, self._pool, data, self._steps)
 
     # ------------------------------------------------------------------ sequence verbs
     @on_its_device
     def seq_new(self) -> int:
         """Claim the lowest free slot: state CLAIMED, pos 0, high-water 0, and its ring
         pages (`CapacityError`, nothing claimed, when a ring pool cannot give them)."""
-        self._step_machine.require_idle("seq_new")
+        self._steps.machine.require_idle("seq_new")
         seq = self._lowest_free("seq_new")
         next_state = self._slots.check_one("seq_new", seq)
         self._pool.claim_rings(seq, "seq_new")
@@ -114,7 +109,7 @@ class BatchedSequenceCache(CacheQueries):
     def seq_rm(self, seq: int) -> None:
         """Free the sequence and its pages: state FREE, pos 0, high-water 0 (bytes are not
         zeroed; a page shared with a clone stays with the clone)."""
-        self._step_machine.require_idle("seq_rm")
+        self._steps.machine.require_idle("seq_rm")
         seq = self._id(seq, "seq_rm")
         next_state = self._slots.check_one("seq_rm", seq)
         self._pool.pages.release(seq)
@@ -133,7 +128,7 @@ class BatchedSequenceCache(CacheQueries):
         COMMITTED/REWOUND, `upto` outside `[max(1, floor), pos]`, no free slot, a pool
         that cannot give the clone's new pages (`CapacityError`).
         """
-        self._step_machine.require_idle("seq_clone")
+        self._steps.machine.require_idle("seq_clone")
         src = self._id(src, "seq_clone")
         state = SlotState(int(self._slots.state[src]))
         if state not in _CLONE_SOURCES:
@@ -156,7 +151,7 @@ class BatchedSequenceCache(CacheQueries):
     def rewind(self, seq: int, position: int) -> None:
         """Move the sequence back to `position` (`floor <= position <= pos`); no bytes move.
         Its flat pages wholly at or past `position` are released."""
-        self._step_machine.require_idle("rewind")
+        self._steps.machine.require_idle("rewind")
         seq = self._id(seq, "rewind")
         next_state = self._slots.check_one("rewind", seq)
         position = as_int(position, "rewind position")
@@ -181,11 +176,11 @@ class BatchedSequenceCache(CacheQueries):
         shares the matched flat pages (copy-on-write, as a clone), each ring layer gets
         back the positions it reads before the match point `L = m * page_size`, and it is
         COMMITTED at `pos = L` with high-water `L + max_write` when there are ring layers
-        (`plan.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
+        (`positions.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
         where the sequence's rings would need the match's own ring rows (`pos` says
         where it starts). Refused as `seq_new` (`CacheFullError`, `CapacityError`),
         nothing changed."""
-        self._step_machine.require_idle("seq_from_prefix")
+        self._steps.machine.require_idle("seq_from_prefix")
         keys = as_keys(keys, "seq_from_prefix keys")
         keys = keys[:self._pool.index.match(keys)]
         if not keys:
@@ -217,7 +212,7 @@ class BatchedSequenceCache(CacheQueries):
         recently used nodes are evicted, never this chain's); registration stops where
         none is left (a ring pool may grow for them, as for any verb: `CapacityError`,
         nothing changed, when that growth fails). Returns the leading keys now indexed."""
-        self._step_machine.require_idle("prefix_register")
+        self._steps.machine.require_idle("prefix_register")
         seq = self._live(self._id(seq, "prefix_register"), "prefix_register")
         keys = as_keys(keys, "prefix_register keys")
         pos = int(self._slots.pos[seq])
@@ -229,12 +224,12 @@ class BatchedSequenceCache(CacheQueries):
     def prefix_forget(self, keys) -> int:
         """Drop the index entries of `keys` (their pages go back to the sequences holding
         them, or free); returns how many were indexed."""
-        self._step_machine.require_idle("prefix_forget")
+        self._steps.machine.require_idle("prefix_forget")
         return self._pool.index.forget(as_keys(keys, "prefix_forget keys"))
 
     def prefix_clear(self) -> int:
         """Drop every index entry; returns how many there were."""
-        self._step_machine.require_idle("prefix_clear")
+        self._steps.machine.require_idle("prefix_clear")
         return self._pool.index.clear()
 
     # ------------------------------------------------------------------ step protocol
@@ -253,15 +248,7 @@ class BatchedSequenceCache(CacheQueries):
         the pool can give. The cache copies `seq_ids` (the caller may reuse its buffer
         at once) and returns a read-only `StepPlan`.
         """
-        next_state = self._step_machine.check("declare", "declare_step")
-        ids = as_ids(seq_ids, self._n, "declare_step seq_ids")
-        if ids.size == 0:
-            raise ShapeError("declare_step: seq_ids must be a non-empty 1-D sequence of ints "
-                             "(one sequence id per token)")
-        step = self._declarer.declare(ids, self._declarer.block_ids(blocks))
-        self._step_machine.apply("declare", next_state)
-        self._step, self._plan = step, StepPlan(step)
-        return self._plan
+        return self._steps.declare(seq_ids, blocks)
 
     @on_its_device
     def prepare_step(self, width: int | None = None) -> StepPlan:
@@ -275,39 +262,7 @@ class BatchedSequenceCache(CacheQueries):
         the page-table changes in one host-to-device copy, without a host sync; the
         table patches and the copies run on the device before any write.
         """
-        next_state = self._step_machine.check("prepare", "prepare_step")
-        step, config = self._step, self.config
-        width = step.n_tokens if width is None else as_int(width, "prepare_step width")
-        if not step.n_tokens <= width <= config.max_step:
-            raise width_refusal(width, step.n_tokens, config)
-        patches, copies = self._pool.claim_step(step.seqs, step.totals, self._slots.pos,
-                                                step.pages_needed, "prepare_step")
-        upload, info = self._upload, step.seq_info
-        host = upload.begin(2 * width + info.size)
-        end = stage_tables(host, *step.spans, info, step.n_tokens, width, self._pad_col)
-        tokens = host[:2 * width].copy()
-        tokens.setflags(write=False)
-        upload.mark("tokens", 2 * width)
-        upload.mark("segments", int(end))
-        routes = self._paths.plan(info, step.max_q_len, step.max_kv_len, upload)
-        if patches is not None:
-            upload.put("patches", patches)
-        if copies is not None and len(copies):
-            upload.put("copies", copies)
-        self._paths.bind(routes, upload)
-        upload.send()
-        self._pool.run_step_pages(upload)
-        writes = self._writes    # the last step's, with its launches, if it fits this one
-        if writes is None or writes.width != width or writes.tables is not upload.device:
-            self._writes = writes = write.prepare(
-                upload.device, width, config.n_kv_heads * config.head_dim,
-                config.storage_dtype, self._pool.pages.page_bits, self.stream)
-        step.prepare(width, self._pad_col, tokens, upload, routes, writes,
-                     padding.prepare(width, step.n_tokens, self.stream),
-                     (width, config.n_kv_heads, config.head_dim), config.n_layers,
-                     (self._pool.storage, upload, self._paths.workspace))
-        self._step_machine.apply("prepare", next_state)
-        return self._plan
+        return self._steps.prepare(width)
 
     def commit_step(self) -> None:
         """Advance every sequence of the step by all its spans' tokens; COMMITTED.
@@ -316,13 +271,7 @@ class BatchedSequenceCache(CacheQueries):
         naming the unwritten layers; `abort_step` discards it); a step that wrote no
         layer commits positions only.
         """
-        next_state = self._step_machine.check("commit", "commit_step")
-        step = self._step
-        written = step.written
-        if 0 < np.count_nonzero(written) < written.size:
-            raise half_written_refusal(written)
-        self._slots.advance("commit", step.seqs, step.totals)
-        self._close(next_state, "commit")
+        self._steps.commit()
 
     def abort_step(self) -> None:
         """Return every sequence of the step to its earlier state; nothing advances.
@@ -331,25 +280,12 @@ class BatchedSequenceCache(CacheQueries):
         high-water rises to the end of its last span, and the flat pages the step took
         past its positions are released.
         """
-        next_state = self._step_machine.check("abort", "abort_step")
-        step = self._step
-        seqs = step.seqs
-        self._slots.apply("abort", seqs, self._slots.check("abort", seqs))
-        if step.prepared:
-            hw = self._slots.high_water
-            hw[seqs] = np.maximum(hw[seqs], self._slots.pos[seqs] + step.totals)
-            self._pool.pages.abort(seqs, self._slots.pos)
-        self._close(next_state, "abort")
+        self._steps.abort()
 
     def check_declarable(self, seqs: np.ndarray) -> None:
         """Raise what `declare_step` would raise first for sequences `seqs` (an int64 array
         of valid ids): an open step, then a free or busy sequence. Changes nothing."""
-        self._step_machine.check("declare", "declare_step")
-        self._slots.check("declare", seqs)
-
-    def _close(self, next_state, event):
-        self._step_machine.apply(event, next_state)
-        self._step = self._plan = None
+        self._steps.check_declarable(seqs)
 
     # ------------------------------------------------------------------ data path
     @on_its_device
@@ -358,7 +294,7 @@ class BatchedSequenceCache(CacheQueries):
         float32 or bfloat16: NumPy, PyTorch or device arrays; converted to the storage
         dtype in the kernel), into `layer`: token `i` to its sequence's page and slot for
         `positions[i]`."""
-        self._data.write(self._prepared("write"), layer, k, v)
+        self._parts.data.write(self._steps.prepared("write"), layer, k, v)
 
     @on_its_device
     def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
@@ -377,25 +313,19 @@ class BatchedSequenceCache(CacheQueries):
         (scaled, then soft-capped), `-inf` on padding rows: FlashAttention's convention,
         so that attentions over parts of a history can be merged.
         """
-        return self._data.attend(self._prepared("attend"), layer, q, out, scale, softcap, lse)
+        return self._parts.data.attend(self._steps.prepared("attend"), layer, q, out, scale, softcap, lse)
 
     @on_its_device
     def update_and_attend(self, layer: int, q, k, v, **kw):
         """`write(layer, k, v)` then `attend(layer, q, **kw)` (`kw`: `out`, `scale`,
         `softcap`, `lse`): every argument of both halves is checked before anything is
         written."""
-        return self._data.update_and_attend(self._prepared("write"), layer, q, k, v, kw)
-
-    def _prepared(self, verb: str) -> OpenStep:
-        """The open step, once prepared, or `StepProtocolError`."""
-        if self._step_machine.index != StepState.PREPARED:
-            raise unprepared_refusal(verb, self._step_machine.state)
-        return self._step
+        return self._parts.data.update_and_attend(self._steps.prepared("write"), layer, q, k, v, kw)
 
     def _lowest_free(self, verb: str) -> int:
         free = np.flatnonzero(self._slots.state == SlotState.FREE)
         if free.size == 0:
-            raise CacheFullError(f"{verb}: all {self._n} sequence slots are in use")
+            raise CacheFullError(f"{verb}: all {self.config.max_seqs} sequence slots are in use")
         return int(free[0])
 
     def _check_floor(self, seq: int, target: int, verb: str) -> None:

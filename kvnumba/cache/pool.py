@@ -14,9 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import CacheConfig
-from ..host.page_accounting import PageAccounting
-from ..host.prefix_index import PrefixIndex
 from ..data.storage import PageStorage
+from ..data.upload import Sections
+from ..host.page_accounting import PageAccounting, PageWork
+from ..host.prefix_index import PrefixIndex
 
 
 class Pool:
@@ -72,10 +73,10 @@ class Pool:
         self.pages.claim_rings(seq)
 
     def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray, needed: int,
-                   verb: str) -> tuple:
+                   verb: str) -> PageWork:
         """Take a declared step's `needed` flat pages (growing the pool first:
-        `CapacityError`, nothing taken, when it cannot); `(patches, copies)` as
-        `PageAccounting.claim_step` gives them."""
+        `CapacityError`, nothing taken, when it cannot); its `PageWork` as
+        `PageAccounting.claim_step` gives it (`stage` and `apply` it with the step)."""
         if needed:
             self.reserve([(self.pages.flat, needed)], verb)
         return self.pages.claim_step(seqs, totals, pos, needed)
@@ -85,8 +86,7 @@ class Pool:
         `upload.Upload` kept for clones); `CapacityError`, nothing changed, when a pool
         cannot give the clone's pages."""
         self.reserve(self.pages.clone_demand(keep), verb)
-        work = self.pages.clone(src, dst, keep)
-        self._send(upload, work.patches, work.copies, work.shared)
+        self._send(upload, self.pages.clone(src, dst, keep))
 
     def start(self, seq: int, keys: list, upload, verb: str) -> int:
         """Give a free `seq` its rings and the indexed pages of `keys` (every one indexed):
@@ -104,8 +104,8 @@ class Pool:
         keys = keys[:len(chain)]
         self.reserve(demand, verb, chain)
         self.pages.claim_rings(seq)
-        copies = index.share(seq, keys) if keys else [None] * len(self.pages.kinds)
-        self._send(upload, self.pages.flush(None), copies, None)
+        copies = index.share(seq, keys) if keys else self.pages.no_copies
+        self._send(upload, PageWork(self.pages.flush(None), tuple(copies), None))
         return len(keys)
 
     def register(self, seq: int, keys: list, first: int, upload, verb: str) -> int:
@@ -119,37 +119,36 @@ class Pool:
             self.reserve([(kind, len(new)) for i, kind in enumerate(self.pages.kinds)
                           if index.keeps_rows(i)], verb, chain)
         indexed, copies = index.register(seq, keys, chain, new)
-        self._send(upload, None, copies, None)
+        self._send(upload, PageWork(None, tuple(copies), None))
         return indexed
 
-    def _send(self, upload, patches, copies: list, shared) -> None:
-        """Device work outside a step, in one upload of its own: table `patches` (`[n, 2]`
-        or None), row runs `copies` per kind (`[m, 3]` or None), `shared` table entries
-        `(from, to, count)` to copy on the device (or None)."""
-        if patches is None and shared is None and all(c is None for c in copies):
+    def _send(self, upload, work: PageWork) -> None:
+        """Device work outside a step, in one upload of its own."""
+        if work.empty:
             return
         upload.begin()
-        if patches is not None:
-            upload.put("patches", patches)
-        for i, runs in enumerate(copies):
-            if runs is not None:
-                upload.put(f"copies {i}", runs)
+        self.stage(upload, work)
         upload.send()
-        storage, tables = self.storage, upload.device
-        if patches is not None:
-            storage.patch(tables, upload.section("patches"))
-        if shared is not None:
-            storage.copy_entries(*shared)
-        for i, runs in enumerate(copies):
-            if runs is not None:
-                storage.copy(i, tables, upload.section(f"copies {i}"))
+        self.apply(upload, work)
 
-    def run_step_pages(self, upload) -> None:
-        """The device side of a prepared step's pages, from its upload: the table patches,
-        then the copy-on-write copies (both before any write; none when the upload has no
-        such section)."""
-        sections, tables = upload.sections, upload.device
-        if "patches" in sections:
-            self.storage.patch(tables, sections["patches"])
-        if "copies" in sections:
-            self.storage.copy(0, tables, sections["copies"])
+    def stage(self, upload, work: PageWork) -> None:
+        """Write `work`'s table patches and row runs into `upload` as its next sections
+        (`Sections.PATCHES`, `Sections.copies(kind)`)."""
+        if work.patches is not None:
+            upload.put(Sections.PATCHES, work.patches)
+        for i, runs in enumerate(work.copies):
+            if runs is not None:
+                upload.put(Sections.copies(i), runs)
+
+    def apply(self, upload, work: PageWork) -> None:
+        """The device side of `work`, once `upload` (`stage`d with it) is sent: the table
+        patches, the shared entries copied, then the row copies, all before any write
+        that follows on the stream. The one place page work reaches the device."""
+        storage, tables = self.storage, upload.device
+        if work.patches is not None:
+            storage.patch(tables, upload.section(Sections.PATCHES))
+        if work.shared is not None:
+            storage.copy_entries(*work.shared)
+        for i, runs in enumerate(work.copies):
+            if runs is not None:
+                storage.copy(i, tables, upload.section(Sections.copies(i)))

@@ -1,9 +1,9 @@
 """The read-only face of a `BatchedSequenceCache` (contract §4, §7, §8): per-slot queries,
 the pools and pages, and host copies of what a layer holds.
 
-`CacheQueries` is the cache's base class: it reads the parts the cache builds (the slot
-table `_slots`, the step machine `_step_machine`, the pools `_pool`, the data path
-`_data`) and changes nothing.
+`CacheQueries` is the cache's base class: it reads the cache through one record,
+`CacheParts` (the config, the slot table, the pools, the data path and the step
+protocol), that the cache builds once, and changes nothing.
 """
 from __future__ import annotations
 
@@ -41,46 +41,55 @@ class IndexCounts(NamedTuple):
     nbytes_cached: int
 
 
-class CacheQueries:
-    """Queries of a `BatchedSequenceCache` (module doc): `config`, `_n` slots, and the
-    parts it reads, set by the cache."""
+class CacheParts(NamedTuple):
+    """What the queries read of a cache: its `config`, `slots` (`SlotTable`), `pool`
+    (`Pool`), `data` (`DataPath`: layer ids and geometry) and `steps` (`StepProtocol`:
+    the step machine, the open step)."""
 
-    config = None
-    _n = 0
-    _plan: StepPlan | None = None
-    _floor_rows = 0
+    config: object
+    slots: object
+    pool: object
+    data: object
+    steps: object
+
+
+class CacheQueries:
+    """Queries of a `BatchedSequenceCache` (module doc) over `_parts` (`CacheParts`),
+    set by the cache."""
+
+    _parts: CacheParts
 
     @property
     def max_seqs(self) -> int:
         """Sequence slots handed out (ids `0 .. max_seqs - 1`)."""
-        return self._n
+        return self._parts.config.max_seqs
 
     @property
     def step_state(self) -> StepState:
         """`StepState.IDLE | DECLARED | PREPARED`."""
-        return self._step_machine.state
+        return self._parts.steps.machine.state
 
     @property
     def plan(self) -> StepPlan | None:
         """The open step's plan, or None between steps."""
-        return self._plan
+        return self._parts.steps.plan
 
     @property
     def nbytes(self) -> int:
         """Bytes of K/V storage allocated over all layers (every pool's pages)."""
-        return self._pool.storage.nbytes
+        return self._parts.pool.storage.nbytes
 
     @property
     def nbytes_held(self) -> int:
         """Bytes of the pages live sequences hold over all layers, a page shared by
         clones counted once (the scratch page not at all)."""
-        return self._pool.nbytes_held
+        return self._parts.pool.nbytes_held
 
     @property
     def prefix_counts(self) -> IndexCounts:
         """What the prefix index holds and has given back (`IndexCounts`)."""
-        index = self._pool.index
-        return IndexCounts(len(index), index.pages_evicted, self._pool.nbytes_cached)
+        index = self._parts.pool.index
+        return IndexCounts(len(index), index.pages_evicted, self._parts.pool.nbytes_cached)
 
     @property
     def page_size(self) -> int:
@@ -89,27 +98,27 @@ class CacheQueries:
     def layer_data(self, layer: int):
         """`(k, v)` page pools of `layer`, `[n_pages, page_size, n_kv_heads, head_dim]`
         device arrays of the storage dtype (they move when the pool grows)."""
-        layer = self._data.layer(layer, "layer_data")
-        return self._pool.storage.k[layer], self._pool.storage.v[layer]
+        layer = self._parts.data.layer(layer, "layer_data")
+        return self._parts.pool.storage.k[layer], self._parts.pool.storage.v[layer]
 
     def pool_pages(self) -> tuple:
         """One `PoolPages` per layer kind (flat layers first, then each ring size): its
         layers, pages in use (held by sequences), free (under `max_pages`), allocated,
         `max_pages` and cached (held by the prefix index alone)."""
-        return tuple(kind.report() for kind in self._pool.pages.kinds)
+        return tuple(kind.report() for kind in self._parts.pool.pages.kinds)
 
     def page_demand(self, seq_ids) -> PageDemand:
         """How many new flat pages `declare_step(seq_ids)` would take and how many the
         pool can give, without declaring (`seq_ids`: ints or an int array `[n_tokens]`,
         as `declare_step` takes them; ring pages come with `seq_new`, never with a
         step). Changes nothing."""
-        ids = as_ids(seq_ids, self._n, "page_demand seq_ids")
-        flat = self._pool.pages.flat
+        ids = as_ids(seq_ids, self._parts.config.max_seqs, "page_demand seq_ids")
+        flat = self._parts.pool.pages.flat
         if flat is None or ids.size == 0:
             return PageDemand(0, 0 if flat is None else flat.available)
-        counts = np.bincount(ids, minlength=self._n)
+        counts = np.bincount(ids, minlength=self._parts.config.max_seqs)
         seqs = np.flatnonzero(counts)
-        return PageDemand(self._pool.pages.step_demand(seqs, counts[seqs], self._slots.pos),
+        return PageDemand(self._parts.pool.pages.step_demand(seqs, counts[seqs], self._parts.slots.pos),
                           flat.available)
 
     def page_table(self, seq: int, layer: int) -> np.ndarray:
@@ -117,7 +126,7 @@ class CacheQueries:
         `[pages held]`; flat: position `p` in page `[p // page_size]`; ring: ring slot `s`
         in `[s // page_size]`)."""
         seq = self._live(self._id(seq, "page_table"), "page_table")
-        kind = self._pool.pages.kind_of[self._data.layer(layer, "page_table")]
+        kind = self._parts.pool.pages.kind_of[self._parts.data.layer(layer, "page_table")]
         return kind.table[seq, :kind.held[seq]].copy()
 
     def paged_kv(self, seqs=None) -> tuple:
@@ -130,46 +139,47 @@ class CacheQueries:
         each described through the positions the step writes (`pos` + its tokens);
         given (ids), between steps or in a step, each through the positions it holds now.
         """
-        flat = self._pool.pages.flat
+        flat = self._parts.pool.pages.flat
         if flat is None:
             raise ConfigError("paged_kv: the cache has no flat layers (ring layers are "
                               "rings of pages, not FlashInfer's paged format)")
-        pos = self._slots.pos
+        pos = self._parts.slots.pos
         if seqs is None:
-            step = self._prepared("paged_kv")
+            step = self._parts.steps.prepared("paged_kv")
             span_seqs = step.spans[0]
             ids = span_seqs[np.sort(np.unique(span_seqs, return_index=True)[1])]
-            written = np.zeros(self._n, np.int64)
+            written = np.zeros(self._parts.config.max_seqs, np.int64)
             written[step.seqs] = step.totals            # its sequences are distinct
             lengths = pos[ids] + written[ids]
         else:
-            ids = as_ids(seqs, self._n, "paged_kv seqs")
-            for seq in ids[self._slots.state[ids] == SlotState.FREE][:1].tolist():
+            ids = as_ids(seqs, self._parts.config.max_seqs, "paged_kv seqs")
+            for seq in ids[self._parts.slots.state[ids] == SlotState.FREE][:1].tolist():
                 self._live(seq, "paged_kv")
             lengths = pos[ids]
         return flashinfer_tables(flat.table, ids, lengths.astype(np.int64), self.page_size)
 
     def pos(self, seq: int) -> int:
         """Positions the sequence holds (the next token takes this position)."""
-        return int(self._slots.pos[self._id(seq, "pos")])
+        return int(self._parts.slots.pos[self._id(seq, "pos")])
 
     def high_water(self, seq: int) -> int:
         """Most positions ever written into the sequence's storage since it was claimed."""
-        return int(self._slots.high_water[self._id(seq, "high_water")])
+        return int(self._parts.slots.high_water[self._id(seq, "high_water")])
 
     def state(self, seq: int) -> SlotState:
         """The sequence slot's lifecycle state."""
-        return SlotState(int(self._slots.state[self._id(seq, "state")]))
+        return SlotState(int(self._parts.slots.state[self._id(seq, "state")]))
 
     def floor(self, seq: int) -> int:
         """Lowest position the sequence can rewind or be cloned to (0 without ring layers)."""
         return self._floor(self._id(seq, "floor"))
 
     def _floor(self, seq: int) -> int:
-        if not self._floor_rows:
+        rows = self._parts.config.floor_ring[0]     # R of the ring layer that sets floors
+        if not rows:
             return 0
-        return ring_floor(int(self._slots.high_water[seq]), self._floor_rows,
-                          self.config.max_write)
+        return ring_floor(int(self._parts.slots.high_water[seq]), rows,
+                          self._parts.config.max_write)
 
     @on_its_device
     def sequence_kv(self, seq: int, layer: int):
@@ -180,22 +190,22 @@ class CacheQueries:
         Flat layers: positions `[0, pos)`; ring layers: `[max(0, hw - R), pos)`.
         """
         seq = self._live(self._id(seq, "sequence_kv"), "sequence_kv")
-        layer = self._data.layer(layer, "sequence_kv")
-        ring = self._data.layer_geometry[layer][0]
-        start, stop = held_positions(int(self._slots.pos[seq]),
-                                     int(self._slots.high_water[seq]), ring)
+        layer = self._parts.data.layer(layer, "sequence_kv")
+        ring = self._parts.data.layer_geometry[layer][0]
+        start, stop = held_positions(int(self._parts.slots.pos[seq]),
+                                     int(self._parts.slots.high_water[seq]), ring)
         positions = np.arange(start, stop, dtype=np.int64)
         rows = positions % ring if ring else positions
-        slots = self._pool.pages.slots(layer, seq, rows)
-        return (positions, *self._pool.storage.read(layer, slots, self.config.np_dtype))
+        slots = self._parts.pool.pages.slots(layer, seq, rows)
+        return (positions, *self._parts.pool.storage.read(layer, slots, self.config.np_dtype))
 
     def _id(self, seq, verb: str) -> int:
-        return as_id(seq, self._n, verb)
+        return as_id(seq, self._parts.config.max_seqs, verb)
 
     def _live(self, seq: int, verb: str) -> int:
         """`seq`, or `FreeSequenceError` when no live sequence holds the slot: its data
         reads (pages, K/V) are refused, its per-slot queries answer for a free slot."""
-        if self._slots.state[seq] == SlotState.FREE:
+        if self._parts.slots.state[seq] == SlotState.FREE:
             raise state_refusal(seq, SlotState.FREE, f"{verb} of its data",
                                 [s.name for s in SlotState if s != SlotState.FREE])
         return seq

@@ -30,7 +30,7 @@ _NO_SOFTCAP = np.float32(0.0)
 
 class DataPath:
     """`write` / `attend` of one cache: its `config`, `device`, `stream`, storage (a
-    `storage.PageStorage`), attention paths (`paths.AttentionPaths`), and per layer what
+    `storage.PageStorage`), attention paths (`paths.Routing`), and per layer what
     a launch needs of it: `(ring rows R or 0, window or 0, its kind's device page
     table)`."""
 

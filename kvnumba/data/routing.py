@@ -1,4 +1,4 @@
-"""Which attention kernel serves which segments of a step: planned once per step in
+"""Which attention kernel serves which segments of a step: routed once per step in
 `prepare_step`, launched per layer in `attend` (FlashInfer's plan() / run() split).
 
 A step's segments fall in two groups by length (contract §8): *decode* segments
@@ -12,7 +12,7 @@ segment's output never depends on what shares its step:
 * prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
   the storage, else `kernels.attention` (CUDA cores, exact for float32).
 
-`AttentionPaths.plan` writes the step's sections into its upload (`upload.Upload`): for
+`Routing.route` writes the step's sections into its upload (`upload.Upload`): for
 the fast decode path one work / combine table per distinct layer window (the window
 decides which keys a chunk covers), for the others their segment lists; and it makes
 each path's run for the step (`decode.DecodeRun` per window, `prefill.PrefillRun`,
@@ -30,6 +30,7 @@ from ..kernels import generic, decode, prefill
 from ..kernels.generic import DECODE_MAX_Q_LEN
 from ..kernels.workspace import AttentionWorkspace
 from ..host.positions import POS_START, Q_LEN, SEQ_INFO_FIELDS
+from .upload import Sections
 
 _max = np.maximum.reduce
 _min = np.minimum.reduce
@@ -47,19 +48,19 @@ class Group(NamedTuple):
 _NONE = Group(0, 0, 0)
 
 
-class StepPaths:
-    """A prepared step's routing (`AttentionPaths.plan`): the two groups and each path's
+class StepRoutes:
+    """A prepared step's routing (`Routing.route`): the two groups and each path's
     run for the step: the fast decode path's `decode.DecodeRun` by layer window
-    (`decode_runs`, with their placed plans `decode_plans`) or the generic decode run,
+    (`decode_runs`, with their placed plans `decode_chunks`) or the generic decode run,
     and the prefill group's tensor-core run with its generic fallback (float32 storage,
     or a layer whose scale is not positive)."""
 
-    __slots__ = ("decode", "prefill", "decode_plans", "decode_runs", "decode_generic",
+    __slots__ = ("decode", "prefill", "decode_chunks", "decode_runs", "decode_generic",
                  "prefill_fast", "prefill_generic")
 
     def __init__(self, decode_group, prefill_group):
         self.decode, self.prefill = decode_group, prefill_group
-        self.decode_plans, self.decode_runs = {}, {}
+        self.decode_chunks, self.decode_runs = {}, {}
         self.decode_generic = self.prefill_fast = self.prefill_generic = None
 
     def launch_key(self) -> tuple:
@@ -69,15 +70,15 @@ class StepPaths:
         (widths and addresses) launch the same grids, so a CUDA graph of one replays the
         other (the positions and sequences it reads are the upload's contents)."""
         d, p = self.decode, self.prefill
-        if self.decode_plans:
+        if self.decode_chunks:
             decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
-                               for window, f in sorted(self.decode_plans.items()))
+                               for window, f in sorted(self.decode_chunks.items()))
         else:
             decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS))
         return decode_key, (p.n, p.max_q_len)
 
 
-class AttentionPaths:
+class Routing:
     """The attention paths of one cache (chosen once from its config) and their workspace.
 
     `window_tables`: for each distinct layer window W (0: flat), its ring rows R (0:
@@ -97,55 +98,56 @@ class AttentionPaths:
         self._runs = {}       # the last step's decode runs, by window
 
     # ------------------------------------------------------------------ host, per step
-    def plan(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, upload) -> StepPaths:
+    def route(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, upload) -> StepRoutes:
         """The routing of the step whose segment table is `seq_info` (its longest segment
         `max_q_len`, its furthest reach `max_kv_len`), staged in `upload` (its `segments`
         section written): the paths' sections are written into it (`upload` doc) and
         each path's run made for the step."""
         n = len(seq_info)
         if max_q_len <= DECODE_MAX_Q_LEN:                   # a decode step: one group
-            paths = StepPaths(Group(n, max_q_len, max_kv_len), _NONE)
+            routes = StepRoutes(Group(n, max_q_len, max_kv_len), _NONE)
             decode_segs = self._all(n)
         elif _min(seq_info[:, Q_LEN]) > DECODE_MAX_Q_LEN:    # a prefill step: the other
-            paths = StepPaths(_NONE, Group(n, max_q_len, max_kv_len))
+            routes = StepRoutes(_NONE, Group(n, max_q_len, max_kv_len))
             prefill_segs = self._all(n)
         else:
             is_decode = seq_info[:, Q_LEN] <= DECODE_MAX_Q_LEN
             decode_segs = np.flatnonzero(is_decode).astype(np.int32)
             prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
-            paths = StepPaths(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
-        if paths.decode.n and self.decode_fast:     # a work list per window; no segment list
+            routes = StepRoutes(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
+        if routes.decode.n and self.decode_fast:     # a work list per window; no segment list
             for window in self.windows:
-                name = f"decode {window}"
-                paths.decode_plans[window] = placed = decode.plan_into(
+                name = Sections.decode(window)
+                routes.decode_chunks[window] = placed = decode.chunks_into(
                     seq_info, decode_segs, window=window, staging=upload, at=upload.end)
                 upload.mark(name, placed.combine_off + placed.n_combine * decode.COMBINE_FIELDS)
-        elif paths.decode.n:
-            upload.put("decode list", decode_segs)
-        if paths.prefill.n:
-            upload.put("prefill list", prefill_segs)
-        return paths
+        elif routes.decode.n:
+            upload.put(Sections.DECODE_LIST, decode_segs)
+        if routes.prefill.n:
+            upload.put(Sections.PREFILL_LIST, prefill_segs)
+        return routes
 
-    def bind(self, paths: StepPaths, upload) -> None:
+    def bind(self, routes: StepRoutes, upload) -> None:
         """Each path's run for the step, on `upload`'s device buffer as it stands once
         every section is written (the buffer only grows while they are)."""
-        tables, info_at = upload.device, upload.section("segments").offset
-        if paths.decode_plans:
-            paths.decode_runs = self._decode_runs(paths.decode_plans, tables, info_at)
-        elif paths.decode.n:
-            group = paths.decode
-            paths.decode_generic = generic.prepare(
-                tables, seq_info_off=info_at, segments_off=upload.section("decode list").offset,
+        tables, info_at = upload.device, upload.section(Sections.SEGMENTS).offset
+        if routes.decode_chunks:
+            routes.decode_runs = self._decode_runs(routes.decode_chunks, tables, info_at)
+        elif routes.decode.n:
+            group = routes.decode
+            routes.decode_generic = generic.prepare(
+                tables, seq_info_off=info_at,
+                segments_off=upload.section(Sections.DECODE_LIST).offset,
                 n_segments=group.n, max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
                 page_bits=self.page_bits, workspace=self.workspace, path="decode",
                 kv_chunk=decode.CHUNK_KEYS, stream=self.stream)
-        if paths.prefill.n:
-            group, listed = paths.prefill, upload.section("prefill list").offset
+        if routes.prefill.n:
+            group, listed = routes.prefill, upload.section(Sections.PREFILL_LIST).offset
             if self.prefill_fast:
-                paths.prefill_fast = prefill.prepare(
+                routes.prefill_fast = prefill.prepare(
                     tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
                     max_q_len=group.max_q_len, page_bits=self.page_bits, stream=self.stream)
-            paths.prefill_generic = generic.prepare(
+            routes.prefill_generic = generic.prepare(
                 tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
                 max_q_len=group.max_q_len, max_kv_len=group.max_kv_len,
                 page_bits=self.page_bits, workspace=self.workspace, path="prefill",
@@ -163,36 +165,38 @@ class AttentionPaths:
         self._all_last = found = self._ramp[:n]
         return found
 
-    def _decode_runs(self, plans: dict, tables, info_at: int) -> dict:
-        """A `decode.DecodeRun` per window of the step's placed `plans`. One the last step
+    def _decode_runs(self, chunks: dict, tables, info_at: int) -> dict:
+        """A `decode.DecodeRun` per window of the step's placed `chunks`. One the last step
         made for the same tables, placed alike, is taken again, with the launches it has
         bound (a steady decode loop binds them once)."""
         runs = self._runs
-        for window, found in plans.items():
+        for window, found in chunks.items():
             run = runs.get(window)
             if run is None or run.tables is not tables or run.seq_info_off != info_at or \
                     run.placed != found:
                 rows, pages = self.window_tables[window]
-                runs[window] = decode.DecodeRun(tables, info_at, found, self.workspace, rows,
-                                                window, pages, self.page_bits, self.stream)
+                runs[window] = decode.DecodeRun(
+                    tables, seq_info_off=info_at, placed=found, workspace=self.workspace,
+                    ring_rows=rows, window=window, pages=pages, page_bits=self.page_bits,
+                    stream=self.stream)
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
-    def run(self, paths: StepPaths, q, k_store, v_store, out, lse, *, ring_rows, window,
+    def run(self, routes: StepRoutes, q, k_store, v_store, out, lse, *, ring_rows, window,
             pages, scale, softcap) -> None:
         """Launch the step's paths for one layer (`k_store`, `v_store`: its slot storage,
         `pages`: its kind's device page table): each writes its segments' rows of `out`,
         and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
         rows (`launch.no_output()`)."""
-        if paths.decode_runs:
-            paths.decode_runs[window](q, k_store, v_store, out, lse, scale, softcap)
-        elif paths.decode_generic is not None:
-            paths.decode_generic(q, k_store, v_store, pages, out, lse, ring_rows, window,
+        if routes.decode_runs:
+            routes.decode_runs[window](q, k_store, v_store, out, lse, scale, softcap)
+        elif routes.decode_generic is not None:
+            routes.decode_generic(q, k_store, v_store, pages, out, lse, ring_rows, window,
                                  scale, softcap)
-        if not paths.prefill.n:
+        if not routes.prefill.n:
             return
-        run = paths.prefill_fast if paths.prefill_fast is not None and scale > 0 else \
-            paths.prefill_generic
+        run = routes.prefill_fast if routes.prefill_fast is not None and scale > 0 else \
+            routes.prefill_generic
         run(q, k_store, v_store, pages, out, lse, ring_rows, window, scale, softcap)
 
 

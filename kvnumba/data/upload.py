@@ -5,17 +5,20 @@ their way to the kernels.
 section after section, and sends the used prefix to the device in one copy, without a
 host synchronisation. Each section has a name and an entry offset (`Section`), and each
 consumer is handed its section of the device buffer by name (`section`), so no offset
-travels by hand. A step's sections, in order (`STEP_SECTIONS`):
+travels by hand. Every name is made by `Sections`, the one place they are written. A
+step's sections, in order:
 
 * `tokens` `[2 * width]`: each token's sequence (its page-table row) then its position,
   from entry 0 (the write kernel's calling convention);
 * `segments` `[n_segments * SEQ_INFO_FIELDS]`: the segment table;
 * `decode <W>` for each layer window W of a decode group on the fast path: its work
-  table then its combine table (`kernels.decode.plan_into` writes them in place);
+  table then its combine table (`kernels.decode.chunks_into` writes them in place);
 * `decode list`, `prefill list`: the segments of a group on a path that takes a list;
 * `patches` `[n, 2]`: device page-table patches (flat index, slot base);
-* `copies` `[m, 3]`: copy-on-write copies, as row runs (source slot, destination slot,
-  rows; `kernels.copy`).
+* `copies <K>` `[m, 3]`: layer kind K's row copies (copy-on-write in a step, on the flat
+  kind), as row runs (source slot, destination slot, rows; `kernels.moves.page_copy`).
+
+A clone's, a prefix match's and a registration's uploads hold patches and copies only.
 
 The buffers are sized for the cache's usual steps and keep their address (a captured
 CUDA graph keeps reading the current step's tables); a step whose tables do not fit
@@ -34,9 +37,24 @@ from ..device import SIMULATOR, allocating, cuda, host_buffer, upload_prefix
 from ..kernels.launch import lean
 from ..kernels.launch.calling import device_pointer
 
-#: the sections of a step's upload, in the order they are written
-STEP_SECTIONS = ("tokens", "segments", "decode <W>", "decode list", "prefill list", "patches",
-                 "copies")
+class Sections:
+    """The names of an upload's sections (module doc), each written here once."""
+
+    TOKENS = "tokens"
+    SEGMENTS = "segments"
+    DECODE_LIST = "decode list"
+    PREFILL_LIST = "prefill list"
+    PATCHES = "patches"
+
+    @staticmethod
+    def decode(window: int) -> str:
+        """The fast decode path's work and combine tables of layer window `window`."""
+        return f"decode {window}"
+
+    @staticmethod
+    def copies(kind: int) -> str:
+        """Layer kind `kind`'s row copies."""
+        return f"copies {kind}"
 
 
 class Section(NamedTuple):

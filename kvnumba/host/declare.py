@@ -75,8 +75,10 @@ class StepDeclarer:
             seq_info[:, FLAGS] = flags
         self.slots.declare(ids)
         # the logit rows are the tokens: a view of the read-only ramp
-        return OpenStep(n_tokens, frozen(seq_info), self._arange[:n_tokens], 1, max_kv_len,
-                        (ids, ones), ids, ones, needed)
+        return OpenStep(n_tokens=n_tokens, seq_info=frozen(seq_info),
+                        logit_indices=self._arange[:n_tokens], max_q_len=1,
+                        max_kv_len=max_kv_len, spans=(ids, ones), seqs=ids, totals=ones,
+                        pages_needed=needed)
 
     def _declare_spans(self, ids, block_ids) -> OpenStep:
         """Any step: its spans (maximal runs of one id) and their refusals."""
@@ -102,9 +104,11 @@ class StepDeclarer:
         seq_info[:, POS_START] = pos_start
         seq_info[:, FLAGS] = flags
         self.slots.declare(seqs)
-        return OpenStep(n_tokens, frozen(seq_info), frozen(span_starts + span_lens - 1),
-                        int(_max(span_lens)), max_kv_len, (span_seqs, span_lens), seqs, totals,
-                        needed)
+        return OpenStep(n_tokens=n_tokens, seq_info=frozen(seq_info),
+                        logit_indices=frozen(span_starts + span_lens - 1),
+                        max_q_len=int(_max(span_lens)), max_kv_len=max_kv_len,
+                        spans=(span_seqs, span_lens), seqs=seqs, totals=totals,
+                        pages_needed=needed)
 
     def _check_totals(self, seqs, totals) -> int:
         """Refuse a sequence writing more than max_write tokens, or reaching past capacity;

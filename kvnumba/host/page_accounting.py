@@ -145,11 +145,12 @@ class KindPages:
         self.refs, self.free, self.n_free = refs, free, self.n_free + n_pages - old
         self.owner = owner
 
-    def take(self, n: int) -> np.ndarray:
-        """Pop `n` free page ids (the caller made sure they exist), each held once."""
+    def take(self, n: int, refs: int = 1) -> np.ndarray:
+        """Pop `n` free page ids (the caller made sure they exist), each held `refs` times
+        (0: pages for the prefix index, referenced when a node adopts them)."""
         self.n_free -= n
         pages = self.free[self.n_free:self.n_free + n].copy()
-        self.refs[pages] = 1
+        self.refs[pages] = refs
         return pages
 
     def hold(self, seq: int, pages: np.ndarray, first: int = 0) -> None:
@@ -160,6 +161,16 @@ class KindPages:
         base = self.table_off + seq * self.table_pages + first
         for i, page in enumerate(pages.tolist()):
             self.pending[base + i] = page * self.page_size
+
+    def adopt(self, page: int, node: int) -> None:
+        """The prefix index's `node` owns `page` and takes one reference of it."""
+        self.owner[page] = node
+        self.refs[page] += 1
+
+    def disown(self, page: int) -> None:
+        """The prefix index lets go of `page`: no owner, one reference less."""
+        self.owner[page] = -1
+        self.drop(page)
 
     def drop(self, page: int) -> None:
         """One reference of `page` goes (the index's); unreferenced, it is free."""
@@ -182,22 +193,34 @@ class KindPages:
         self.table[dst, :n] = pages
         self.held[dst] = n
 
+    def attach(self, seq: int, pages: np.ndarray) -> None:
+        """`seq` (holding nothing on this kind) holds `pages`, which others hold too
+        (reference counts rise; their device-table entries are queued)."""
+        self.refs[pages] += 1
+        self.hold(seq, pages)
+
     def entry(self, seq: int) -> int:
         """The device-table index of `seq`'s first entry."""
         return self.table_off + seq * self.table_pages
 
 
-class CloneWork(NamedTuple):
-    """The device side of a clone (`PageAccounting.clone`): the table patches `[n, 2]`
+class PageWork(NamedTuple):
+    """Device work on the pages, as a value (a step's `claim_step`, a clone's `clone`, a
+    prefix match's or registration's): the table patches `[n, 2]`
     (flat device-table index, slot base) or None; per kind index, the page copies as
     row runs `[m, 3]` int32 (source slot, destination slot, rows: a whole page is
-    `(source * page_size, destination * page_size, page_size)`; `kernels.copy`) or
-    None; and the shared entries to copy on the device, `(from index, to index, count)`
+    `(source * page_size, destination * page_size, page_size)`; `kernels.moves.page_copy`)
+    or None; and the shared entries to copy on the device, `(from index, to index, count)`
     or None."""
 
     patches: np.ndarray | None
-    copies: list
+    copies: tuple
     shared: tuple | None
+
+    @property
+    def empty(self) -> bool:
+        return self.patches is None and self.shared is None and \
+            all(runs is None for runs in self.copies)
 
 
 class PageAccounting:
@@ -223,6 +246,7 @@ class PageAccounting:
         self.table_entries = offset          # the device tables' size, int32 entries
         self.flat = self.kinds[0] if self.kinds[0].rows == 0 else None
         self.rings = [k for k in self.kinds if k.rows]
+        self.no_copies = (None,) * len(self.kinds)      # a `PageWork` copying no rows
 
     # ------------------------------------------------------------------ what verbs need
     def ring_demand(self) -> list:
@@ -271,22 +295,23 @@ class PageAccounting:
                                        kind.free, kind.n_free)
 
     def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray,
-                   needed: int) -> tuple:
+                   needed: int) -> PageWork:
         """Take a step's `needed` flat pages (`step_demand`) and give each sequence whose
         first write lands in a page another sequence holds a fresh page in its place.
-        Returns `(patches [n, 2] or None, copies [m, 3] or None)`: every device-table
-        patch due (the step's and those queued before), and the whole-page row runs
-        (source slot, destination slot, rows) copy-on-write must run before the step
-        writes."""
+        Returns its `PageWork`: every device-table patch due (the step's and those queued
+        before), and the flat kind's whole-page row runs (source slot, destination slot,
+        rows) copy-on-write must run before the step writes."""
         kind = self.flat
         if kind is None or needed == 0:
-            return self.flush(None), None
+            return PageWork(self.flush(None), self.no_copies, None)
         kind.n_free, patches, copies = claim_step(
             seqs, totals, pos, kind.held, kind.table, kind.refs, kind.free, kind.n_free,
             needed, self.page_size, kind.table_off)
-        return self.flush(patches), copies
+        if copies is not None and len(copies):
+            return PageWork(self.flush(patches), (copies,) + self.no_copies[1:], None)
+        return PageWork(self.flush(patches), self.no_copies, None)
 
-    def clone(self, src: int, dst: int, keep: int) -> CloneWork:
+    def clone(self, src: int, dst: int, keep: int) -> PageWork:
         """`dst` holds `src`'s first `keep` positions: the flat pages wholly below `keep`
         shared, the one straddling it and every ring on fresh pages (copies of `src`'s).
         None of the work grows with `keep`: the shared entries move as one device copy."""
@@ -308,7 +333,7 @@ class PageAccounting:
             new = kind.take(kind.table_pages)
             copies.append(self.page_runs(kind.table[src, :kind.table_pages], new))
             kind.hold(dst, new)
-        return CloneWork(self.flush(None), copies, shared)
+        return PageWork(self.flush(None), tuple(copies), shared)
 
     def page_runs(self, sources, destinations) -> np.ndarray:
         """Row runs `[m, 3]` int32 copying whole pages `sources[i]` to `destinations[i]`:

@@ -116,9 +116,7 @@ class PrefixIndex:
         for i, page in enumerate(pages):
             self.node_pages[node, i] = page
             if page >= 0:
-                kind = self.kinds[i]
-                kind.owner[page] = node
-                kind.refs[page] += 1
+                self.kinds[i].adopt(page, node)
         return node
 
     def drop(self, node: int) -> None:
@@ -126,8 +124,7 @@ class PrefixIndex:
         for i, kind in enumerate(self.kinds):
             page = int(self.node_pages[node, i])
             if page >= 0:
-                kind.owner[page] = -1
-                kind.drop(page)
+                kind.disown(page)
         self.node_pages[node] = -1
         del self.nodes[self.keys[node]]
         self.keys[node] = None
@@ -210,8 +207,7 @@ class PrefixIndex:
         for i, kind in enumerate(self.kinds):
             if not (self.keeps_rows(i) and new):
                 continue
-            owned[i] = pages = kind.take(len(new))
-            kind.refs[pages] = 0          # the index's one reference comes with its node
+            owned[i] = pages = kind.take(len(new), refs=0)   # referenced by their nodes
             runs = [ring_runs((d + 1) * size - self.kept[i], (d + 1) * size, kind.rows, size,
                               kind.table[seq], pages[j:j + 1], d) for j, d in enumerate(new)]
             copies[i] = np.ascontiguousarray(np.concatenate(runs)[:, [1, 0, 2]])
@@ -236,8 +232,7 @@ class PrefixIndex:
         for i, kind in enumerate(self.kinds):
             pages = self.node_pages[chain, i]
             if not kind.rows:
-                kind.refs[pages] += 1
-                kind.hold(seq, pages)
+                kind.attach(seq, pages)
             elif self.kept[i]:
                 start = max(0, end - self.history[i])
                 copies[i] = ring_runs(start, end, kind.rows, size, kind.table[seq],

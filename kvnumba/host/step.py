@@ -24,7 +24,7 @@ class OpenStep:
     (new flat pages it takes). Prepared: `width`, `pad_col` (the padding tokens'
     sequence), `tokens [2 * width]` (int32, read-only: `seq_cols` then `positions`, a
     copy of what was staged), `upload` (its `upload.Upload`), `routes` (the attention
-    paths, `paths.StepPaths`), `writes` (the K/V write launches), `zero` (the padding
+    routes, `routing.StepRoutes`), `writes` (the K/V write launches), `zero` (the padding
     rows' zeroing launch or None), `kv_shape`; `written [n_layers]` (bool): the layers
     the data path has written.
     """
@@ -33,7 +33,7 @@ class OpenStep:
                  "seqs", "totals", "pages_needed", "width", "pad_col", "tokens", "upload",
                  "routes", "writes", "zero", "kv_shape", "written", "buffers")
 
-    def __init__(self, n_tokens: int, seq_info, logit_indices, max_q_len: int,
+    def __init__(self, *, n_tokens: int, seq_info, logit_indices, max_q_len: int,
                  max_kv_len: int, spans: tuple, seqs, totals, pages_needed: int):
         self.n_tokens, self.seq_info, self.logit_indices = n_tokens, seq_info, logit_indices
         self.max_q_len, self.max_kv_len, self.spans = max_q_len, max_kv_len, spans
@@ -41,8 +41,8 @@ class OpenStep:
         self.width = self.pad_col = self.tokens = self.upload = self.routes = None
         self.writes = self.zero = self.kv_shape = self.written = self.buffers = None
 
-    def prepare(self, width: int, pad_col: int, tokens: np.ndarray, upload, routes, writes,
-                zero, kv_shape: tuple, n_layers: int, buffers: tuple) -> None:
+    def prepare(self, *, width: int, pad_col: int, tokens: np.ndarray, upload, routes,
+                writes, zero, kv_shape: tuple, n_layers: int, buffers: tuple) -> None:
         """What `prepare_step` staged (see the class doc); `buffers`: the objects whose
         `addresses()` say where the buffers the launches read are (storage, workspace)."""
         self.width, self.pad_col, self.tokens, self.upload = width, pad_col, tokens, upload

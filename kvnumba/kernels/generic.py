@@ -35,7 +35,7 @@ from `max_q_len`):
   tiles) and split-K (flash-decoding): the key range of each row tile is cut into
   `n_splits` chunks, one block each (the cache fixes the chunk at `decode.CHUNK_KEYS` keys,
   so a segment's result never depends on the rest of the step; without `kv_chunk`
-  `launch_plan` sizes it to fill the GPU), writing unnormalised partials (acc, max, sum)
+  `launch_shape` sizes it to fill the GPU), writing unnormalised partials (acc, max, sum)
   to the workspace; `_combine_kernel` merges them (log-sum-exp) into `out`. With a
   single split the block writes `out` directly and no combine runs.
 * prefill: `PREFILL_TILES` (tall row tiles), one block per (segment, row tile,
@@ -329,8 +329,8 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
 _combine = Specialised(_combine_kernel)
 
 
-def launch_plan(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
-                window, path=None, kv_chunk=None):
+def launch_shape(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
+                 window, path=None, kv_chunk=None):
     """Host-side launch geometry: a dict with path, tiles, grid and split-K chunking.
 
     `path`: None (auto: "decode" when `max_q_len <= DECODE_MAX_Q_LEN`), "decode" or
@@ -374,8 +374,8 @@ class GenericRun:
     workspace and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
     ring_rows, window, scale, softcap)`, once per layer) looks its signature up (q's and
     out's dtypes and heads, the storage's dtype and shape, the window): the first call of
-    a signature works out the launch plan (`launch_plan`), sizes the partials and binds
-    the kernel (and the combine where the plan splits); later calls pack their arrays
+    a signature works out the launch shape (`launch_shape`), sizes the partials and binds
+    the kernel (and the combine where the shape splits); later calls pack their arrays
     and scalars only."""
 
     def __init__(self, tables, *, seq_info_off: int, segments_off: int, n_segments: int,
@@ -410,36 +410,36 @@ class GenericRun:
         width, n_q_heads, head_dim = q.shape
         n_kv_heads = k_store.shape[1]
         assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
-        plan = launch_plan(n_segments=self.n_segments, max_q_len=self.max_q_len,
+        shape = launch_shape(n_segments=self.n_segments, max_q_len=self.max_q_len,
                            max_kv_len=self.max_kv_len, n_q_heads=n_q_heads,
                            n_kv_heads=n_kv_heads, head_dim=head_dim, window=window,
                            path=self.path, kv_chunk=self.kv_chunk)
-        n_splits, stream = plan["n_splits"], self.stream
+        n_splits, stream = shape["n_splits"], self.stream
         if n_splits > 1:
             part_acc, part_ml = self.workspace.partials(n_splits * width * n_q_heads * head_dim,
                                                         n_splits * width * n_q_heads * 2, stream)
         else:
             part_acc = part_ml = self.workspace.dummy
-        kernel = _attention_kernel(plan["dpad"], plan["block_rows"], plan["block_keys"],
-                                   plan["key_lanes"], plan["threads"])
+        kernel = _attention_kernel(shape["dpad"], shape["block_rows"], shape["block_keys"],
+                                   shape["key_lanes"], shape["threads"])
         attention = kernel.bind(
-            plan["grid"], plan["threads"], stream, PER_CALL, PER_CALL, PER_CALL, PER_CALL,
+            shape["grid"], shape["threads"], stream, PER_CALL, PER_CALL, PER_CALL, PER_CALL,
             int(self.page_bits), self.tables, int(self.seq_info_off), int(self.segments_off),
-            PER_CALL, PER_CALL, part_acc, part_ml, plan["n_row_tiles"], n_splits, plan["chunk"],
-            plan["group"], PER_CALL, int(window), PER_CALL, PER_CALL)
+            PER_CALL, PER_CALL, part_acc, part_ml, shape["n_row_tiles"], n_splits, shape["chunk"],
+            shape["group"], PER_CALL, int(window), PER_CALL, PER_CALL)
         merge = None
         if n_splits > 1:
             merge = _combine.bind(
                 self.n_segments * self.max_q_len, COMBINE_THREADS, stream, self.tables,
                 int(self.seq_info_off), int(self.segments_off), part_acc, part_ml, PER_CALL,
-                PER_CALL, self.max_q_len, plan["group"], plan["block_rows"], plan["chunk"],
+                PER_CALL, self.max_q_len, shape["group"], shape["block_rows"], shape["chunk"],
                 int(window))
         return attention, merge
 
 
 def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, max_kv_len,
             page_bits, workspace, path=None, kv_chunk=None, stream=0) -> GenericRun:
-    """The plan side of `attend`: what a step fixes for one group of segments, once
+    """The prepared half of `attend`: what a step fixes for one group of segments, once
     (`GenericRun`); the arguments are `attend`'s."""
     return GenericRun(tables, seq_info_off=int(seq_info_off), segments_off=int(segments_off),
                       n_segments=int(n_segments), max_q_len=int(max_q_len),
@@ -468,7 +468,7 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     receives each served row's natural-log log-sum-exp of its (scaled, capped) scores.
     All launches on `stream`; no host synchronisation, no copies,
     no device allocation once `workspace` is warm.
-    path / kv_chunk: the path and its split-K chunk (see `launch_plan`); the cache
+    path / kv_chunk: the path and its split-K chunk (see `launch_shape`); the cache
     passes both. A cache prepares a step's group once (`prepare`) and calls it per layer.
     """
     prepare(tables, seq_info_off=seq_info_off, segments_off=segments_off,

@@ -32,7 +32,7 @@ _zero = Specialised(_zero_rows)
 
 
 def prepare(width: int, first_token: int, stream=0):
-    """The plan side of `zero_rows` for outputs of `width` rows: the launch bound once per
+    """The prepared half of `zero_rows` for outputs of `width` rows: the launch bound once per
     step (`launch(out, lse)`, `lse` of no rows for none: `launch.no_output()`), or None
     when there is nothing to zero."""
     n_rows = width - first_token

@@ -1,11 +1,11 @@
-"""Decode attention built for memory bandwidth: a host `plan()` and a device `run()`.
+"""Decode attention built for memory bandwidth: host chunk tables (`chunk_tables`) and a device `run()`.
 
 Decode segments (at most `DECODE_MAX_Q_LEN` queries each) read every key of their
 history once per step and do little arithmetic with it, so the kernel
 (`decode_kernel`, whose doc tells how it streams K and V) is shaped to run at the
 chip's bandwidth with few instructions per key. This module is the path's host face:
 
-* `plan` / `plan_into` (from `decode_plan`): each served segment's key range cut into
+* `chunk_tables` / `chunks_into` (from `decode.chunks`): each served segment's key range cut into
   chunks of `CHUNK_KEYS` keys, one work item each, and the combine table of the
   segments cut into several;
 * `prepare` (a `DecodeRun`, once per step and layer window) and `run` (per layer):
@@ -21,8 +21,8 @@ from . import combine
 from .kernel import decode_kernel
 from .chunks import (CHUNK_KEYS, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG,  # noqa: F401  (the decode path's planning, re-exported)
                      KEY_TILE, WORK_SEQ, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART,
-                     WORK_Q_LEN, WORK_Q_START, WORK_SEG, DecodePlan, PlacedPlan, chunk_count,
-                     plan, plan_into)
+                     WORK_Q_LEN, WORK_Q_START, WORK_SEG, ChunkTables, PlacedChunks, chunk_count,
+                     chunk_tables, chunks_into)
 from .shape import THREADS, block_rows, supports
 from ..intrinsics.words import LOAD_BYTES
 from ..launch.calling import PER_CALL, aligned, no_output
@@ -48,7 +48,7 @@ def check_storage(head_dim: int, k_store, v_store) -> None:
 class DecodeRun:
     """The decode launches of one step for the layers of one window (`prepare`): the
     step's tables (their device buffer, where the segment table sits in it, the window's
-    placed plan: `PlacedPlan`), the window's ring rows, its layer kind's page table
+    placed chunk tables: `PlacedChunks`), the window's ring rows, its layer kind's page table
     (`pages`, int32 `[n_seq_rows, pages_per_seq]` on the device, and `page_bits`) and
     the stream fixed.
 
@@ -62,7 +62,7 @@ class DecodeRun:
     storage shares a dtype and a slot shape.
     """
 
-    def __init__(self, tables, seq_info_off: int, placed: PlacedPlan, workspace,
+    def __init__(self, tables, *, seq_info_off: int, placed: PlacedChunks, workspace,
                  ring_rows: int, window: int, pages, page_bits: int, stream=0):
         self.tables, self.seq_info_off, self.placed = tables, seq_info_off, placed
         self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
@@ -124,12 +124,13 @@ class DecodeRun:
 
 def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, n_parts,
             max_q_len, workspace, ring_rows, window, pages, page_bits, stream=0) -> DecodeRun:
-    """The plan side of `run`: what a step fixes for its layers of one window, once
+    """The prepared half of `run`: what a step fixes for its layers of one window, once
     (`DecodeRun`); the arguments are `run`'s."""
-    placed = PlacedPlan(int(work_off), int(n_items), int(combine_off), int(n_combine),
-                        int(n_parts), int(max_q_len))
-    return DecodeRun(tables, int(seq_info_off), placed, workspace, int(ring_rows),
-                     int(window), pages, int(page_bits), stream)
+    placed = PlacedChunks(int(work_off), int(n_items), int(combine_off), int(n_combine),
+                          int(n_parts), int(max_q_len))
+    return DecodeRun(tables, seq_info_off=int(seq_info_off), placed=placed,
+                     workspace=workspace, ring_rows=int(ring_rows), window=int(window),
+                     pages=pages, page_bits=int(page_bits), stream=stream)
 
 
 def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, softcap,
@@ -146,17 +147,17 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
     r (a position, or on a ring its slot `position % ring_rows`) of the sequence in
     field `SEQ` of the segment table lives in slot `pages[seq, r >> page_bits] | (r &
     (page_size - 1))` (`masks.page_slot`). tables: int32 device array holding the
-    segment table at `seq_info_off`, the plan's work table at `work_off` (`n_items`
+    segment table at `seq_info_off`, the chunk tables' work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
     row-major. softcap: 0 = off. lse: None, or a float32 `[width, n_q_heads]` device array
     that receives each served row's natural-log log-sum-exp of its scores.
 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
-    `n_combine`, `n_parts` and `max_q_len` (the plan's), the `workspace`, `ring_rows`
+    `n_combine`, `n_parts` and `max_q_len` (the chunk tables'), the `workspace`, `ring_rows`
     (0: flat, or R) and `window` (0 or W), as `prepare` takes them with `pages` and
     `page_bits`; or `planned`, what `prepare` returned for this step and window (a cache
     plans once per step, and its layers pass their own storage only: `pages` and
-    `page_bits` are the plan's then).
+    `page_bits` are the chunk tables' then).
 
     Writes exactly `out[token, head, :]` for every query token of a planned segment
     and every head: no padding row, no other segment's row. Partials (float32, in

@@ -15,7 +15,7 @@ from numba import njit, uint64
 from ...host.positions import SEQ, POS_START, Q_LEN, Q_START
 from ..generic import DECODE_MAX_Q_LEN
 
-# --- the plan's tables (int32), packed by the caller into the step's `tables` -----------
+# --- the chunk tables (int32), packed by the caller into the step's `tables` -----------
 #: work table: one row per (segment, key chunk); it carries the segment fields the
 #: kernel's first loads need, so its K, V and q loads go out after one round trip
 WORK_SEG = 0        # index of the segment in the step's segment table
@@ -44,7 +44,7 @@ KEY_TILE = 64
 CHUNK_KEYS = 256
 
 
-class DecodePlan(NamedTuple):
+class ChunkTables(NamedTuple):
     """One step's decode work, as int32 tables for the device.
 
     work: [n_items, WORK_FIELDS] (fields WORK_*); combine: [n_combine,
@@ -69,12 +69,12 @@ class DecodePlan(NamedTuple):
 
 @njit(cache=True)
 def chunk_count(keys, chunk=CHUNK_KEYS):
-    """Chunks `plan` cuts a segment of `keys` keys into: its whole chunks, the remainder
+    """Chunks `chunk_tables` cuts a segment of `keys` keys into: its whole chunks, the remainder
     a chunk of its own only when it holds at least half a chunk, and at least one."""
     return max(1, (keys + chunk // 2) // chunk)
 
 
-def plan(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) -> DecodePlan:
+def chunk_tables(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) -> ChunkTables:
     """Cut the served segments' key ranges into chunks of `chunk` keys (host only, one
     compiled pass).
 
@@ -96,13 +96,13 @@ def plan(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) -> DecodeP
     work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
                                                      segments, window, bits)
     _check_queries(shortest, longest)
-    return DecodePlan(work, combine, n_parts, chunk, longest)
+    return ChunkTables(work, combine, n_parts, chunk, longest)
 
 
-class PlacedPlan(NamedTuple):
-    """A step's decode plan written into a flat int32 buffer (`plan_into`): where its work
+class PlacedChunks(NamedTuple):
+    """A step's chunk tables written into a flat int32 buffer (`chunks_into`): where its work
     table starts and its rows, where its combine table starts and its rows, the partial
-    slots it uses and its longest segment (the fields of `DecodePlan`, placed)."""
+    slots it uses and its longest segment (the fields of `ChunkTables`, placed)."""
 
     work_off: int
     n_items: int
@@ -112,12 +112,12 @@ class PlacedPlan(NamedTuple):
     max_q_len: int
 
 
-def plan_into(seq_info, segments, *, window: int, staging, at: int,
-              chunk: int = CHUNK_KEYS) -> PlacedPlan:
-    """`plan`, its work and combine tables written straight into the host buffer of
+def chunks_into(seq_info, segments, *, window: int, staging, at: int,
+              chunk: int = CHUNK_KEYS) -> PlacedChunks:
+    """`chunk_tables`, its work and combine tables written straight into the host buffer of
     `staging` (a `Staging`) from entry `at`, back to back (one compiled call; the buffer
     grows first in the rare step whose tables do not fit). `seq_info` and `segments`:
-    int32 arrays, as `plan` takes them."""
+    int32 arrays, as `chunk_tables` takes them."""
     bits = _CHUNK_BITS if chunk == CHUNK_KEYS else _chunk_bits(chunk)
     n_items, n_split, n_parts, shortest, longest = _cut_into(
         seq_info, segments, window, bits, staging.host, at)
@@ -127,7 +127,7 @@ def plan_into(seq_info, segments, *, window: int, staging, at: int,
             seq_info, segments, window, bits, staging.host, at)
     _check_queries(shortest, longest)
     combine_off = at + n_items * WORK_FIELDS
-    return PlacedPlan(at, n_items, combine_off, n_split, n_parts, longest)
+    return PlacedChunks(at, n_items, combine_off, n_split, n_parts, longest)
 
 
 def _chunk_bits(chunk: int) -> int:
@@ -246,7 +246,7 @@ def _cut(seq_info, segments, window, bits):
     """The work and combine tables for nominal chunks of `1 << bits` keys, the partial
     slots used, and the shortest and longest segment (1 and 0 when there are none).
 
-    Compiled passes over the segments (count, then fill): a step's plan costs a few µs
+    Compiled passes over the segments (count, then fill): a step's chunk tables cost a few µs
     of host time however many segments it has.
     """
     n_items, n_split, shortest, longest = _count(seq_info, segments, window,

@@ -246,7 +246,7 @@ def _combine_kernel(head_dim: int):
 
 def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, max_q_len,
             n_q_heads, head_dim, stream=0):
-    """The plan side of `run`: the merge of one step's split segments into outputs of
+    """The prepared half of `run`: the merge of one step's split segments into outputs of
     `n_q_heads` q heads and `head_dim`, bound to its tables and partials (the kernel,
     grid and block worked out once); `launch(out, lse)` merges into `out` (and `lse`,
     unless it has no rows: `launch.no_output()`). None when there is nothing to merge."""

@@ -232,7 +232,7 @@ class WriteRun:
 
 
 def prepare(tables, width: int, run: int, dtype, page_bits: int, stream=0) -> WriteRun:
-    """The plan side of `write_kv` for a step of `width` tokens of `run` elements each
+    """The prepared half of `write_kv` for a step of `width` tokens of `run` elements each
     (`n_kv_heads * head_dim`) into storage of `dtype` in pages of `2**page_bits` slots:
     what `write_kv` works out per call, once per step and input layout."""
     return WriteRun(tables, int(width), int(run), np.dtype(dtype), int(page_bits), stream)

@@ -96,7 +96,7 @@ class PrefillRun:
 
 def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_bits,
             stream=0, tile=None) -> PrefillRun:
-    """The plan side of `run`: what a step fixes for its prefill group, once
+    """The prepared half of `run`: what a step fixes for its prefill group, once
     (`PrefillRun`); the arguments are `run`'s."""
     return PrefillRun(tables, seq_info_off=int(seq_info_off), segments_off=int(segments_off),
                       n_segments=int(n_segments), max_q_len=int(max_q_len),

@@ -1,0 +1,119 @@
+"""The step protocol of one cache (contract §7): `declare`, `prepare`, `commit`, `abort`
+over the cache's parts, and the one holder of the open step (`step`, the cache's record;
+`plan`, its read-only view) and of the last step's K/V write launches.
+
+Host planning (`host.declare`) stays apart from device work: `prepare` takes the step's
+pages (`Pool.claim_step`), writes every table its launches read into one upload, sends it
+in one copy, applies the step's page work (`Pool.apply`) and binds the launches. The
+cache's public verbs (`BatchedSequenceCache.declare_step` ...) carry the documentation.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..args import as_ids, as_int
+from ..data.upload import Sections
+from ..errors import ShapeError
+from ..host.positions import stage_tables
+from ..host.slots import StepMachine, StepState
+from ..host.step import OpenStep, StepPlan
+from ..kernels import padding
+from ..kernels.moves import write
+from ..refusals import half_written_refusal, unprepared_refusal, width_refusal
+
+
+class StepProtocol:
+    """The step verbs over the cache's `slots` (`SlotTable`), `pool`, `declarer`, step
+    `upload` and attention `routing`; padding tokens go to sequence column `pad_col`;
+    launches on `stream`. `machine`: the step machine; `step` / `plan`: the open step
+    and its view, None between steps."""
+
+    def __init__(self, *, config, slots, pool, declarer, upload, routing, pad_col: int,
+                 stream):
+        self.config, self.slots, self.pool, self.declarer = config, slots, pool, declarer
+        self.upload, self.routing, self.pad_col, self.stream = upload, routing, pad_col, stream
+        self.machine = StepMachine()
+        self.step: OpenStep | None = None
+        self.plan: StepPlan | None = None
+        self._writes = None   # the last prepared step's K/V writes (`write.WriteRun`)
+
+    def declare(self, seq_ids, blocks) -> StepPlan:
+        next_state = self.machine.check("declare", "declare_step")
+        ids = as_ids(seq_ids, self.config.max_seqs, "declare_step seq_ids")
+        if ids.size == 0:
+            raise ShapeError("declare_step: seq_ids must be a non-empty 1-D sequence of ints "
+                             "(one sequence id per token)")
+        step = self.declarer.declare(ids, self.declarer.block_ids(blocks))
+        self.machine.apply("declare", next_state)
+        self.step, self.plan = step, StepPlan(step)
+        return self.plan
+
+    def prepare(self, width) -> StepPlan:
+        next_state = self.machine.check("prepare", "prepare_step")
+        step, config, pool = self.step, self.config, self.pool
+        width = step.n_tokens if width is None else as_int(width, "prepare_step width")
+        if not step.n_tokens <= width <= config.max_step:
+            raise width_refusal(width, step.n_tokens, config)
+        work = pool.claim_step(step.seqs, step.totals, self.slots.pos, step.pages_needed,
+                               "prepare_step")
+        upload, info = self.upload, step.seq_info
+        host = upload.begin(2 * width + info.size)
+        end = stage_tables(host, *step.spans, info, step.n_tokens, width, self.pad_col)
+        tokens = host[:2 * width].copy()
+        tokens.setflags(write=False)
+        upload.mark(Sections.TOKENS, 2 * width)
+        upload.mark(Sections.SEGMENTS, int(end))
+        routes = self.routing.route(info, step.max_q_len, step.max_kv_len, upload)
+        pool.stage(upload, work)
+        self.routing.bind(routes, upload)
+        upload.send()
+        pool.apply(upload, work)
+        writes = self._writes    # the last step's, with its launches, if it fits this one
+        if writes is None or writes.width != width or writes.tables is not upload.device:
+            self._writes = writes = write.prepare(
+                upload.device, width, config.n_kv_heads * config.head_dim,
+                config.storage_dtype, pool.pages.page_bits, self.stream)
+        step.prepare(width=width, pad_col=self.pad_col, tokens=tokens, upload=upload,
+                     routes=routes, writes=writes,
+                     zero=padding.prepare(width, step.n_tokens, self.stream),
+                     kv_shape=(width, config.n_kv_heads, config.head_dim),
+                     n_layers=config.n_layers,
+                     buffers=(pool.storage, upload, self.routing.workspace))
+        self.machine.apply("prepare", next_state)
+        return self.plan
+
+    def commit(self) -> None:
+        next_state = self.machine.check("commit", "commit_step")
+        step = self.step
+        written = step.written
+        if 0 < np.count_nonzero(written) < written.size:
+            raise half_written_refusal(written)
+        self.slots.advance("commit", step.seqs, step.totals)
+        self._close(next_state, "commit")
+
+    def abort(self) -> None:
+        next_state = self.machine.check("abort", "abort_step")
+        step, slots = self.step, self.slots
+        seqs = step.seqs
+        slots.apply("abort", seqs, slots.check("abort", seqs))
+        if step.prepared:
+            hw = slots.high_water
+            hw[seqs] = np.maximum(hw[seqs], slots.pos[seqs] + step.totals)
+            self.pool.pages.abort(seqs, slots.pos)
+        self._close(next_state, "abort")
+
+    def check_declarable(self, seqs: np.ndarray) -> None:
+        """What `declare` would raise first for `seqs` (valid ids, int64): an open step,
+        then a free or busy sequence. Changes nothing."""
+        self.machine.check("declare", "declare_step")
+        self.slots.check("declare", seqs)
+
+    def prepared(self, verb: str) -> OpenStep:
+        """The open step, once prepared, or `StepProtocolError` naming `verb`."""
+        if self.machine.index != StepState.PREPARED:
+            raise unprepared_refusal(verb, self.machine.state)
+        return self.step
+
+    def _close(self, next_state, event) -> None:
+        self.machine.apply(event, next_state)
+        self.step = self.plan = None
