@@ -88,3 +88,24 @@ def test_statemachines_md_shows_every_edge():
     committed = (DOCS / "statemachines.md").read_text()
     for spec in (sm.SLOT_LIFECYCLE, sm.STEP_PROTOCOL):
         assert "```mermaid\n" + sm.mermaid(spec) + "```" in committed
+
+
+def test_architecture_md_is_generated():
+    """docs/architecture.md is what `python -m kvnumba.layers` prints: the layers, the
+    planes and the modules' docstrings as the source has them now."""
+    from kvnumba.layers import render
+    committed = (DOCS / "architecture.md").read_text()
+    assert committed == render(), ("docs/architecture.md is stale: regenerate it with "
+                                   "python -m kvnumba.layers > docs/architecture.md")
+
+
+def test_architecture_md_lists_every_module_once():
+    from kvnumba.layers import graph
+    committed = (DOCS / "architecture.md").read_text()
+    for name in graph():
+        if name.endswith("__init__") and name != "__init__":
+            folder = name.rsplit(".", 1)[0].replace(".", "/")
+            assert committed.count(f"| `{folder}/` |") == 1, folder
+        else:
+            shown = "kvnumba" if name == "__init__" else name
+            assert committed.count(f"| `{shown}` |") == 1, shown
