@@ -25,7 +25,8 @@ from .host.positions import layer_rows
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16,
           "float8_e4m3": np.uint8, "float8_e5m2": np.int8}
 #: the 8-bit float storage dtypes: K and V stored as `stored = convert(x / scale)`, read
-#: as `scale * stored` (a float32 scale per layer, `k_scale` / `v_scale`)
+#: as `scale * stored` (a float32 scale per layer, `k_scale` / `v_scale`); each named
+#: "float8_" and its format as PTX names it (the kernels' format names derive from these)
 FP8_DTYPES = ("float8_e4m3", "float8_e5m2")
 #: the largest finite value of each 8-bit float format (a write saturates to it)
 FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}

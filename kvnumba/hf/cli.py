@@ -28,6 +28,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from .. import device
+from ..config import DTYPES
 from ..errors import KVCacheError
 from .sharding import launched_rank, launched_ranks, split_loading
 
@@ -123,8 +124,7 @@ def parser() -> Parser:
     p.add_argument("--seed", type=seed, default=0,
                    help="the random seed: prompt i samples with seed + i; the self-check's "
                         "random model too (default 0)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float8_e4m3",
-                                       "float8_e5m2"],
+    p.add_argument("--dtype", choices=list(DTYPES),
                    help="K/V storage dtype (default: the model's)")
     p.add_argument("--draft", metavar="DIR",
                    help="a draft model directory with the model's vocabulary "

@@ -22,6 +22,7 @@ Conventions (`tensorcore`'s too):
 from __future__ import annotations
 
 from ...device import SIMULATOR
+from ..launch.constants import FP8_FORMATS
 from .ptxgen import (F32, GLOBAL, I32, U32X4, asm, cast, check_array, check_integers,
                      check_numbers, named, state_address, stored_value)
 
@@ -204,9 +205,9 @@ def exp2_approx(typingctx, x):
 # read and write a value: float16 / float32 numerically, the integer types as bits.
 
 #: element type -> what it holds
+FP8_ELEMENTS = tuple(getattr(types, name) for name in FP8_FORMATS)
 ELEMENTS = {types.float16: "float16", types.float32: "float32", types.uint16: "bfloat16",
-            types.uint8: "e4m3", types.int8: "e5m2"}
-FP8_ELEMENTS = (types.uint8, types.int8)
+            **dict(zip(FP8_ELEMENTS, FP8_FORMATS.values()))}
 
 
 def _element_type(name, dtype, what):

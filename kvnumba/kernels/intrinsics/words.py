@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...device import cuda
+from ..launch.constants import FP8_FORMATS
 from . import fp8, ptx
 
 from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
@@ -49,7 +50,7 @@ def _widen_float32(w0, w1, w2, w3):
 
 #: an 8-bit float dtype (its bits: uint8 e4m3, int8 e5m2) -> the device function
 #: splitting a word into its four values
-QUADS = {np.dtype(np.uint8): fp8.e4m3x4_to_f32, np.dtype(np.int8): fp8.e5m2x4_to_f32}
+QUADS = {np.dtype(name): getattr(fp8, f"{fmt}x4_to_f32") for name, fmt in FP8_FORMATS.items()}
 
 
 def _widen_quads(quad_to_f32):

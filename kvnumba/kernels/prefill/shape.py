@@ -29,7 +29,8 @@ STORAGE_TYPES = ("float16", "bfloat16")
 #: what K/V storage may hold, and its bytes per value: the 16-bit types are staged as
 #: they are (cp.async), 8-bit floats (e4m3 bits as uint8, e5m2 as int8) converted to
 #: the mma's 16-bit type on the way into shared memory
-STORED_BYTES = {"float16": 2, "bfloat16": 2, "e4m3": 1, "e5m2": 1}
+STORED_BYTES = {**dict.fromkeys(STORAGE_TYPES, 2),
+                **{fmt: np.dtype(name).itemsize for name, fmt in FP8_FORMATS.items()}}
 FLAT_RING = INT32_MAX     # the ring size a flat layer's rows are walked with: never wraps
 CHUNK_VALUES = 8          # 16-bit values in a 16-byte cp.async chunk
 LINE_CHUNKS = 8           # chunks in a 128-byte line
