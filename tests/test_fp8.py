@@ -285,7 +285,7 @@ def test_engine_logits_over_fp8_storage_stay_near_float32_storage():
     share of greedy tokens agreeing)."""
     import kvnumba.hf as kvhf
     import torch
-    from test_hf import PROMPTS, tiny
+    from hfmodels import PROMPTS, tiny
 
     model = tiny("gemma2")
     prompt = PROMPTS[1]

@@ -19,7 +19,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from kvnumba.hf import cli, selfcheck  # noqa: E402
 from kvnumba.hf.progress import ProgressBar  # noqa: E402
-from test_hf import PROMPTS, generated, tiny  # noqa: E402
+from hfmodels import PROMPTS, generated, tiny  # noqa: E402
 
 VOCAB = 64          # test_hf's models
 

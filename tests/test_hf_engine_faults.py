@@ -5,7 +5,7 @@ requests in it, registers nothing of it, and the engine serves the next requests
 exactly; engine options combined."""
 import pytest
 
-from test_hf import generated, kvhf, tiny
+from hfmodels import generated, kvhf, tiny
 
 torch = pytest.importorskip("torch")
 

@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 kvhf = pytest.importorskip("kvnumba.hf")
 
-from test_hf import PROMPTS, generated, tiny  # noqa: E402
+from hfmodels import PROMPTS, generated, tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ import sys
 sys.modules["ml_dtypes"] = None            # `import ml_dtypes` raises ImportError
 import torch
 sys.path.insert(0, "tests")
-from test_hf import generated, tiny
+from hfmodels import generated, tiny
 import kvnumba.hf as kvhf
 model = tiny("llama").to(torch.bfloat16)
 engine = kvhf.Engine(model, max_seqs=1, capacity=12)

@@ -20,7 +20,7 @@ from kvnumba.hf.sharding import kv_heads_per_rank
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from test_hf import generated, tiny  # noqa: E402
+from hfmodels import generated, tiny  # noqa: E402
 from tp_worker import NEW_TOKENS, PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
