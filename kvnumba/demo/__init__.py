@@ -32,16 +32,15 @@ command prints it and exits 1.
 commits, so a test can corrupt the cache's bytes and watch the demo catch it.
 
 The modules: `options` (the options, the cache config and model they imply),
-`engines` (the cached and the cache-free engine), `checker` (the lockstep comparison
-and its reports), `scenario` (the script), `runner` (`run`: the checked run and the
-replay), `report` (the text), `cli` (`main`).
+`engines` (the cached and the cache-free engine), `checker` (the lockstep comparison),
+`scenario` (the script), `runner` (`run`: the checked run and the replay), `report`
+(the reports and their text), `cli` (`main`).
 """
 from __future__ import annotations
 
-from .checker import TOLERANCE, DemoResult, SessionReport, StepReport
 from .cli import main, parser
-from .options import Options
-from .report import report_text
+from .options import TOLERANCE, Options
+from .report import DemoResult, SessionReport, StepReport, report_text
 from .runner import run
 
 __all__ = ["TOLERANCE", "DemoResult", "Options", "SessionReport", "StepReport", "main",

@@ -1,76 +1,21 @@
 """The lockstep check: every step of the cached engine against the reference engine's,
-and the reports it leaves (`StepReport`, `SessionReport`, `DemoResult`)."""
+each leaving a `StepReport` (`report`)."""
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from .engines import CacheEngine, ReferenceEngine, StepOutput
-from .report import step_line
+from .options import TOLERANCE
+from .report import StepReport, step_line
 
-#: tolerances of the per-step comparison, by storage dtype: (atol, rtol) for attention
-#: outputs; logits get 10x. Near-ties (top-2 reference logits within TIE) are not
-#: counted as token mismatches by the per-step check (the replay still compares tokens).
-#: bfloat16's are 8x float16's: its unit roundoff is 2**-8 against 2**-11.
-TOLERANCE = {"float32": (1e-4, 1e-4), "float16": (2e-2, 2e-2),
-             "bfloat16": (1.6e-1, 1.6e-1)}
+#: near-ties (top-2 reference logits within TIE) are not counted as token mismatches by
+#: the per-step check (the replay still compares tokens)
 TIE = 1e-3
 #: problems of one step printed under its line (the report lists the first 20 of all)
 PRINTED_PROBLEMS = 8
-
-
-@dataclass
-class StepReport:
-    """One step of the cached run and its comparison with the reference."""
-
-    index: int
-    kind: str
-    n_tokens: int
-    width: int
-    n_segments: int
-    control_ms: float       # pack + declare + prepare + commit (host)
-    kernels_s: float        # update_and_attend over all layers (incl. simulated copies)
-    check_ms: float         # the cache-free reference of the step's sessions
-    max_err: float          # largest |cache - reference| over attention outputs
-    problems: list = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        """The step matched the reference."""
-        return not self.problems
-
-
-@dataclass
-class SessionReport:
-    """One session of the run: where it came from and what each run generated."""
-
-    sid: int
-    origin: str             # "prompt", or "fork of S at P"
-    prompt_len: int
-    generated: list         # tokens the cached run sampled
-    reference: list         # tokens the cache-free replay sampled
-    steps_ok: bool          # every step that touched the session matched the reference
-
-    @property
-    def match(self) -> bool:
-        """Every step matched and both runs generated the same tokens."""
-        return self.steps_ok and self.generated == self.reference
-
-
-@dataclass
-class DemoResult:
-    """What `run` returns: `ok` only when the run completed without a mismatch."""
-
-    ok: bool
-    sessions: list          # SessionReport per session, in opening order
-    steps: list             # StepReport per step
-    mismatches: list        # one line per difference found
-    features: dict          # what the run exercised, feature -> description
-    wall_s: float
-    completed: bool         # False when --fail-fast stopped the run early
 
 
 class Stop(Exception):

@@ -1,12 +1,13 @@
-"""The demo's text: the header, one line per step, and the final report."""
+"""The demo's reports (`StepReport` per step, `SessionReport` per session, `DemoResult`
+of a run) and their text: the header, one line per step, and the final report."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import kvnumba as kv
 
 if TYPE_CHECKING:   # names for the annotations only
-    from .checker import DemoResult, StepReport
     from .options import Options
 
 #: generated tokens shown per session before the rest are counted
@@ -20,6 +21,57 @@ STEP_HEADER = ("   step   kind                      tokens  width  segs  control
 
 SESSION_HEADER = ("  session  origin            prompt  generated tokens (cached run)"
                   "                     match")
+
+
+@dataclass
+class StepReport:
+    """One step of the cached run and its comparison with the reference."""
+
+    index: int
+    kind: str
+    n_tokens: int
+    width: int
+    n_segments: int
+    control_ms: float       # pack + declare + prepare + commit (host)
+    kernels_s: float        # update_and_attend over all layers (incl. simulated copies)
+    check_ms: float         # the cache-free reference of the step's sessions
+    max_err: float          # largest |cache - reference| over attention outputs
+    problems: list = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """The step matched the reference."""
+        return not self.problems
+
+
+@dataclass
+class SessionReport:
+    """One session of the run: where it came from and what each run generated."""
+
+    sid: int
+    origin: str             # "prompt", or "fork of S at P"
+    prompt_len: int
+    generated: list         # tokens the cached run sampled
+    reference: list         # tokens the cache-free replay sampled
+    steps_ok: bool          # every step that touched the session matched the reference
+
+    @property
+    def match(self) -> bool:
+        """Every step matched and both runs generated the same tokens."""
+        return self.steps_ok and self.generated == self.reference
+
+
+@dataclass
+class DemoResult:
+    """What `run` returns: `ok` only when the run completed without a mismatch."""
+
+    ok: bool
+    sessions: list          # SessionReport per session, in opening order
+    steps: list             # StepReport per step
+    mismatches: list        # one line per difference found
+    features: dict          # what the run exercised, feature -> description
+    wall_s: float
+    completed: bool         # False when --fail-fast stopped the run early
 
 
 def step_line(r: StepReport, total: int | None) -> str:

@@ -6,10 +6,10 @@ import time
 
 import kvnumba as kv
 
-from .checker import CheckedEngine, DemoResult, SessionReport, Stop
+from .checker import CheckedEngine, Stop
 from .engines import CacheEngine, ReferenceEngine
 from .options import Options, build_model, cache_config, prompts_for
-from .report import STEP_HEADER, header, report_text
+from .report import STEP_HEADER, DemoResult, SessionReport, header, report_text
 from .scenario import Scenario, planned_steps
 
 
