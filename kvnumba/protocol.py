@@ -6,6 +6,10 @@ driver and an integration may call on any cache.
 `StepData` is the data path inside a prepared step. Both are `typing.Protocol`s, so a
 type checker holds an implementation to them and `isinstance(x, BatchControl)` tells
 whether `x` has every member (by name, as runtime protocols do).
+
+`PrefixControl` is the prefix index (contract §14) a control may offer besides
+(`BatchedSequenceCache` does; `SequenceBatchControl` does not), a runtime protocol too;
+`members_lacking` names the members of a face an object lacks.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:   # names for the annotations only: the face imports no implementation
     import numpy as np
 
+    from .cache.queries import IndexCounts
     from .config import CacheConfig
     from .host.slots import SlotState, StepState
     from .host.step import StepPlan
@@ -98,6 +103,38 @@ class StepData(Protocol):
     def sequence_kv(self, seq: int, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Host copies `(positions [n], k [n, n_kv_heads, head_dim], v [n, ...])` of what
         `layer` still holds for `seq`, in position order."""
+
+
+@runtime_checkable
+class PrefixControl(Protocol):
+    """A prefix index over a control's pages (contract §14): sequences started from the
+    pages of an indexed prefix of page keys (`prefix_keys.page_keys`), and committed pages
+    offered to the index. Verbs run between steps; a refusal changes nothing."""
+
+    @property
+    def prefix_counts(self) -> IndexCounts:
+        """What the index holds and has given back (`pages`, `pages_evicted`, ...)."""
+
+    def prefix_match(self, keys) -> int:
+        """How many leading keys of `keys` the index holds. Changes nothing."""
+
+    def seq_from_prefix(self, keys) -> int:
+        """Claim the lowest free slot holding the longest indexed prefix of `keys` (with no
+        match it is `seq_new`)."""
+
+    def prefix_register(self, seq: int, keys) -> int:
+        """Index `seq`'s committed pages under `keys`; returns the leading keys now
+        indexed."""
+
+    def prefix_forget(self, keys) -> int:
+        """Drop the index entries of `keys`; returns how many were indexed."""
+
+
+def members_lacking(obj, face: type) -> list:
+    """The public members of protocol `face` that `obj` lacks, in the order `face` lists
+    them (empty when `isinstance(obj, face)`)."""
+    return [name for name in vars(face) if not name.startswith("_")
+            and not hasattr(obj, name)]
 
 
 #: the members a BatchControl has, in the order the protocol lists them

@@ -281,6 +281,35 @@ def test_invalid_table_limits():
         kv.SessionTable(batched(), max_sessions=0, max_session_tokens=4)
 
 
+# ---------------------------------------------------------------- the prefix face
+def test_the_prefix_face_is_read_once_from_the_control():
+    from kvnumba.protocol import BatchControl, PrefixControl, members_lacking
+    many, one = batched(), single()
+    assert isinstance(many, PrefixControl) and not isinstance(one, PrefixControl)
+    assert isinstance(one, BatchControl) and members_lacking(one, BatchControl) == []
+    assert members_lacking(one, PrefixControl) == ["prefix_counts", "prefix_match",
+                                                   "seq_from_prefix", "prefix_register",
+                                                   "prefix_forget"]
+    assert kv.SessionTable(many, max_sessions=3, max_session_tokens=20).indexed
+    t = kv.SessionTable(one, max_sessions=1, max_session_tokens=20)
+    assert not t.indexed
+    s = t.open(prefix=list(range(12)))       # no index: the session starts empty
+    assert t.pos(s) == 0 and t.register(s, list(range(12))) == 0
+    assert t.forget(list(range(12))) == 0
+    assert t.prefix_stats == kv.PrefixStats(12, 0, 0)
+
+
+def test_a_control_lacking_batch_verbs_is_named_in_the_refusal():
+    class Half:
+        config = max_seqs = step_state = plan = None
+
+        def seq_new(self):
+            return 0
+
+    with pytest.raises(kv.ConfigError, match=r"it lacks seq_rm, seq_clone, rewind"):
+        kv.SessionTable(Half(), max_sessions=1, max_session_tokens=4)
+
+
 # ---------------------------------------------------------------- over SequenceBatchControl
 def test_single_control_serves_one_session_at_a_time():
     c = single()
