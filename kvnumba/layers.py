@@ -28,7 +28,7 @@ LAYERS = {
     "scales": 2.5,
     "refusals": 3, "host.slots": 3, "host.page_accounting": 3, "device": 3,
     "host.prefix_index": 3.5, "host.step": 3.5,
-    "host.declare": 3.8,
+    "host.declarer": 3.8,
     "kernels": 4,
     "data": 5, "reference": 5,
     "cache": 6,

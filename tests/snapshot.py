@@ -30,7 +30,7 @@ def _plan(plan):
 def _pages(cache):
     """Every kind's host tables, holdings, reference counts and free stack, the device
     tables and the patches waiting for the next upload."""
-    pages, storage = cache._pool.pages, cache._pool.storage
+    pages, storage = cache._pool.accounting, cache._pool.storage
     kinds = [(k.table.tobytes(), k.held.tobytes(), k.refs.tobytes(), k.n_free,
               k.free[:k.n_free].tobytes()) for k in pages.kinds]
     return [kinds, storage.device_tables.copy_to_host().tobytes(),

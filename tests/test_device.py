@@ -29,7 +29,7 @@ def test_forced_simulator_is_silent_and_enables_numba_cudasim():
 def test_compile_only_kind_puts_numba_in_gpu_mode_without_the_simulator():
     """`KVNUMBA_DEVICE=compile` (no GPU needed): numba.cuda in GPU mode, and `ptx` binds
     the PTX intrinsics rather than the simulator's functions."""
-    r = python("import kvnumba, numba.core.config as c; from kvnumba.kernels import tensorcore; "
+    r = python("import kvnumba, numba.core.config as c; from kvnumba.kernels.intrinsics import tensorcore; "
                "print(kvnumba.device.KIND, kvnumba.device.SIMULATOR, c.ENABLE_CUDASIM, "
                "type(tensorcore.mma_f16_f32).__name__)", KVNUMBA_DEVICE="compile")
     assert r.returncode == 0, r.stderr

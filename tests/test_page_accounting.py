@@ -94,7 +94,7 @@ def test_a_step_past_max_pages_is_refused_naming_the_numbers():
     assert needed == 3                            # positions 0..19: 3 pages
     with pytest.raises(kv.CapacityError, match=r"need 3 new pages of 8 positions, and their "
                                                r"pool has 2 available of max_pages 3"):
-        pages.flat.require(needed, "declare_step")
+        pages.flat.check_room(needed, "declare_step")
 
 
 def test_growth_keeps_the_held_pages_and_frees_the_new_ones_low_first():

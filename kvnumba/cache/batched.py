@@ -20,7 +20,7 @@ from ..data.upload import Upload
 from ..device import (allocating, announce, check_storage_capability, cuda, device_id,
                       on_its_device, placed_on)
 from ..errors import CacheFullError, ConfigError
-from ..host.declare import StepDeclarer
+from ..host.declarer import StepDeclarer
 from ..host.positions import resumed_high_water
 from ..host.prefix_keys import as_keys
 from ..host.slots import SlotState, SlotTable, state_refusal
@@ -80,14 +80,14 @@ class BatchedSequenceCache(CacheQueries):
                               self.stream)
             upload = Upload(upload_entries(config), self.stream)
             self._clone_upload = Upload(CLONE_UPLOAD, self.stream)
-            storage, kinds = self._pool.storage, self._pool.pages.kinds
+            storage, kinds = self._pool.storage, self._pool.accounting.kinds
             tables = {kind.rows: storage.kind_tables[i] for i, kind in enumerate(kinds)}
             rows = config.ring_rows().tolist()
             windows = {spec.window or 0: (r, tables[r]) for spec, r in zip(config.layers, rows)}
-            self._routing = Routing(config, self.stream, windows, self._pool.pages.page_bits)
+            self._routing = Routing(config, self.stream, windows, self._pool.accounting.page_bits)
         self._steps = StepProtocol(
             config=config, slots=self._slots, pool=self._pool,
-            declarer=StepDeclarer(config, self._slots, self._pool.pages), upload=upload,
+            declarer=StepDeclarer(config, self._slots, self._pool.accounting), upload=upload,
             routing=self._routing, pad_col=n if scratch_column else -1, stream=self.stream)
         geometry = [(r, spec.window or 0, tables[r]) for r, spec in zip(rows, config.layers)]
         data = DataPath(config, self.device, self.stream, storage, self._routing, geometry)
@@ -112,7 +112,7 @@ class BatchedSequenceCache(CacheQueries):
         self._steps.machine.require_idle("seq_rm")
         seq = self._id(seq, "seq_rm")
         next_state = self._slots.check_one("seq_rm", seq)
-        self._pool.pages.release(seq)
+        self._pool.accounting.release(seq)
         self._slots.apply("seq_rm", seq, next_state)
         self._slots.pos[seq] = self._slots.high_water[seq] = 0
 
@@ -159,7 +159,7 @@ class BatchedSequenceCache(CacheQueries):
         if position > pos or position < 0:
             raise position_refusal(f"rewind: position {position}", seq, self._floor(seq), pos)
         self._check_floor(seq, position, "rewind")
-        self._pool.pages.rewind(seq, position)
+        self._pool.accounting.rewind(seq, position)
         self._slots.apply("rewind", seq, next_state)
         self._slots.pos[seq] = position
 
@@ -196,7 +196,7 @@ class BatchedSequenceCache(CacheQueries):
         pos = shared * self.config.page_size
         self._slots.pos[seq] = pos
         self._slots.high_water[seq] = resumed_high_water(pos, self.config.max_write) \
-            if self._pool.pages.rings else pos
+            if self._pool.accounting.rings else pos
         return seq
 
     @on_its_device

@@ -1,7 +1,7 @@
 """The page pools of one cache: host accounting (`page_accounting`) and device storage
 (`storage`) kept in step (contract §4).
 
-Every verb that takes pages first checks all its pools can give them (`require`, a
+Every verb that takes pages first checks all its pools can give them (`check_room`, a
 `CapacityError` changing nothing), then grows the storage of any pool without enough
 free pages, by doubling up to `max_pages`, transactionally (the new storage is
 allocated before anything is swapped in), and only then takes the pages. A clone's
@@ -27,20 +27,20 @@ class Pool:
 
     def __init__(self, config: CacheConfig, n_rows: int, scratch: bool, stream=0):
         self.config = config
-        self.pages = PageAccounting(config, n_rows, scratch)
-        self.index = PrefixIndex(self.pages)
+        self.accounting = PageAccounting(config, n_rows, scratch)
+        self.index = PrefixIndex(self.accounting)
         self.storage = PageStorage(config, n_rows, stream)
-        self._index = {id(kind): i for i, kind in enumerate(self.pages.kinds)}
+        self._kind_number = {id(kind): i for i, kind in enumerate(self.accounting.kinds)}
 
     @property
     def nbytes_held(self) -> int:
         """Bytes of the pages live sequences hold (a shared page once; not the scratch)."""
-        return self.pages.held_pages() * self.config.page_bytes
+        return self.accounting.held_pages() * self.config.page_bytes
 
     @property
     def nbytes_cached(self) -> int:
         """Bytes of the pages the prefix index alone holds (reclaimable)."""
-        return self.pages.cached_pages() * self.config.page_bytes
+        return self.accounting.cached_pages() * self.config.page_bytes
 
     def reserve(self, demand: list, verb: str, protect=()) -> None:
         """Make the pages of `demand` (`(KindPages, pages)` pairs) free: free pages first
@@ -50,17 +50,17 @@ class Pool:
         them under `max_pages`, or when growing the storage of one fails (every grown
         storage is allocated before any is put in use, and nothing is evicted before)."""
         index = self.index
-        kept = [(kind, needed, self._index[id(kind)],
-                 index.cached_in(self._index[id(kind)], protect) if len(protect) else 0)
+        kept = [(kind, needed, self._kind_number[id(kind)],
+                 index.cached_in(self._kind_number[id(kind)], protect) if len(protect) else 0)
                 for kind, needed in demand]
         for kind, needed, _, unavailable in kept:
-            kind.require(needed, verb, unavailable)
+            kind.check_room(needed, verb, unavailable)
         growing = [(kind, i, kind.grown(needed))
                    for kind, needed, i, _ in kept if needed > kind.n_free]
         fresh = [(kind, n_pages, self.storage.grown(i, n_pages, verb))
                  for kind, i, n_pages in growing if n_pages > kind.n_pages]
         for kind, n_pages, group in fresh:
-            self.storage.install(self._index[id(kind)], group)
+            self.storage.install(self._kind_number[id(kind)], group)
             kind.grow(n_pages)
         for kind, needed, i, _ in kept:
             if needed > kind.n_free:
@@ -69,8 +69,8 @@ class Pool:
     # ------------------------------------------------------------------ verbs
     def claim_rings(self, seq: int, verb: str) -> None:
         """Give `seq` its ring pages (`CapacityError`, nothing taken, when a pool cannot)."""
-        self.reserve(self.pages.ring_demand(), verb)
-        self.pages.claim_rings(seq)
+        self.reserve(self.accounting.ring_demand(), verb)
+        self.accounting.claim_rings(seq)
 
     def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray, needed: int,
                    verb: str) -> PageWork:
@@ -78,15 +78,15 @@ class Pool:
         `CapacityError`, nothing taken, when it cannot); its `PageWork` as
         `PageAccounting.claim_step` gives it (`stage` and `apply` it with the step)."""
         if needed:
-            self.reserve([(self.pages.flat, needed)], verb)
-        return self.pages.claim_step(seqs, totals, pos, needed)
+            self.reserve([(self.accounting.flat, needed)], verb)
+        return self.accounting.claim_step(seqs, totals, pos, needed)
 
     def clone(self, src: int, dst: int, keep: int, upload, verb: str) -> None:
         """The pages and device work of `seq_clone` (module doc), through `upload` (an
         `upload.Upload` kept for clones); `CapacityError`, nothing changed, when a pool
         cannot give the clone's pages."""
-        self.reserve(self.pages.clone_demand(keep), verb)
-        self._send(upload, self.pages.clone(src, dst, keep))
+        self.reserve(self.accounting.clone_demand(keep), verb)
+        self._send(upload, self.accounting.clone(src, dst, keep))
 
     def start(self, seq: int, keys: list, upload, verb: str) -> int:
         """Give a free `seq` its rings and the indexed pages of `keys` (every one indexed):
@@ -95,17 +95,17 @@ class Pool:
         need is shortened until they need none of them; returns the pages shared.
         `CapacityError`, nothing changed, when a ring pool cannot give the rings even so
         (as `seq_new`)."""
-        index, demand = self.index, self.pages.ring_demand()
+        index, demand = self.index, self.accounting.ring_demand()
         chain = index.chain(keys)
-        while len(chain) and any(needed > kind.available - index.cached_in(self._index[id(kind)],
+        while len(chain) and any(needed > kind.available - index.cached_in(self._kind_number[id(kind)],
                                                                            chain)
                                  for kind, needed in demand):
             chain = chain[:-1]           # its last node's ring pages go to the rings
         keys = keys[:len(chain)]
         self.reserve(demand, verb, chain)
-        self.pages.claim_rings(seq)
-        copies = index.share(seq, keys) if keys else self.pages.no_copies
-        self._send(upload, PageWork(self.pages.flush(None), tuple(copies), None))
+        self.accounting.claim_rings(seq)
+        copies = index.share(seq, keys) if keys else self.accounting.no_copies
+        self._send(upload, PageWork(self.accounting.flush(None), tuple(copies), None))
         return len(keys)
 
     def register(self, seq: int, keys: list, first: int, upload, verb: str) -> int:
@@ -116,7 +116,7 @@ class Pool:
         index = self.index
         chain, new = index.plan_register(seq, keys, first)
         if new:
-            self.reserve([(kind, len(new)) for i, kind in enumerate(self.pages.kinds)
+            self.reserve([(kind, len(new)) for i, kind in enumerate(self.accounting.kinds)
                           if index.keeps_rows(i)], verb, chain)
         indexed, copies = index.register(seq, keys, chain, new)
         self._send(upload, PageWork(None, tuple(copies), None))

@@ -105,7 +105,7 @@ class CacheQueries:
         """One `PoolPages` per layer kind (flat layers first, then each ring size): its
         layers, pages in use (held by sequences), free (under `max_pages`), allocated,
         `max_pages` and cached (held by the prefix index alone)."""
-        return tuple(kind.report() for kind in self._parts.pool.pages.kinds)
+        return tuple(kind.report() for kind in self._parts.pool.accounting.kinds)
 
     def page_demand(self, seq_ids) -> PageDemand:
         """How many new flat pages `declare_step(seq_ids)` would take and how many the
@@ -113,12 +113,12 @@ class CacheQueries:
         as `declare_step` takes them; ring pages come with `seq_new`, never with a
         step). Changes nothing."""
         ids = as_ids(seq_ids, self._parts.config.max_seqs, "page_demand seq_ids")
-        flat = self._parts.pool.pages.flat
+        flat = self._parts.pool.accounting.flat
         if flat is None or ids.size == 0:
             return PageDemand(0, 0 if flat is None else flat.available)
         counts = np.bincount(ids, minlength=self._parts.config.max_seqs)
         seqs = np.flatnonzero(counts)
-        return PageDemand(self._parts.pool.pages.step_demand(seqs, counts[seqs], self._parts.slots.pos),
+        return PageDemand(self._parts.pool.accounting.step_demand(seqs, counts[seqs], self._parts.slots.pos),
                           flat.available)
 
     def page_table(self, seq: int, layer: int) -> np.ndarray:
@@ -126,7 +126,7 @@ class CacheQueries:
         `[pages held]`; flat: position `p` in page `[p // page_size]`; ring: ring slot `s`
         in `[s // page_size]`)."""
         seq = self._live(self._id(seq, "page_table"), "page_table")
-        kind = self._parts.pool.pages.kind_of[self._parts.data.layer(layer, "page_table")]
+        kind = self._parts.pool.accounting.kind_of[self._parts.data.layer(layer, "page_table")]
         return kind.table[seq, :kind.held[seq]].copy()
 
     def paged_kv(self, seqs=None) -> tuple:
@@ -139,7 +139,7 @@ class CacheQueries:
         each described through the positions the step writes (`pos` + its tokens);
         given (ids), between steps or in a step, each through the positions it holds now.
         """
-        flat = self._parts.pool.pages.flat
+        flat = self._parts.pool.accounting.flat
         if flat is None:
             raise ConfigError("paged_kv: the cache has no flat layers (ring layers are "
                               "rings of pages, not FlashInfer's paged format)")
@@ -196,7 +196,7 @@ class CacheQueries:
                                      int(self._parts.slots.high_water[seq]), ring)
         positions = np.arange(start, stop, dtype=np.int64)
         rows = positions % ring if ring else positions
-        slots = self._parts.pool.pages.slots(layer, seq, rows)
+        slots = self._parts.pool.accounting.slots(layer, seq, rows)
         return (positions, *self._parts.pool.storage.read(layer, slots, self.config.np_dtype))
 
     def _id(self, seq, verb: str) -> int:

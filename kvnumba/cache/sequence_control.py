@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..args import SessionId
 from ..errors import CloneRefusedError, ConfigError
-from .single import SEQ, OneSequenceFace, SequenceCache
+from .single import ONLY_SEQ, OneSequenceFace, SequenceCache
 from ..host.slots import SlotState
 from ..host.step import StepPlan
 
@@ -29,9 +29,9 @@ class SequenceBatchControl(OneSequenceFace):
         self.cache = cache
         self._inner = cache._inner
         inner = self._inner
-        if (inner.state(SEQ) == SlotState.CLAIMED and inner.pos(SEQ) == 0
-                and inner.high_water(SEQ) == 0):
-            inner.seq_rm(SEQ)
+        if (inner.state(ONLY_SEQ) == SlotState.CLAIMED and inner.pos(ONLY_SEQ) == 0
+                and inner.high_water(ONLY_SEQ) == 0):
+            inner.seq_rm(ONLY_SEQ)
 
     # ------------------------------------------------------------------ queries
     @property

@@ -21,7 +21,7 @@ from ..host.slots import SlotState, StepState
 from ..host.step import StepPlan
 
 #: the one sequence's id
-SEQ = 0
+ONLY_SEQ = 0
 
 
 def _inner_value(name: str, doc: str) -> property:
@@ -116,17 +116,17 @@ class SequenceCache(OneSequenceFace):
     @property
     def pos(self) -> int:
         """Positions the sequence holds (the next token takes this position)."""
-        return self._inner.pos(SEQ)
+        return self._inner.pos(ONLY_SEQ)
 
     @property
     def floor(self) -> int:
         """Lowest position `rewind` accepts (0 without ring layers, or before a ring wraps)."""
-        return self._inner.floor(SEQ)
+        return self._inner.floor(ONLY_SEQ)
 
     @property
     def high_water(self) -> int:
         """Most positions ever written into the storage since the sequence was last cleared."""
-        return self._inner.high_water(SEQ)
+        return self._inner.high_water(ONLY_SEQ)
 
     @property
     def capacity(self) -> int:
@@ -136,7 +136,7 @@ class SequenceCache(OneSequenceFace):
     @property
     def state(self) -> SlotState:
         """The sequence's lifecycle state (FREE only after a `SequenceBatchControl.seq_rm`)."""
-        return self._inner.state(SEQ)
+        return self._inner.state(ONLY_SEQ)
 
     # ------------------------------------------------------------------ sequence verbs
     def rewind(self, position: int) -> None:
@@ -145,7 +145,7 @@ class SequenceCache(OneSequenceFace):
         Between steps only; the sequence must hold history (COMMITTED or REWOUND),
         else `SlotStateError`. Below the floor: `RingFloorError`.
         """
-        self._inner.rewind(SEQ, position)
+        self._inner.rewind(ONLY_SEQ, position)
 
     def clear(self) -> None:
         """Empty the sequence: pos 0, high-water 0, CLAIMED (bytes are not zeroed).
@@ -156,8 +156,8 @@ class SequenceCache(OneSequenceFace):
         if inner.step_state != StepState.IDLE:
             raise StepProtocolError(f"clear: a step is open ({inner.step_state.name}); clear "
                                     f"runs between steps (commit_step or abort_step first)")
-        if inner.state(SEQ) != SlotState.FREE:
-            inner.seq_rm(SEQ)
+        if inner.state(ONLY_SEQ) != SlotState.FREE:
+            inner.seq_rm(ONLY_SEQ)
         inner.seq_new()
 
     # ------------------------------------------------------------------ step protocol
@@ -175,7 +175,7 @@ class SequenceCache(OneSequenceFace):
             raise ShapeError(f"declare_step: block must be True or False, got {describe(block)}")
         if n_tokens > self._zeros.size:  # past max_write: refused without building its ids
             self._inner.check_declarable(self._block)
-            raise CapacityError(f"declare_step: sequence {SEQ} writes {n_tokens} tokens, more "
+            raise CapacityError(f"declare_step: sequence {ONLY_SEQ} writes {n_tokens} tokens, more "
                                 f"than max_write {self.config.max_write}; "
                                 f"{split_hint(self.config)}")
         return self._inner.declare_step(self._zeros[:n_tokens],
@@ -183,7 +183,7 @@ class SequenceCache(OneSequenceFace):
 
     def sequence_kv(self, layer: int):
         """`(positions, k, v)`: host copies of what `layer` still holds, in position order."""
-        return self._inner.sequence_kv(SEQ, layer)
+        return self._inner.sequence_kv(ONLY_SEQ, layer)
 
     def __repr__(self):
         return (f"SequenceCache(pos={self.pos}, high_water={self.high_water}, "

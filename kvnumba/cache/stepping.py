@@ -2,7 +2,7 @@
 over the cache's parts, and the one holder of the open step (`step`, the cache's record;
 `plan`, its read-only view) and of the last step's K/V write launches.
 
-Host planning (`host.declare`) stays apart from device work: `prepare` takes the step's
+Host planning (`host.declarer`) stays apart from device work: `prepare` takes the step's
 pages (`Pool.claim_step`), writes every table its launches read into one upload, sends it
 in one copy, applies the step's page work (`Pool.apply`) and binds the launches. The
 cache's public verbs (`BatchedSequenceCache.declare_step` ...) carry the documentation.
@@ -72,7 +72,7 @@ class StepProtocol:
         if writes is None or writes.width != width or writes.tables is not upload.device:
             self._writes = writes = write.prepare(
                 upload.device, width, config.n_kv_heads * config.head_dim,
-                config.storage_dtype, pool.pages.page_bits, self.stream)
+                config.storage_dtype, pool.accounting.page_bits, self.stream)
         step.prepare(width=width, pad_col=self.pad_col, tokens=tokens, upload=upload,
                      routes=routes, writes=writes,
                      zero=padding.prepare(width, step.n_tokens, self.stream),
@@ -99,7 +99,7 @@ class StepProtocol:
         if step.prepared:
             hw = slots.high_water
             hw[seqs] = np.maximum(hw[seqs], slots.pos[seqs] + step.totals)
-            self.pool.pages.abort(seqs, slots.pos)
+            self.pool.accounting.abort(seqs, slots.pos)
         self._close(next_state, "abort")
 
     def check_declarable(self, seqs: np.ndarray) -> None:

@@ -109,7 +109,7 @@ class KindPages:
                          self.used - cached, self.max_pages - self.used, self.n_pages,
                          self.max_pages, cached)
 
-    def require(self, needed: int, verb: str, unavailable: int = 0) -> None:
+    def check_room(self, needed: int, verb: str, unavailable: int = 0) -> None:
         """Refuse (`CapacityError`) taking `needed` pages past `max_pages`, counting cached
         pages as available but for `unavailable` of them (the prefix pages a verb is
         about to share)."""
@@ -228,7 +228,7 @@ class PageAccounting:
     `rings`, `kind_of[layer]`), `n_rows` page-table rows (one per sequence slot, and the
     scratch row when `scratch`), and the device-table patches `pending` for the next
     upload. The verbs here assume what a caller checked: that the pages exist
-    (`require`, then storage grown and `KindPages.grow`) and the ids are valid."""
+    (`check_room`, then storage grown and `KindPages.grow`) and the ids are valid."""
 
     def __init__(self, config: CacheConfig, n_rows: int, scratch: bool):
         self.config, self.n_rows, self.scratch = config, n_rows, scratch

@@ -36,14 +36,15 @@ INITIAL_NODES = 64
 
 
 class PrefixIndex:
-    """The index of one cache's pages (module doc), over `pages` (its `PageAccounting`).
+    """The index of one cache's pages (module doc), over `accounting` (its
+    `PageAccounting`, the one writer of reference counts and owners: the index asks it).
 
     `pages_evicted`: nodes (pages of positions) given back so far."""
 
-    def __init__(self, pages: PageAccounting):
-        self.pages = pages
-        self.kinds = pages.kinds
-        config, size = pages.config, pages.page_size
+    def __init__(self, accounting: PageAccounting):
+        self.accounting = accounting
+        self.kinds = accounting.kinds
+        config, size = accounting.config, accounting.page_size
         self.page_size = size
         # per kind: positions before a resume point its layers read (0: flat, all held)
         self.history = [ring_history(k.rows, config.max_write, config.capacity) if k.rows
@@ -178,7 +179,7 @@ class PrefixIndex:
         sequence can still give (none below `first`, whose ring rows are gone; none whose
         flat page the index holds under another key) and the ring pools can give a page
         for without evicting the chain's own."""
-        nodes, flat = self.nodes, self.pages.flat
+        nodes, flat = self.nodes, self.accounting.flat
         chain, new = [], []
         for depth, key in enumerate(keys):
             node = nodes.get(key)

@@ -30,10 +30,10 @@ _max = np.maximum.reduce
 
 class StepDeclarer:
     """Declares the steps of one cache over its `slots` (a `SlotTable` of `n` sequence
-    slots) and its flat pages (`pages`, a `PageAccounting`)."""
+    slots) and its flat pages (`accounting`, a `PageAccounting`)."""
 
-    def __init__(self, config: CacheConfig, slots: SlotTable, pages: PageAccounting):
-        self.config, self.slots, self.pages = config, slots, pages
+    def __init__(self, config: CacheConfig, slots: SlotTable, accounting: PageAccounting):
+        self.config, self.slots, self.accounting = config, slots, accounting
         self.n = slots.n
         # read-only ramps reused by every decode step (no per-step allocation); a step
         # whose every token is its own span of a distinct sequence has at most this many
@@ -129,9 +129,9 @@ class StepDeclarer:
         returns the new flat pages the step takes."""
         if n_tokens > self.config.max_step:
             raise step_refusal(n_tokens, self.config)
-        needed = self.pages.step_demand(seqs, totals, self.slots.pos)
+        needed = self.accounting.step_demand(seqs, totals, self.slots.pos)
         if needed:
-            self.pages.flat.require(needed, "declare_step")
+            self.accounting.flat.check_room(needed, "declare_step")
         return needed
 
     def _block_flags(self, block_ids, span_seqs, span_starts, span_lens) -> np.ndarray | int:
