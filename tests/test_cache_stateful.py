@@ -22,7 +22,7 @@ the tables and the index after every rule.
 
 The search runs once per storage, float32 and each 8-bit float format (per-layer
 scales): at fp8 the model holds what the storage should (the float32 input quantised by the
-independent reference of tests/test_fp8.py, times the layer's scale), and every check of
+independent reference of tests/fp8ref.py, times the layer's scale), and every check of
 attention, stored K/V and the index's pages is against those values.
 """
 import hashlib
@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvnumba as kv
+from fp8ref import FORMATS, quantised
 from oracle import dense_attention, floor, ring_rows
-from test_fp8 import FORMATS, quantised
 
 WINDOWS = [None, 3]          # one flat layer, one ring layer
 MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 48
@@ -882,7 +882,7 @@ class CacheMachine(RuleBasedStateMachine):
         once and unowned (so no free page is in a table or a node); every node owns one
         page of each pool, and nothing else is owned. Every registered list matches as
         far as the model says."""
-        pages, index = self.cache._pool.pages, self.cache._pool.index
+        pages, index = self.cache._pool.accounting, self.cache._pool.index
         nodes = np.array(list(index.nodes.values()), np.int64)
         for i, kind in enumerate(pages.kinds):
             refs = np.zeros(kind.n_pages, np.int64)

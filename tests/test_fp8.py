@@ -1,7 +1,8 @@
 """8-bit float K/V storage (`float8_e4m3`, `float8_e5m2`) against independent references.
 
-The reference quantiser is ml_dtypes' (`float8_e4m3fn`, `float8_e5m2`), which turns an
-out-of-range value into NaN where the hardware's `satfinite` saturates: it clips first.
+The reference quantiser (`fp8ref`) is ml_dtypes' (`float8_e4m3fn`, `float8_e5m2`),
+which turns an out-of-range value into NaN where the hardware's `satfinite` saturates:
+it clips first.
 Attention is checked against the float64 oracle over the quantised K/V (`k_scale *
 stored`), within the tolerance the 16-bit dtypes use; the quantisation error against
 the unquantised K/V is bounded separately (docs/semantics.md states it).
@@ -13,25 +14,11 @@ import pytest
 import kvnumba as kv
 from kvnumba.errors import ConfigError
 from kvnumba.kernels.intrinsics import fp8sim
+from fp8ref import FORMATS, LARGEST, quantised
 from oracle import dense_attention
 
-FORMATS = {"float8_e4m3": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
 SIM = {"float8_e4m3": "e4m3", "float8_e5m2": "e5m2"}
-LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 H, HQ, D = 2, 4, 16
-
-
-def quantised(x, dtype, scale=1.0):
-    """`scale * stored` in float64 for float32 inputs `x` written with `scale`: times the
-    float32 reciprocal, clipped to the format's range, rounded to nearest even; NaN where
-    `x` is not finite (the contract's rule: a non-finite input stays non-finite)."""
-    x = np.asarray(x, np.float32)
-    with np.errstate(over="ignore"):
-        scaled = x * np.float32(1 / np.float32(scale))
-    largest = LARGEST[dtype]
-    stored = np.clip(scaled, -largest, largest).astype(FORMATS[dtype])
-    stored[~np.isfinite(x)] = np.nan
-    return stored.astype(np.float64) * np.float32(scale)
 
 
 # ---------------------------------------------------------------- conversions

@@ -1,15 +1,15 @@
 """The wide write and page copy at the launch shapes their static budgets are taken at
 (token rows of 2 KiB and 256 bytes: 32 and 4 lanes, one trip of 4 + 4 vectors a lane),
 and the copy's stride over layers past the grid's height, against the NumPy
-references of test_move_kernels."""
+references of `moveref`."""
 import numpy as np
 import pytest
 
 from kvnumba.device import cuda
 from kvnumba.kernels.moves import page_copy as copy_kernels
 from kvnumba.kernels.moves import write as write_kernels
-from test_move_kernels import (check_write, partial_runs, random_bits, reference_copy,
-                               same_bits, tables_holding)
+from moveref import (check_write, partial_runs, random_bits, reference_copy, same_bits,
+                     tables_holding)
 
 
 @pytest.mark.parametrize("n_heads, ring_rows", [(8, 0), (8, 21), (1, 21)])

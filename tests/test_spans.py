@@ -5,7 +5,7 @@ sequence alone, give the same positions, committed state, stored bytes and
 attention outputs (both also checked against the float64 reference built from the
 test's own histories), on a flat and a ring layer, across a ring wrap inside the
 step, with padding. Over 8-bit float storage, against the same reference over the
-quantised K/V (tests/test_fp8.py's quantiser).
+quantised K/V (tests/fp8ref.py's quantiser).
 """
 import copy
 
@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import kvnumba as kv
+from fp8ref import quantised
 from oracle import dense_attention
-from test_fp8 import quantised
 
 WINDOWS = (None, 3)                 # a flat layer and a ring layer: R = 3 + 6 - 1 = 8
 H, HQ, D = 1, 2, 4
