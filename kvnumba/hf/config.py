@@ -1,4 +1,5 @@
-"""A `transformers` model config mapped onto a `CacheConfig`, or refused.
+"""A `transformers` model config mapped onto a `CacheConfig`, or refused; the configs of
+an engine's caches (the model's and its draft's, sharing a byte budget).
 
 Only what the attention interface hands kvnumba is served: per-layer causal attention
 over the sequence's own keys, full or sliding-window (`layer_types`,
@@ -9,7 +10,7 @@ missing piece, never a silently different model.
 """
 from __future__ import annotations
 
-from ..args import is_int
+from ..args import as_count, is_int
 from ..config import CacheConfig, flat, ring
 from ..errors import ConfigError
 from .sharding import kv_heads_per_rank, sharding
@@ -107,6 +108,43 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
                        capacity=capacity, max_seqs=max_seqs, max_write=max_write,
                        max_step=max_step,
                        dtype=storage_dtype(model, dtype), **options)
+
+
+def served_configs(model, draft_model, *, max_seqs: int, capacity: int, max_write, max_step,
+                   dtype, draft_len: int, kv_bytes, **options) -> list:
+    """The `CacheConfig` of each cache an engine makes: the model's (`tokens_per_decode`
+    a decode and its `draft_len` drafts), then, with `draft_model`, the draft's (the
+    model's `max_write` and `max_step`); with `kv_bytes`, fixed pools sharing it
+    (`budgeted`). `ConfigError` where verifying a draft cannot fit `max_write` or the
+    draft's vocabulary is not the model's."""
+    config = cache_config(model, max_seqs=max_seqs, capacity=capacity, max_write=max_write,
+                          max_step=max_step, dtype=dtype, tokens_per_decode=draft_len + 1,
+                          **options)
+    if config.max_write < draft_len + 1:
+        raise ConfigError(f"max_write={config.max_write}: verifying a draft writes "
+                          f"draft_len + 1 = {draft_len + 1} tokens of a request in "
+                          f"one step; raise max_write or lower draft_len")
+    vocab = text_config(model.config).vocab_size
+    if draft_model is not None and text_config(draft_model.config).vocab_size != vocab:
+        raise ConfigError(f"draft_model: vocabulary of "
+                          f"{text_config(draft_model.config).vocab_size} tokens, the "
+                          f"model's has {vocab}")
+    configs = [config]
+    if draft_model is not None:
+        configs.append(cache_config(draft_model, max_seqs=max_seqs, capacity=capacity,
+                                    max_write=config.max_write, max_step=config.max_step,
+                                    dtype=dtype, **options))
+    if kv_bytes is not None:
+        configs = budgeted(configs, as_count(kv_bytes, "kv_bytes", 1))
+    return configs
+
+
+def budgeted(configs: list, kv_bytes: int) -> list:
+    """`configs` made fixed pools sharing `kv_bytes` in proportion to their bytes per
+    token (so each holds as many positions); `ConfigError` when a share is too small
+    for a pool."""
+    total = sum(config.bytes_per_token for config in configs)
+    return [config.fixed_pool(kv_bytes * config.bytes_per_token // total) for config in configs]
 
 
 def refuse_dropout(model) -> None:

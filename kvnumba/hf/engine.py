@@ -32,20 +32,22 @@ on the model's process group (`lockstep`), so their caches take the same steps.
 """
 from __future__ import annotations
 
-import secrets
-from collections import deque
 from typing import NamedTuple
 
-import numpy as np
-
 from ..args import as_count
-from ..errors import CapacityError, ConfigError
+from ..errors import ConfigError
+from . import speculative
+from .admission import Admission
 from .attention import register
-from .config import cache_config, refuse_dropout, text_config
+from .config import refuse_dropout, served_configs, text_config
+from .ending import end, fail_step
 from .lockstep import Lockstep
-from .requests import Request, checked_prompts, checked_request, checked_seed
+from .requests import Sequence, checked_prompts, checked_seed
+from .seating import Seating
 from .served import ServedModel
 from .sharding import check_draft, sharding
+from .state import Counts, Roster
+from .stepping import Stepper
 
 
 class EngineStats(NamedTuple):
@@ -107,25 +109,11 @@ class Engine:
         for served in (model, draft_model):
             if served is not None:
                 refuse_dropout(served)
-        config = cache_config(model, max_seqs=max_seqs, capacity=capacity,
-                              max_write=max_write, max_step=max_step, dtype=dtype,
-                              tokens_per_decode=self.draft_len + 1, **cache_options)
-        if config.max_write < self.draft_len + 1:
-            raise ConfigError(f"max_write={config.max_write}: verifying a draft writes "
-                              f"draft_len + 1 = {self.draft_len + 1} tokens of a request in "
-                              f"one step; raise max_write or lower draft_len")
+        configs = served_configs(model, draft_model, max_seqs=max_seqs, capacity=capacity,
+                                 max_write=max_write, max_step=max_step, dtype=dtype,
+                                 draft_len=self.draft_len, kv_bytes=kv_bytes,
+                                 **cache_options)
         self.vocab = text_config(model.config).vocab_size
-        if draft_model is not None and text_config(draft_model.config).vocab_size != self.vocab:
-            raise ConfigError(f"draft_model: vocabulary of "
-                              f"{text_config(draft_model.config).vocab_size} tokens, the "
-                              f"model's has {self.vocab}")
-        configs = [config]
-        if draft_model is not None:
-            configs.append(cache_config(draft_model, max_seqs=max_seqs, capacity=capacity,
-                                        max_write=config.max_write, max_step=config.max_step,
-                                        dtype=dtype, **cache_options))
-        if kv_bytes is not None:
-            configs = budgeted(configs, as_count(kv_bytes, "kv_bytes", 1))
         register()
         self.config = configs[0]
         # rank 0 of a split model leads the others' engines; in one process, none
@@ -133,12 +121,14 @@ class Engine:
         serve = self.lockstep.serve if self.lockstep else ServedModel
         self.target = serve(model, configs[0])
         self.draft = serve(draft_model, configs[1]) if draft_model is not None else None
-        self._last_id = 0        # the last request id drawn
-        self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []
-        self._stepping: list[Request] = []     # the requests the current step admits or runs
-        self.proposed = self.accepted = 0      # draft tokens proposed / accepted so far
-        self.prompt_tokens = self.cached_tokens = 0   # of admitted requests, from the index
+        # the parts: the sequences held and the counts, shared by the queue and the steps
+        self.counts, self._roster = Counts(), Roster()
+        self._seating = Seating([self.target] + ([self.draft] if self.draft else []),
+                                prefix_cache=prefix_cache, page_size=self.config.page_size)
+        parts = dict(roster=self._roster, seating=self._seating, counts=self.counts,
+                     config=self.config)
+        self._admission = Admission(vocab=self.vocab, **parts)
+        self._stepper = Stepper(draft_len=self.draft_len, **parts)
 
     # ------------------------------------------------------------------ requests
     @property
@@ -152,20 +142,32 @@ class Engine:
         as its last step said, or since a `submit` on this rank)."""
         if self._following:
             return self.lockstep.busy
-        return bool(self._waiting or self._running)
+        return bool(self._roster.waiting or self._roster.running)
 
     @property
     def stats(self) -> EngineStats:
         """Prompt tokens admitted, those served from the prefix index, the hit rate and
         the pages the model's cache evicted (`EngineStats`)."""
-        rate = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-        return EngineStats(self.prompt_tokens, self.cached_tokens, rate,
+        counts = self.counts
+        rate = counts.cached_tokens / counts.prompt_tokens if counts.prompt_tokens else 0.0
+        return EngineStats(counts.prompt_tokens, counts.cached_tokens, rate,
                            self.target.cache.prefix_counts.pages_evicted)
 
     @property
     def acceptance_rate(self) -> float | None:
         """Draft tokens accepted / proposed so far (None before any was proposed)."""
-        return self.accepted / self.proposed if self.proposed else None
+        counts = self.counts
+        return counts.accepted / counts.proposed if counts.proposed else None
+
+    @property
+    def proposed(self) -> int:
+        """Draft tokens proposed so far."""
+        return self.counts.proposed
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted so far."""
+        return self.counts.accepted
 
     def submit(self, prompt, *, max_new_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
@@ -183,8 +185,9 @@ class Engine:
         On a rank other than 0 of a split model, the request is checked as rank 0 checks
         it and gets the id rank 0's same call gets (ids are drawn in call order), but it
         is rank 0's request that is served: this rank only follows its steps."""
-        return self._queue(self._checked(prompt, max_new_tokens, temperature, top_p, seed,
-                                         eos_token_id, n, extra_key))
+        return self._queue(self._admission.checked(
+            prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, eos_token_id=eos_token_id, n=n, extra_key=extra_key))
 
     def generate(self, prompts, *, max_new_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
@@ -196,11 +199,12 @@ class Engine:
         refusal queues nothing."""
         prompts = checked_prompts(prompts)
         checked_seed(seed, len(prompts) - 1)
-        checked = [self._checked(p, max_new_tokens, temperature, top_p,
-                                 None if seed is None else seed + i, eos_token_id, n,
-                                 extra_key)
+        checked = [self._admission.checked(p, max_new_tokens=max_new_tokens,
+                                           temperature=temperature, top_p=top_p,
+                                           seed=None if seed is None else seed + i,
+                                           eos_token_id=eos_token_id, n=n, extra_key=extra_key)
                    for i, p in enumerate(prompts)]
-        rids = [self._queue(request) for request in checked]
+        rids = [self._queue(seq) for seq in checked]
         results = {}
         try:
             while self.busy:
@@ -214,44 +218,13 @@ class Engine:
             out.extend(results[rid] if n > 1 else [results[rid]])
         return out
 
-    def _checked(self, prompt, max_new_tokens, temperature, top_p, seed, eos_token_id,
-                 n, extra_key=None) -> Request:
-        """A request whose every option passed, and which every pool could hold."""
-        for served in self._models():
-            refuse_dropout(served.model)
-        request = checked_request(prompt, vocab=self.vocab, capacity=self.config.capacity,
-                                  max_seqs=self.config.max_seqs,
-                                  max_new_tokens=max_new_tokens, temperature=temperature,
-                                  top_p=top_p, seed=seed, eos_token_id=eos_token_id, n=n,
-                                  extra_key=extra_key)
-        positions = request.n_prompt + request.max_new
-        for served in self._models():
-            for (rows, bound), pages in zip(served.kinds, served.pages_for(positions,
-                                                                           request.n)):
-                if pages > bound:
-                    raise CapacityError(
-                        f"a prompt of {request.n_prompt} tokens and max_new_tokens="
-                        f"{request.max_new} in {request.n} sequences may hold {pages} pages "
-                        f"of {served.cache.config.page_size} positions on the "
-                        f"{'flat layers' if not rows else f'ring layers of {rows} rows'}, "
-                        f"more than their pool's {bound}: raise max_pages (or kv_bytes)")
-        return request
-
-    def _queue(self, request: Request) -> int:
-        """Queue a checked request: its id drawn, its generator seeded (following rank 0:
-        its id drawn, this engine busy until rank 0 says otherwise)."""
-        import torch
-        self._last_id += 1
+    def _queue(self, seq: Sequence) -> int:
+        """Queue a checked request (following rank 0: its id drawn, this engine busy until
+        rank 0 says otherwise)."""
         if self._following:
             self.lockstep.busy = True
-            return self._last_id
-        generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(request.seed if request.seed is not None else
-                              secrets.randbits(63))
-        request.rid, request.generator = self._last_id, generator
-        request.group.append(request)
-        self._waiting.append(request)
-        return request.rid
+            return self._admission.draw_id()
+        return self._admission.queue(seq)
 
     def cancel(self, rid: int) -> bool:
         """End request `rid` now, between steps: a waiting request leaves the queue, a
@@ -261,7 +234,7 @@ class Engine:
         other than 0 of a split model: nothing (rank 0's cancel is replayed here)."""
         if self._following:
             return False
-        return bool(self._end({rid}))
+        return bool(end(self._roster, self._seating, {rid}))
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list:
@@ -277,293 +250,35 @@ class Engine:
         steps as if the failed requests had never been submitted. On the other ranks of
         a split model, `step()` raises rank 0's exception too."""
         if self._following:
-            finished, counters = self.lockstep.follow_step(self._last_id)
-            self.proposed, self.accepted, self.prompt_tokens, self.cached_tokens = counters
+            finished, counters = self.lockstep.follow_step(self._admission.last_id)
+            self.counts.set(counters)
             return finished
         failure = None
         try:
             finished = self._step()
         except BaseException as exc:
             failure, finished = exc, []
-            failed = self._end({r.rid for r in self._stepping})
-            _name_failed(exc, failed)
+            fail_step(exc, self._roster, self._seating)
         if self.lockstep:
-            counters = self.proposed, self.accepted, self.prompt_tokens, self.cached_tokens
-            self.lockstep.end_step(finished, self.busy, counters, self._last_id, failure)
+            self.lockstep.end_step(finished, self.busy, self.counts.values(),
+                                   self._admission.last_id, failure=failure)
         if failure is not None:
             raise failure
         return finished
 
-    def _end(self, rids: set) -> list:
-        """End the requests `rids` (every sequence of each, waiting or running), their
-        sessions closed; returns the ids that were waiting or running, in order."""
-        ended = sorted({r.rid for r in [*self._waiting, *self._running] if r.rid in rids})
-        self._waiting = deque(r for r in self._waiting if r.rid not in rids)
-        for request in [r for r in self._running if r.rid in rids]:
-            self._running.remove(request)
-            self._close(request)
-        return ended
-
-    def _close(self, request) -> None:
-        """Close `request`'s sessions (those it has opened)."""
-        for served, sid in ((self.target, request.sid), (self.draft, request.dsid)):
-            if served is not None and sid is not None:
-                served.close(sid)
-        request.sid = request.dsid = None
-
     def _step(self) -> list:
-        """One step of the engine that serves the requests."""
-        self._stepping = []          # the requests this step admits or runs
-        self._admit()
-        plan = self._plan()
-        self._stepping += [request for request, _, _ in plan]
-        self._running = self._running[1:] + self._running[:1]   # a fair turn at the budget
+        """One step of the engine that serves the requests: admit, plan, draft, verify,
+        register, retire."""
+        roster = self._roster
+        roster.stepping = []          # the sequences this step admits or runs
+        self._admission.admit()
+        plan = self._stepper.plan()
+        roster.stepping += [seq for seq, _, _ in plan]
+        roster.running = roster.running[1:] + roster.running[:1]   # a fair turn at the budget
         if not plan:
             return []
-        drafts = self._propose(plan) if self.draft else {}
-        self._verify(plan, drafts)
+        drafts = speculative.propose(self.draft, plan) if self.draft else {}
+        self._stepper.verify(plan, drafts)
         if self.prefix_cache:
-            self._register(plan)
-        return self._retire()
-
-    def _models(self) -> list:
-        return [self.target] + ([self.draft] if self.draft else [])
-
-    def _admit(self) -> None:
-        """Open sessions for waiting requests, in order, while sequences are free and
-        every pool can hold what the running requests and the next may come to hold."""
-        free = self.config.max_seqs - sum(r.n for r in self._running)
-        models = self._models()
-        reserved = [model.reserved(self._running) for model in models]
-        while self._waiting and self._waiting[0].n <= free and all(
-                model.fits(r, self._waiting[0]) for model, r in zip(models, reserved)) \
-                and not self._computing_its_prefix(self._waiting[0]):
-            request = self._waiting[0]
-            self._stepping.append(request)
-            free -= request.n
-            reserved = [[a + b for a, b in zip(r, model.need(request))]
-                        for model, r in zip(models, reserved)]
-            self._open(request)
-            self._running.append(self._waiting.popleft())
-            self.prompt_tokens += request.n_prompt
-            self.cached_tokens += request.fed
-
-    def _computing_its_prefix(self, request) -> bool:
-        """With the prefix cache: whether a running request is still prefilling whole
-        pages of `request`'s prompt, which `request` would match once they are
-        registered (it waits for them rather than compute them a second time)."""
-        if not self.prefix_cache:
-            return False
-        size, prompt = self.config.page_size, request.tokens[:request.n_prompt - 1]
-        for other in self._running:
-            if other.fed < other.n_prompt and other.extra == request.extra:
-                shared = shared_pages(prompt, other.tokens[:other.n_prompt], size)
-                if shared > other.fed // size:
-                    return True
-        return False
-
-    def _open(self, request) -> None:
-        """Open `request`'s sessions, in the model's table and the draft's, at one
-        position: with the prefix cache, the shorter of the two caches' hits on its
-        prompt (each cache's later pages are recomputed), so the draft is always fed the
-        tokens the model is fed, at the same positions. A refusal closes what it opened."""
-        models = self._models()
-        prompt = request.tokens[:request.n_prompt]
-        hits = [served.indexed(prompt, request.extra) if self.prefix_cache else 0
-                for served in models]
-        sids = []
-        try:
-            for served, hit in zip(models, hits):
-                sids.append(self._open_at(served, request, min(hits), hit))
-            # a match is shortened where a ring pool cannot spare its rows: reopen the
-            # longer sessions at the shortest until they agree (positions only fall)
-            while len({served.table.pos(sid) for served, sid in zip(models, sids)}) > 1:
-                upto = min(served.table.pos(sid) for served, sid in zip(models, sids))
-                for i, served in enumerate(models):
-                    if served.table.pos(sids[i]) > upto:
-                        served.close(sids[i])
-                        sids[i] = self._open_at(served, request, upto, upto + 1)
-        except BaseException:
-            for served, sid in zip(models, sids):
-                served.close(sid)
-            raise
-        request.sid = sids[0]
-        request.fed = request.offered = self.target.table.pos(request.sid)
-        if self.draft:
-            request.dsid = sids[1]
-            request.dfed = request.doffered = request.fed
-
-    def _open_at(self, served, request, upto: int, hit: int) -> int:
-        """A session of `served`'s table for `request` holding at most `upto` positions of
-        its prompt from the prefix index, whose own hit on the prompt is `hit` (the whole
-        prompt is looked up unless that is more; without the prefix cache: empty)."""
-        if not self.prefix_cache:
-            return served.open()
-        end = upto + 1 if hit > upto else request.n_prompt
-        return served.open(request.tokens[:end], request.extra)
-
-    def _register(self, plan) -> None:
-        """Offer each stepped request's newly completed pages of committed positions to
-        its caches' prefix indexes (the ring layers keep a page's rows only while their
-        windows cover them: registered at once, step by step)."""
-        size = self.config.page_size
-        for request in {id(r): r for r, _, _ in plan}.values():
-            if request.fed // size > request.offered // size:
-                self.target.register(request.sid, request.tokens[:request.fed])
-                request.offered = request.fed
-            if self.draft and request.dfed // size > request.doffered // size:
-                self.draft.register(request.dsid, request.tokens[:request.dfed])
-                request.doffered = request.dfed
-
-    def _plan(self) -> list:
-        """`(request, tokens to feed, draft tokens wanted)` for this step, within
-        `max_step` tokens: decoding requests first, then prompt chunks."""
-        budget, plan = self.config.max_step, []
-        decoding = [r for r in self._running if r.fed >= r.n_prompt]
-        for request in decoding:
-            room = self.config.capacity - len(request.tokens)
-            k = min(self.draft_len, room, request.max_new - len(request.new) - 1)
-            feed = request.tokens[request.fed:]
-            if len(feed) + k > budget:
-                continue
-            budget -= len(feed) + k
-            plan.append((request, feed, k))
-        for request in self._running:
-            if request.fed < request.n_prompt and budget > 0:
-                chunk = min(self.config.max_write, request.n_prompt - request.fed, budget)
-                budget -= chunk
-                plan.append((request, request.tokens[request.fed:request.fed + chunk], 0))
-        return plan
-
-    def _propose(self, plan) -> dict:
-        """Run the draft model for the step: its first run prefills the step's prompt
-        chunks and catches each decoding request up to its last token, then one run per
-        draft token. `{rid: (drafts, their draft probabilities or None)}`."""
-        import torch
-        wanted = {r.rid: k for r, _, k in plan if k}
-        proposals = {rid: ([], []) for rid in wanted}
-        inputs, rows, order, at = [], [], [], 0
-        for request, feed, k in plan:
-            tokens = feed if request.fed < request.n_prompt else request.tokens[request.dfed:]
-            if request.fed < request.n_prompt or k:
-                inputs.append((request.dsid, request.dfed, tokens))
-                request.dfed += len(tokens)
-                at += len(tokens)
-            if k:
-                rows.append(at - 1)
-                order.append(request)
-        while inputs:
-            logits = self.draft.run(inputs, rows)
-            inputs, rows, still = [], [], []
-            for i, request in enumerate(order):
-                drafts, probs = proposals[request.rid]
-                if request.sampling.greedy:
-                    token = int(logits[i].argmax())
-                else:
-                    p = request.sampling.probabilities(logits[i:i + 1])
-                    token = int(torch.multinomial(p, 1, generator=request.generator)[0, 0])
-                    probs.append(p[0])
-                drafts.append(token)
-                if len(drafts) < wanted[request.rid]:      # feed it for the next one
-                    inputs.append((request.dsid, request.dfed, [token]))
-                    request.dfed += 1
-                    rows.append(len(rows))
-                    still.append(request)
-            order = still
-        return {rid: (drafts, torch.stack(probs) if probs else None)
-                for rid, (drafts, probs) in proposals.items()}
-
-    def _verify(self, plan, drafts) -> None:
-        """Run the model over the step: prompt chunks, decoding tokens and the drafts to
-        verify; choose each request's tokens."""
-        inputs, rows, spans = [], [], []
-        at = 0
-        for request, feed, k in plan:
-            proposed = drafts.get(request.rid, ([], None))[0]
-            tokens = feed + proposed
-            inputs.append((request.sid, request.fed, tokens))
-            at += len(tokens)
-            ends_prompt = request.fed + len(feed) >= request.n_prompt
-            first = at - len(proposed) - 1
-            picks = list(range(first, at)) if ends_prompt else []
-            spans.append((len(rows), len(picks)))
-            rows += picks
-        logits = self.target.run(inputs, rows)
-        for (request, feed, k), (row, count) in zip(plan, spans):
-            request.fed += len(feed)
-            if not count:
-                continue
-            proposed, probs = drafts.get(request.rid, ([], None))
-            chosen = request.sampling.accept(logits[row:row + count], proposed, probs,
-                                             request.generator)
-            self.proposed += len(proposed)
-            self.accepted += len(chosen) - 1
-            if request.n > 1:                          # prompt done: fork it
-                self._fork(request, logits[row:row + 1])
-            request.fed = len(request.tokens) + len(chosen) - 1
-            request.tokens += chosen
-            if self.draft:
-                request.dfed = min(request.dfed, request.fed)
-            request.finish_if_due()
-
-    def _fork(self, request, logits) -> None:
-        """`request.n - 1` copies of a request whose prompt is prefilled, each with its
-        own first token from the same logits."""
-        import torch
-        for i in range(1, request.n):
-            generator = torch.Generator(device=self.target.device)
-            generator.manual_seed(int(torch.randint(2**62, (), generator=request.generator)))
-            child = Request(list(request.tokens), request.n_prompt, request.max_new,
-                            request.sampling, request.eos, None, rid=request.rid,
-                            generator=generator, sid=self.target.clone(request.sid),
-                            fed=request.fed, group=request.group, extra=request.extra,
-                            offered=request.offered, doffered=request.doffered)
-            if self.draft:
-                child.dsid = self.draft.clone(request.dsid)
-                child.dfed = request.dfed
-            child.tokens.append(int(request.sampling.choose(logits, generator)[0]))
-            child.fed = len(child.tokens) - 1
-            child.finish_if_due()
-            request.group.append(child)
-            self._running.append(child)
-        request.n = 1
-
-    def _retire(self) -> list:
-        """Close the sessions of finished sequences; `(rid, tokens)` of each request all
-        of whose sequences are done (`n > 1`: the list of their token lists)."""
-        finished, reported = [], set()
-        for request in [r for r in self._running if r.done]:
-            self._running.remove(request)
-            self._close(request)
-            group = request.group
-            if id(group) not in reported and all(s.done for s in group) and group[0].n == 1:
-                reported.add(id(group))
-                outs = [s.new for s in group]
-                finished.append((request.rid, outs if len(outs) > 1 else outs[0]))
-        return finished
-
-
-def shared_pages(a: list, b: list, page_size: int) -> int:
-    """Whole pages of `a` that `b` begins with too."""
-    n = min(len(a), len(b)) // page_size * page_size
-    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
-    return (int(differs[0]) if differs.size else n) // page_size
-
-
-def budgeted(configs: list, kv_bytes: int) -> list:
-    """`configs` made fixed pools sharing `kv_bytes` in proportion to their bytes per
-    token (so each holds as many positions); `ConfigError` when a share is too small
-    for a pool."""
-    total = sum(config.bytes_per_token for config in configs)
-    return [config.fixed_pool(kv_bytes * config.bytes_per_token // total) for config in configs]
-
-
-def _name_failed(exc: BaseException, failed: list) -> None:
-    """Tell a step's exception which requests it ended (`failed_requests`, and a note)."""
-    try:
-        exc.failed_requests = tuple(failed)
-    except AttributeError:                  # an exception type that takes no attributes
-        pass
-    if failed and hasattr(exc, "add_note"):
-        exc.add_note(f"kvnumba.hf.Engine: the step failed; requests {failed} ended, their "
-                     f"sequences freed")
+            self._seating.register({id(s): s for s, _, _ in plan}.values())
+        return self._stepper.retire()

@@ -1,6 +1,7 @@
-"""A request of the engine (`Request`) and every check made of it before anything is
-queued, drawn or seeded (contract §13): prompts, counts, sampling options, the eos ids
-and the seed, each refused with a typed error naming what to pass."""
+"""A request's sequences (`Sequence`, each with its `Seat` in every served model) and
+every check made of a request before anything is queued, drawn or seeded (contract
+§13): prompts, counts, sampling options, the eos ids and the seed, each refused with a
+typed error naming what to pass."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,29 +18,41 @@ SEED_END = 2**64
 
 
 @dataclass
-class Request:
-    """One sequence being generated (a request with `n > 1` is `n` of them, forked
-    from the first once its prompt is prefilled). `rid` and `generator` are set when
-    the request is queued; `seed` is None where the engine draws one."""
+class Seat:
+    """A sequence's place in one served model's cache: its session in the model's table,
+    the positions the cache holds that stand, and those offered to the prefix index."""
+
+    sid: int
+    fed: int
+    offered: int
+
+
+@dataclass(kw_only=True)
+class Sequence:
+    """One sequence of a request being generated (a request with `n > 1` is `n` of them,
+    forked from the first once its prompt is prefilled). `rid` and `generator` are set
+    when the request is queued; `seed` is None where the engine draws one. `seats`: its
+    `Seat` in each served model (the model's first, then the draft's), empty while it
+    waits."""
 
     tokens: list            # prompt, then the tokens generated so far
     n_prompt: int
     max_new: int
     sampling: Sampling
     eos: frozenset
-    seed: int | None
+    seed: int | None = None
     n: int = 1              # forks still to make from this one after its prefill
     rid: int | None = None
     generator: object = None
-    sid: int | None = None  # its session in the target's table (None: waiting)
-    dsid: int | None = None  # its session in the draft's table
-    fed: int = 0            # positions the target's cache holds that stand
-    dfed: int = 0           # positions the draft's cache holds that stand
+    seats: list = field(default_factory=list)
     extra: bytes = b""      # the prefix index's extra key of its pages
-    offered: int = 0        # positions offered to the target's prefix index so far
-    doffered: int = 0       # and to the draft's
     done: bool = False
     group: list = field(default_factory=list)   # the request's sequences, in order (shared)
+
+    @property
+    def fed(self) -> int:
+        """Positions the model's cache holds that stand (0 while waiting)."""
+        return self.seats[0].fed if self.seats else 0
 
     @property
     def new(self) -> list:
@@ -57,9 +70,10 @@ class Request:
 
 
 def checked_request(prompt, *, vocab: int, capacity: int, max_seqs: int, max_new_tokens,
-                    temperature, top_p, seed, eos_token_id, n, extra_key=None) -> Request:
-    """A `Request` for `prompt` once every option is checked (nothing drawn, nothing
-    seeded): `ConfigError` or `CapacityError` naming the option and what to pass."""
+                    temperature, top_p, seed, eos_token_id, n, extra_key=None) -> Sequence:
+    """The first `Sequence` of a request for `prompt` once every option is checked
+    (nothing drawn, nothing seeded): `ConfigError` or `CapacityError` naming the option
+    and what to pass."""
     tokens = checked_prompt(prompt, vocab)
     max_new = as_count(max_new_tokens, "max_new_tokens", 1)
     n = as_count(n, "n", 1)
@@ -74,8 +88,9 @@ def checked_request(prompt, *, vocab: int, capacity: int, max_seqs: int, max_new
         extra = extra_bytes(extra_key)
     except ShapeError as exc:
         raise ConfigError(str(exc)) from None
-    return Request(tokens, len(tokens), max_new, sampling, checked_eos(eos_token_id, vocab),
-                   checked_seed(seed), n=n, extra=extra)
+    return Sequence(tokens=tokens, n_prompt=len(tokens), max_new=max_new, sampling=sampling,
+                    eos=checked_eos(eos_token_id, vocab), seed=checked_seed(seed), n=n,
+                    extra=extra)
 
 
 def checked_prompt(prompt, vocab: int) -> list:
