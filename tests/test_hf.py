@@ -73,7 +73,7 @@ def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
         module = kw.pop("module")
         with pytest.raises(kv.ConfigError, match=match):
             attend(module, q, k, k, **kw)
-    assert not cache._step.written.any() and cache.step_state == kv.StepState.PREPARED
+    assert not cache._steps.step.written.any() and cache.step_state == kv.StepState.PREPARED
 
 
 def test_a_bounded_page_pool_admits_requests_as_their_pages_fit():

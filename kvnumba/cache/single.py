@@ -55,12 +55,9 @@ class OneSequenceFace:
         return self._inner.prepare_step(width)
 
     def commit_step(self) -> None:
-        """Advance the sequence by the step's tokens: `pos += n_tokens`, COMMITTED.
-
-        A step that wrote some layers and not others is refused (`StepProtocolError`
-        naming the unwritten layers; `abort_step` discards it); a step that wrote no
-        layer commits positions only.
-        """
+        """Advance the sequence by the step's tokens: `pos += n_tokens`, COMMITTED;
+        refused as `BatchedSequenceCache.commit_step` refuses a step written in some
+        layers only (`StepProtocolError`; `abort_step` discards it)."""
         self._inner.commit_step()
 
     def abort_step(self) -> None:
