@@ -9,9 +9,9 @@
 - `python -m kvnumba.bench.kernels`: write, clone and attention kernels on a CUDA GPU
   (fractions of a 1 GiB copy's bandwidth, TFLOP/s against a large fp16 matmul,
   PyTorch SDPA and FlashAttention varlen as peers with the `torch` extra; the bfloat16
-  cases need the `bf16` extra). The kernel bench is `kernels.py`, its sizes
-  `kernelsizes.py`, its harness `kernelharness.py`, its peers `kernelpeers.py`, its
-  cases `kernelmoves.py` and `kernelattention.py`, its report `kernelreport.py`.
+  cases need the `bf16` extra). The kernel bench is the `kernels/` folder: its
+  runner `run.py`, sizes `sizes.py`, harness `harness.py`, peers `peers.py`, cases
+  `moves.py` and `attention.py`, and report `report.py`.
 - `python -m kvnumba.bench.prefix`: prefix reuse through the prefix index, on and off: prompt
   tokens computed, pages held and the share of each prompt served from the index in a
   control-plane serving loop (deterministic counts), and host µs per page looked up and

@@ -10,7 +10,7 @@ chip's bandwidth with few instructions per key. This module is the path's host f
   segments cut into several;
 * `prepare` (a `DecodeRun`, once per step and layer window) and `run` (per layer):
   the launch bound once per signature, then only each layer's arrays and scalars;
-* `supports` / `block_rows` (from `decode_shape`): what the path serves, rows per
+* `supports` / `block_rows` (from `decode.shape`): what the path serves, rows per
   block.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ Decode segments (at most `DECODE_MAX_Q_LEN` queries each) read every key of thei
 history once per step and do little arithmetic with it, so the kernel is shaped to
 stream K and V at the chip's bandwidth with few instructions per key.
 
-* Work (`plan`, host, in `decode.chunks`): each served segment's key range, the union
+* Work (`chunk_tables`, host, in `decode.chunks`): each served segment's key range, the union
   of its queries' visible intervals, is cut into chunks of `CHUNK_KEYS` keys (the last
   one taking a remainder under half a chunk), one block each per kv head and row
   group. Long sequences get many chunks, short ones one, so a skewed batch is

@@ -1,7 +1,7 @@
 """The decode kernel's shape: how a key row maps onto a warp (`Geometry`), rows per
 block (`block_rows`), and every compile-time number one specialisation is built from
 (`KernelShape`), shared by its kernel (`decode_kernel`) and its per-trip device
-functions (`decode_trip`)."""
+functions (`decode.trip`)."""
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass
@@ -46,7 +46,7 @@ class Geometry:
     """How a key row of `head_dim` elements of `itemsize` bytes maps onto a warp.
 
     load: bytes per load (16; 8 for 8-bit floats, so that their rows spread over as many
-    lanes, and hold as few values a lane, as 16-bit rows do: `decode_words.load_bytes`);
+    lanes, and hold as few values a lane, as 16-bit rows do: `words.load_bytes`);
     vec: elements per load; pieces: loads per key row; lanes: lanes per key
     (a power of two, idle lanes when `pieces` is not); per_lane: loads per lane
     per key; elements: key elements per lane; key_slots: keys a warp takes at once;

@@ -1,6 +1,6 @@
 """The prefill attention kernel on tensor cores, FlashAttention-2 style, for 16-bit K/V
 storage, or 8-bit float storage converted to a 16-bit type as it is staged
-(`prefill_staging`; `prefill` plans and launches it).
+(`prefill.staging`; `prefill` plans and launches it).
 
 Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
 ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and

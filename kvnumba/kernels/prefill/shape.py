@@ -1,7 +1,7 @@
 """The tensor-core prefill kernel's shapes: tiles per head_dim, the shared-memory and
 staging layouts, and every compile-time number of one specialisation (`PrefillShape`),
-shared by its kernel (`prefill_kernel`) and its device functions (`prefill_staging`,
-`prefill_math`)."""
+shared by its kernel (`prefill_kernel`) and its device functions (`prefill.staging`,
+`prefill.arithmetic`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
