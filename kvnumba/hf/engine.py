@@ -267,18 +267,18 @@ class Engine:
         return finished
 
     def _step(self) -> list:
-        """One step of the engine that serves the requests: admit, plan, draft, verify,
+        """One step of the engine that serves the requests: admit, schedule, draft, verify,
         register, retire."""
         roster = self._roster
         roster.stepping = []          # the sequences this step admits or runs
         self._admission.admit()
-        plan = self._stepper.plan()
-        roster.stepping += [seq for seq, _, _ in plan]
+        schedule = self._stepper.schedule()
+        roster.stepping += [seq for seq, _, _ in schedule]
         roster.running = roster.running[1:] + roster.running[:1]   # a fair turn at the budget
-        if not plan:
+        if not schedule:
             return []
-        drafts = speculative.propose(self.draft, plan) if self.draft else {}
-        self._stepper.verify(plan, drafts)
+        drafts = speculative.propose(self.draft, schedule) if self.draft else {}
+        self._stepper.verify(schedule, drafts)
         if self.prefix_cache:
-            self._seating.register({id(s): s for s, _, _ in plan}.values())
+            self._seating.register({id(s): s for s, _, _ in schedule}.values())
         return self._stepper.retire()

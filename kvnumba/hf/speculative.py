@@ -6,15 +6,15 @@ from __future__ import annotations
 from .seating import DRAFT
 
 
-def propose(draft, plan: list) -> dict:
-    """Run `draft` (the served draft model) for the step `plan` (`(sequence, tokens to
+def propose(draft, schedule: list) -> dict:
+    """Run `draft` (the served draft model) for the step's `schedule` (`(sequence, tokens to
     feed, draft tokens wanted)`): `{rid: (drafts, their draft probabilities or None)}` of
     each sequence that wants drafts, its draft seat fed the tokens it was run over."""
     import torch
-    wanted = {s.rid: k for s, _, k in plan if k}
+    wanted = {s.rid: k for s, _, k in schedule if k}
     proposals = {rid: ([], []) for rid in wanted}
     inputs, rows, order, at = [], [], [], 0
-    for seq, feed, k in plan:
+    for seq, feed, k in schedule:
         seat = seq.seats[DRAFT]
         tokens = feed if seq.fed < seq.n_prompt else seq.tokens[seat.fed:]
         if seq.fed < seq.n_prompt or k:

@@ -1,5 +1,5 @@
 """The step itself: which tokens of the running sequences it feeds within `max_step`
-(`plan`), the model run over them that verifies the drafts and chooses each sequence's
+(`schedule`), the model run over them that verifies the drafts and chooses each sequence's
 tokens, the forks of a request whose prompt is done, and the sequences it finishes."""
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ class Stepper:
         self.roster, self.seating, self.counts = roster, seating, counts
         self.config, self.draft_len = config, draft_len
 
-    def plan(self) -> list:
+    def schedule(self) -> list:
         """`(sequence, tokens to feed, draft tokens wanted)` for this step, within
         `max_step` tokens: decoding sequences first, then prompt chunks."""
-        budget, plan = self.config.max_step, []
+        budget, schedule = self.config.max_step, []
         running = self.roster.running
         for seq in [s for s in running if s.fed >= s.n_prompt]:
             room = self.config.capacity - len(seq.tokens)
@@ -29,20 +29,20 @@ class Stepper:
             if len(feed) + k > budget:
                 continue
             budget -= len(feed) + k
-            plan.append((seq, feed, k))
+            schedule.append((seq, feed, k))
         for seq in running:
             if seq.fed < seq.n_prompt and budget > 0:
                 chunk = min(self.config.max_write, seq.n_prompt - seq.fed, budget)
                 budget -= chunk
-                plan.append((seq, seq.tokens[seq.fed:seq.fed + chunk], 0))
-        return plan
+                schedule.append((seq, seq.tokens[seq.fed:seq.fed + chunk], 0))
+        return schedule
 
-    def verify(self, plan: list, drafts: dict) -> None:
+    def verify(self, schedule: list, drafts: dict) -> None:
         """Run the model over the step: prompt chunks, decoding tokens and the drafts to
         verify (`drafts`: `speculative.propose`'s); choose each sequence's tokens."""
         inputs, rows, spans = [], [], []
         at = 0
-        for seq, feed, _ in plan:
+        for seq, feed, _ in schedule:
             proposed = drafts.get(seq.rid, ([], None))[0]
             tokens = feed + proposed
             inputs.append((seq.seats[MODEL].sid, seq.fed, tokens))
@@ -53,7 +53,7 @@ class Stepper:
             spans.append((len(rows), len(picks)))
             rows += picks
         logits = self.seating.models[MODEL].run(inputs, rows)
-        for (seq, feed, _), (row, count) in zip(plan, spans):
+        for (seq, feed, _), (row, count) in zip(schedule, spans):
             seat = seq.seats[MODEL]
             seat.fed += len(feed)
             if not count:
