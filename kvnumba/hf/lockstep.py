@@ -24,12 +24,13 @@ naming the step and the ranks that differ from rank 0, when they do not all agre
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import pickle
 
 from .. import SlotState
 from ..errors import RankDivergenceError
-from .served import ServedModel
+from .served import TABLE_VERBS, ServedModel
 
 #: what each part of a rank's digest covers, in the digest's order after the requests
 MODEL_NAMES = ("the model's cache", "the draft model's cache")
@@ -62,16 +63,17 @@ class Lockstep:
         return served
 
     # ------------------------------------------------------------------ rank 0
-    def record(self, served, verb: str, *args) -> None:
-        """Note a verb rank 0 applied to `served`'s table, for the next broadcast."""
-        self._pending.append((self.models.index(served), verb, args))
+    def record(self, served, verb: str, args: tuple, made=None) -> None:
+        """Note a verb rank 0 applied to `served`'s table with `args` (and the session id
+        it `made`), for the next broadcast."""
+        self._pending.append((self.models.index(served), verb, args, made))
 
     def send_run(self, served, inputs, rows) -> None:
         """Send the verbs recorded so far and a run of `served` over `inputs` (logits at
         `rows`) to the other ranks, which start it as rank 0 does."""
         inputs = [(int(sid), int(start), [int(t) for t in tokens])
                   for sid, start, tokens in inputs]
-        self.record(served, "run", inputs, [int(row) for row in rows])
+        self.record(served, "run", (inputs, [int(row) for row in rows]))
         self._broadcast([self._pending])
         self._pending = []
 
@@ -81,7 +83,7 @@ class Lockstep:
         is still `busy`, its `counters`, and the exception its step raised (None); then
         check the ranks (`ids`: request ids drawn)."""
         sent = None if failure is None else portable(failure)
-        self._pending.append((None, "end", (finished, busy, counters, sent)))
+        self._pending.append((None, "end", (finished, busy, counters, sent), None))
         self._broadcast([self._pending])
         self._pending = []
         self._after_step(ids)
@@ -98,7 +100,7 @@ class Lockstep:
         while True:
             message = [None]
             self._broadcast(message)
-            for which, verb, args in message[0]:
+            for which, verb, args, made in message[0]:
                 if verb == "end":
                     finished, self.busy, counters, failure = args
                     self._after_step(ids)
@@ -108,27 +110,25 @@ class Lockstep:
                 if verb == "run" and failed is not None:
                     continue                 # the runs after a failed one: not entered
                 try:
-                    self._apply(self.models[which], self._sids[which], verb, args)
+                    self._apply(self.models[which], self._sids[which], verb, args, made)
                 except Exception as exc:     # noqa: BLE001  (raised at the step's end)
                     failed = exc
 
     @staticmethod
-    def _apply(served, sids: dict, verb: str, args: tuple) -> None:
-        """One of rank 0's verbs on this rank's `served`, its session ids mapped."""
-        if verb == "open":
-            sid, prompt, extra = args
-            sids[sid] = served.open(prompt, extra)
-        elif verb == "clone":
-            source, sid = args
-            sids[sid] = served.clone(sids[source])
-        elif verb == "close":
-            served.close(sids.pop(args[0]))
-        elif verb == "register":
-            sid, tokens = args
-            served.register(sids[sid], tokens)
-        else:
+    def _apply(served, sids: dict, verb: str, args: tuple, made) -> None:
+        """One of rank 0's verbs on this rank's `served`, its session ids mapped (`made`:
+        the session id rank 0's verb returned)."""
+        if verb == "run":
             inputs, rows = args
             served.run([(sids[sid], start, tokens) for sid, start, tokens in inputs], rows)
+            return
+        spec = TABLE_VERBS[verb]
+        mapped = (sids[args[0]],) + args[1:] if spec.takes else args
+        result = getattr(served, verb)(*mapped)
+        if spec.makes:
+            sids[made] = result
+        if spec.ends:
+            del sids[args[0]]
 
     # ------------------------------------------------------------------ every rank
     def _broadcast(self, message: list) -> None:
@@ -176,35 +176,34 @@ def _ranks(differ: dict) -> str:
 
 
 class LeadingModel(ServedModel):
-    """A served model on rank 0 (module doc): each verb that changes its table is applied,
-    then recorded for the other ranks; each run is sent to them before it starts, since
-    every rank enters the model's forward together."""
+    """A served model on rank 0 (module doc): each verb of `TABLE_VERBS` is applied, then
+    recorded for the other ranks; each run is sent to them before it starts, since every
+    rank enters the model's forward together."""
 
     def __init__(self, model, config, lockstep: Lockstep):
         super().__init__(model, config)
         self.lockstep = lockstep
 
-    def open(self, prompt=None, extra: bytes = b"") -> int:
-        sid = super().open(prompt, extra)
-        self.lockstep.record(self, "open", int(sid), prompt, extra)
-        return sid
-
-    def clone(self, sid: int) -> int:
-        fork = super().clone(sid)
-        self.lockstep.record(self, "clone", int(sid), int(fork))
-        return fork
-
-    def close(self, sid: int) -> None:
-        super().close(sid)
-        self.lockstep.record(self, "close", int(sid))
-
-    def register(self, sid: int, tokens: list) -> None:
-        super().register(sid, tokens)
-        self.lockstep.record(self, "register", int(sid), list(tokens))
-
     def run(self, inputs, rows):
         self.lockstep.send_run(self, inputs, rows)
         return super().run(inputs, rows)
+
+
+def _recorded(spec):
+    """`ServedModel`'s verb `spec`, applied and then recorded on rank 0's lockstep."""
+    verb = getattr(ServedModel, spec.name)
+
+    @functools.wraps(verb)
+    def recorded(self, *args):
+        result = verb(self, *args)
+        sent = (int(args[0]),) + args[1:] if spec.takes else args
+        self.lockstep.record(self, spec.name, sent, int(result) if spec.makes else None)
+        return result
+    return recorded
+
+
+for _spec in TABLE_VERBS.values():
+    setattr(LeadingModel, _spec.name, _recorded(_spec))
 
 
 def tables_digest(served) -> str:

@@ -4,11 +4,35 @@ table, and what its pools can hold."""
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
 from .attention import ATTENTION
+
+
+@dataclass(frozen=True)
+class TableVerb:
+    """A verb of `ServedModel` that changes its session table (`TABLE_VERBS`): whether its
+    first argument is a session id (`takes`), whether it returns a new one (`makes`) and
+    whether it closes its first argument's session (`ends`)."""
+
+    name: str
+    takes: bool = False
+    makes: bool = False
+    ends: bool = False
+
+
+#: The verbs that change a served model's session table, listed once: the engine's every
+#: decision about the model's cache goes through them (and `run`), so rank 0 of a split
+#: model records them and the other ranks replay them (`lockstep`).
+TABLE_VERBS = {verb.name: verb for verb in (
+    TableVerb("open", makes=True),
+    TableVerb("clone", takes=True, makes=True),
+    TableVerb("close", takes=True, ends=True),
+    TableVerb("register", takes=True),
+)}
 
 
 class ServedModel:
@@ -50,8 +74,7 @@ class ServedModel:
         size = self.cache.config.page_size
         return self.cache.prefix_match(page_keys(prompt[:-1], size, extra)) * size
 
-    # the verbs that change the table: the engine's every decision about this model's
-    # cache goes through them (and `run`), so rank 0 of a split model can pass them on
+    # the verbs that change the table (`TABLE_VERBS`)
     def open(self, prompt=None, extra: bytes = b"") -> int:
         """A session for a request: from the longest indexed prefix of `prompt`, or empty
         when `prompt` is None."""
