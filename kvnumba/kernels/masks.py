@@ -16,13 +16,18 @@ both operands' widths, a 32-bit path and a call of a software routine
 (`__cuda_sm20_div_s64`, ~80 instructions). `div32` / `divmod32` divide operands known
 to be below 2**32 in one `div.u32`; `step_on` moves a pair of indices (plane and row,
 head and dim) along a grid-stride loop with no division at all.
+
+The vector writes (`moves.write`, `moves.write_fp8`) share their walk over a block row's
+tokens (`token_runs`) and the clamped vector indices of one trip of their wide loops
+(`clamped_trip`).
 """
 from __future__ import annotations
 
 from ..device import cuda
+from .intrinsics import ptx
 from ..host.positions import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 
-from numba import int32, int64, uint32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import int32, int64, uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
 
 @cuda.jit(device=True, inline="always")
@@ -147,3 +152,45 @@ def token_lanes(ring_rows, page_bits):
             uint32(cuda.threadIdx.x), uint32(cuda.blockDim.x),
             uint32(cuda.blockIdx.x * cuda.blockDim.y + cuda.threadIdx.y),
             uint32(cuda.gridDim.x * cuda.blockDim.y))
+
+
+def clamped_trip(trip: int):
+    """The device function `(at, first, step, last, scale) -> vector` of a wide loop's
+    trip of `trip` vectors (a compile-time count, so `at` lives in registers): `at[j]`
+    (uint64) is the trip's vector `j`, `first + j * step` clamped to `last` (uint32
+    vector indices), times `scale`; it returns the trip's last vector, from which the
+    next trip starts `step` on."""
+    @cuda.jit(device=True, inline="always")
+    def trip_at(at, first, step, last, scale):
+        vector = first
+        for j in range(trip):
+            if j > 0:
+                vector = min(uint32(vector + step), last)
+            at[j] = uint64(vector) * scale
+        return vector
+    return trip_at
+
+
+def token_runs(move):
+    """The device function `(k_store, v_store, k, v, tables, width, ring_rows, pages,
+    page_bits, run, last, k_inv, v_inv)` of the vector writes: a block row's tokens in a
+    grid stride (`token_lanes`), each one written (`tables[token]`, its sequence, `>= 0`;
+    `tables[width + token]` its position) handed to `move(k_to, v_to, k_from, v_from,
+    first, step, last, k_inv, v_inv)` as byte views from its run of `run` elements in
+    storage (its slot, `token_slot`) and in the input, with the lane's first vector, its
+    stride and the run's `last` vector (uint32)."""
+    @cuda.jit(device=True, inline="always")
+    def walk(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits, run, last,
+             k_inv, v_inv):
+        ring, shift, in_page, first, step, token, stride = token_lanes(ring_rows, page_bits)
+        while token < uint32(width):
+            seq, position = seq_and_position(tables, width, token)
+            if seq >= 0:
+                slot = token_slot(pages, seq, position, ring, shift, in_page)
+                start = ptx.mul_wide_u32(token, run)             # input elements
+                at = ptx.mul_wide_u32(slot, run)                 # storage elements
+                move(ptx.bytes_from(k_store, at), ptx.bytes_from(v_store, at),
+                     ptx.bytes_from(k, start), ptx.bytes_from(v, start), first, step, last,
+                     k_inv, v_inv)
+            token = uint32(token + stride)
+    return walk

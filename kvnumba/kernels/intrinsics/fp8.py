@@ -21,30 +21,34 @@ from .ptxgen import F32, I32, asm, cast, check_integers, check_numbers, named, s
 
 from numba.cuda import types  # noqa: E402  (after kvnumba.device chose the target)
 
-F32X4 = types.UniTuple(types.float32, 4)
-
-
-def _widen4(name, fmt):
-    def widen(typingctx, u):
+def _from_word(name: str, doc: str, code: str, constraints: str, register, element, n: int):
+    """The intrinsic `name(u) -> n values` of type `element` (PTX registers `register`)
+    from uint32 word `u`, computed by PTX `code` (its outputs `$0 .. $n-1`, the word
+    `$n`), documented by `doc`."""
+    def unpack(typingctx, u):
         check_integers(name, u)
 
         def codegen(context, builder, sig, args):
             (word,) = cast(context, builder, args, sig.args, types.uint32)
-            values = asm(builder, "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 w0, w1; "
-                                  "mov.b32 {lo, hi}, $4; "
-                                  f"cvt.rn.f16x2.{fmt}x2 w0, lo; cvt.rn.f16x2.{fmt}x2 w1, hi; "
-                                  "mov.b32 {h0, h1}, w0; mov.b32 {h2, h3}, w1; "
-                                  "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; "
-                                  "cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
-                         "=f,=f,=f,=f,r", [F32] * 4, [word])
+            values = asm(builder, code, constraints, [register] * n, [word])
             return context.make_tuple(builder, sig.return_type, values)
 
-        return F32X4(u), codegen
+        return types.UniTuple(element, n)(u), codegen
 
-    return named(name, f"""
+    return named(name, doc, unpack)
+
+
+def _widen4(name, fmt):
+    return _from_word(name, f"""
         `{name}(u) -> (a, b, c, d)` float32, exact: the four {fmt} bytes of uint32 `u`,
         lowest byte first (`cvt.rn.f16x2.{fmt}x2` twice, then `cvt.f32.f16`).
-        """, widen)
+        """, "{ .reg .b16 lo, hi, h0, h1, h2, h3; .reg .b32 w0, w1; "
+             "mov.b32 {lo, hi}, $4; "
+             f"cvt.rn.f16x2.{fmt}x2 w0, lo; cvt.rn.f16x2.{fmt}x2 w1, hi; "
+             "mov.b32 {h0, h1}, w0; mov.b32 {h2, h3}, w1; "
+             "cvt.f32.f16 $0, h0; cvt.f32.f16 $1, h1; "
+             "cvt.f32.f16 $2, h2; cvt.f32.f16 $3, h3; }",
+        "=f,=f,=f,=f,r", F32, types.float32, 4)
 
 
 def _narrow4(name, fmt):
@@ -99,22 +103,12 @@ def _f16_narrow4(name, fmt):
 
 
 def _to_f16x4(name, fmt):
-    def widen(typingctx, u):
-        check_integers(name, u)
-
-        def codegen(context, builder, sig, args):
-            (word,) = cast(context, builder, args, sig.args, types.uint32)
-            words = asm(builder, "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-                                 f"cvt.rn.f16x2.{fmt}x2 $0, lo; cvt.rn.f16x2.{fmt}x2 $1, hi; }}",
-                        "=r,=r,r", [I32] * 2, [word])
-            return context.make_tuple(builder, sig.return_type, words)
-
-        return types.UniTuple(types.uint32, 2)(u), codegen
-
-    return named(name, f"""
+    return _from_word(name, f"""
         `{name}(u) -> (lo, hi)` uint32: the four {fmt} bytes of uint32 `u` as two float16
         pairs, exactly (`lo` holds bytes 0 and 1, byte 0 in its low half).
-        """, widen)
+        """, "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+             f"cvt.rn.f16x2.{fmt}x2 $0, lo; cvt.rn.f16x2.{fmt}x2 $1, hi; }}",
+        "=r,=r,r", I32, types.uint32, 2)
 
 
 f16x4_to_e4m3x4 = _f16_narrow4("f16x4_to_e4m3x4", "e4m3")

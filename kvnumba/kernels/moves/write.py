@@ -41,8 +41,8 @@ from . import write_fp8
 from ..launch.constants import FP8_FORMATS
 from ..launch.calling import (MAX_BLOCKS, PER_CALL, VECTOR_BYTES, Specialised, aligned,
                               ceil_div, run_block)
-from ..masks import (divmod32, page_slot, seq_and_position, step_on, storage_row, token_lanes,
-                     token_slot)
+from ..masks import (clamped_trip, divmod32, page_slot, seq_and_position, step_on, storage_row,
+                     token_runs)
 
 from numba import uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -68,6 +68,9 @@ def run_grid(runs: int, rows: int) -> int:
     return min(MAX_BLOCKS, ceil_div(runs, rows))
 
 
+_trip_at = clamped_trip(TRIP_VECTORS)
+
+
 @cuda.jit(device=True, inline="always")
 def move_vectors(k_to, v_to, k_from, v_from, first, step, last):
     """Copy 16-byte vectors `first`, `first + step`, ... up to `last` (uint32 vector
@@ -82,11 +85,7 @@ def move_vectors(k_to, v_to, k_from, v_from, first, step, last):
     v_words = cuda.local.array((TRIP_VECTORS, 4), uint32)
     e = first
     while e <= last:
-        vector = e
-        for j in range(TRIP_VECTORS):
-            if j > 0:
-                vector = min(uint32(vector + step), last)
-            at[j] = uint64(vector) * uint64(VECTOR_BYTES)   # each address one multiply-add
+        vector = _trip_at(at, e, step, last, uint64(VECTOR_BYTES))   # one multiply-add each
         for j in range(TRIP_VECTORS):
             k_words[j, 0], k_words[j, 1], k_words[j, 2], k_words[j, 3] = ptx.ld_v4(k_from, at[j])
         for j in range(TRIP_VECTORS):
@@ -98,27 +97,27 @@ def move_vectors(k_to, v_to, k_from, v_from, first, step, last):
         e = uint32(vector + step)
 
 
+@cuda.jit(device=True, inline="always")
+def _move_token(k_to, v_to, k_from, v_from, first, step, last, k_inv, v_inv):
+    """`move_vectors` of a token's runs, which are not scaled (`token_runs`' move)."""
+    move_vectors(k_to, v_to, k_from, v_from, first, step, last)
+
+
+_vector_tokens = token_runs(_move_token)
+
+
 @cuda.jit
 def _write_vectors(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits):
     """Lane `threadIdx.x` of a block row moves vectors `lane`, `lane + blockDim.x`, ... of
-    each of the row's tokens, K and V (`move_vectors`).
+    each of the row's tokens, K and V (`move_vectors`, over `masks.token_runs`).
 
     `tables[token]` is the token's sequence (its row of `pages`; negative: write
     nowhere), `tables[width + token]` its position.
     """
     run = uint32(k.shape[1] * k.shape[2])                          # elements per token
     last = uint32(uint32(uint32(run * uint32(k.itemsize)) >> uint32(4)) - uint32(1))
-    ring, shift, in_page, first, step, token, stride = token_lanes(ring_rows, page_bits)
-    while token < uint32(width):
-        seq, position = seq_and_position(tables, width, token)
-        if seq >= 0:
-            slot = token_slot(pages, seq, position, ring, shift, in_page)
-            start = ptx.mul_wide_u32(token, run)                 # in elements
-            at = ptx.mul_wide_u32(slot, run)
-            move_vectors(ptx.bytes_from(k_store, at), ptx.bytes_from(v_store, at),
-                         ptx.bytes_from(k, start), ptx.bytes_from(v, start), first, step,
-                         last)
-        token = uint32(token + stride)
+    _vector_tokens(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits, run,
+                   last, ONE, ONE)
 
 
 @cuda.jit

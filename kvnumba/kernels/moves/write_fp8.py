@@ -22,7 +22,7 @@ from ...device import cuda
 from ..intrinsics import fp8, ptx
 from ..intrinsics.words import WIDEN
 from ..launch.calling import Specialised, ceil_div, run_block
-from ..masks import seq_and_position, token_lanes, token_slot
+from ..masks import clamped_trip, token_runs
 
 from numba import float32, uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -92,6 +92,7 @@ def narrow_kernel(source: str, fmt: str, scaled: bool):
         narrow_words = _widened_words(f32_narrow, WIDEN[np.dtype(source)], LOADS)
     SOURCE_BYTES = VALUES * itemsize                 # input bytes of one stored vector
     TRIP = trip_vectors(source)
+    trip_at = clamped_trip(TRIP)
 
     @cuda.jit(device=True, inline="always")
     def narrow_run(k_to, v_to, k_from, v_from, first, step, last, k_inv, v_inv):
@@ -105,11 +106,7 @@ def narrow_kernel(source: str, fmt: str, scaled: bool):
         v_words = cuda.local.array((TRIP, LOADS, 4), uint32)
         e = first
         while e <= last:
-            vector = e
-            for j in range(TRIP):
-                if j > 0:
-                    vector = min(uint32(vector + step), last)
-                at[j] = uint64(vector)
+            vector = trip_at(at, e, step, last, uint64(1))
             for j in range(TRIP):
                 for n in range(LOADS):
                     k_words[j, n, 0], k_words[j, n, 1], k_words[j, n, 2], k_words[j, n, 3] = \
@@ -126,24 +123,17 @@ def narrow_kernel(source: str, fmt: str, scaled: bool):
                 ptx.st_v4(v_to, at[j] * uint64(16), w0, w1, w2, w3)
             e = uint32(vector + step)
 
+    narrow_tokens = token_runs(narrow_run)
+
     @cuda.jit
     def write_fp8(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits, k_inv,
                   v_inv):
         """Lane `threadIdx.x` of a block row narrows stored vectors `lane`, `lane +
-        blockDim.x`, ... of each of the row's tokens, K and V. `tables` as
-        `write._write_vectors`'."""
+        blockDim.x`, ... of each of the row's tokens, K and V (`narrow_run`, over
+        `masks.token_runs`). `tables` as `write._write_vectors`'."""
         run = uint32(k.shape[1] * k.shape[2])                      # values per token
         last = uint32(uint32(run >> uint32(4)) - uint32(1))        # its last stored vector
-        ring, shift, in_page, first, step, token, stride = token_lanes(ring_rows, page_bits)
-        while token < uint32(width):
-            seq, position = seq_and_position(tables, width, token)
-            if seq >= 0:
-                slot = token_slot(pages, seq, position, ring, shift, in_page)
-                start = ptx.mul_wide_u32(token, run)             # in values
-                at = ptx.mul_wide_u32(slot, run)                 # in bytes: one a value
-                narrow_run(ptx.bytes_from(k_store, at), ptx.bytes_from(v_store, at),
-                           ptx.bytes_from(k, start), ptx.bytes_from(v, start), first, step,
-                           last, k_inv, v_inv)
-            token = uint32(token + stride)
+        narrow_tokens(k_store, v_store, k, v, tables, width, ring_rows, pages, page_bits,
+                      run, last, k_inv, v_inv)
 
     return Specialised(write_fp8)
