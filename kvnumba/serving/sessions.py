@@ -96,16 +96,6 @@ class SessionTable:
         """Whether the control is a `PrefixControl` (has a prefix index)."""
         return self._prefixes.indexed
 
-    @property
-    def tokens_looked_up(self) -> int:
-        """Prompt tokens `open(prefix=...)` has looked up in the index."""
-        return self._prefixes.tokens_looked_up
-
-    @property
-    def tokens_hit(self) -> int:
-        """Of those, the tokens the index served."""
-        return self._prefixes.tokens_hit
-
     # ------------------------------------------------------------------ session verbs
     def open(self, prefix=None, *, extra_key=None) -> SessionId:
         """Open a session on a fresh sequence; returns its id (ids start at 1).
