@@ -152,11 +152,14 @@ def test_more_registers_fail_the_register_budgets(figures_of):
     stored; the combine loading 16 parts a trip: fewer blocks an SM than the budgets
     keep."""
     from kvnumba.device import cuda
+    from kvnumba.kernels import masks
     from kvnumba.kernels.decode import combine
     from kvnumba.kernels.moves import write
-    moves = cuda.jit(device=True, inline="always")(
-        clone(write.move_vectors.py_func, TRIP_VECTORS=8))
-    values = figures_of(clone(write._write_vectors.py_func, move_vectors=moves), None, "write")
+    device = cuda.jit(device=True, inline="always")
+    moves = device(clone(write.move_vectors.py_func, TRIP_VECTORS=8,
+                         _trip_at=masks.clamped_trip(8)))
+    walk = masks.token_runs(device(clone(write._move_token.py_func, move_vectors=moves)))
+    values = figures_of(clone(write._write_vectors.py_func, _vector_tokens=walk), None, "write")
     assert exceeded("write", values)["registers"][0] > BUDGETS["write"]["max_registers"]
 
     with pytest.MonkeyPatch.context() as patch:
@@ -191,8 +194,8 @@ def test_a_longer_write_fails_every_per_vector_budget(figures_of):
     def slot_in_64_bits(pages, seq, position, ring, shift, in_page):
         return masks.page_slot(pages, seq, masks.storage_row(position, ring), shift)
 
-    values = figures_of(clone(write._write_vectors.py_func, token_slot=slot_in_64_bits), None,
-                        "write")
+    walk = clone(masks.token_runs, token_slot=slot_in_64_bits)(write._move_token)
+    values = figures_of(clone(write._write_vectors.py_func, _vector_tokens=walk), None, "write")
     assert set(exceeded("write", values)) == {
         f"instructions_per_vector_{row}_{layer}" for row in ("2kb", "256b")
         for layer in ("flat", "ring")}
