@@ -278,7 +278,7 @@ def test_engine_logits_over_fp8_storage_stay_near_float32_storage():
     prompt = PROMPTS[1]
     logits = {}
     for dtype in ("float32", *FORMATS):
-        engine = kvhf.Engine(model, max_seqs=1, capacity=16, max_write=16, dtype=dtype)
+        engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=16, max_write=16, dtype=dtype)
         sid = engine.target.table.open()
         logits[dtype] = engine.target.run([(sid, 0, prompt)], list(range(len(prompt))))
     assert logits["float32"].abs().max() > 0.1

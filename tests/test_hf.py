@@ -4,6 +4,7 @@ storage unless said; on the simulator the kernels are the same as on a GPU). The
 models have one layer (Gemma-2 two: a sliding and a full one) and the runs a few
 tokens: the simulator runs each CUDA thread as a Python thread, and these tests are
 about the plumbing between `transformers` and the cache, not about size."""
+import numpy as np
 import pytest
 
 import kvnumba as kv
@@ -20,7 +21,7 @@ def test_continuous_batching_matches_generate(arch):
     of max_write tokens beside the other's decode steps."""
     model = tiny(arch)
     want = [generated(model, p, 4) for p in PROMPTS]
-    engine = kvhf.Engine(model, max_seqs=2, capacity=24, max_write=4, dtype="float32")
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=24, max_write=4, dtype="float32")
     first = engine.submit(PROMPTS[0], max_new_tokens=4)
     done = dict(engine.step())
     second = engine.submit(PROMPTS[1], max_new_tokens=4)
@@ -35,7 +36,7 @@ def test_forks_share_one_prefill_and_wait_for_free_sequences():
     greedy output."""
     model = tiny("llama")
     want = [generated(model, p, 4) for p in PROMPTS]
-    engine = kvhf.Engine(model, max_seqs=3, capacity=24, max_write=8, dtype="float32")
+    engine = kvhf.Engine(model, verify=False, max_seqs=3, capacity=24, max_write=8, dtype="float32")
     first = engine.submit(PROMPTS[0], max_new_tokens=4, n=2)
     second = engine.submit(PROMPTS[1], max_new_tokens=4, n=2)
     engine.step()
@@ -47,9 +48,11 @@ def test_forks_share_one_prefill_and_wait_for_free_sequences():
 
 
 def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
-    """A layer call whose sliding window is not its cache layer's, attention dropout, and
-    a call outside a kvnumba step: each a ConfigError naming the piece, with nothing
-    written into the prepared step."""
+    """A layer call whose sliding window is not its cache layer's, attention dropout,
+    learned sinks, a position bias, a non-causal call, attention weights asked for, an
+    argument the function does not know, and a call outside a kvnumba step: each a
+    ConfigError naming the layer and the piece, with nothing written into the prepared
+    step."""
     from types import SimpleNamespace
 
     from kvnumba.hf.attention import attend
@@ -68,6 +71,16 @@ def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
         (dict(module=SimpleNamespace(layer_idx=1), sliding_window=4, dropout=0.1,
               kvnumba_cache=cache), r"attention dropout 0.1 \(put the model in eval mode\)"),
         (dict(module=SimpleNamespace(layer_idx=0)), r"runs inside a kvnumba step"),
+        (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, s_aux=torch.zeros(2)),
+         r"layer 0: the model's attention passes s_aux= \(learned attention sinks\)"),
+        (dict(module=SimpleNamespace(layer_idx=1), sliding_window=4, kvnumba_cache=cache,
+              position_bias=torch.zeros(1)), r"layer 1: .*position_bias= \(a position bias"),
+        (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, is_causal=False),
+         r"layer 0: .*is_causal=False \(bidirectional attention\)"),
+        (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, output_attentions=True),
+         r"layer 0: the model asks for its attention weights"),
+        (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, a_new_argument=1.5),
+         r"layer 0: .*a_new_argument= \(an argument kvnumba's attention does not know\)"),
     ]
     for kw, match in refusals:
         module = kw.pop("module")
@@ -76,13 +89,35 @@ def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
     assert not cache._steps.step.written.any() and cache.step_state == kv.StepState.PREPARED
 
 
+def test_the_attention_function_ignores_what_changes_nothing_it_computes():
+    """Positions, the model's own cache options and arguments passed as None change
+    nothing: the output equals the float64 reference of the same call."""
+    from types import SimpleNamespace
+
+    from kvnumba.hf.attention import IGNORED, attend
+    from kvnumba.reference import attention
+    cache = kv.BatchedSequenceCache(kv.CacheConfig(
+        layers=[kv.flat()], n_kv_heads=1, head_dim=8, capacity=8, max_seqs=1, max_write=3,
+        max_step=3, dtype="float32"))
+    cache.declare_step([cache.seq_new()] * 3)
+    cache.prepare_step()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 3, 8, generator=g) for h in (2, 1, 1))
+    extra = {name: torch.zeros(1) for name in IGNORED}
+    out, weights = attend(SimpleNamespace(layer_idx=0), q, k, v, kvnumba_cache=cache,
+                          is_causal=True, s_aux=None, a_new_argument=None, **extra)
+    want = attention(*(x[0].transpose(0, 1).double().numpy() for x in (q, k, v)))
+    assert weights is None
+    np.testing.assert_allclose(out[0].double().numpy(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_bounded_page_pool_admits_requests_as_their_pages_fit():
     """Pages of 8, a pool of 4 (3 besides the scratch page): the first request (5 + 4
     positions: 2 pages) runs, the second (9 + 4: 2 pages) waits with sequences free until
     the first's pages come back; one that could never fit is refused at submit."""
     model = tiny("llama")
     want = [generated(model, p, 4) for p in PROMPTS]
-    engine = kvhf.Engine(model, max_seqs=3, capacity=24, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=3, capacity=24, max_write=8, dtype="float32",
                          page_size=8, max_pages=4)
     from snapshot import snapshot
     before = snapshot(engine.target.table)
@@ -107,7 +142,7 @@ def test_speculative_decoding_keeps_the_greedy_output(own_draft):
     model = tiny("llama")
     want = [generated(model, p, 5) for p in PROMPTS]
     draft = model if own_draft else tiny("llama", seed=1)
-    engine = kvhf.Engine(model, max_seqs=2, capacity=24, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=24, max_write=8, dtype="float32",
                          draft_model=draft, draft_len=3)
     assert engine.generate(PROMPTS, max_new_tokens=5) == want
     rate = engine.acceptance_rate
@@ -120,7 +155,7 @@ def test_bfloat16_storage_logits_stay_near_float32():
     model = tiny("gemma2")
     logits = {}
     for dtype in ("float32", "bfloat16"):
-        engine = kvhf.Engine(model, max_seqs=1, capacity=16, max_write=16, dtype=dtype)
+        engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=16, max_write=16, dtype=dtype)
         sid = engine.target.table.open()
         prompt = PROMPTS[1]
         logits[dtype] = engine.target.run([(sid, 0, prompt)], list(range(len(prompt))))
@@ -130,7 +165,7 @@ def test_bfloat16_storage_logits_stay_near_float32():
 
 def test_sampling_is_seeded_and_top_p_near_zero_is_greedy():
     model = tiny("llama")
-    engine = kvhf.Engine(model, max_seqs=2, capacity=24, max_write=8, dtype="float32")
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=24, max_write=8, dtype="float32")
     runs = [engine.generate([PROMPTS[0]], max_new_tokens=3, temperature=5.0, seed=3)
             for _ in range(2)]
     assert runs[0] == runs[1]
@@ -169,7 +204,7 @@ def test_refusals_leave_the_engine_usable():
     next request is served right."""
     from snapshot import snapshot
     model = tiny("llama")
-    engine = kvhf.Engine(model, max_seqs=2, capacity=12, max_write=4, dtype="float32")
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=12, max_write=4, dtype="float32")
     want = generated(model, PROMPTS[0], 3)
     assert engine.generate([PROMPTS[0]], max_new_tokens=3) == [want]
     before = snapshot(engine.target.table)
@@ -190,7 +225,7 @@ def test_models_kvnumba_cannot_serve_are_refused_naming_the_piece():
     bloom = transformers.BloomForCausalLM(transformers.BloomConfig(
         vocab_size=64, hidden_size=32, n_layer=1, n_head=4))
     with pytest.raises(kv.ConfigError, match="bloom"):
-        kvhf.Engine(bloom, max_seqs=1, capacity=8)
+        kvhf.Engine(bloom, verify=False, max_seqs=1, capacity=8)
     model = tiny("llama")
     model.config.layer_types = ["chunked_attention"] * 2
     with pytest.raises(kv.ConfigError, match="llama: .*'chunked_attention' layers"):

@@ -19,7 +19,7 @@ def test_a_draft_with_the_prefix_cache_opens_a_request_where_both_caches_hold_it
     the model's chunk at its own position and the step after raised CapacityError. A
     pool of 5 pages (4 besides scratch) then evicts for an unrelated prompt."""
     model, draft = tiny("llama"), tiny("llama", seed=1)
-    engine = kvhf.Engine(model, max_seqs=1, capacity=40, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=40, max_write=8, dtype="float32",
                          page_size=8, draft_model=draft, draft_len=2, max_pages=5)
     answer = engine.generate([FIRST], max_new_tokens=7)[0]
     assert answer == generated(model, FIRST, 7)
@@ -62,7 +62,7 @@ def held(served):
 @pytest.mark.parametrize("where", ["model", "draft"])
 def test_a_step_in_which_a_model_raises_ends_its_requests_and_the_engine_serves_on(where):
     model, draft = tiny("llama"), tiny("llama", seed=1)
-    engine = kvhf.Engine(model, max_seqs=2, capacity=40, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=40, max_write=8, dtype="float32",
                          page_size=8, draft_model=draft, draft_len=2)
     a = engine.submit(FIRST, max_new_tokens=4)
     engine.step()                                   # a's first chunk (8 tokens), registered
@@ -87,7 +87,7 @@ def test_a_step_in_which_a_model_raises_ends_its_requests_and_the_engine_serves_
 
 def test_a_failed_generate_ends_its_other_requests_too():
     model = tiny("llama")
-    engine = kvhf.Engine(model, max_seqs=2, capacity=40, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=40, max_write=8, dtype="float32",
                          page_size=8)
     fault = Fault(model, 2)
     with pytest.raises(torch.cuda.OutOfMemoryError) as raised:
@@ -100,7 +100,7 @@ def test_a_failed_generate_ends_its_other_requests_too():
 
 def test_cancel_ends_a_waiting_or_running_request():
     model = tiny("llama")
-    engine = kvhf.Engine(model, max_seqs=1, capacity=40, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=40, max_write=8, dtype="float32",
                          page_size=8)
     running = engine.submit(FIRST, max_new_tokens=3)
     waiting = engine.submit([4, 2, 8], max_new_tokens=2)
@@ -122,12 +122,12 @@ def test_engine_options_combined_serve_what_the_plain_engine_serves(options):
     draft = tiny("llama", seed=1) if options.pop("draft", False) else None
     model = tiny("llama")
     prompts = [FIRST, FIRST[:8] + [11, 12]]
-    plain = kvhf.Engine(model, max_seqs=2, capacity=32, max_write=8, dtype=dtype, page_size=8,
+    plain = kvhf.Engine(model, verify=False, max_seqs=2, capacity=32, max_write=8, dtype=dtype, page_size=8,
                         prefix_cache=False)
     want = [plain.generate([p], max_new_tokens=2)[0] for p in prompts]
     if dtype == "float32":
         assert want == [generated(model, p, 2) for p in prompts]
-    engine = kvhf.Engine(model, max_seqs=2, capacity=32, max_write=8, dtype=dtype,
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=32, max_write=8, dtype=dtype,
                          page_size=8, draft_model=draft, draft_len=2, **options)
     got = [engine.generate([p], max_new_tokens=2, n=n) for p in prompts]
     assert got == [[w] * n for w in want]

@@ -22,14 +22,14 @@ def test_requests_sharing_a_system_prompt_hit_and_match_generate(arch):
     (and so does an engine without the prefix cache)."""
     model = tiny(arch)
     want = [generated(model, p, 2) for p in PROMPTS[:2]]
-    engine = kvhf.Engine(model, max_seqs=1, capacity=32, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=32, max_write=8, dtype="float32",
                          page_size=8)
     assert [engine.generate([p], max_new_tokens=2)[0] for p in PROMPTS[:2]] == want
     stats = engine.stats
     assert (stats.prompt_tokens, stats.cached_tokens) == (len(PROMPTS[0]) + len(PROMPTS[1]),
                                                           16)
     if arch == "llama":
-        off = kvhf.Engine(model, max_seqs=1, capacity=32, max_write=8, dtype="float32",
+        off = kvhf.Engine(model, verify=False, max_seqs=1, capacity=32, max_write=8, dtype="float32",
                           page_size=8, prefix_cache=False)
         assert [off.generate([p], max_new_tokens=2)[0] for p in PROMPTS[:2]] == want
         assert off.stats.cached_tokens == 0
@@ -40,7 +40,7 @@ def test_a_request_waits_for_the_prefix_a_running_one_is_computing():
     the pages they share, and hits them, rather than compute them beside it."""
     model = tiny("llama")
     want = [generated(model, p, NEW) for p in PROMPTS[:2]]
-    engine = kvhf.Engine(model, max_seqs=2, capacity=32, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=32, max_write=8, dtype="float32",
                          page_size=8)
     assert engine.generate(PROMPTS[:2], max_new_tokens=NEW) == want
     assert engine.stats.cached_tokens == 16
@@ -48,7 +48,7 @@ def test_a_request_waits_for_the_prefix_a_running_one_is_computing():
 
 def test_a_conversation_turn_reuses_the_previous_turn_and_its_answer():
     model = tiny("mistral")
-    engine = kvhf.Engine(model, max_seqs=1, capacity=40, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=40, max_write=8, dtype="float32",
                          page_size=8)
     first = SYSTEM[:10]
     answer = engine.generate([first], max_new_tokens=8)[0]
@@ -65,7 +65,7 @@ def test_evictions_between_requests_keep_the_output():
     model = tiny("llama")
     prompts = [PROMPTS[0], list(range(40, 59)), PROMPTS[2]]
     want = [generated(model, p, NEW) for p in prompts]
-    engine = kvhf.Engine(model, max_seqs=1, capacity=32, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=32, max_write=8, dtype="float32",
                          page_size=8, max_pages=5)
     assert [engine.generate([p], max_new_tokens=NEW)[0] for p in prompts] == want
     assert engine.stats.pages_evicted == 2 and engine.stats.cached_tokens == 8
@@ -76,7 +76,7 @@ def test_forks_and_a_draft_model_share_the_index():
     model = tiny("llama")
     draft = tiny("llama", seed=1)
     want = [generated(model, p, 2) for p in PROMPTS[:2]]
-    engine = kvhf.Engine(model, max_seqs=2, capacity=32, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=32, max_write=8, dtype="float32",
                          page_size=8, draft_model=draft, draft_len=2)
     assert engine.generate(PROMPTS[:1], max_new_tokens=2) == want[:1]
     assert engine.generate(PROMPTS[1:2], max_new_tokens=2, n=2) == [want[1]] * 2
@@ -86,7 +86,7 @@ def test_forks_and_a_draft_model_share_the_index():
 
 def test_an_extra_key_keeps_requests_apart():
     model = tiny("llama")
-    engine = kvhf.Engine(model, max_seqs=1, capacity=32, max_write=8, dtype="float32",
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=32, max_write=8, dtype="float32",
                          page_size=8, max_pages=9)          # room for both tenants' pages
     engine.generate(PROMPTS[:1], max_new_tokens=1, extra_key="tenant-a")
     engine.generate(PROMPTS[1:2], max_new_tokens=1, extra_key="tenant-b")

@@ -23,7 +23,7 @@ from hfmodels import PROMPTS, generated, tiny  # noqa: E402
 def served():
     """An engine over a tiny Llama with one request served, and that request's output."""
     model = tiny("llama")
-    engine = kvhf.Engine(model, max_seqs=2, capacity=12, max_write=4, dtype="float32")
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=12, max_write=4, dtype="float32")
     want = generated(model, PROMPTS[0], 2)
     assert engine.generate([PROMPTS[0]], max_new_tokens=2) == [want]
     return engine, want
@@ -109,7 +109,7 @@ def test_seeded_sampled_requests_repeat_and_unseeded_ones_differ():
     """Two requests with one seed sample the same tokens; three without a seed draw
     fresh entropy each (served together, in one engine run; at temperature 2 three
     unseeded pairs of tokens all alike would be a one-in-millions chance)."""
-    engine = kvhf.Engine(tiny("llama"), max_seqs=5, capacity=8, dtype="float32")
+    engine = kvhf.Engine(tiny("llama"), verify=False, max_seqs=5, capacity=8, dtype="float32")
     rids = [engine.submit([1, 2], max_new_tokens=2, temperature=2.0, seed=seed)
             for seed in (4, 4, None, None, None)]
     done = {}
@@ -125,9 +125,9 @@ def test_a_model_in_training_mode_with_attention_dropout_is_refused_up_front():
     model.train()
     with pytest.raises(kv.ConfigError, match=r"training mode with attention dropout 0.1.*"
                                              r"model.eval\(\)"):
-        kvhf.Engine(model, max_seqs=1, capacity=8, dtype="float32")
+        kvhf.Engine(model, verify=False, max_seqs=1, capacity=8, dtype="float32")
     model.eval()
-    engine = kvhf.Engine(model, max_seqs=1, capacity=8, dtype="float32")
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=8, dtype="float32")
     model.train()                                   # switched after construction
     with pytest.raises(kv.ConfigError, match="training mode"):
         engine.submit([1, 2], max_new_tokens=1)
@@ -140,7 +140,7 @@ def test_a_kv_byte_budget_makes_fixed_pools_that_still_serve_every_request():
     model = tiny("mistral")
     config = kvhf.cache_config(model, max_seqs=2, capacity=16, dtype="float32")
     budget = 24 * config.page_size * config.bytes_per_token
-    engine = kvhf.Engine(model, max_seqs=2, capacity=16, dtype="float32", kv_bytes=budget)
+    engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=16, dtype="float32", kv_bytes=budget)
     pools = engine.target.cache.pool_pages()
     assert all(p.allocated == p.max_pages == 24 for p in pools)
     assert engine.target.cache.nbytes == budget
@@ -148,7 +148,7 @@ def test_a_kv_byte_budget_makes_fixed_pools_that_still_serve_every_request():
     assert engine.generate(PROMPTS, max_new_tokens=3) == want
     assert [p.allocated for p in engine.target.cache.pool_pages()] == [24] * len(pools)
     with pytest.raises(kv.ConfigError, match="kv_bytes"):
-        kvhf.Engine(model, max_seqs=2, capacity=16, dtype="float32", kv_bytes=0)
+        kvhf.Engine(model, verify=False, max_seqs=2, capacity=16, dtype="float32", kv_bytes=0)
 
 
 def test_a_bfloat16_checkpoint_is_served_without_ml_dtypes():
@@ -163,7 +163,7 @@ sys.path.insert(0, "tests")
 from hfmodels import generated, tiny
 import kvnumba.hf as kvhf
 model = tiny("llama").to(torch.bfloat16)
-engine = kvhf.Engine(model, max_seqs=1, capacity=12)
+engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=12)
 assert engine.target.cache.config.dtype == "bfloat16"
 got = engine.generate([[1, 5, 9]], max_new_tokens=2)
 assert got == [generated(model, [1, 5, 9], 2)], got

@@ -14,25 +14,69 @@ from ..errors import ConfigError
 #: the name models are switched to: `model.set_attn_implementation(ATTENTION)`
 ATTENTION = "kvnumba"
 
+#: arguments of an attention call that change nothing kvnumba computes: positions and
+#: packing the step already has (the cache's positions and spans), and the model's own
+#: cache and output options, which a step served through kvnumba does not use
+IGNORED = frozenset({
+    "position_ids", "cache_position", "position_embeddings", "use_cache", "past_key_values",
+    "past_key_value", "output_hidden_states", "output_router_logits", "return_dict",
+    "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+})
+#: arguments that ask for attention kvnumba does not compute yet, by what they are
+NOT_COMPUTED = {
+    "s_aux": "learned attention sinks",
+    "sinks": "learned attention sinks",
+    "position_bias": "a position bias added to the scores",
+    "indices": "sparse (indexed) attention",
+    "block_indices": "sparse (indexed) attention",
+}
+
 
 def attend(module, query, key, value, attention_mask=None, *, scaling=None, dropout=0.0,
-           sliding_window=None, softcap=None, kvnumba_cache=None, **_):
+           sliding_window=None, softcap=None, is_causal=None, output_attentions=False,
+           kvnumba_cache=None, **others):
     """`(out [1, T, Hq, D], None)`: `update_and_attend` of the prepared step on layer
-    `module.layer_idx`, with the module's scale and softcap."""
+    `module.layer_idx`, with the module's scale and softcap.
+
+    Accepted means exact: every argument is either computed (`scaling`, `softcap`, the
+    cache layer's `sliding_window`), known to change nothing (`IGNORED`; no mask: the
+    cache masks by positions), or refused with a `ConfigError` naming the layer and the
+    argument before anything is written (`NOT_COMPUTED`, a non-causal call, attention
+    weights asked for, dropout, and any argument this function does not know)."""
     if kvnumba_cache is None:
         raise ConfigError("the kvnumba attention runs inside a kvnumba step: call the model "
                           "through kvnumba.hf.Engine (kvnumba_cache=... not given)")
     layer = module.layer_idx
+    refuse_arguments(layer, is_causal=is_causal, output_attentions=output_attentions,
+                     dropout=dropout, others=others)
     window = kvnumba_cache.config.layers[layer].window
     if (sliding_window or None) != window:
         raise ConfigError(f"layer {layer}: the model attends with sliding_window="
                           f"{sliding_window}, the cache's layer has window {window}")
-    if dropout:
-        raise ConfigError(f"layer {layer}: attention dropout {dropout} (put the model in "
-                          f"eval mode)")
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
     out = kvnumba_cache.update_and_attend(layer, q, k, v, scale=scaling, softcap=softcap or None)
     return out.unsqueeze(0), None
+
+
+def refuse_arguments(layer: int, *, is_causal, output_attentions, dropout, others: dict) -> None:
+    """`ConfigError` naming layer `layer` and the first argument of its attention call that
+    kvnumba would not compute exactly (`attend`'s doc)."""
+    if is_causal is not None and not is_causal:
+        raise ConfigError(f"layer {layer}: the model attends with is_causal={is_causal} "
+                          f"(bidirectional attention); kvnumba computes causal attention only")
+    if output_attentions:
+        raise ConfigError(f"layer {layer}: the model asks for its attention weights "
+                          f"(output_attentions=True); kvnumba returns none")
+    if dropout:
+        raise ConfigError(f"layer {layer}: attention dropout {dropout} (put the model in "
+                          f"eval mode)")
+    for name, value in others.items():
+        if name in IGNORED or value is None:
+            continue
+        what = NOT_COMPUTED.get(name, "an argument kvnumba's attention does not know")
+        raise ConfigError(f"layer {layer}: the model's attention passes {name}= ({what}), "
+                          f"which kvnumba does not compute; it cannot serve this model "
+                          f"exactly")
 
 
 def _no_mask(*args, **kwargs):

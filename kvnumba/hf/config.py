@@ -29,15 +29,26 @@ def unsupported(config) -> str | None:
     """What of the model kvnumba cannot serve exactly, or None."""
     if getattr(config, "is_encoder_decoder", False):
         return "cross-attention (an encoder-decoder model)"
-    if getattr(config, "alibi", False) or config.model_type in ("bloom", "mpt"):
+    if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None),
+                                                   "alibi", False):
         return "ALiBi position biases"
-    if config.model_type == "gpt_oss" or getattr(config, "use_sinks", False):
+    if getattr(config, "use_sinks", False):
         return "attention sinks"
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (MLA)"
     for kind in set(getattr(config, "layer_types", None) or ()):
         if kind not in ("full_attention", "sliding_attention"):
             return f"{kind!r} layers"
+    return None
+
+
+def unsupported_modules(model) -> str | None:
+    """What of the model's attention modules kvnumba cannot compute, read from the modules
+    themselves whatever the model type: learned attention sinks (a `sinks` tensor), or
+    None."""
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and getattr(module, "sinks", None) is not None:
+            return f"learned attention sinks (layer {module.layer_idx}'s `sinks`)"
     return None
 
 
@@ -91,7 +102,7 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     if not getattr(model, "_supports_attention_backend", False):
         raise ConfigError(f"{config.model_type}: its attention does not go through "
                           f"transformers' AttentionInterface, so kvnumba cannot serve it")
-    missing = unsupported(config)
+    missing = unsupported(config) or unsupported_modules(model)
     if missing:
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
     heads = config.num_attention_heads

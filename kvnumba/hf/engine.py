@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 from ..args import as_count
 from ..errors import ConfigError
-from . import speculative
+from . import probe, speculative
 from .admission import Admission
 from .attention import register
 from .config import refuse_dropout, served_configs, text_config
@@ -82,7 +82,11 @@ class Engine:
     across requests (module doc; `stats` says how much).
 
     A model in training mode with attention dropout is refused (`ConfigError`): kvnumba
-    attends without dropout; put it in eval mode (`model.eval()`).
+    attends without dropout; put it in eval mode (`model.eval()`). `verify`: before
+    serving, run a short probe of the model (and the draft) through its own attention
+    and through kvnumba, and refuse it (`ConfigError`, naming the first decoder layer
+    that differs and by how much) when they disagree beyond the storage dtype's
+    tolerance (`kvnumba.hf.probe`: two forwards of 7 tokens per model).
 
     A model split over ranks by its tensor-parallel plan needs an engine on every rank of
     its group, each made and called the same way (a script torchrun runs on every rank):
@@ -97,8 +101,9 @@ class Engine:
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
                  draft_len: int = 4, kv_bytes: int | None = None, prefix_cache: bool = True,
-                 check_ranks: bool = False, **cache_options):
-        for name, value in (("prefix_cache", prefix_cache), ("check_ranks", check_ranks)):
+                 check_ranks: bool = False, verify: bool = True, **cache_options):
+        for name, value in (("prefix_cache", prefix_cache), ("check_ranks", check_ranks),
+                            ("verify", verify)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{name}={value!r}: pass True or False")
         self.prefix_cache = prefix_cache
@@ -115,6 +120,9 @@ class Engine:
                                  **cache_options)
         self.vocab = text_config(model.config).vocab_size
         register()
+        if verify:
+            for served, config in zip((model, draft_model), configs):
+                probe.verify(served, config)
         self.config = configs[0]
         # rank 0 of a split model leads the others' engines; in one process, none
         self.lockstep = Lockstep(split, check=check_ranks) if split.ranks > 1 else None

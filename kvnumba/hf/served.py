@@ -95,7 +95,8 @@ class ServedModel:
         self.table.register(sid, tokens)
 
     @contextlib.contextmanager
-    def _attention(self):
+    def kvnumba_attention(self):
+        """The model's attention switched to kvnumba's (`ATTENTION`) inside the block."""
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = ATTENTION
@@ -114,7 +115,7 @@ class ServedModel:
             ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=self.device)[None]
             positions = torch.as_tensor(plan.positions.astype(np.int64), device=self.device)
             keep = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
-            with torch.inference_mode(), self._attention():
+            with torch.inference_mode(), self.kvnumba_attention():
                 return self.model(input_ids=ids, position_ids=positions[None],
                                   use_cache=False, logits_to_keep=keep,
                                   kvnumba_cache=self.cache).logits[0]

@@ -1,0 +1,104 @@
+"""Accepted means exact: what `kvnumba.hf` reads of a model's modules, and the probe that
+compares a model's own attention with kvnumba's before an engine serves it (tiny random
+models; float32 storage)."""
+import pytest
+
+import kvnumba as kv
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hfmodels import PROMPTS, generated, kvhf, tiny  # noqa: E402
+
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+
+SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64)
+
+
+def registry_model(model_type, shape=SMALL, **fields):
+    """A tiny random model of `model_type` built from `transformers`' own config."""
+    config = AutoConfig.for_model(model_type, **{**shape, **fields})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def halved_values(module, query, key, value, attention_mask, **kwargs):
+    """An attention that is not the one kvnumba computes: the usual one over V / 2."""
+    return sdpa_attention_forward(module, query, key, value / 2, attention_mask, **kwargs)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa"])
+def test_learned_sinks_are_refused_whatever_the_model_type(model_type):
+    """A model whose attention modules hold learned sinks is refused at construction,
+    read from its modules (granite_swa has no `use_sinks` and is not gpt-oss)."""
+    model = registry_model(model_type)
+    with pytest.raises(kv.ConfigError, match=rf"{model_type}: kvnumba does not compute "
+                                             r"learned attention sinks \(layer 0's `sinks`\)"):
+        kvhf.Engine(model, max_seqs=1, capacity=8)
+
+
+def test_the_probe_refuses_an_attention_kvnumba_does_not_compute():
+    """A model whose own attention is not kvnumba's (its values halved, passed as no
+    argument kvnumba could see) is refused at construction, naming the first layer
+    that differs and by how much (the greedy tokens of a one-layer model may still
+    agree: the probe compares the layers' outputs); `verify=False` serves it anyway."""
+    AttentionInterface.register("halved_values", halved_values)
+    model = tiny("llama")
+    model.config._attn_implementation = "halved_values"
+    with pytest.raises(kv.ConfigError, match=r"llama: through kvnumba, decoder layer 0's "
+                                             r"output differs from the model's own by "
+                                             r".*float32 storage allows 0.001"):
+        kvhf.Engine(model, max_seqs=1, capacity=16, dtype="float32")
+    engine = kvhf.Engine(model, max_seqs=1, capacity=16, dtype="float32", verify=False)
+    assert len(engine.generate([PROMPTS[1]], max_new_tokens=3)[0]) == 3
+
+
+#: BERT's shape: no kv-head count or head dim of its own (hidden_size / heads)
+BERT = {name: value for name, value in SMALL.items()
+        if name not in ("num_key_value_heads", "head_dim")}
+
+
+def test_the_probe_refuses_bidirectional_attention():
+    """BERT as a causal LM attends both ways (`is_decoder` unset): the probe names its
+    first layer; set as a decoder it attends causally, passes the probe and is served
+    token for token."""
+    model = registry_model("bert", BERT)
+    with pytest.raises(kv.ConfigError, match=r"bert: through kvnumba, decoder layer 0's"):
+        kvhf.Engine(model, max_seqs=1, capacity=16, dtype="float32")
+    decoder = registry_model("bert", BERT, is_decoder=True)
+    engine = kvhf.Engine(decoder, max_seqs=1, capacity=16, dtype="float32")
+    assert engine.generate([PROMPTS[1]], max_new_tokens=3) == [generated(decoder, PROMPTS[1], 3)]
+
+
+def test_a_model_whose_config_misstates_its_attention_shape_is_refused_at_construction():
+    """A config whose `head_dim` and `num_key_value_heads` are not what its modules use
+    (BERT's are hidden_size / heads, whatever the config says): the probe's step meets
+    K of another shape and the engine is refused at construction, naming it, instead of
+    failing at its first step."""
+    model = registry_model("bert", is_decoder=True)
+    with pytest.raises(kv.ConfigError, match=r"bert: kvnumba cannot serve it exactly \(its "
+                                             r"probe step .*k: expected shape \(6, 2, 16\), "
+                                             r"got \(6, 4, 8\)"):
+        kvhf.Engine(model, max_seqs=1, capacity=16, dtype="float32")
+
+
+def test_a_served_model_passes_the_probe_and_its_engine_starts_empty():
+    """The probe runs on a cache of its own: a model it passes (and its draft) is served
+    token for token, the engine's caches holding nothing before the first request."""
+    model, draft = tiny("llama"), tiny("llama", seed=1)
+    engine = kvhf.Engine(model, max_seqs=2, capacity=16, dtype="float32", draft_model=draft,
+                         draft_len=2)
+    for served in (engine.target, engine.draft):
+        cache = served.cache
+        assert all(cache.state(s) == kv.SlotState.FREE for s in range(cache.max_seqs))
+        assert all(cache.pos(s) == 0 for s in range(cache.max_seqs))
+        assert served.table.sessions == ()
+    assert engine.generate([PROMPTS[0]], max_new_tokens=3) == [generated(model, PROMPTS[0], 3)]
+
+
+def test_verify_takes_a_bool():
+    with pytest.raises(kv.ConfigError, match=r"verify='yes': pass True or False"):
+        kvhf.Engine(tiny("llama"), max_seqs=1, capacity=8, verify="yes")
