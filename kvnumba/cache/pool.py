@@ -31,6 +31,7 @@ class Pool:
         self.index = PrefixIndex(self.accounting)
         self.storage = PageStorage(config, n_rows, stream)
         self._kind_number = {id(kind): i for i, kind in enumerate(self.accounting.kinds)}
+        self._copy_sections = [Sections.copies(i) for i in range(len(self.accounting.kinds))]
 
     @property
     def nbytes_held(self) -> int:
@@ -134,21 +135,25 @@ class Pool:
     def stage(self, upload, work: PageWork) -> None:
         """Write `work`'s table patches and row runs into `upload` as its next sections
         (`Sections.PATCHES`, `Sections.copies(kind)`)."""
-        if work.patches is not None:
-            upload.put(Sections.PATCHES, work.patches)
-        for i, runs in enumerate(work.copies):
-            if runs is not None:
-                upload.put(Sections.copies(i), runs)
+        patches, copies, _ = work
+        if patches is not None:
+            upload.put(Sections.PATCHES, patches)
+        if copies is not self.accounting.no_copies:
+            for name, runs in zip(self._copy_sections, copies):
+                if runs is not None:
+                    upload.put(name, runs)
 
     def apply(self, upload, work: PageWork) -> None:
         """The device side of `work`, once `upload` (`stage`d with it) is sent: the table
         patches, the shared entries copied, then the row copies, all before any write
         that follows on the stream. The one place page work reaches the device."""
-        storage, tables = self.storage, upload.device
-        if work.patches is not None:
-            storage.patch(tables, upload.section(Sections.PATCHES))
-        if work.shared is not None:
-            storage.copy_entries(*work.shared)
-        for i, runs in enumerate(work.copies):
-            if runs is not None:
-                storage.copy(i, tables, upload.section(Sections.copies(i)))
+        storage, tables, section = self.storage, upload.device, upload.section
+        patches, copies, shared = work
+        if patches is not None:
+            storage.patch(tables, section(Sections.PATCHES))
+        if shared is not None:
+            storage.copy_entries(*shared)
+        if copies is not self.accounting.no_copies:
+            for i, runs in enumerate(copies):
+                if runs is not None:
+                    storage.copy(i, tables, section(self._copy_sections[i]))

@@ -90,6 +90,7 @@ class Routing:
         self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
         self.window_tables = window_tables
         self.windows = sorted(window_tables)
+        self._decode_sections = [(window, Sections.decode(window)) for window in self.windows]
         self.page_bits = page_bits
         self.stream = stream
         self.workspace = AttentionWorkspace()
@@ -116,8 +117,7 @@ class Routing:
             prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
             routes = StepRoutes(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
         if routes.decode.n and self.decode_fast:     # a work list per window; no segment list
-            for window in self.windows:
-                name = Sections.decode(window)
+            for window, name in self._decode_sections:
                 routes.decode_chunks[window] = placed = decode.chunks_into(
                     seq_info, decode_segs, window=window, staging=upload, at=upload.end)
                 upload.mark(name, placed.combine_off + placed.n_combine * decode.COMBINE_FIELDS)

@@ -223,6 +223,10 @@ class PageWork(NamedTuple):
             all(runs is None for runs in self.copies)
 
 
+#: `PageWork` made without the keyword handling of its generated `__new__` (once a step)
+_work = tuple.__new__
+
+
 class PageAccounting:
     """The host pages of every layer kind of one cache (`kinds`, flat first; `flat`,
     `rings`, `kind_of[layer]`), `n_rows` page-table rows (one per sequence slot, and the
@@ -303,13 +307,13 @@ class PageAccounting:
         rows) copy-on-write must run before the step writes."""
         kind = self.flat
         if kind is None or needed == 0:
-            return PageWork(self.flush(None), self.no_copies, None)
+            return _work(PageWork, (self.flush(None), self.no_copies, None))
         kind.n_free, patches, copies = claim_step(
             seqs, totals, pos, kind.held, kind.table, kind.refs, kind.free, kind.n_free,
             needed, self.page_size, kind.table_off)
         if copies is not None and len(copies):
-            return PageWork(self.flush(patches), (copies,) + self.no_copies[1:], None)
-        return PageWork(self.flush(patches), self.no_copies, None)
+            return _work(PageWork, (self.flush(patches), (copies,) + self.no_copies[1:], None))
+        return _work(PageWork, (self.flush(patches), self.no_copies, None))
 
     def clone(self, src: int, dst: int, keep: int) -> PageWork:
         """`dst` holds `src`'s first `keep` positions: the flat pages wholly below `keep`
