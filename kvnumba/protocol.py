@@ -92,9 +92,11 @@ class StepData(Protocol):
     def write(self, layer: int, k, v) -> None:
         """Write K and V, each `[width, n_kv_heads, head_dim]`, into `layer`."""
 
-    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None,
+               sinks=None):
         """Attention of q `[width, n_q_heads, head_dim]` over each token's own history;
-        returns `out` `[width, n_q_heads, head_dim]` (q's dtype unless given)."""
+        returns `out` `[width, n_q_heads, head_dim]` (q's dtype unless given); `sinks`
+        (float32 `[n_q_heads]`): each head's logit joins its softmax (contract §15)."""
 
     def update_and_attend(self, layer: int, q, k, v, **kw):
         """`write(layer, k, v)`, then `attend(layer, q, **kw)`, every argument checked

@@ -52,31 +52,45 @@ def mask(q_positions, n_keys: int, window: int | None = None, blocks=()) -> np.n
 
 
 def attention(q, k, v, q_positions=None, *, window: int | None = None, blocks=(),
-              scale: float | None = None, softcap: float | None = None) -> np.ndarray:
+              scale: float | None = None, softcap: float | None = None,
+              sinks=None) -> np.ndarray:
     """Dense float64 attention of one sequence.
 
     q: `[n_q, n_q_heads, d]` at `q_positions` (default `0 .. n_q-1`); k, v: `[n_keys,
     n_kv_heads, d]` at positions `0 .. n_keys-1`. Query head `h` reads kv head
     `h // (n_q_heads // n_kv_heads)`. Scores are scaled (default `1/sqrt(d)`), then
-    soft-capped (`c * tanh(s / c)`), masked, soft-maxed. Returns `[n_q, n_q_heads, d]`.
+    soft-capped (`c * tanh(s / c)`), masked, soft-maxed. `sinks` (`[n_q_heads]`): each
+    head's logit joins its softmax as one more key whose value is zero. Returns `[n_q,
+    n_q_heads, d]`.
     """
-    s = _scores(q, k, q_positions, window, blocks, scale, softcap)
+    s = _with_sinks(_scores(q, k, q_positions, window, blocks, scale, softcap), sinks)
     group = s.shape[0] // np.shape(v)[1]
     vh = np.repeat(np.asarray(v, np.float64), group, axis=1)            # [n_keys, hq, d]
     s = s - s.max(axis=-1, keepdims=True)
     w = np.exp(s)
     w /= w.sum(axis=-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", w, vh)
+    n_keys = vh.shape[0]
+    return np.einsum("hqk,khd->qhd", w[..., :n_keys], vh)
 
 
 def log_sum_exp(q, k, q_positions=None, *, window: int | None = None, blocks=(),
-                scale: float | None = None, softcap: float | None = None) -> np.ndarray:
+                scale: float | None = None, softcap: float | None = None,
+                sinks=None) -> np.ndarray:
     """`[n_q, n_q_heads]` float64: each query row's natural-log log-sum-exp of its final
-    scores (scaled, soft-capped, over the keys it sees), what `attend(..., lse=)` writes;
-    arguments as `attention`'s."""
-    s = _scores(q, k, q_positions, window, blocks, scale, softcap)     # [hq, n_q, n_keys]
+    scores (scaled, soft-capped, over the keys it sees, and its head's sink), what
+    `attend(..., lse=)` writes; arguments as `attention`'s."""
+    s = _with_sinks(_scores(q, k, q_positions, window, blocks, scale, softcap), sinks)
     best = s.max(axis=-1, keepdims=True)
     return (best[..., 0] + np.log(np.exp(s - best).sum(axis=-1))).T
+
+
+def _with_sinks(s: np.ndarray, sinks) -> np.ndarray:
+    """Scores `[n_q_heads, n_q, n_keys]` with each head's sink appended as a last column
+    (`None`: unchanged)."""
+    if sinks is None:
+        return s
+    column = np.broadcast_to(np.asarray(sinks, np.float64)[:, None, None], s.shape[:2] + (1,))
+    return np.concatenate([s, column], axis=-1)
 
 
 def _scores(q, k, q_positions, window, blocks, scale, softcap) -> np.ndarray:

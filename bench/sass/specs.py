@@ -66,6 +66,7 @@ def _decode_signature(t: str, q: str | None = None) -> str:
     q = q or t
     return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[::1], "
             f"int32[:, ::1], {q}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
+            f"float32[::1], "
             f"{', '.join(['int64'] * 8)}, float32, float32)")
 
 
@@ -73,7 +74,8 @@ def _prefill_signature(t: str, q: str | None = None) -> str:
     """Storage of `t`, q and out of `q` (default `t`)."""
     q = q or t
     return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
-            f"int32[::1], {q}[:, :, ::1], float32[:, ::1], {', '.join(['int64'] * 6)}, "
+            f"int32[::1], {q}[:, :, ::1], float32[:, ::1], float32[::1], "
+            f"{', '.join(['int64'] * 6)}, "
             f"float32, float32)")
 
 
@@ -130,9 +132,12 @@ SPECIALISATIONS = (
                    _decode_signature("float16")),
     Specialisation("decode d256 bfloat16 softcap 2 rows", f"{_DECODE}(256, 'uint16', 2, True)",
                    _decode_signature("uint16")),
+    # sinks: the decode and prefill kernels that fold a sink into each row
+    Specialisation("decode d128 float16 sinks", f"{_DECODE}(128, 'float16', 4, False, None, "
+                   f"True, True)", _decode_signature("float16")),
     Specialisation("combine d128", "kvnumba.kernels.decode.combine:_combine_kernel(128)",
                    "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], "
-                   "float32[:, ::1], int64, int64, int64)"),
+                   "float32[:, ::1], float32[::1], int64, int64, int64)"),
     Specialisation("prefill d64 float16", f"{_PREFILL}(64, 64, 64, 'float16', False)",
                    _prefill_signature("float16")),
     Specialisation("prefill d128 float16", f"{_PREFILL}(128, 64, 64, 'float16', False)",
@@ -148,6 +153,9 @@ SPECIALISATIONS = (
                    f"{_PREFILL}(128, 64, 64, 'bfloat16', False, True, None, 'e5m2')",
                    _prefill_signature("int8", "uint16")),
     Specialisation("prefill d128 float16 softcap", f"{_PREFILL}(128, 64, 64, 'float16', True)",
+                   _prefill_signature("float16")),
+    Specialisation("prefill d128 float16 sinks",
+                   f"{_PREFILL}(128, 64, 64, 'float16', False, True, None, None, True)",
                    _prefill_signature("float16")),
     Specialisation("prefill d256 float16", f"{_PREFILL}(256, 48, 16, 'float16', False)",
                    _prefill_signature("float16")),

@@ -297,7 +297,8 @@ class BatchedSequenceCache(CacheQueries):
         self._parts.data.write(self._steps.prepared("write"), layer, k, v)
 
     @on_its_device
-    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None,
+               sinks=None):
         """Attention of the prepared step's queries over their own sequences' histories.
 
         q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`;
@@ -312,13 +313,20 @@ class BatchedSequenceCache(CacheQueries):
         device) that receives each row's natural-log log-sum-exp of its final scores
         (scaled, then soft-capped), `-inf` on padding rows: FlashAttention's convention,
         so that attentions over parts of a history can be merged.
+
+        `sinks`: None, or a float32 `[n_q_heads]` array of q's kinds (a NumPy one is copied
+        to the device each call): head `h`'s logit `sinks[h]` joins every softmax of that
+        head as one more term of its denominator, `exp(sinks[h] - max)`, with no value
+        (learned attention sinks, as gpt-oss's `s_aux`); `lse` includes it. A cost per
+        row on every path, none per key; `-inf` is no sink.
         """
-        return self._parts.data.attend(self._steps.prepared("attend"), layer, q, out, scale, softcap, lse)
+        return self._parts.data.attend(self._steps.prepared("attend"), layer, q, out, scale,
+                                       softcap, lse, sinks)
 
     @on_its_device
     def update_and_attend(self, layer: int, q, k, v, **kw):
         """`write(layer, k, v)` then `attend(layer, q, **kw)` (`kw`: `out`, `scale`,
-        `softcap`, `lse`): every argument of both halves is checked before anything is
+        `softcap`, `lse`, `sinks`): every argument of both halves is checked before anything is
         written."""
         return self._parts.data.update_and_attend(self._steps.prepared("write"), layer, q, k, v, kw)
 

@@ -68,13 +68,16 @@ class OneSequenceFace:
         """Write the prepared step's K and V `[width, n_kv_heads, head_dim]` into `layer`."""
         self._inner.write(layer, k, v)
 
-    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None):
+    def attend(self, layer: int, q, out=None, *, scale=None, softcap=None, lse=None,
+               sinks=None):
         """Causal (windowed on ring layers) attention of the step's queries `[width,
         n_q_heads, head_dim]` over the sequence's history; padding rows of `out` are zero.
         Default scale `1/sqrt(head_dim)`; `softcap` applies `c * tanh(s / c)`. `lse`
         (float32 `[width, n_q_heads]`) receives each row's log-sum-exp of its scores
-        (`BatchedSequenceCache.attend`)."""
-        return self._inner.attend(layer, q, out, scale=scale, softcap=softcap, lse=lse)
+        (`BatchedSequenceCache.attend`); `sinks` (float32 `[n_q_heads]`) joins each head's
+        logit to its softmax."""
+        return self._inner.attend(layer, q, out, scale=scale, softcap=softcap, lse=lse,
+                                  sinks=sinks)
 
     def update_and_attend(self, layer: int, q, k, v, **kw):
         """`write(layer, k, v)` then `attend(layer, q, **kw)`."""

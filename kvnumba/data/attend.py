@@ -18,13 +18,14 @@ from ..config import CacheConfig
 from ..errors import ShapeError, StepProtocolError
 from ..kernels.launch.calling import no_output
 from ..kernels.out_scale import scale_out
+from ..kernels.sinks import no_sinks
 from ..refusals import width_hint
 
 #: the dtypes q, k, v and out may have
 IO_DTYPES = ("float16", "float32", "bfloat16")
 #: what `update_and_attend` passes on to `attend`
-ATTEND_KEYWORDS = frozenset({"out", "scale", "softcap", "lse"})
-_LSE_DTYPES = ("float32",)
+ATTEND_KEYWORDS = frozenset({"out", "scale", "softcap", "lse", "sinks"})
+_LSE_DTYPES = _SINK_DTYPES = ("float32",)
 _NO_SOFTCAP = np.float32(0.0)
 
 
@@ -52,9 +53,9 @@ class DataPath:
         """`k`, `v` `[width, n_kv_heads, head_dim]` into `layer` for the prepared `step`."""
         self._launch_write(step, self._write_args(step, layer, k, v), k, v)
 
-    def attend(self, step, layer, q, out, scale, softcap, lse):
+    def attend(self, step, layer, q, out, scale, softcap, lse, sinks):
         """Attention of `step`'s queries on `layer`; refused before `layer` is written."""
-        args = self._attend_args(step, layer, q, out, scale, softcap, lse)
+        args = self._attend_args(step, layer, q, out, scale, softcap, lse, sinks)
         if not step.written[args[0]]:
             raise StepProtocolError(f"attend: the prepared step has not written layer "
                                     f"{args[0]}'s K/V; call write({args[0]}, k, v) or "
@@ -66,11 +67,11 @@ class DataPath:
         if not ATTEND_KEYWORDS.issuperset(kw):
             raise ShapeError(f"update_and_attend: unexpected keyword arguments "
                              f"{sorted(set(kw) - ATTEND_KEYWORDS)} (allowed: out, scale, "
-                             f"softcap, lse)")
+                             f"softcap, lse, sinks)")
         layer = self._write_args(step, layer, k, v)
         attend_args = self._layer_scale(layer, self._attend_inputs(
-            step, q, kw.get("out"), kw.get("scale"), kw.get("softcap"), kw.get("lse"), k=k,
-            v=v))
+            step, q, kw.get("out"), kw.get("scale"), kw.get("softcap"), kw.get("lse"),
+            kw.get("sinks"), k=k, v=v))
         self._launch_write(step, layer, k, v)
         return self._launch_attend(step, layer, *attend_args)
 
@@ -97,10 +98,10 @@ class DataPath:
             raise ShapeError(f"{exc}{width_hint(step, k, v)}") from None
         return layer
 
-    def _attend_args(self, step, layer, q, out, scale, softcap, lse) -> tuple:
+    def _attend_args(self, step, layer, q, out, scale, softcap, lse, sinks) -> tuple:
         layer = self.layer(layer, "attend")
         return (layer, *self._layer_scale(layer, self._attend_inputs(step, q, out, scale,
-                                                                     softcap, lse)))
+                                                                     softcap, lse, sinks)))
 
     def _layer_scale(self, layer: int, inputs: tuple) -> tuple:
         """`inputs` (`_attend_inputs`) with fp8 storage's `k_scale` folded into the scale
@@ -108,27 +109,29 @@ class DataPath:
         (`args.as_finite`), or `ConfigError`."""
         if not self._scaled:
             return inputs
-        q, out, scale, softcap, lse = inputs
+        q, out, scale, softcap, lse, sinks = inputs
         k_scale = self._k_scale[layer]
         folded = as_finite(float(scale) * k_scale, f"attend: scale {float(scale)!r} times "
                                                    f"layer {layer}'s k_scale {k_scale!r}")
-        return q, out, np.float32(folded), softcap, lse
+        return q, out, np.float32(folded), softcap, lse, sinks
 
-    def _attend_inputs(self, step, q, out, scale, softcap, lse, **inputs) -> tuple:
-        """`(q, out, scale, softcap, lse)` checked, the defaults filled in; `inputs`: the
-        other arrays of the call (`k`, `v`), which `out` and `lse` must not overlap
-        either."""
+    def _attend_inputs(self, step, q, out, scale, softcap, lse, sinks, **inputs) -> tuple:
+        """`(q, out, scale, softcap, lse, sinks)` checked, the defaults filled in;
+        `inputs`: the other arrays of the call (`k`, `v`), which `out` and `lse` must not
+        overlap either."""
         shape = self._check_q(step, q)
+        if sinks is not None:
+            check("sinks", sinks, shape[1:2], _SINK_DTYPES, self.device)
         if out is not None:
             check_out("out", out, shape, IO_DTYPES, self.device)
         if lse is not None:
             check_out("lse", lse, shape[:2], _LSE_DTYPES)
         if out is not None or lse is not None:
-            _check_apart(dict(out=out, lse=lse), dict(q=q, **inputs))
+            _check_apart(dict(out=out, lse=lse), dict(q=q, sinks=sinks, **inputs))
         scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
         softcap = _NO_SOFTCAP if softcap is None else as_finite(softcap, "attend: softcap",
                                                                 positive=True)
-        return q, out, scale, softcap, lse
+        return q, out, scale, softcap, lse, sinks
 
     def _check_q(self, step, q) -> tuple:
         """q's shape `[width, n_q_heads, head_dim]`, or `ShapeError` (kind and dtype first,
@@ -156,7 +159,7 @@ class DataPath:
                     device_view(v, stream), ring_rows, pages, *self._inverse[layer])
         step.written[layer] = True
 
-    def _launch_attend(self, step, layer, q, out, scale, softcap, lse):
+    def _launch_attend(self, step, layer, q, out, scale, softcap, lse, sinks):
         stream = self.stream
         result = Result(q, out, tuple(q.shape), stream)
         row_lse = None if lse is None else Result(q, lse, tuple(q.shape[:2]), stream)
@@ -166,6 +169,7 @@ class DataPath:
         ring_rows, window, pages = self.layer_geometry[layer]
         self.paths.run(step.routes, device_view(q, stream), self.storage.k_slots[layer],
                        self.storage.v_slots[layer], result.device, lse_device,
+                       no_sinks() if sinks is None else device_view(sinks, stream),
                        ring_rows=ring_rows, window=window, pages=pages, scale=scale,
                        softcap=softcap)
         if self._scaled:
@@ -176,11 +180,11 @@ class DataPath:
 
 
 def _check_apart(outputs: dict, inputs: dict) -> None:
-    """Refuse (`ShapeError`) an output (`out`, `lse`; None: not given) that overlaps another
-    output or an input (contract §8): the kernels would read what they write."""
+    """Refuse (`ShapeError`) an output (`out`, `lse`) that overlaps another output or an
+    input (contract §8): the kernels would read what they write. None: not given."""
     given = [(name, array) for name, array in outputs.items() if array is not None]
     for i, (name, array) in enumerate(given):
         for other, found in [*given[i + 1:], *inputs.items()]:
-            if overlap(array, found):
+            if found is not None and overlap(array, found):
                 raise ShapeError(f"{name}: its memory overlaps {other}'s; pass an {name} "
                                  f"that shares no memory with q, k, v or the other output")

@@ -182,22 +182,23 @@ class Routing:
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
-    def run(self, routes: StepRoutes, q, k_store, v_store, out, lse, *, ring_rows, window,
-            pages, scale, softcap) -> None:
+    def run(self, routes: StepRoutes, q, k_store, v_store, out, lse, sinks, *, ring_rows,
+            window, pages, scale, softcap) -> None:
         """Launch the step's paths for one layer (`k_store`, `v_store`: its slot storage,
         `pages`: its kind's device page table): each writes its segments' rows of `out`,
         and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
-        rows (`launch.no_output()`)."""
+        rows (`launch.no_output()`), each q head's sink in its softmax unless `sinks`
+        (float32 `[n_q_heads]`) has no elements (`sinks.no_sinks()`)."""
         if routes.decode_runs:
-            routes.decode_runs[window](q, k_store, v_store, out, lse, scale, softcap)
+            routes.decode_runs[window](q, k_store, v_store, out, lse, sinks, scale, softcap)
         elif routes.decode_generic is not None:
-            routes.decode_generic(q, k_store, v_store, pages, out, lse, ring_rows, window,
-                                 scale, softcap)
+            routes.decode_generic(q, k_store, v_store, pages, out, lse, sinks, ring_rows,
+                                  window, scale, softcap)
         if not routes.prefill.n:
             return
         run = routes.prefill_fast if routes.prefill_fast is not None and scale > 0 else \
             routes.prefill_generic
-        run(q, k_store, v_store, pages, out, lse, ring_rows, window, scale, softcap)
+        run(q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale, softcap)
 
 
 def upload_entries(config: CacheConfig) -> int:

@@ -43,7 +43,9 @@ from `max_q_len`):
 
 Each served row's natural-log log-sum-exp of its scores (running max + log of the
 running sum; merged across splits by the combine) goes to `lse` when the caller passes
-one with rows.
+one with rows. Given `sinks` with elements, each row's sink joins its softmax where the
+row is normalised (`kernels.sinks.with_sink`): after the last tile with a single split,
+in the combine with several.
 
 Softmax and accumulation are float32; storage, q and out may each be float16,
 float32 or bfloat16 (held as uint16 bits; `ptx.to_f32` / `ptx.from_f32`), one compiled
@@ -58,10 +60,11 @@ import numpy as np
 
 from ..device import cuda
 from .intrinsics import ptx
-from .launch.constants import NEG_INF
+from .launch.constants import LN2, LOG2E, NEG_INF
 from .launch.calling import PER_CALL, Specialised, ceil_div, no_output
 from .masks import (div32, divmod32, key_range, page_slot, read_segment, step_on, storage_row,
                     store_row)
+from .sinks import no_sinks, with_sink
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -139,8 +142,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
 
     @cuda.jit
     def attention(q, k_store, v_store, pages, page_bits, tables, seq_info_off, segments_off,
-                  out, lse, part_acc, part_ml, n_row_tiles, n_splits, chunk, group, ring_rows,
-                  window, scale, softcap):
+                  out, lse, sinks, part_acc, part_ml, n_row_tiles, n_splits, chunk, group,
+                  ring_rows, window, scale, softcap):
         tid = cuda.threadIdx.x
         kv_head = cuda.blockIdx.y
         row_tile, split = divmod32(cuda.blockIdx.x, n_splits)
@@ -258,6 +261,20 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             if key0 + BK < key_hi:
                 cuda.syncthreads()
 
+        # one split: each row's sink joins its state (its factor in row_alpha), once every
+        # thread is done reading the last tile's factors
+        sunk = n_splits == 1 and sinks.shape[0] > 0
+        if sunk:
+            cuda.syncthreads()
+            if tid < n_rows:
+                _, member = divmod32(first_row + tid, group)
+                best, weight, run_sum = with_sink(run_max * LOG2E, run_sum,
+                                                  sinks[kv_head * group + member] * LOG2E)
+                run_max = best * LN2
+                row_alpha[tid] = weight
+                row_sum[tid] = run_sum
+            cuda.syncthreads()
+
         # write out (one split) or partials (split-K, merged by _combine_kernel)
         for i in range(OWN):
             e = i * THREADS + tid
@@ -268,7 +285,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 token += q_start
                 head = kv_head * group + member
                 if n_splits == 1:
-                    out[token, head, d] = ptx.from_f32(acc[i] / row_sum[r], out)
+                    value = acc[i] * row_alpha[r] if sunk else acc[i]
+                    out[token, head, d] = ptx.from_f32(value / row_sum[r], out)
                 else:
                     part_acc[((split * width + token) * n_heads + head) * head_dim + d] = acc[i]
         if tid < n_rows and (n_splits > 1 or lse.shape[0] > 0):
@@ -286,10 +304,11 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
 
 
 @cuda.jit
-def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, lse,
+def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, lse, sinks,
                     max_q_len, group, block_rows, chunk, window):
     """Merge split-K partials of one query token (all heads): log-sum-exp weighted sum,
-    and each row's log-sum-exp into `lse` when it has rows.
+    each head's sink joined when `sinks` has elements, and each row's log-sum-exp into
+    `lse` when it has rows.
 
     Row tile and split geometry must match the attention launch that wrote them.
     """
@@ -320,6 +339,10 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
             weight = math.exp(part_ml[base * 2] - best)
             total += weight * part_ml[base * 2 + 1]
             value += weight * part_acc[base * head_dim + d]
+        if sinks.shape[0] > 0:
+            best, weight, total = with_sink(best * LOG2E, total, sinks[head] * LOG2E)
+            best *= LN2
+            value *= weight
         out[token, head, d] = ptx.from_f32(value / total, out)
         if d == 0 and lse.shape[0] > 0:
             lse[token, head] = best + math.log(total)
@@ -372,7 +395,7 @@ class GenericRun:
     the step's tables (where the segment table and the group's list are), the group's
     size, longest segment and furthest key, its path and split-K chunk, `page_bits`, the
     workspace and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
-    ring_rows, window, scale, softcap)`, once per layer) looks its signature up (q's and
+    sinks, ring_rows, window, scale, softcap)`, once per layer) looks its signature up (q's and
     out's dtypes and heads, the storage's dtype and shape, the window): the first call of
     a signature works out the launch shape (`launch_shape`), sizes the partials and binds
     the kernel (and the combine where the shape splits); later calls pack their arrays
@@ -388,7 +411,7 @@ class GenericRun:
         self.stream = stream
         self._launches = {}     # (attention launch, combine launch or None) by signature
 
-    def __call__(self, q, k_store, v_store, pages, out, lse, ring_rows, window, scale,
+    def __call__(self, q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale,
                  softcap) -> None:
         if self.n_segments == 0:
             return
@@ -401,10 +424,10 @@ class GenericRun:
         if launches is None:
             launches = self._launches[key] = self._bind(q, k_store, out, window)
         attention, merge = launches
-        attention(q, k_store, v_store, pages, out, lse, int(ring_rows),
+        attention(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows),
                   np.float32(scale), np.float32(softcap))
         if merge is not None:
-            merge(out, lse)
+            merge(out, lse, sinks)
 
     def _bind(self, q, k_store, out, window: int) -> tuple:
         width, n_q_heads, head_dim = q.shape
@@ -425,14 +448,15 @@ class GenericRun:
         attention = kernel.bind(
             shape["grid"], shape["threads"], stream, PER_CALL, PER_CALL, PER_CALL, PER_CALL,
             int(self.page_bits), self.tables, int(self.seq_info_off), int(self.segments_off),
-            PER_CALL, PER_CALL, part_acc, part_ml, shape["n_row_tiles"], n_splits, shape["chunk"],
+            PER_CALL, PER_CALL, PER_CALL, part_acc, part_ml, shape["n_row_tiles"], n_splits,
+            shape["chunk"],
             shape["group"], PER_CALL, int(window), PER_CALL, PER_CALL)
         merge = None
         if n_splits > 1:
             merge = _combine.bind(
                 self.n_segments * self.max_q_len, COMBINE_THREADS, stream, self.tables,
                 int(self.seq_info_off), int(self.segments_off), part_acc, part_ml, PER_CALL,
-                PER_CALL, self.max_q_len, shape["group"], shape["block_rows"], shape["chunk"],
+                PER_CALL, PER_CALL, self.max_q_len, shape["group"], shape["block_rows"], shape["chunk"],
                 int(window))
         return attention, merge
 
@@ -449,7 +473,7 @@ def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, max_kv
 
 def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, segments_off,
            n_segments, max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace,
-           lse=None, stream=0, path=None, kv_chunk=None):
+           lse=None, sinks=None, stream=0, path=None, kv_chunk=None):
     """Attention of the served segments' queries over their own sequences' keys, into `out`.
 
     q: [width, n_q_heads, head_dim] device array; out: same shape (only the served
@@ -466,7 +490,8 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
     softcap: 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device array that
     receives each served row's natural-log log-sum-exp of its (scaled, capped) scores.
-    All launches on `stream`; no host synchronisation, no copies,
+    sinks: None, or a float32 `[n_q_heads]` device array: each q head's logit joins its
+    rows' softmax (`kernels.sinks`; `lse` includes it). All launches on `stream`; no host synchronisation, no copies,
     no device allocation once `workspace` is warm.
     path / kv_chunk: the path and its split-K chunk (see `launch_shape`); the cache
     passes both. A cache prepares a step's group once (`prepare`) and calls it per layer.
@@ -475,6 +500,7 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
             n_segments=n_segments, max_q_len=max_q_len, max_kv_len=max_kv_len,
             page_bits=page_bits, workspace=workspace, path=path, kv_chunk=kv_chunk,
             stream=stream)(q, k_store, v_store, pages, out,
-                           no_output() if lse is None else lse, ring_rows, window, scale,
+                           no_output() if lse is None else lse,
+                           no_sinks() if sinks is None else sinks, ring_rows, window, scale,
                            softcap)
     return out

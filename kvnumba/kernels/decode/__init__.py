@@ -26,6 +26,7 @@ from .chunks import (CHUNK_KEYS, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, CO
 from .shape import THREADS, block_rows, supports
 from ..intrinsics.words import LOAD_BYTES
 from ..launch.calling import PER_CALL, aligned, no_output
+from ..sinks import no_sinks
 
 
 _FLOAT32 = np.float32
@@ -52,9 +53,10 @@ class DecodeRun:
     (`pages`, int32 `[n_seq_rows, pages_per_seq]` on the device, and `page_bits`) and
     the stream fixed.
 
-    A call (`run(q, k_store, v_store, out, lse, scale, softcap)`, once per layer; `lse`
-    a float32 `[width, n_q_heads]` device array, or one of no rows for none) looks its
-    signature up: q's dtype, q heads and 16-byte alignment, and softcap on or off. The
+    A call (`run(q, k_store, v_store, out, lse, sinks, scale, softcap)`, once per layer;
+    `lse` a float32 `[width, n_q_heads]` device array, or one of no rows for none; `sinks`
+    a float32 `[n_q_heads]` device array, or `sinks.no_sinks()`) looks its
+    signature up: q's dtype, q heads and 16-byte alignment, softcap and sinks on or off. The
     first call of a signature checks the storage (`check_storage`), works out the block
     rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
     and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
@@ -70,28 +72,28 @@ class DecodeRun:
         self.n_items = placed.n_items
         self._launches = {}    # (decode launch, combine launch or None) by signature
 
-    def __call__(self, q, k_store, v_store, out, lse, scale, softcap) -> None:
+    def __call__(self, q, k_store, v_store, out, lse, sinks, scale, softcap) -> None:
         if not self.n_items:
             return
-        key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0)
+        key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0, sinks.shape[0] > 0)
         launches = self._launches.get(key)
         if launches is None:
             launches = self._launches[key] = self._bind(q, k_store, v_store, *key)
         decode, merge = launches
         # the kernel takes float32 scalars: converted only when they are not (a conversion
         # costs more host time than the rest of a scalar's launch work)
-        decode(q, k_store, v_store, out, lse,
+        decode(q, k_store, v_store, out, lse, sinks,
                scale if type(scale) is _FLOAT32 else _FLOAT32(scale),
                softcap if type(softcap) is _FLOAT32 else _FLOAT32(softcap))
         if merge is not None:
-            merge(out, lse)
+            merge(out, lse, sinks)
 
     def check(self, q, k_store, v_store) -> None:
         """Refuse storage this path does not serve (`check_storage`) when there is work."""
         if self.n_items:
             check_storage(q.shape[2], k_store, v_store)
 
-    def _bind(self, q, k_store, v_store, dtype, n_q_heads, vectors, capped) -> tuple:
+    def _bind(self, q, k_store, v_store, dtype, n_q_heads, vectors, capped, sunk) -> tuple:
         self.check(q, k_store, v_store)
         head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
         storage = np.dtype(k_store.dtype)
@@ -109,10 +111,10 @@ class DecodeRun:
         else:
             part_acc = part_ml = self.workspace.dummy
         kernel = decode_kernel(head_dim, storage.name, rows, bool(capped),
-                                np.dtype(dtype).name, vectors)
+                               np.dtype(dtype).name, vectors, bool(sunk))
         decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
                              self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, self.pages,
-                             PER_CALL, PER_CALL, part_acc, part_ml, seq_info_off,
+                             PER_CALL, PER_CALL, PER_CALL, part_acc, part_ml, seq_info_off,
                              placed.work_off, max_q_len, group, row_group_bits, self.ring_rows,
                              self.window, self.page_bits, PER_CALL, PER_CALL)
         merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
@@ -134,7 +136,7 @@ def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, 
 
 
 def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, softcap,
-        lse=None, stream=0, planned=None, **step):
+        lse=None, sinks=None, stream=0, planned=None, **step):
     """Attention of the planned segments' queries; writes their rows of `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
@@ -150,7 +152,9 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
     segment table at `seq_info_off`, the chunk tables' work table at `work_off` (`n_items`
     rows) and its combine table at `combine_off` (`n_combine` rows), each flat
     row-major. softcap: 0 = off. lse: None, or a float32 `[width, n_q_heads]` device array
-    that receives each served row's natural-log log-sum-exp of its scores.
+    that receives each served row's natural-log log-sum-exp of its scores. sinks: None,
+    or a float32 `[n_q_heads]` device array: each q head's logit joins every softmax of
+    that head (`kernels.sinks`; `lse` includes it).
 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
     `n_combine`, `n_parts` and `max_q_len` (the chunk tables'), the `workspace`, `ring_rows`
@@ -170,5 +174,6 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
             raise TypeError("decode.run: pages and page_bits are needed without `planned`")
         planned = prepare(tables, pages=pages, page_bits=page_bits, stream=stream, **step)
         planned.check(q, k_store, v_store)       # refused before q itself is read
-    planned(q, k_store, v_store, out, no_output() if lse is None else lse, scale, softcap)
+    planned(q, k_store, v_store, out, no_output() if lse is None else lse,
+            no_sinks() if sinks is None else sinks, scale, softcap)
     return out

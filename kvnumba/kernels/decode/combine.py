@@ -15,7 +15,9 @@ Inputs are exactly what `decode.run` leaves in its workspace and tables:
   (`masks.read_segment`) gets `out[q_start + i, head, :] = sum_p 2**(m_p - M) acc_p /
   sum_p 2**(m_p - M) s_p`, `M = max_p m_p`, in out's dtype, and, given an `lse` with
   rows, `lse[q_start + i, head] = ln 2 * (M + log2 sum_p 2**(m_p - M) s_p)`: the
-  row's natural-log log-sum-exp.
+  row's natural-log log-sum-exp. Given `sinks` with elements, head `head`'s sink joins
+  the merged state before it is normalised (`kernels.sinks.with_sink`): the partials
+  never hold it.
 
 Shape (`_combine_kernel(head_dim)`): one block per (combine row, query, q head):
 `PART_GROUPS * lanes` threads, `lanes` (the smallest power of two >= head_dim / 4)
@@ -54,8 +56,9 @@ from functools import lru_cache
 from ...config import MAX_HEAD_DIM
 from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
-from ..launch.constants import LN2, NEG_INF, WARP
+from ..launch.constants import LN2, LOG2E, NEG_INF, WARP
 from ..launch.calling import PER_CALL, Specialised, no_output
+from ..sinks import no_sinks, with_sink
 from .chunks import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from ..masks import read_segment
 
@@ -129,7 +132,8 @@ def _combine_kernel(head_dim: int):
                 a2 * wa + b2 * wb, a3 * wa + b3 * wb)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))
-    def combine(tables, part_acc, part_ml, out, lse, seq_info_off, combine_off, max_q_len):
+    def combine(tables, part_acc, part_ml, out, lse, sinks, seq_info_off, combine_off,
+                max_q_len):
         tid = int32(cuda.threadIdx.x)
         piece = tid & int32(LANES - 1)
         group = tid >> int32(LANE_SHIFT)
@@ -140,6 +144,9 @@ def _combine_kernel(head_dim: int):
         first = tables[uint32(entry + COMBINE_PART)]
         n = tables[uint32(entry + COMBINE_PARTS)]
         q_start, q_len, _, _, _ = read_segment(tables, int32(seq_info_off), seg)
+        # the head's sink (base 2), loaded with the combine row: no round trip of its own
+        sunk = sinks.shape[0] > 0
+        sink = sinks[head] * LOG2E if sunk else NEG_INF
         # a query past the segment's merges nothing and writes nothing; no early return,
         # so that the combine row's three loads go out together, before the segment's
         if i >= q_len:
@@ -237,6 +244,9 @@ def _combine_kernel(head_dim: int):
                 weight = ptx.exp2_approx(slot_m[j] - base)
                 total += weight * slot_s[j]
                 value += weight * slot_acc[j, tid]
+            if sunk:
+                best, weight, total = with_sink(best, total, sink)
+                value *= weight
             out[q_start + i, head, tid] = ptx.from_f32(value / total, out)
             if tid == 0 and lse.shape[0] > 0:
                 lse[q_start + i, head] = best * LN2 + math.log(total)
@@ -248,8 +258,9 @@ def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, 
             n_q_heads, head_dim, stream=0):
     """The prepared half of `run`: the merge of one step's split segments into outputs of
     `n_q_heads` q heads and `head_dim`, bound to its tables and partials (the kernel,
-    grid and block worked out once); `launch(out, lse)` merges into `out` (and `lse`,
-    unless it has no rows: `launch.no_output()`). None when there is nothing to merge."""
+    grid and block worked out once); `launch(out, lse, sinks)` merges into `out` (and
+    `lse`, unless it has no rows: `launch.no_output()`; with the heads' `sinks` unless it
+    has no elements: `sinks.no_sinks()`). None when there is nothing to merge."""
     if n_combine <= 0:
         return None
     if n_q_heads > MAX_GRID_Z or max_q_len > MAX_GRID_Y:
@@ -257,13 +268,13 @@ def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, 
                          f"the grid's {MAX_GRID_Z} / {MAX_GRID_Y}")
     kernel = _combine_kernel(int(head_dim))
     return kernel.bind((int(n_combine), int(max_q_len), int(n_q_heads)), threads(head_dim),
-                       stream, tables, part_acc, part_ml, PER_CALL, PER_CALL,
+                       stream, tables, part_acc, part_ml, PER_CALL, PER_CALL, PER_CALL,
                        int(seq_info_off),
                        int(combine_off), int(max_q_len))
 
 
 def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine, max_q_len,
-        lse=None, stream=0):
+        lse=None, sinks=None, stream=0):
     """Merge the partials of the `n_combine` split segments listed at `combine_off` in
     `tables` into their rows of `out` (see the module doc for the layouts).
 
@@ -273,13 +284,14 @@ def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine,
     head_dim] float16, float32 or bfloat16 (uint16 bits); head_dim a multiple of 16 up
     to `MAX_HEAD_DIM`. Writes exactly `out[q_start + i, head, :]` for every query `i`
     of a listed segment and every head, and, with `lse` (float32 `[width, n_q_heads]`),
-    `lse[q_start + i, head]`. Launches on `stream` only; no synchronisation, no
-    allocation.
+    `lse[q_start + i, head]`; with `sinks` (float32 `[n_q_heads]`), each head's sink in
+    its rows' softmax. Launches on `stream` only; no synchronisation, no allocation.
     """
     if n_combine <= 0:
         return out
     _, n_q_heads, head_dim = out.shape
     prepare(tables, part_acc, part_ml, seq_info_off=seq_info_off, combine_off=combine_off,
             n_combine=n_combine, max_q_len=max_q_len, n_q_heads=n_q_heads,
-            head_dim=head_dim, stream=stream)(out, no_output() if lse is None else lse)
+            head_dim=head_dim, stream=stream)(out, no_output() if lse is None else lse,
+                                              no_sinks() if sinks is None else sinks)
     return out

@@ -46,15 +46,16 @@ stream K and V at the chip's bandwidth with few instructions per key.
   all lanes for the accumulators.
 * End of a chunk: the states of the block's (warp, key slot) pairs meet in shared
   memory (a layout without bank conflicts), and each thread merges a slice of one
-  row and writes it to `out` (in out's dtype) or to the partial (acc, max, sum); with
+  row and writes it to `out` (in out's dtype; the row's sink folded in first when
+  `sinks` has elements: `kernels.sinks`) or to the partial (acc, max, sum); with
   `out` goes the row's log-sum-exp (natural log, from the base-2 max and sum) when
   an `lse` array with rows is passed.
 
 Index arithmetic is 32-bit (positions, offsets and slots are int32; a slot's byte
 offset is one 32 x 32 -> 64-bit multiply) with no 64-bit division, and the key loop
 is the kernel's only loop with a runtime trip count. Specialised per head_dim,
-storage dtype, rows per block, softcap on / off and q's dtype and alignment
-(`decode_kernel`); q and out may each be float16, float32 or bfloat16 (as uint16
+storage dtype, rows per block, softcap on / off, sinks on / off and q's dtype and
+alignment (`decode_kernel`); q and out may each be float16, float32 or bfloat16 (as uint16
 bits).
 """
 from __future__ import annotations
@@ -76,6 +77,7 @@ from .trip import NO_KEY, ZERO, trip_functions
 from ..intrinsics.words import WIDEN, query_loader
 from ..launch.calling import Specialised
 from ..masks import key_range
+from ..sinks import with_sink
 
 from numba import float32, int32, uint32, uint64  # noqa: E402  (after kvnumba.device)
 
@@ -92,10 +94,11 @@ def _reciprocal(x):
 
 @lru_cache(maxsize=None)
 def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
-                  query: str | None = None, query_vectors: bool = True):
+                  query: str | None = None, query_vectors: bool = True, sunk: bool = False):
     """The decode kernel for one head_dim, storage dtype (name), rows per block,
-    softcap on / off, q's dtype (name; None: the storage dtype) and whether q may be
-    read in 16-byte vectors (module doc)."""
+    softcap on / off, q's dtype (name; None: the storage dtype), whether q may be
+    read in 16-byte vectors, and sinks on / off (`sunk`: the kernel reads `sinks`;
+    without, it never does) (module doc)."""
     shape = KernelShape.of(head_dim, np.dtype(storage).itemsize, rows)
     load_query = query_loader(np.dtype(query or storage), head_dim, shape.vec, query_vectors)
     (_look_up, _key_slots, _after, _load_keys, _widen_words, _split_rows, _gather_rows,
@@ -108,6 +111,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
     IDLE_PIECES, ROWS, HELD, COPY_BITS = shape.idle_pieces, rows, shape.held, shape.copy_bits
     COPIES = (1 << COPY_BITS) - 1
     CAPPED = capped
+    SUNK = sunk
     WARP_KEYS, LOOKUPS, BLOCK_KEYS = shape.warp_keys, shape.lookups, shape.block_keys
     TRIP_BITS = BLOCK_KEYS.bit_length() - 1
     SLOTS, ROW_WORDS, SLOT_WORDS = shape.slots, shape.row_words, shape.slot_words
@@ -184,7 +188,8 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         return best, total
 
     @cuda.jit(**LAUNCH_BOUNDS)
-    def decode(q, k_store, v_store, tables, pages, out, lse, part_acc, part_ml, seq_info_off,
+    def decode(q, k_store, v_store, tables, pages, out, lse, sinks, part_acc, part_ml,
+               seq_info_off,
                work_off, max_q_len, group, row_group_bits, ring_rows, window, page_bits, scale,
                softcap):
         tid = int32(cuda.threadIdx.x)
@@ -358,7 +363,10 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         head = fields[ROW_HEAD + r]
         part = fields[PART]
         if part < 0:
-            inverse = _reciprocal(total)
+            weight = float32(1.0)
+            if SUNK:                           # the row's sink joins its softmax (`sinks`)
+                best, weight, total = with_sink(best, total, sinks[uint64(head)] * LOG2E)
+            inverse = _reciprocal(total) * weight
             for k in range(PER_THREAD):
                 dim, real = _word_dim(first_word, k)
                 if real:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..launch.constants import FP8_FORMATS
 from ..launch.calling import PER_CALL, aligned, ceil_div, no_output
+from ..sinks import no_sinks
 from .kernel import prefill_kernel
 from .shape import Q_OUT_TYPES, default_warp_rows, stored_type, supports, tile_shape, type_name
 
@@ -42,10 +43,10 @@ def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
 class PrefillRun:
     """The prefill launches of one step (`prepare`): the step's tables (where the segment
     table and the served list are), how many segments, the longest, `page_bits`, the
-    tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
+    tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse, sinks,
     ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
     out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, softcap
-    on or off. The first call of a signature checks what the path serves (`_served`),
+    and sinks on or off. The first call of a signature checks what the path serves (`_served`),
     picks the kernel and its grid and binds it; later calls pack their arrays and
     scalars only."""
 
@@ -56,7 +57,7 @@ class PrefillRun:
         self.stream, self.tile = stream, tile
         self._launches = {}
 
-    def __call__(self, q, k_store, v_store, pages, out, lse, ring_rows, window, scale,
+    def __call__(self, q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale,
                  softcap) -> None:
         if self.n_segments == 0 or self.max_q_len == 0:
             return
@@ -69,27 +70,28 @@ class PrefillRun:
             raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
                              f"storage [n_slots, n_kv_heads, {head_dim}] of one shape")
         key = (q.dtype, q.shape[1], aligned(q, 16), out.dtype, k_store.dtype,
-               k_store.shape[1:], softcap > 0)
+               k_store.shape[1:], softcap > 0, sinks.shape[0] > 0)
         launch = self._launches.get(key)
         if launch is None:
             launch = self._launches[key] = self._bind(q, k_store, mma, stored, key[2],
-                                                      key[-1])
-        launch(q, k_store, v_store, pages, out, lse, int(ring_rows), int(window),
+                                                      *key[-2:])
+        launch(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows), int(window),
                np.float32(scale), np.float32(softcap))
 
-    def _bind(self, q, k_store, mma: str, stored: str, q_aligned: bool, capped: bool):
+    def _bind(self, q, k_store, mma: str, stored: str, q_aligned: bool, capped: bool,
+              sunk: bool):
         head_dim, n_q_heads, n_kv_heads = q.shape[2], q.shape[1], k_store.shape[1]
         group = n_q_heads // n_kv_heads
         block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
         warp_rows = warp_rows[0] if warp_rows else None
         q_copy = type_name(q.dtype) == MMA_DTYPES[mma] and q_aligned  # Q in the mma type
         kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
-                                warp_rows, stored)
+                                warp_rows, stored, sunk)
         warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
         n_row_tiles = ceil_div(group * self.max_q_len, block_rows)
         return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles), 32 * warps, self.stream,
                            PER_CALL, PER_CALL, PER_CALL, PER_CALL, int(self.page_bits),
-                           self.tables, PER_CALL, PER_CALL, int(self.seq_info_off),
+                           self.tables, PER_CALL, PER_CALL, PER_CALL, int(self.seq_info_off),
                            int(self.segments_off), n_row_tiles, group, PER_CALL, PER_CALL,
                            PER_CALL, PER_CALL)
 
@@ -104,8 +106,8 @@ def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_b
 
 
 def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments_off,
-        n_segments, max_q_len, out, ring_rows, window, scale, softcap, lse=None, stream=0,
-        tile=None):
+        n_segments, max_q_len, out, ring_rows, window, scale, softcap, lse=None, sinks=None,
+        stream=0, tile=None):
     """Attention of the listed segments' queries over their own sequence's keys, into `out`.
 
     q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
@@ -122,7 +124,9 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     segments served are `tables[segments_off + i]`, `i < n_segments`, none longer than
     `max_q_len`. ring_rows: 0 (flat) or R; window: 0 (none) or W; softcap 0.0 = off.
     lse: None, or a float32 `[width, n_q_heads]` device array that receives each listed
-    row's natural-log log-sum-exp of its (scaled, capped) scores. One launch on
+    row's natural-log log-sum-exp of its (scaled, capped) scores. sinks: None, or a
+    float32 `[n_q_heads]` device array: each q head's logit joins its rows' softmax
+    (`kernels.sinks`; `lse` includes it). One launch on
     `stream`: no synchronisation, no allocation. `tile`: (block_rows, block_keys),
     multiples of 16, and optionally warp_rows (16 or 32, dividing block_rows; else
     `default_warp_rows`), instead of `tile_shape(head_dim)`.
@@ -130,5 +134,6 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     prepare(tables, seq_info_off=seq_info_off, segments_off=segments_off,
             n_segments=n_segments, max_q_len=max_q_len, page_bits=page_bits, stream=stream,
             tile=tile)(q, k_store, v_store, pages, out, no_output() if lse is None else lse,
-                       ring_rows, window, scale, softcap)
+                       no_sinks() if sinks is None else sinks, ring_rows, window, scale,
+                       softcap)
     return out

@@ -1,23 +1,25 @@
 """The prefill kernel's arithmetic on mma fragments, as device functions of one
 specialisation (`math_functions`): S = Q K^T, the softcap, masks, the online softmax
 with P packed to 16 bits, O += P V with the row sums from one more mma, and the
-normalised rows' stores (`prefill_kernel`'s doc tells the fragment bookkeeping)."""
+normalised rows' stores (a row's sink joined there) (`prefill_kernel`'s doc tells the fragment bookkeeping)."""
 from __future__ import annotations
 
 import math
 
 from ...device import cuda
 from ..intrinsics import ptx, tensorcore
-from ..launch.constants import NEG_INF
+from ..launch.constants import LN2, LOG2E, NEG_INF
+from ..sinks import with_sink
 from .shape import ONES, PrefillShape
 from .staging import split_row
 
 from numba import float32, uint32  # noqa: E402  (after device)
 
 
-def math_functions(shape: PrefillShape) -> tuple:
+def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
     """`(scores, softcap_scores, mask, softmax_step, accumulate, store_rows)` for one
-    kernel `shape`."""
+    kernel `shape`, its rows' sinks joined (`sunk`) or not."""
+    SUNK = sunk
     head_dim, BK, PITCH, H = shape.head_dim, shape.bk, shape.pitch, shape.h
     KT, DK, DT = shape.kt, shape.dk, shape.dt
     S_FLOATS, P_WORDS, O_FLOATS = shape.s_floats, shape.p_words, shape.o_floats
@@ -161,20 +163,27 @@ def math_functions(shape: PrefillShape) -> tuple:
                 rescale(l, 4 * h, alpha_a, alpha_b)
 
     @cuda.jit(device=True)
-    def store_rows(out, lse, o, l, m, scale, warp_row, n_end, g, t, q_start, group, kv_head):
+    def store_rows(out, lse, sinks, o, l, m, scale, warp_row, n_end, g, t, q_start, group,
+                   kv_head):
         """Write the lane's real rows (g + 8 r of the warp's), each normalised by its sum
-        (every real row sees a key: its sum is > 0), and, when `lse` has rows, each row's
+        (every real row sees a key: its sum is > 0), its head's sink joined first when
+        the kernel is `sunk` (`kernels.sinks`), and, when `lse` has rows, each row's
         log-sum-exp `scale m + log l` (lane t = 0 of the quad, which all hold m and l)."""
         for r in range(LANE_ROWS):
             row = warp_row + g + 8 * r
             if row < n_end:
                 at = (r // 2) * O_FLOATS + 2 * (r % 2)      # row a or b of half r // 2
                 row_sum = l[4 * (r // 2) + 2 * (r % 2)]
-                inv_l = float32(1.0) / row_sum
                 token, head = split_row(row, group)
+                best = m[r] * scale                         # natural log
+                weight = float32(1.0)
+                if SUNK:
+                    best, weight, row_sum = with_sink(
+                        best * LOG2E, row_sum, sinks[kv_head * group + head] * LOG2E)
+                    best *= LN2
+                inv_l = weight / row_sum
                 if t == 0 and lse.shape[0] > 0:
-                    lse[q_start + token, kv_head * group + head] = \
-                        m[r] * scale + math.log(row_sum)
+                    lse[q_start + token, kv_head * group + head] = best + math.log(row_sum)
                 for n in range(DT):
                     d = 8 * n + 2 * t
                     if d < head_dim:

@@ -89,15 +89,15 @@ from numba import float32, int32, uint16, uint32  # noqa: E402  (after device)
 @lru_cache(maxsize=None)
 def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
                    capped: bool, q_copy: bool = True, warp_rows: int | None = None,
-                   stored: str | None = None):
+                   stored: str | None = None, sunk: bool = False):
     """The prefill kernel for one head_dim, tile shape (`warp_rows`: by default
     `default_warp_rows`), 16-bit mma type `storage` over K/V storage holding `stored`
     (default the same type; "e4m3" / "e5m2": 8-bit floats converted while staged), with
     (`capped`) or without a softcap, and Q staged by cp.async (`q_copy`: q holds the mma
-    type, 16-byte aligned) or converted value by value."""
+    type, 16-byte aligned) or converted value by value; with (`sunk`) or without sinks."""
     shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored)
     stage_queries, stage_tile = staging_functions(shape, q_copy)
-    scores, softcap_scores, mask, softmax_step, accumulate, store_rows = math_functions(shape)
+    scores, softcap_scores, mask, softmax_step, accumulate, store_rows = math_functions(shape, sunk)
     BR, BK, WR, H, PITCH = shape.br, shape.bk, shape.wr, shape.h, shape.pitch
     DK, LANE_ROWS, FRAGMENT = shape.dk, shape.lane_rows, shape.fragment
     Q_ALL, S_ALL, P_ALL, O_ALL = shape.q_all, shape.s_all, shape.p_all, shape.o_all
@@ -155,7 +155,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
     unmasked_tiles = key_tiles(False)
 
     @cuda.jit
-    def prefill(q, k_store, v_store, pages, page_bits, tables, out, lse, seq_info_off,
+    def prefill(q, k_store, v_store, pages, page_bits, tables, out, lse, sinks, seq_info_off,
                 segments_off, n_row_tiles, group, ring_rows, window, scale, softcap):
         """`run`'s launch: pages and page_bits follow the slot storage they address, as
         in `attention`'s kernel; grid (kv heads, served segments, row tiles)."""
@@ -261,6 +261,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         scales = (scale * LOG2E, scale, softcap)
         masked_tiles(n_masked, masked_order, buffers, staging, lanes, bounds, scales)
         unmasked_tiles(int32(j2 - j1), unmasked_order, buffers, staging, lanes, bounds, scales)
-        store_rows(out, lse, o, l, m, scale, warp_row, n_end, g, t, q_start, group, kv_head)
+        store_rows(out, lse, sinks, o, l, m, scale, warp_row, n_end, g, t, q_start, group,
+                   kv_head)
 
     return Specialised(prefill)
