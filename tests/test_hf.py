@@ -49,7 +49,7 @@ def test_forks_share_one_prefill_and_wait_for_free_sequences():
 
 def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
     """A layer call whose sliding window is not its cache layer's, attention dropout,
-    learned sinks, a position bias, a non-causal call, attention weights asked for, an
+    learned sinks of another head count, a position bias, a non-causal call, attention weights asked for, an
     argument the function does not know, and a call outside a kvnumba step: each a
     ConfigError naming the layer and the piece, with nothing written into the prepared
     step."""
@@ -71,8 +71,8 @@ def test_the_attention_function_refuses_what_it_cannot_serve_before_writing():
         (dict(module=SimpleNamespace(layer_idx=1), sliding_window=4, dropout=0.1,
               kvnumba_cache=cache), r"attention dropout 0.1 \(put the model in eval mode\)"),
         (dict(module=SimpleNamespace(layer_idx=0)), r"runs inside a kvnumba step"),
-        (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, s_aux=torch.zeros(2)),
-         r"layer 0: the model's attention passes s_aux= \(learned attention sinks\)"),
+        (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, s_aux=torch.zeros(3)),
+         r"layer 0: the model's sinks hold 3 heads, its queries 2"),
         (dict(module=SimpleNamespace(layer_idx=1), sliding_window=4, kvnumba_cache=cache,
               position_bias=torch.zeros(1)), r"layer 1: .*position_bias= \(a position bias"),
         (dict(module=SimpleNamespace(layer_idx=0), kvnumba_cache=cache, is_causal=False),

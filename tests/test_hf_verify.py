@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hfmodels import PROMPTS, generated, kvhf, tiny  # noqa: E402
+from kvnumba.hf.probe import TOLERANCE  # noqa: E402
 
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
@@ -30,14 +31,50 @@ def halved_values(module, query, key, value, attention_mask, **kwargs):
     return sdpa_attention_forward(module, query, key, value / 2, attention_mask, **kwargs)
 
 
-@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa"])
-def test_learned_sinks_are_refused_whatever_the_model_type(model_type):
-    """A model whose attention modules hold learned sinks is refused at construction,
-    read from its modules (granite_swa has no `use_sinks` and is not gpt-oss)."""
-    model = registry_model(model_type)
-    with pytest.raises(kv.ConfigError, match=rf"{model_type}: kvnumba does not compute "
-                                             r"learned attention sinks \(layer 0's `sinks`\)"):
-        kvhf.Engine(model, max_seqs=1, capacity=8)
+#: the sink models' shape: two layers (a sliding one of window 4, shorter than the shared
+#: prompt part, and a full one), gpt-oss's experts few
+SINK_MODELS = {"gpt_oss": dict(num_hidden_layers=2, sliding_window=4, num_local_experts=4,
+                               num_experts_per_tok=2),
+               "granite_swa": dict(num_hidden_layers=2, sliding_window=4)}
+SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]     # 17 tokens: 2 pages of 8
+
+
+def sink_model(model_type, seed=0):
+    """A tiny random `model_type` whose learned sinks are about the size of its scores
+    (initialised near zero, a sink served wrong would hardly show)."""
+    torch.manual_seed(seed)
+    model = registry_model(model_type, **SINK_MODELS[model_type])
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "sinks", None) is not None:
+                module.sinks.copy_(2 * torch.randn_like(module.sinks))
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(SINK_MODELS))
+def test_models_with_learned_sinks_are_served_token_for_token(model_type):
+    """gpt-oss and granite_swa pass their layers' sinks as `s_aux`: they pass the probe
+    and are served as `generate()` (greedy, float32 storage) with the prefix cache
+    hitting, forks and a draft of the same family (the probe has compared every layer's
+    output first); and their sinks matter: with its sinks at -inf the model's own logits
+    move by more than the probe's float32 tolerance."""
+    model, draft = sink_model(model_type), sink_model(model_type, seed=1)
+    prompts = [SYSTEM + [11, 12], SYSTEM + [13, 14, 15]]
+    want = [generated(model, p, 3) for p in prompts]
+    engine = kvhf.Engine(model, max_seqs=2, capacity=32, max_write=8, dtype="float32",
+                         page_size=8, draft_model=draft, draft_len=2)
+    assert engine.generate(prompts[:1], max_new_tokens=3) == want[:1]
+    assert engine.generate(prompts[1:], max_new_tokens=3, n=2) == [want[1]] * 2
+    assert engine.stats.cached_tokens == 16
+    sinkless = sink_model(model_type)
+    with torch.no_grad():
+        for module in sinkless.modules():
+            if getattr(module, "sinks", None) is not None:
+                module.sinks.fill_(-float("inf"))
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        moved = (model(ids).logits - sinkless(ids).logits).abs().max().item()
+    assert moved > 20 * TOLERANCE["float32"]
 
 
 def test_the_probe_refuses_an_attention_kvnumba_does_not_compute():

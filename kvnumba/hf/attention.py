@@ -24,8 +24,6 @@ IGNORED = frozenset({
 })
 #: arguments that ask for attention kvnumba does not compute yet, by what they are
 NOT_COMPUTED = {
-    "s_aux": "learned attention sinks",
-    "sinks": "learned attention sinks",
     "position_bias": "a position bias added to the scores",
     "indices": "sparse (indexed) attention",
     "block_indices": "sparse (indexed) attention",
@@ -33,13 +31,14 @@ NOT_COMPUTED = {
 
 
 def attend(module, query, key, value, attention_mask=None, *, scaling=None, dropout=0.0,
-           sliding_window=None, softcap=None, is_causal=None, output_attentions=False,
-           kvnumba_cache=None, **others):
+           sliding_window=None, softcap=None, s_aux=None, is_causal=None,
+           output_attentions=False, kvnumba_cache=None, **others):
     """`(out [1, T, Hq, D], None)`: `update_and_attend` of the prepared step on layer
-    `module.layer_idx`, with the module's scale and softcap.
+    `module.layer_idx`, with the module's scale, softcap and learned sinks (`s_aux`,
+    `[Hq]`: each head's logit joins its softmax).
 
-    Accepted means exact: every argument is either computed (`scaling`, `softcap`, the
-    cache layer's `sliding_window`), known to change nothing (`IGNORED`; no mask: the
+    Accepted means exact: every argument is either computed (`scaling`, `softcap`,
+    `s_aux`, the cache layer's `sliding_window`), known to change nothing (`IGNORED`; no mask: the
     cache masks by positions), or refused with a `ConfigError` naming the layer and the
     argument before anything is written (`NOT_COMPUTED`, a non-causal call, attention
     weights asked for, dropout, and any argument this function does not know)."""
@@ -54,8 +53,29 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
         raise ConfigError(f"layer {layer}: the model attends with sliding_window="
                           f"{sliding_window}, the cache's layer has window {window}")
     q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-    out = kvnumba_cache.update_and_attend(layer, q, k, v, scale=scaling, softcap=softcap or None)
+    sinks = None if s_aux is None else head_sinks(layer, s_aux, q.shape[1])
+    out = kvnumba_cache.update_and_attend(layer, q, k, v, scale=scaling, softcap=softcap or None,
+                                          sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def head_sinks(layer: int, s_aux, n_heads: int):
+    """A layer's learned sinks as the cache takes them: float32 `[n_heads]`, detached
+    (a parameter requires grad), this rank's share of a tensor-parallel model's heads
+    (a sharded parameter's local part; a replicated one sliced by the rank), or
+    `ConfigError` naming the counts."""
+    sinks = s_aux.to_local() if hasattr(s_aux, "to_local") else s_aux
+    sinks = sinks.detach().reshape(-1).float()
+    if sinks.shape[0] == n_heads:
+        return sinks
+    import torch.distributed as dist
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if sinks.shape[0] == n_heads * ranks:
+        rank = dist.get_rank()
+        return sinks[rank * n_heads:(rank + 1) * n_heads].contiguous()
+    raise ConfigError(f"layer {layer}: the model's sinks hold {sinks.shape[0]} heads, its "
+                      f"queries {n_heads} (on {ranks} rank(s)); kvnumba takes one sink per "
+                      f"query head")
 
 
 def refuse_arguments(layer: int, *, is_causal, output_attentions, dropout, others: dict) -> None:

@@ -3,8 +3,8 @@ an engine's caches (the model's and its draft's, sharing a byte budget).
 
 Only what the attention interface hands kvnumba is served: per-layer causal attention
 over the sequence's own keys, full or sliding-window (`layer_types`,
-`sliding_window`), grouped kv heads, a score scale and a logit softcap. What kvnumba
-cannot compute exactly (ALiBi, attention sinks, cross-attention, latent attention,
+`sliding_window`), grouped kv heads, a score scale, a logit softcap and learned attention
+sinks. What kvnumba cannot compute exactly (ALiBi, cross-attention, latent attention,
 chunked or linear attention layers) is a `ConfigError` naming the model type and the
 missing piece, never a silently different model.
 """
@@ -32,23 +32,11 @@ def unsupported(config) -> str | None:
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None),
                                                    "alibi", False):
         return "ALiBi position biases"
-    if getattr(config, "use_sinks", False):
-        return "attention sinks"
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (MLA)"
     for kind in set(getattr(config, "layer_types", None) or ()):
         if kind not in ("full_attention", "sliding_attention"):
             return f"{kind!r} layers"
-    return None
-
-
-def unsupported_modules(model) -> str | None:
-    """What of the model's attention modules kvnumba cannot compute, read from the modules
-    themselves whatever the model type: learned attention sinks (a `sinks` tensor), or
-    None."""
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and getattr(module, "sinks", None) is not None:
-            return f"learned attention sinks (layer {module.layer_idx}'s `sinks`)"
     return None
 
 
@@ -102,7 +90,7 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     if not getattr(model, "_supports_attention_backend", False):
         raise ConfigError(f"{config.model_type}: its attention does not go through "
                           f"transformers' AttentionInterface, so kvnumba cannot serve it")
-    missing = unsupported(config) or unsupported_modules(model)
+    missing = unsupported(config)
     if missing:
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
     heads = config.num_attention_heads
