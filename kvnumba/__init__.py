@@ -8,7 +8,7 @@ cites the sections of the contract, docs/contract.md, as "contract §n".
 from . import device  # (first: chooses GPU or simulator before numba.cuda)
 from .device import DeviceError, torch_stream
 from .cache.batched import BatchedSequenceCache
-from .config import CacheConfig, LayerSpec, flat, ring
+from .config import CacheConfig, LayerSpec, chunked, flat, ring
 from .serving.driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
@@ -35,6 +35,7 @@ __all__ = [
     "PositionError", "PrefixStats", "RankDivergenceError",
     "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
-    "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "device", "flat",
+    "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "chunked", "device",
+    "flat",
     "fp8_scales", "page_keys", "ring", "run_inputs", "run_step", "torch_stream",
 ]

@@ -1,4 +1,5 @@
-"""Cache configuration (contract §3): `CacheConfig`, and `flat()` / `ring()` layer specs.
+"""Cache configuration (contract §3): `CacheConfig`, and `flat()` / `ring()` / `chunked()`
+layer specs.
 
 Validation happens at construction; every refusal is a `ConfigError` naming the
 field and the rule it broke.
@@ -16,7 +17,7 @@ import numpy as np
 from .args import as_count, describe, is_int
 from .errors import ConfigError
 from .host.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
-from .host.positions import layer_rows
+from .host.positions import layer_rows, ring_floor
 
 #: storage dtypes, by name: the dtype of the device arrays. Numba has no bfloat16 or
 #: 8-bit float types, so those arrays hold bit patterns, each format in its own integer
@@ -44,25 +45,52 @@ INITIAL_POSITIONS = 256
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer's kind: flat (`window is None`) or a sliding-window ring of `window` positions.
+    """One layer's kind: flat (neither set), a sliding-window ring of `window`
+    positions, or a chunked ring whose queries see their own chunk of `chunk` positions.
 
-    Build it with `flat()` or `ring(window=W)`; a `LayerSpec` built directly is
-    checked the same way (`window` None or an int >= 1, else `ConfigError`).
+    Build it with `flat()`, `ring(window=W)` or `chunked(size=C)`; a `LayerSpec` built
+    directly is checked the same way (`window` and `chunk` None or an int >= 1, not
+    both, else `ConfigError`).
     """
 
     window: int | None = None
+    chunk: int | None = None
 
     def __post_init__(self):
-        if self.window is None:
-            return
-        if not is_int(self.window) or not 1 <= self.window <= INT32_MAX:
-            raise ConfigError(f"LayerSpec(window={describe(self.window)}): window must be None "
-                              f"(flat) or an integer in [1, {INT32_MAX}]")
-        object.__setattr__(self, "window", int(self.window))
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not is_int(value) or not 1 <= value <= INT32_MAX:
+                raise ConfigError(f"LayerSpec({name}={describe(value)}): {name} must be None "
+                                  f"or an integer in [1, {INT32_MAX}]")
+            object.__setattr__(self, name, int(value))
+        if self.window is not None and self.chunk is not None:
+            raise ConfigError(f"LayerSpec(window={self.window}, chunk={self.chunk}): a layer "
+                              f"is a sliding window or chunked, not both")
 
     @property
     def is_ring(self) -> bool:
-        return self.window is not None
+        """Whether the layer is stored as a ring (sliding-window or chunked)."""
+        return self.reach is not None
+
+    @property
+    def reach(self) -> int | None:
+        """How far back a query reads at most, plus one: W or C (None: flat). A ring's
+        rows follow from it (`positions.ring_rows`)."""
+        return self.window if self.window is not None else self.chunk
+
+    @property
+    def window_code(self) -> int:
+        """The layer's mask as the kernels take it (`masks.key_range`): 0 flat, W for a
+        sliding window, -C for chunks of C."""
+        return self.window if self.window is not None else -(self.chunk or 0)
+
+    def describe(self) -> str:
+        """How refusals name it: "flat", "window 4096", "chunks of 8192"."""
+        if self.window is not None:
+            return f"window {self.window}"
+        return f"chunks of {self.chunk}" if self.chunk is not None else "flat"
 
 
 def flat() -> LayerSpec:
@@ -80,6 +108,17 @@ def ring(window: int) -> LayerSpec:
         raise ConfigError("ring(window=None): window must be an integer >= 1 (use flat() for "
                           "a layer without a window)")
     return LayerSpec(window)
+
+
+def chunked(size: int) -> LayerSpec:
+    """A chunked local-attention layer: a query at `p` sees keys `size * (p // size) <= j
+    <= p`, its own chunk up to itself (Hugging Face's `chunked_attention` layers with
+    `attention_chunk_size=size`, as in Llama 4). Stored as a ring of `min(capacity, size +
+    max_write - 1)` rows."""
+    if size is None:
+        raise ConfigError("chunked(size=None): size must be an integer >= 1 (use flat() for "
+                          "a layer without chunks)")
+    return LayerSpec(chunk=size)
 
 
 class LayerKind(NamedTuple):
@@ -113,7 +152,7 @@ def _require_int(name: str, value, lo: int, hi: int | None = None, rule: str = "
 class CacheConfig:
     """Shape and limits of a cache.
 
-    layers:       one `LayerSpec` per layer (`flat()` or `ring(window=W)`).
+    layers:       one `LayerSpec` per layer (`flat()`, `ring(window=W)` or `chunked(size=C)`).
     n_kv_heads:   K/V heads per layer.
     head_dim:     elements per head, 1..256.
     capacity:     most positions one sequence may hold (a hard bound).
@@ -162,8 +201,8 @@ class CacheConfig:
             raise ConfigError("layers=[]: requires at least one layer")
         for i, spec in enumerate(layers):
             if not isinstance(spec, LayerSpec):
-                raise ConfigError(f"layers[{i}]={describe(spec)}: must be flat() or "
-                                  f"ring(window=...)")
+                raise ConfigError(f"layers[{i}]={describe(spec)}: must be flat(), "
+                                  f"ring(window=...) or chunked(size=...)")
         object.__setattr__(self, "layers", layers)
         self._set_int("n_kv_heads", self.n_kv_heads, 1)
         self._set_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
@@ -245,7 +284,7 @@ class CacheConfig:
     def ring_rows(self) -> np.ndarray:
         """`R` per layer (int64 `[n_layers]`), 0 for a flat layer: the one place ring
         sizes are worked out (`plan.ring_rows`)."""
-        return layer_rows([s.window for s in self.layers], self.max_write, self.capacity)
+        return layer_rows([s.reach for s in self.layers], self.max_write, self.capacity)
 
     @cached_property
     def layer_kinds(self) -> tuple:
@@ -264,12 +303,25 @@ class CacheConfig:
                      for kind in self.layer_kinds)
 
     @cached_property
-    def floor_ring(self) -> tuple[int, int]:
-        """`(R, layer)` of the ring layer whose floor binds, or `(0, -1)` without ring
-        layers: every ring layer's floor is `hw - M` once `hw > R`, so the one with the
-        fewest rows wraps first, and its floor is the sequence's (contract §5)."""
-        rings = [(int(r), i) for i, r in enumerate(self.ring_rows()) if r]
-        return min(rings) if rings else (0, -1)
+    def floor_layers(self) -> tuple:
+        """`(R, C, layer)` per distinct ring kind of mask that can set a floor: its rows,
+        its chunk (0: a sliding window) and its first layer; empty without ring layers."""
+        found: dict = {}
+        for layer, (spec, rows) in enumerate(zip(self.layers, self.ring_rows().tolist())):
+            if rows:
+                found.setdefault((int(rows), spec.chunk or 0), layer)
+        return tuple((rows, chunk, layer) for (rows, chunk), layer in found.items())
+
+    def floor_of(self, high_water: int) -> tuple[int, int]:
+        """`(floor, layer)` of a sequence at `high_water`: the highest of its ring layers'
+        floors (`positions.ring_floor`) and the layer that sets it, or `(0, -1)` without
+        ring layers (contract §5)."""
+        floor, layer = 0, -1
+        for rows, chunk, first in self.floor_layers:
+            f = ring_floor(high_water, rows, self.max_write, chunk)
+            if f > floor or layer < 0:
+                floor, layer = f, first
+        return floor, layer
 
     def table_pages(self, rows: int) -> int:
         """Pages per sequence of a layer kind: `ceil(capacity / P)` for flat layers (rows

@@ -6,9 +6,11 @@ the definitions of contract §2 and §7, position by position:
 * causal, window `W` (None for a flat layer): the query at position `p` sees the
   keys `max(0, p - W + 1) <= j <= p` (FlashAttention's `window_size=(W - 1, 0)`,
   Hugging Face's `sliding_window=W`);
+* causal, chunks of `C` (contract §15): the keys `C * (p // C) <= j <= p`, its own
+  chunk up to itself (Hugging Face's `attention_chunk_size=C`);
 * a draft block `[b0, b1)`: each of its queries sees every key of the block,
-  whatever the window, plus the history its own window allows
-  (`max(0, p - W + 1) <= j < b0`).
+  whatever the window, plus the history its own window or chunk allows
+  (`lo(p) <= j < b0`).
 
 `DemoModel` is the small decoder of `python -m kvnumba demo`. Its per-token
 pieces (embedding, norms, projections with rotary positions, MLP, output head)
@@ -25,45 +27,54 @@ import numpy as np
 
 
 # ---------------------------------------------------------------------------- masks
-def visible(p: int, j: int, window: int | None = None, block: tuple | None = None) -> bool:
+def visible(p: int, j: int, window: int | None = None, block: tuple | None = None,
+            chunk: int | None = None) -> bool:
     """Does the query at position `p` see the key at position `j`?
 
-    `window`: W, or None (flat). `block`: the `(b0, b1)` draft block `p` belongs to, or None.
+    `window`: W, or None. `chunk`: C, or None (at most one of the two; neither: a flat
+    layer). `block`: the `(b0, b1)` draft block `p` belongs to, or None.
     """
-    lo = 0 if window is None else max(0, p - window + 1)
+    lo = 0
+    if window is not None:
+        lo = max(0, p - window + 1)
+    if chunk is not None:
+        lo = (p // chunk) * chunk
     if block is not None:
         b0, b1 = block
         return b0 <= j < b1 or lo <= j < b0
     return lo <= j <= p
 
 
-def mask(q_positions, n_keys: int, window: int | None = None, blocks=()) -> np.ndarray:
+def mask(q_positions, n_keys: int, window: int | None = None, blocks=(),
+         chunk: int | None = None) -> np.ndarray:
     """`[len(q_positions), n_keys]` bool: which keys (positions `0 .. n_keys-1`) each query sees.
 
     `blocks`: `(b0, b1)` draft-block spans; a query inside one uses the block rule.
+    `window`, `chunk`: as `visible` takes them.
     """
     q_positions = np.asarray(q_positions, dtype=np.int64)
     out = np.zeros((q_positions.size, n_keys), dtype=bool)
     for i, p in enumerate(q_positions):
         span = next(((b0, b1) for b0, b1 in blocks if b0 <= p < b1), None)
         for j in range(n_keys):
-            out[i, j] = visible(int(p), j, window, span)
+            out[i, j] = visible(int(p), j, window, span, chunk)
     return out
 
 
 def attention(q, k, v, q_positions=None, *, window: int | None = None, blocks=(),
               scale: float | None = None, softcap: float | None = None,
-              sinks=None) -> np.ndarray:
+              sinks=None, chunk: int | None = None) -> np.ndarray:
     """Dense float64 attention of one sequence.
 
     q: `[n_q, n_q_heads, d]` at `q_positions` (default `0 .. n_q-1`); k, v: `[n_keys,
     n_kv_heads, d]` at positions `0 .. n_keys-1`. Query head `h` reads kv head
     `h // (n_q_heads // n_kv_heads)`. Scores are scaled (default `1/sqrt(d)`), then
-    soft-capped (`c * tanh(s / c)`), masked, soft-maxed. `sinks` (`[n_q_heads]`): each
+    soft-capped (`c * tanh(s / c)`), masked (`window` or `chunk`, `blocks`: `mask`),
+    soft-maxed. `sinks` (`[n_q_heads]`): each
     head's logit joins its softmax as one more key whose value is zero. Returns `[n_q,
     n_q_heads, d]`.
     """
-    s = _with_sinks(_scores(q, k, q_positions, window, blocks, scale, softcap), sinks)
+    s = _with_sinks(_scores(q, k, q_positions, window, blocks, scale, softcap, chunk), sinks)
     group = s.shape[0] // np.shape(v)[1]
     vh = np.repeat(np.asarray(v, np.float64), group, axis=1)            # [n_keys, hq, d]
     s = s - s.max(axis=-1, keepdims=True)
@@ -75,11 +86,11 @@ def attention(q, k, v, q_positions=None, *, window: int | None = None, blocks=()
 
 def log_sum_exp(q, k, q_positions=None, *, window: int | None = None, blocks=(),
                 scale: float | None = None, softcap: float | None = None,
-                sinks=None) -> np.ndarray:
+                sinks=None, chunk: int | None = None) -> np.ndarray:
     """`[n_q, n_q_heads]` float64: each query row's natural-log log-sum-exp of its final
     scores (scaled, soft-capped, over the keys it sees, and its head's sink), what
     `attend(..., lse=)` writes; arguments as `attention`'s."""
-    s = _with_sinks(_scores(q, k, q_positions, window, blocks, scale, softcap), sinks)
+    s = _with_sinks(_scores(q, k, q_positions, window, blocks, scale, softcap, chunk), sinks)
     best = s.max(axis=-1, keepdims=True)
     return (best[..., 0] + np.log(np.exp(s - best).sum(axis=-1))).T
 
@@ -93,7 +104,7 @@ def _with_sinks(s: np.ndarray, sinks) -> np.ndarray:
     return np.concatenate([s, column], axis=-1)
 
 
-def _scores(q, k, q_positions, window, blocks, scale, softcap) -> np.ndarray:
+def _scores(q, k, q_positions, window, blocks, scale, softcap, chunk) -> np.ndarray:
     """`[n_q_heads, n_q, n_keys]` float64 scores, scaled, soft-capped and masked (-inf)."""
     q = np.asarray(q, np.float64)
     k = np.asarray(k, np.float64)
@@ -105,7 +116,7 @@ def _scores(q, k, q_positions, window, blocks, scale, softcap) -> np.ndarray:
     if q_positions is None:
         q_positions = np.arange(n_q)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    seen = mask(q_positions, n_keys, window, blocks)                    # [n_q, n_keys]
+    seen = mask(q_positions, n_keys, window, blocks, chunk)                  # [n_q, n_keys]
     kh = np.repeat(k, group, axis=1)                                     # [n_keys, hq, d]
     s = scale * np.einsum("qhd,khd->hqk", q, kh)                         # [hq, n_q, n_keys]
     if softcap:

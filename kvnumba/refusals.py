@@ -8,7 +8,6 @@ import numpy as np
 from .config import CacheConfig
 from .errors import (CapacityError, OwnerRunError, PositionError, RingFloorError,
                      StepProtocolError)
-from .host.positions import ring_floor
 
 
 def split_hint(config: CacheConfig) -> str:
@@ -20,16 +19,19 @@ def split_hint(config: CacheConfig) -> str:
 def floor_refusal(verb: str, seq: int, target: int, high_water: int,
                   config: CacheConfig) -> RingFloorError:
     """A rewind or clone of sequence `seq` to `target`, below its floor: names the target,
-    the floor, and the ring layer that sets it (its window and rows, what it still
-    holds)."""
-    rows, layer = config.floor_ring
-    floor = ring_floor(high_water, rows, config.max_write)
-    window = config.layers[layer].window
+    the floor, and the ring layer that sets it (its window or chunk and rows, what it
+    still holds)."""
+    floor, layer = config.floor_of(high_water)
+    spec = config.layers[layer]
+    rows = int(config.ring_rows()[layer])
+    needs = f"[p - {spec.window - 1}, p)" if spec.window is not None else \
+        f"[{spec.chunk} * (p // {spec.chunk}), p)"
+    kind = "ring" if spec.window is not None else "chunked"
     return RingFloorError(f"{verb}: target position {target} is below the floor {floor} of "
-                          f"sequence {seq}: ring layer {layer} (window {window}, {rows} rows) "
-                          f"holds only positions [{high_water - rows}, {high_water}) at "
-                          f"high-water {high_water}, and resuming at p needs "
-                          f"[p - {window - 1}, p); go back no further than {floor}")
+                          f"sequence {seq}: {kind} layer {layer} ({spec.describe()}, {rows} "
+                          f"rows) holds only positions [{high_water - rows}, {high_water}) at "
+                          f"high-water {high_water}, and resuming at p needs {needs}; go "
+                          f"back no further than {floor}")
 
 
 def position_refusal(target: str, seq: int, lowest: int, pos: int) -> PositionError:

@@ -14,46 +14,65 @@ def ring_rows(window, max_write, capacity):
     return min(capacity, window + max_write - 1)
 
 
-def floor(high_water, windows, max_write, capacity):
-    """Max over ring layers of (hw - M if hw > R else 0); 0 without ring layers."""
+def floor(high_water, windows, max_write, capacity, chunks=()):
+    """Max over ring layers of (hw - M if hw > R else 0), and over chunked layers (chunk
+    C, R rows holding [hw - R, hw) once hw > R) of the lowest L from which every resume
+    point up to hw finds its chunk's start `C * (L // C)` still held (found by search);
+    0 without ring layers."""
     out = 0
     for w in windows:
         if w is None:
             continue
         if high_water > ring_rows(w, max_write, capacity):
             out = max(out, high_water - max_write)
+    for c in chunks:
+        oldest = high_water - ring_rows(c, max_write, capacity)
+        if oldest > 0:
+            lowest = next(p for p in range(high_water + 1)
+                          if all(c * (q // c) >= oldest for q in range(p, high_water + 1)))
+            out = max(out, lowest)
     return out
 
 
-def visible(p, key, pos_start, q_len, window, block):
-    """Does the query at position p see the key at position `key`? (contract §2, §7)"""
+def chunk_start(p, chunk):
+    """The first position of the chunk of `chunk` positions that holds p (contract §15)."""
+    return p - p % chunk
+
+
+def visible(p, key, pos_start, q_len, window, block, chunk=None):
+    """Does the query at position p see the key at position `key`? (contract §2, §7, §15)"""
     lo = max(0, p - window + 1) if window else 0
+    if chunk:
+        lo = chunk_start(p, chunk)
     if block:
         in_block = pos_start <= key < pos_start + q_len
         return in_block or (lo <= key < pos_start)
     return lo <= key <= p
 
 
-def visible_mask(p, kv_len, pos_start, q_len, block, window):
+def visible_mask(p, kv_len, pos_start, q_len, block, window, chunk=None):
     """Boolean mask over key positions [0, kv_len) for the query at position p."""
     j = np.arange(kv_len)
     in_window = (j >= p - window + 1) if window else np.ones(kv_len, bool)
+    if chunk:
+        in_window = j >= chunk_start(p, chunk)
     if block:
         in_block = (j >= pos_start) & (j < pos_start + q_len)
         return in_block | ((j < pos_start) & in_window)
     return (j <= p) & in_window
 
 
-def seen_positions(q_len, pos_start, block, window):
+def seen_positions(q_len, pos_start, block, window, chunk=None):
     """Every key position some query of the segment sees (sorted int array)."""
     kv_len = pos_start + q_len
     seen = np.zeros(kv_len, bool)
     for i in range(q_len):
-        seen |= visible_mask(pos_start + i, kv_len, pos_start, q_len, block, window)
+        seen |= visible_mask(pos_start + i, kv_len, pos_start, q_len, block, window, chunk)
     return np.flatnonzero(seen)
 
 
-def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=None):
+def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=None,
+                    chunk=None):
     """q [n, hq, d]; keys/values [kv_len, hkv, d] (positions 0..kv_len-1) -> [n, hq, d] float64."""
     q = np.asarray(q, np.float64)
     keys = np.asarray(keys, np.float64)
@@ -63,7 +82,8 @@ def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=No
     out = np.zeros(q.shape, np.float64)
     for i in range(n):
         p = pos_start + i
-        mask = np.array([visible(p, j, pos_start, n, window, block) for j in range(len(keys))])
+        mask = np.array([visible(p, j, pos_start, n, window, block, chunk)
+                         for j in range(len(keys))])
         for h in range(hq):
             kv = h // group
             s = scale * (keys[:, kv, :] @ q[i, h])

@@ -1,7 +1,8 @@
 """Hypothesis stateful test: every BatchControl verb, legal and illegal, against a model.
 
 The model below is written from the contract (docs/contract.md), not from kvnumba: slot states, pos,
-high-water and floors as plain Python, the StepPlan tables rebuilt token by
+high-water and floors as plain Python (the ring layer a sliding window, or chunked in
+machines of their own), the StepPlan tables rebuilt token by
 token, full per-position K/V histories per sequence and layer, and attention
 from those histories (tests/oracle.py). Every refusal must raise the predicted
 error class and leave states, positions, high-waters, the step and every byte
@@ -38,7 +39,10 @@ import kvnumba as kv
 from fp8ref import FORMATS, quantised
 from oracle import dense_attention, floor, ring_rows
 
-WINDOWS = [None, 3]          # one flat layer, one ring layer
+#: one flat layer and one ring layer of reach 3: a sliding window of 3, or (a machine's
+#: `chunked`) chunks of 3 (contract §15), stored in rings of the same rows
+RING = 3
+N_LAYERS = 2
 MAX_SEQS, MAX_WRITE, MAX_STEP, CAPACITY = 3, 3, 8, 48
 HEADS, Q_HEADS, DIM = 1, 2, 4
 #: a small pool bound: 8 positions a page; the flat pool's 9 pages (one scratch) hold 64
@@ -50,10 +54,11 @@ PAGE, FLAT_PAGES = 8, 9
 #: three rings always fit.
 POOLS = [(4, FLAT_PAGES), (6, 6), (5, 5)]
 LIVE = ("claimed", "committed", "rewound")
-RING_ROWS = ring_rows(WINDOWS[1], MAX_WRITE, CAPACITY)
+RING_ROWS = ring_rows(RING, MAX_WRITE, CAPACITY)
 #: positions of each page of positions a node keeps on the ring layer: the last W - 1
-#: (what a match at the page's end reads back)
-KEPT = min(PAGE, WINDOWS[1] - 1)
+#: (what a match at the page's end reads back; C - 1 for chunks: a chunk's first query
+#: reads as far back as a window's)
+KEPT = min(PAGE, RING - 1)
 #: token ids: each sequence writes the tokens of one script at their positions (script 1
 #: agrees with script 0 for 12 positions, mid-page); K and V of a token at a position on
 #: a layer are fixed (`KV`), so equal tokens mean equal bytes wherever they came from
@@ -61,7 +66,7 @@ VOCAB, N_SCRIPTS = 50, 3
 _rng = np.random.default_rng(14)
 SCRIPTS = _rng.integers(0, VOCAB, (N_SCRIPTS, CAPACITY))
 SCRIPTS[1, :12] = SCRIPTS[0, :12]
-KV = _rng.standard_normal((len(WINDOWS), VOCAB, CAPACITY, 2, HEADS, DIM)).astype(np.float32)
+KV = _rng.standard_normal((N_LAYERS, VOCAB, CAPACITY, 2, HEADS, DIM)).astype(np.float32)
 #: a program's storage: dtype -> (k_scale, v_scale), one per layer. The fp8 scales are
 #: chosen so that the inputs (standard normal) meet every kind of rounding: a scale whose
 #: float32 reciprocal is inexact (0.3), subnormals (e4m3 below 2**-6: |k| < 0.125 at scale
@@ -78,7 +83,7 @@ STORED = {}
 for _dtype, (_k_scale, _v_scale) in STORAGE.items():
     STORED[_dtype] = KV.astype(np.float64)
     if _dtype != "float32":
-        for _layer in range(len(WINDOWS)):
+        for _layer in range(N_LAYERS):
             STORED[_dtype][_layer, ..., 0, :, :] = quantised(KV[_layer, ..., 0, :, :], _dtype,
                                                              _k_scale[_layer])
             STORED[_dtype][_layer, ..., 1, :, :] = quantised(KV[_layer, ..., 1, :, :], _dtype,
@@ -114,9 +119,10 @@ class Model:
     """contract §5-§7 and §14 by hand. `tokens[seq]` maps position -> the token last written
     there (its K/V as written: `given`; as stored, for a storage `storage`: `kv`)."""
 
-    def __init__(self, max_pages, storage):
+    def __init__(self, max_pages, storage, chunked):
         self.max_pages = max_pages
         self.storage = storage
+        self.chunked = chunked            # layer 1 chunked (else a sliding window)
         self.stored = STORED[storage]
         self.state = ["free"] * MAX_SEQS
         self.pos = [0] * MAX_SEQS
@@ -193,7 +199,15 @@ class Model:
         return name
 
     def floor(self, s):
-        return floor(self.hw[s], WINDOWS, MAX_WRITE, CAPACITY)
+        if self.chunked:
+            return floor(self.hw[s], [], MAX_WRITE, CAPACITY, chunks=[RING])
+        return floor(self.hw[s], [None, RING], MAX_WRITE, CAPACITY)
+
+    def mask(self, layer):
+        """`(window, chunk)` of `layer` as the oracle takes them."""
+        if layer == 0:
+            return None, None
+        return (None, RING) if self.chunked else (RING, None)
 
     # ------------------------------------------------------------ the index's pages
     def reserve(self, kind, needed, protect=()):
@@ -452,9 +466,9 @@ def snapshot(cache):
     tables, the pools, the index (its keys, counts, and last uses: they decide what is
     evicted next)."""
     slots = [(cache.state(s), cache.pos(s), cache.high_water(s)) for s in range(MAX_SEQS)]
-    data = [tuple(a.copy_to_host() for a in cache.layer_data(i)) for i in range(len(WINDOWS))]
+    data = [tuple(a.copy_to_host() for a in cache.layer_data(i)) for i in range(N_LAYERS)]
     tables = [cache.page_table(s, layer).tolist() for s in range(MAX_SEQS)
-              if cache.state(s) != kv.SlotState.FREE for layer in range(len(WINDOWS))]
+              if cache.state(s) != kv.SlotState.FREE for layer in range(N_LAYERS)]
     index = cache._pool.index
     uses = sorted((key, int(index.used[node])) for key, node in index.nodes.items())
     return (slots, cache.step_state, data, tables, cache.pool_pages(), cache.prefix_counts,
@@ -486,6 +500,8 @@ def live_at_least(n):
 class CacheMachine(RuleBasedStateMachine):
     #: how this machine's caches store K/V (a key of STORAGE)
     storage = "float32"
+    #: whether its ring layer is chunked (else a sliding window)
+    chunked = False
 
     @initialize(n_live=st.integers(0, MAX_SEQS), pool=st.sampled_from(POOLS),
                 register=st.sampled_from([EXTRAS[0], EXTRAS[0], EXTRAS[1]]))
@@ -499,13 +515,14 @@ class CacheMachine(RuleBasedStateMachine):
         scales = {} if storage == "float32" else dict(zip(("k_scale", "v_scale"),
                                                           STORAGE[storage]))
         self.config = kv.CacheConfig(
-            layers=[kv.flat() if w is None else kv.ring(window=w) for w in WINDOWS],
+            layers=[kv.flat(), kv.chunked(RING) if self.chunked else kv.ring(window=RING)],
             n_kv_heads=HEADS, head_dim=DIM, capacity=CAPACITY, max_seqs=MAX_SEQS,
             max_write=MAX_WRITE, max_step=MAX_STEP, dtype=storage, page_size=PAGE,
             initial_pages=initial, max_pages=most, **scales)
         self.cache = kv.BatchedSequenceCache(self.config)
-        self.model = Model(most, storage)
+        self.model = Model(most, storage, self.chunked)
         self.model.seen[f"{storage} storage"] += 1
+        self.model.seen["chunked layers" if self.chunked else "sliding-window layers"] += 1
         self.rng = np.random.default_rng(0)
         self.page_of = {}        # flat page name -> the page id it was first seen at
         self.meddled = 0
@@ -801,7 +818,8 @@ class CacheMachine(RuleBasedStateMachine):
         for s, q0, n, p0, _ in segments:
             for p in range(p0, p0 + n):
                 model.tokens[s][p] = int(SCRIPTS[model.script[s], p])
-        for layer, window in enumerate(WINDOWS):
+        for layer in range(N_LAYERS):
+            window, chunk = model.mask(layer)
             k = self.rng.standard_normal((width, HEADS, DIM)).astype(np.float32)
             v = self.rng.standard_normal((width, HEADS, DIM)).astype(np.float32)
             q = self.rng.standard_normal((width, Q_HEADS, DIM)).astype(np.float32)
@@ -816,11 +834,14 @@ class CacheMachine(RuleBasedStateMachine):
             for s, q0, n, p0, block in segments:
                 end = p0 + n
                 lo = 0 if window is None else max(0, p0 - window + 1)
+                if chunk:
+                    lo = p0 - p0 % chunk
                 keys = np.zeros((end, HEADS, DIM))
                 values = np.zeros((end, HEADS, DIM))
                 for j in range(lo, end):
                     keys[j], values[j] = model.kv(s, layer, j)
-                want = dense_attention(q[q0:q0 + n], keys, values, p0, window, block, scale)
+                want = dense_attention(q[q0:q0 + n], keys, values, p0, window, block, scale,
+                                       chunk=chunk)
                 # float32 arithmetic over K/V of the inputs' magnitude, whatever the storage:
                 # fp8 adds two float32 roundings (the softmax scale times k_scale, the output
                 # times v_scale), a few 1e-8 relative
@@ -912,10 +933,10 @@ class CacheMachine(RuleBasedStateMachine):
         index = self.cache._pool.index
         if not self.model.nodes:
             return
-        for layer, window in enumerate(WINDOWS):
+        for layer in range(N_LAYERS):
             k, v = self.model.read(layer, *(a.copy_to_host()
                                             for a in self.cache.layer_data(layer)))
-            rows = range(PAGE) if window is None else range(PAGE - KEPT, PAGE)
+            rows = range(PAGE) if layer == 0 else range(PAGE - KEPT, PAGE)
             for key, (depth, _, _, tokens) in self.model.nodes.items():
                 page = index.node_pages[index.nodes[key], layer]   # kind i is layer i here
                 for row in rows:
@@ -933,12 +954,11 @@ class CacheMachine(RuleBasedStateMachine):
                 with pytest.raises(kv.FreeSequenceError):
                     self.cache.sequence_kv(s, 0)
                 continue
-            for layer, window in enumerate(WINDOWS):
+            for layer in range(N_LAYERS):
                 positions, k, v = self.cache.sequence_kv(s, layer)
                 k, v = self.model.read(layer, k, v)
                 pos, hw = self.model.pos[s], self.model.hw[s]
-                start = 0 if window is None else max(0, hw - ring_rows(window, MAX_WRITE,
-                                                                      CAPACITY))
+                start = 0 if layer == 0 else max(0, hw - RING_ROWS)
                 np.testing.assert_array_equal(positions, np.arange(start, pos))
                 for i, p in enumerate(positions):
                     want_k, want_v = self.model.kv(s, layer, p)
@@ -946,10 +966,12 @@ class CacheMachine(RuleBasedStateMachine):
                     np.testing.assert_array_equal(v[i], want_v)
 
 
-def machine_test(storage, ci_programs):
-    """The search over caches storing K/V as `storage`: `ci_programs` programs under the CI
-    profile, the profile's own count under the thorough one."""
-    machine = type(f"CacheMachine_{storage}", (CacheMachine,), {"storage": storage})
+def machine_test(storage, ci_programs, chunked=False):
+    """The search over caches storing K/V as `storage`, their ring layer chunked or a
+    sliding window: `ci_programs` programs under the CI profile, the profile's own count
+    under the thorough one."""
+    machine = type(f"CacheMachine_{storage}{'_chunked' if chunked else ''}", (CacheMachine,),
+                   {"storage": storage, "chunked": chunked})
     test = machine.TestCase
     test.settings = settings(settings.default,
                              max_examples=max(ci_programs, settings.default.max_examples
@@ -958,9 +980,10 @@ def machine_test(storage, ci_programs):
     return test
 
 
-# under the CI profile, 16 programs (each of many steps, the prefix index's included) keep
-# the suite within its time: one machine per storage (a drawn storage would leave the split
-# to chance, and hypothesis draws its first choice most often)
-TestCacheMachine = machine_test("float32", 5)
+# under the CI profile, 13 programs (each of many steps, the prefix index's included) keep
+# the suite within its time: one machine per storage and ring kind (a drawn storage would
+# leave the split to chance, and hypothesis draws its first choice most often)
+TestCacheMachine = machine_test("float32", 3)
+TestCacheMachineChunked = machine_test("float32", 3, chunked=True)
 TestCacheMachineE4M3 = machine_test("float8_e4m3", 4)
-TestCacheMachineE5M2 = machine_test("float8_e5m2", 4)
+TestCacheMachineE5M2Chunked = machine_test("float8_e5m2", 3, chunked=True)

@@ -135,6 +135,9 @@ SPECIALISATIONS = (
     # sinks: the decode and prefill kernels that fold a sink into each row
     Specialisation("decode d128 float16 sinks", f"{_DECODE}(128, 'float16', 4, False, None, "
                    f"True, True)", _decode_signature("float16")),
+    # chunked layers: the variant whose rows find their chunk's start (one division a row)
+    Specialisation("decode d128 float16 chunks", f"{_DECODE}(128, 'float16', 4, False, None, "
+                   f"True, False, True)", _decode_signature("float16")),
     Specialisation("combine d128", "kvnumba.kernels.decode.combine:_combine_kernel(128)",
                    "void(int32[::1], float32[::1], float32[::1], float16[:, :, ::1], "
                    "float32[:, ::1], float32[::1], int64, int64, int64)"),

@@ -15,7 +15,7 @@ from ..args import as_id, as_ids
 from ..device import on_its_device
 from ..errors import ConfigError
 from ..host.pages import flashinfer_tables
-from ..host.positions import held_positions, ring_floor
+from ..host.positions import held_positions
 from ..host.slots import SlotState, StepState, state_refusal
 from ..host.step import StepPlan
 
@@ -175,11 +175,7 @@ class CacheQueries:
         return self._floor(self._id(seq, "floor"))
 
     def _floor(self, seq: int) -> int:
-        rows = self._parts.config.floor_ring[0]     # R of the ring layer that sets floors
-        if not rows:
-            return 0
-        return ring_floor(int(self._parts.slots.high_water[seq]), rows,
-                          self._parts.config.max_write)
+        return self._parts.config.floor_of(int(self._parts.slots.high_water[seq]))[0]
 
     @on_its_device
     def sequence_kv(self, seq: int, layer: int):

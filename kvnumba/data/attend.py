@@ -32,8 +32,8 @@ _NO_SOFTCAP = np.float32(0.0)
 class DataPath:
     """`write` / `attend` of one cache: its `config`, `device`, `stream`, storage (a
     `storage.PageStorage`), attention paths (`paths.Routing`), and per layer what
-    a launch needs of it: `(ring rows R or 0, window or 0, its kind's device page
-    table)`."""
+    a launch needs of it: `(ring rows R or 0, mask code (`LayerSpec.window_code`), its
+    kind's device page table)`."""
 
     def __init__(self, config: CacheConfig, device: int, stream, storage, paths,
                  layer_geometry: list):

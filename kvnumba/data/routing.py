@@ -81,9 +81,9 @@ class StepRoutes:
 class Routing:
     """The attention paths of one cache (chosen once from its config) and their workspace.
 
-    `window_tables`: for each distinct layer window W (0: flat), its ring rows R (0:
-    flat) and its layer kind's device page table, as the pool holds them; `page_bits`:
-    log2 of the page size."""
+    `window_tables`: for each distinct layer mask code (`LayerSpec.window_code`: 0 flat,
+    W, or -C), its ring rows R (0: flat) and its layer kind's device page table, as the
+    pool holds them; `page_bits`: log2 of the page size."""
 
     def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
         self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
@@ -209,7 +209,7 @@ def upload_entries(config: CacheConfig) -> int:
     per_token = 2 + SEQ_INFO_FIELDS + 1
     chunks = config.max_step + min(config.max_step, config.max_seqs) * \
         -(-config.capacity // decode.CHUNK_KEYS)
-    windows = len({spec.window for spec in config.layers})
+    windows = len({spec.window_code for spec in config.layers})
     return per_token * config.max_step + windows * (decode.WORK_FIELDS * chunks +
                                                    decode.COMBINE_FIELDS * config.max_step)
 

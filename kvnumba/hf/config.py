@@ -2,19 +2,22 @@
 an engine's caches (the model's and its draft's, sharing a byte budget).
 
 Only what the attention interface hands kvnumba is served: per-layer causal attention
-over the sequence's own keys, full or sliding-window (`layer_types`,
-`sliding_window`), grouped kv heads, a score scale, a logit softcap and learned attention
-sinks. What kvnumba cannot compute exactly (ALiBi, cross-attention, latent attention,
-chunked or linear attention layers) is a `ConfigError` naming the model type and the
+over the sequence's own keys, full, sliding-window or chunked (`layer_types`,
+`sliding_window`, `attention_chunk_size`), grouped kv heads, a score scale, a logit
+softcap and learned attention sinks. What kvnumba cannot compute exactly (ALiBi,
+cross-attention, latent attention, linear attention layers, a query scale by position
+past what a step tells the model) is a `ConfigError` naming the model type and the
 missing piece, never a silently different model.
 """
 from __future__ import annotations
 
 from ..args import as_count, is_int
-from ..config import CacheConfig, flat, ring
+from ..config import CacheConfig, chunked, flat, ring
 from ..errors import ConfigError
 from .sharding import kv_heads_per_rank, sharding
 
+#: the `layer_types` kvnumba computes
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: storage dtypes by the model's torch dtype name
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -35,15 +38,17 @@ def unsupported(config) -> str | None:
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (MLA)"
     for kind in set(getattr(config, "layer_types", None) or ()):
-        if kind not in ("full_attention", "sliding_attention"):
+        if kind not in LAYER_TYPES:
             return f"{kind!r} layers"
     return None
 
 
 def layer_specs(config) -> list:
-    """One `LayerSpec` per decoder layer: `layer_types` when the config has them, else
-    every layer sliding when `sliding_window` is set, else every layer flat."""
+    """One `LayerSpec` per decoder layer: `layer_types` when the config has them (a
+    `chunked_attention` layer chunked by `attention_chunk_size`), else every layer
+    sliding when `sliding_window` is set, else every layer flat."""
     window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
     kinds = getattr(config, "layer_types", None)
     if kinds is None:
         kinds = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
@@ -53,8 +58,31 @@ def layer_specs(config) -> list:
     if "sliding_attention" in kinds and not window:
         raise ConfigError(f"{config.model_type}: sliding_attention layers without a "
                           f"sliding_window")
-    return [ring(window=int(window)) if kind == "sliding_attention" else flat()
-            for kind in kinds]
+    if "chunked_attention" in kinds and not chunk:
+        raise ConfigError(f"{config.model_type}: chunked_attention layers without an "
+                          f"attention_chunk_size")
+    made = {"full_attention": flat, "sliding_attention": lambda: ring(window=int(window)),
+            "chunked_attention": lambda: chunked(int(chunk))}
+    return [made[kind]() for kind in kinds]
+
+
+def refuse_position_scales(config, capacity: int, max_step: int) -> None:
+    """`ConfigError` where the model scales its queries by position from its own cache's
+    length (Llama 4's `attn_temperature_tuning` on its layers without rotary positions:
+    `1 + attn_scale * log1p(floor((p + 1) / floor_scale))`). Served with
+    `use_cache=False`, the model takes a step's token index for p: the scales agree (all
+    1) only while every position and every step's length stay below `floor_scale - 1`."""
+    if not getattr(config, "attn_temperature_tuning", False):
+        return
+    if all(getattr(config, "no_rope_layers", None) or [1]):
+        return                                   # every layer rotary: no scale applies
+    scale = int(getattr(config, "floor_scale", 0) or 0)
+    if max(capacity, max_step) >= scale:
+        raise ConfigError(f"{config.model_type}: attn_temperature_tuning scales the queries "
+                          f"of its layers without rotary positions by their position, "
+                          f"which kvnumba serves exactly only below floor_scale={scale}: "
+                          f"capacity={capacity} and max_step={max_step} must both be at "
+                          f"most {scale - 1}")
 
 
 def storage_dtype(model, dtype) -> str:
@@ -103,10 +131,11 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     if max_step is None:
         max_step = (max_write + max_seqs * tokens_per_decode
                     if is_int(max_write) and is_int(max_seqs) else max_write)
-    return CacheConfig(layers=layer_specs(config), n_kv_heads=kv_heads, head_dim=head_dim,
+    made = CacheConfig(layers=layer_specs(config), n_kv_heads=kv_heads, head_dim=head_dim,
                        capacity=capacity, max_seqs=max_seqs, max_write=max_write,
-                       max_step=max_step,
-                       dtype=storage_dtype(model, dtype), **options)
+                       max_step=max_step, dtype=storage_dtype(model, dtype), **options)
+    refuse_position_scales(config, made.capacity, made.max_step)
+    return made
 
 
 def served_configs(model, draft_model, *, max_seqs: int, capacity: int, max_write, max_step,

@@ -56,20 +56,27 @@ def ring_rows(window: int, max_write: int, capacity: int) -> int:
     return min(capacity, window + max_write - 1)
 
 
-def layer_rows(windows, max_write: int, capacity: int) -> np.ndarray:
-    """`R` per layer, 0 for a flat layer (row of `p` is `p`). `windows[i]` is None or W."""
-    return np.array([0 if w is None else ring_rows(w, max_write, capacity) for w in windows],
+def layer_rows(reaches, max_write: int, capacity: int) -> np.ndarray:
+    """`R` per layer, 0 for a flat layer (row of `p` is `p`). `reaches[i]` is None (flat)
+    or how far back the layer's queries read, plus one: its window W or its chunk C
+    (a chunk's first query reads back as far as a window's: `C - 1` positions)."""
+    return np.array([0 if w is None else ring_rows(w, max_write, capacity) for w in reaches],
                     dtype=np.int64)
 
 
-def ring_floor(high_water, rows: int, max_write: int):
+def ring_floor(high_water, rows: int, max_write: int, chunk: int = 0):
     """Lowest position a sequence can resume at on one ring layer of `rows` rows.
 
-    The layer holds `[hw - R, hw)`. Resuming at `L` needs `[L - W + 1, L)`, so
-    the floor is `hw - M` once `hw > R`, else 0. Works on scalars and arrays.
+    The layer holds `[hw - R, hw)`. On a sliding window, resuming at `L` needs `[L - W +
+    1, L)`, so the floor is `hw - M` once `hw > R`, else 0. On a chunked layer (`chunk`
+    C) it needs `[C * (L // C), L)`: the floor is the first chunk start at or after
+    `hw - R`, `C * ceil((hw - R) / C)` (never above `hw - M`), once `hw > R`, else 0.
+    Works on scalars and arrays.
     """
     hw = np.asarray(high_water, dtype=np.int64)
-    floor = np.where(hw > rows, hw - max_write, 0)
+    held_from = hw - rows
+    lowest = -(-held_from // chunk) * chunk if chunk else hw - max_write
+    floor = np.where(hw > rows, lowest, 0)
     return int(floor) if floor.ndim == 0 else floor
 
 

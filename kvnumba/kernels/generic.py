@@ -373,7 +373,8 @@ def launch_shape(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, he
     block_rows, block_keys, key_lanes, threads = tiles
     n_row_tiles = ceil_div(group * max_q_len, block_rows)
     # longest key range of one row tile: the whole history, or what the window leaves
-    span = max_kv_len if window <= 0 else min(max_kv_len, window + max_q_len - 1)
+    # (a chunk of C reads back at most C - 1 positions, as a window of C)
+    span = max_kv_len if window == 0 else min(max_kv_len, abs(window) + max_q_len - 1)
     span = max(span, 1)
     if kv_chunk is not None:
         chunk = int(kv_chunk)
@@ -487,7 +488,8 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     `seq_info_off + s * SEQ_INFO_FIELDS`, the served segments' indices at
     `segments_off .. + n_segments`. max_q_len / max_kv_len: largest q_len /
     pos_start + q_len over them.
-    ring_rows: 0 (flat) or R (position p in row p % R). window: 0 (none) or W.
+    ring_rows: 0 (flat) or R (position p in row p % R). window: the mask code
+    (`masks.key_range`: 0 none, W a sliding window, -C chunks of C).
     softcap: 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device array that
     receives each served row's natural-log log-sum-exp of its (scaled, capped) scores.
     sinks: None, or a float32 `[n_q_heads]` device array: each q head's logit joins its

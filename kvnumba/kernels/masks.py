@@ -3,7 +3,7 @@ a key lives, and index arithmetic without 64-bit division.
 
 Segments are read from the step's flat int32 tables (`read_segment`). Visibility is
 one interval per query, `[lo, hi)`, moving forward with the query's position (see
-`key_range`); a ring layer keeps position `p` in storage row `p % ring_rows` (see
+`key_range_of`); a ring layer keeps position `p` in storage row `p % ring_rows` (see
 `storage_row`, and `store_row` for walking a tile's rows without a division per key).
 Storage is paged: row `r` of a sequence lives in slot `page_slot(pages, seq, r, page_bits)`
 of its layer's slot storage `[n_pages * page_size, n_kv_heads, head_dim]`, where
@@ -48,21 +48,38 @@ def read_segment(tables, seq_info_off, seg):
             tables[base + POS_START], (tables[base + FLAGS] & FLAG_BLOCK) != 0)
 
 
-@cuda.jit(device=True)
-def key_range(i, q_len, pos_start, block, window):
-    """`[lo, hi)`: the keys query `i` of a segment sees (one interval, moving forward with `i`).
+def key_range_of(chunks: bool):
+    """The `key_range` device function of a kernel built for layers of every mask
+    (`chunks` True) or for flat and sliding-window layers only (`chunks` False: the
+    chunk's division is not compiled in, and a chunk code reads as flat)."""
+    @cuda.jit(device=True)
+    def key_range(i, q_len, pos_start, block, window):
+        """`[lo, hi)`: the keys query `i` of a segment sees (one interval, moving forward
+        with `i`).
 
-    Causal: `lo(p) <= j <= p`, `lo(p) = max(0, p - W + 1)` (0 without a window): FlashAttention's
-    `window_size=(W - 1, 0)`, Hugging Face's `sliding_window=W`.
-    Block: the whole block `[pos_start, pos_start + q_len)` plus history `j >= lo(p)`.
-    """
-    p = pos_start + i
-    lo = 0
-    if window > 0:
-        lo = max(0, p - window + 1)
-    if block:
-        return min(lo, pos_start), pos_start + q_len
-    return lo, p + 1
+        `window` is the layer's mask code (`LayerSpec.window_code`): 0 none, W > 0 a
+        sliding window, -C chunks of C positions.
+        Causal: `lo(p) <= j <= p`, with `lo(p) = 0` without a window; `max(0, p - W + 1)`
+        for a sliding window (FlashAttention's `window_size=(W - 1, 0)`, Hugging Face's
+        `sliding_window=W`); `C * (p // C)` for chunks (the query's own chunk: Hugging
+        Face's `chunked_attention` layers of `attention_chunk_size=C`; one 32-bit
+        division).
+        Block: the whole block `[pos_start, pos_start + q_len)` plus history `j >= lo(p)`.
+        """
+        p = pos_start + i
+        lo = 0
+        if window > 0:
+            lo = max(0, p - window + 1)
+        elif chunks and window < 0:
+            lo = p - int64(uint32(p) % uint32(-window))
+        if block:
+            return min(lo, pos_start), pos_start + q_len
+        return lo, p + 1
+    return key_range
+
+
+#: `key_range_of(True)`: every mask
+key_range = key_range_of(True)
 
 
 @cuda.jit(device=True)

@@ -111,7 +111,7 @@ class DecodeRun:
         else:
             part_acc = part_ml = self.workspace.dummy
         kernel = decode_kernel(head_dim, storage.name, rows, bool(capped),
-                               np.dtype(dtype).name, vectors, bool(sunk))
+                               np.dtype(dtype).name, vectors, bool(sunk), self.window < 0)
         decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
                              self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, self.pages,
                              PER_CALL, PER_CALL, PER_CALL, part_acc, part_ml, seq_info_off,
@@ -158,7 +158,7 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
     `n_combine`, `n_parts` and `max_q_len` (the chunk tables'), the `workspace`, `ring_rows`
-    (0: flat, or R) and `window` (0 or W), as `prepare` takes them with `pages` and
+    (0: flat, or R) and `window` (the mask code: 0, W or -C), as `prepare` takes them with `pages` and
     `page_bits`; or `planned`, what `prepare` returned for this step and window (a cache
     plans once per step, and its layers pass their own storage only: `pages` and
     `page_bits` are the chunk tables' then).

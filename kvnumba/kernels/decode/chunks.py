@@ -80,7 +80,7 @@ def chunk_tables(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) ->
 
     seq_info: host [n_segments, SEQ_INFO_FIELDS] int32 segment table; segments: the
     indices of the segments this path serves (each `Q_LEN <= DECODE_MAX_Q_LEN`).
-    window: the layer's W (0: none). chunk: the nominal chunk, a power of two and a
+    window: the layer's mask code (`masks.key_range`: 0 none, W, or -C). chunk: the nominal chunk, a power of two and a
     multiple of KEY_TILE.
 
     A segment's chunks are `chunk` keys each but the last, which also takes a
@@ -153,7 +153,11 @@ def _key_span(seq_info, seg, window):
     forward (`masks.key_range`), so their union runs from the first query's lo (a
     draft block's too: its lo never passes pos_start) to pos_start + q_len."""
     pos_start = seq_info[seg, POS_START]
-    lo = max(pos_start - (window - 1), 0) if window > 0 else 0
+    lo = 0
+    if window > 0:
+        lo = max(pos_start - (window - 1), 0)
+    elif window < 0:
+        lo = pos_start - pos_start % -window
     return lo, pos_start + seq_info[seg, Q_LEN]
 
 

@@ -76,7 +76,7 @@ from .shape import LAUNCH_BOUNDS, THREADS, UNROLL, KernelShape
 from .trip import NO_KEY, ZERO, trip_functions
 from ..intrinsics.words import WIDEN, query_loader
 from ..launch.calling import Specialised
-from ..masks import key_range
+from ..masks import key_range_of
 from ..sinks import with_sink
 
 from numba import float32, int32, uint32, uint64  # noqa: E402  (after kvnumba.device)
@@ -94,11 +94,14 @@ def _reciprocal(x):
 
 @lru_cache(maxsize=None)
 def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
-                  query: str | None = None, query_vectors: bool = True, sunk: bool = False):
+                  query: str | None = None, query_vectors: bool = True, sunk: bool = False,
+                  chunks: bool = False):
     """The decode kernel for one head_dim, storage dtype (name), rows per block,
     softcap on / off, q's dtype (name; None: the storage dtype), whether q may be
-    read in 16-byte vectors, and sinks on / off (`sunk`: the kernel reads `sinks`;
-    without, it never does) (module doc)."""
+    read in 16-byte vectors, sinks on / off (`sunk`: the kernel reads `sinks`;
+    without, it never does), and chunked layers or the others (`chunks`: only its
+    variant compiles the chunk's division, `masks.key_range_of`) (module doc)."""
+    key_range = key_range_of(chunks)
     shape = KernelShape.of(head_dim, np.dtype(storage).itemsize, rows)
     load_query = query_loader(np.dtype(query or storage), head_dim, shape.vec, query_vectors)
     (_look_up, _key_slots, _after, _load_keys, _widen_words, _split_rows, _gather_rows,

@@ -122,7 +122,7 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     up to its keys' last (flat) or all ring_rows rows (ring). tables: flat int32 device
     array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`; the
     segments served are `tables[segments_off + i]`, `i < n_segments`, none longer than
-    `max_q_len`. ring_rows: 0 (flat) or R; window: 0 (none) or W; softcap 0.0 = off.
+    `max_q_len`. ring_rows: 0 (flat) or R; window: the mask code (`masks.key_range`: 0, W or -C); softcap 0.0 = off.
     lse: None, or a float32 `[width, n_q_heads]` device array that receives each listed
     row's natural-log log-sum-exp of its (scaled, capped) scores. sinks: None, or a
     float32 `[n_q_heads]` device array: each q head's logit joins its rows' softmax
