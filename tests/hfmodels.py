@@ -41,3 +41,17 @@ def generated(model, prompt, max_new_tokens):
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+#: every logit's distance from float32 storage's a prefill over each storage dtype may
+#: have (the test models' logits are O(0.3); bfloat16 keeps 8 bits, fp8 3 or 2)
+STORAGE_TOLERANCE = {"bfloat16": 0.05, "float16": 0.05, "float8_e4m3": 0.05,
+                     "float8_e5m2": 0.1}
+
+
+def prefill_logits(model, dtype, prompt):
+    """The logits of one prefill of `prompt` served over `dtype` storage (no probe)."""
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=24, max_write=24,
+                         dtype=dtype)
+    sid = engine.target.table.open()
+    return engine.target.run([(sid, 0, prompt)], list(range(len(prompt))))

@@ -8,7 +8,8 @@ import kvnumba as kv
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hfmodels import PROMPTS, generated, kvhf, tiny  # noqa: E402
+from hfmodels import (PROMPTS, STORAGE_TOLERANCE, generated, kvhf, prefill_logits,  # noqa: E402
+                      tiny)
 from kvnumba.hf.probe import TOLERANCE  # noqa: E402
 
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -77,6 +78,19 @@ def test_models_with_learned_sinks_are_served_token_for_token(model_type):
     assert moved > 20 * TOLERANCE["float32"]
 
 
+def test_gpt_oss_over_16_bit_and_fp8_storage_stays_near_float32():
+    """A 17-token prefill of gpt-oss (sinks on a sliding and a full layer) with float16 and
+    e5m2 K/V: every logit within its storage's tolerance of float32 storage's (measured:
+    float16 below 1e-4, e5m2 0.013), the fp8 run quantised (not equal)."""
+    model = sink_model("gpt_oss")
+    want = prefill_logits(model, "float32", SYSTEM)
+    assert want.abs().max() > 0.1
+    for dtype in ("float16", "float8_e5m2"):
+        got = prefill_logits(model, dtype, SYSTEM)
+        torch.testing.assert_close(got, want, rtol=0, atol=STORAGE_TOLERANCE[dtype])
+    assert not torch.equal(got, want)
+
+
 def test_the_probe_refuses_an_attention_kvnumba_does_not_compute():
     """A model whose own attention is not kvnumba's (its values halved, passed as no
     argument kvnumba could see) is refused at construction, naming the first layer
@@ -139,3 +153,31 @@ def test_a_served_model_passes_the_probe_and_its_engine_starts_empty():
 def test_verify_takes_a_bool():
     with pytest.raises(kv.ConfigError, match=r"verify='yes': pass True or False"):
         kvhf.Engine(tiny("llama"), max_seqs=1, capacity=8, verify="yes")
+
+
+#: Gemma 4 text, tiny: a sliding and a full layer, per-layer inputs of 8
+GEMMA4 = dict(SMALL, num_hidden_layers=2, vocab_size_per_layer_input=64,
+              hidden_size_per_layer_input=8, sliding_window=4,
+              layer_types=["sliding_attention", "full_attention"])
+
+
+def test_gemma4_is_refused_by_what_its_config_says_and_served_with_one_shape():
+    """Gemma 4's config reads its head dim per layer (`per_layer_config`; reading
+    `config.head_dim` raises in transformers): a full layer of head dim 512 beside
+    sliding ones of 16 is refused at construction with a `ConfigError` naming both, as
+    are layers that attend over another layer's K/V (`num_kv_shared_layers`); with one
+    head dim on every layer it is served token for token."""
+    with pytest.raises(kv.ConfigError, match=r"gemma4_text: kvnumba does not compute layers "
+                                             r"of several attention shapes \(head_dim 16 and "
+                                             r"512 across its layers\)"):
+        kvhf.Engine(registry_model("gemma4_text", GEMMA4, global_head_dim=512), max_seqs=1,
+                    capacity=16, dtype="float32")
+    shared = dict(GEMMA4, num_hidden_layers=4, layer_types=GEMMA4["layer_types"] * 2)
+    with pytest.raises(kv.ConfigError, match=r"layers that attend over another layer's K/V "
+                                             r"\(num_kv_shared_layers=2\)"):
+        kvhf.Engine(registry_model("gemma4_text", shared, global_head_dim=16,
+                                   num_kv_shared_layers=2), max_seqs=1, capacity=16)
+    model = registry_model("gemma4_text", GEMMA4, global_head_dim=16)
+    engine = kvhf.Engine(model, max_seqs=1, capacity=24, dtype="float32")
+    prompt = SYSTEM[:10]
+    assert engine.generate([prompt], max_new_tokens=4) == [generated(model, prompt, 4)]

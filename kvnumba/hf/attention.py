@@ -16,10 +16,12 @@ ATTENTION = "kvnumba"
 
 #: arguments of an attention call that change nothing kvnumba computes: positions and
 #: packing the step already has (the cache's positions and spans), and the model's own
-#: cache and output options, which a step served through kvnumba does not use
+#: cache and output options, which a step served through kvnumba does not use (a
+#: composite model hands its language model's `logits_to_keep` down to the layers)
 IGNORED = frozenset({
     "position_ids", "cache_position", "position_embeddings", "use_cache", "past_key_values",
     "past_key_value", "output_hidden_states", "output_router_logits", "return_dict",
+    "logits_to_keep",
     "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
 })
 #: arguments that ask for attention kvnumba does not compute yet, by what they are

@@ -5,9 +5,11 @@ Only what the attention interface hands kvnumba is served: per-layer causal atte
 over the sequence's own keys, full, sliding-window or chunked (`layer_types`,
 `sliding_window`, `attention_chunk_size`), grouped kv heads, a score scale, a logit
 softcap and learned attention sinks. What kvnumba cannot compute exactly (ALiBi,
-cross-attention, latent attention, linear attention layers, a query scale by position
-past what a step tells the model) is a `ConfigError` naming the model type and the
-missing piece, never a silently different model.
+cross-attention, latent attention, linear attention layers, layers of several attention
+shapes, layers that read another layer's K/V, a query scale by position past what a
+step tells the model) is a `ConfigError` naming the model type and the missing piece,
+never a silently different model. Attributes a config holds per layer
+(`per_layer_attributes`, Gemma 4's head dim) are read per layer.
 """
 from __future__ import annotations
 
@@ -37,10 +39,35 @@ def unsupported(config) -> str | None:
         return "ALiBi position biases"
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (MLA)"
+    if getattr(config, "num_kv_shared_layers", 0):
+        return (f"layers that attend over another layer's K/V (num_kv_shared_layers="
+                f"{config.num_kv_shared_layers})")
+    for name in ("head_dim", "num_key_value_heads", "num_attention_heads"):
+        values = per_layer_values(config, name)
+        if len(set(values)) > 1:
+            return (f"layers of several attention shapes ({name} "
+                    f"{' and '.join(map(str, sorted(set(values))))} across its layers)")
     for kind in set(getattr(config, "layer_types", None) or ()):
         if kind not in LAYER_TYPES:
             return f"{kind!r} layers"
     return None
+
+
+def per_layer_values(config, name: str) -> list:
+    """`name` of each layer of a config whose attention attributes may vary by layer
+    (`per_layer_attributes`, read through `per_layer_config`), else `[name]` of the
+    config once (or `[]` without it)."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return [getattr(layer, name, None) for layer in config.per_layer_config]
+    value = getattr(config, name, None)
+    return [] if value is None else [value]
+
+
+def uniform(config, name: str):
+    """The one value of attribute `name` over the config's layers (`per_layer_values`;
+    `unsupported` has refused a config whose layers disagree), or None."""
+    values = per_layer_values(config, name)
+    return values[0] if values else None
 
 
 def layer_specs(config) -> list:
@@ -121,9 +148,9 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     missing = unsupported(config)
     if missing:
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = kv_heads_per_rank(heads, getattr(config, "num_key_value_heads", None) or heads,
+    heads = uniform(config, "num_attention_heads")
+    head_dim = uniform(config, "head_dim") or config.hidden_size // heads
+    kv_heads = kv_heads_per_rank(heads, uniform(config, "num_key_value_heads") or heads,
                                  sharding(model).ranks, model_type=config.model_type)
     # the defaults need ints; anything else goes on to CacheConfig, which names it
     if max_write is None:

@@ -1,0 +1,135 @@
+"""Every causal-LM architecture the installed `transformers` ships, built tiny and random
+from its own config class (`AutoConfig.for_model`), and what `kvnumba.hf` does with it:
+
+- **served**: an engine is built (the probe passes) and its greedy tokens equal the
+  model's own `generate()` (float32 storage, a 10-token prompt, 3 new tokens);
+- **refused**: the engine's construction raises a `ConfigError` (its message says why);
+- **not built**: `transformers` itself cannot build the tiny model or generate from it,
+  in `SHAPE` nor with the config's own heads (`LOOSE`; the error is the second try's):
+  nothing to serve;
+- **failing**: anything else (another exception, or tokens that differ): a defect;
+- **not run**: the sweep's process for it ran out of time (150 s) or memory before any
+  outcome (the shell loop of the module's usage records it).
+
+`python tests/registry.py [model_type ...]` prints one JSON line per architecture (the
+sweep runs each in a process of its own: `for m in $(...); do timeout 150 python
+tests/registry.py $m || echo '{..."outcome": "not run"...}'; done`);
+`python tests/registry.py --table FILE` prints the markdown table of a file of such
+lines, the table docs/transformers.md carries between its registry markers. Imports
+kvnumba only through `kvnumba.hf`'s public face.
+"""
+import json
+import os
+import sys
+import time
+import warnings
+
+os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
+
+#: the tiny shape every architecture is asked for (its config maps the names it spells
+#: otherwise through `attribute_map`)
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64)
+#: where `transformers` cannot build that shape, it is asked again with the config's own
+#: head layout (no kv-head count or head dim of ours)
+LOOSE = {name: value for name, value in SHAPE.items()
+         if name not in ("num_key_value_heads", "head_dim")}
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+NEW_TOKENS = 3
+#: the short list CI sweeps: chunked and sliding layers served, and each kind of refusal
+#: (no attention interface, a recurrent model, the probe) and a model not built tiny
+#: (Llama and gpt-oss are served in tests of their own)
+SHORT = ("gemma3_text", "llama4_text", "bloom", "mamba", "bert", "deepseek_v3")
+
+
+def architectures() -> list:
+    """Every model type with a causal-LM class, in the registry's order."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
+
+
+def sweep_one(model_type: str) -> dict:
+    """The outcome of `model_type` (module doc): `{"model_type", "outcome", "why",
+    "seconds"}`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import kvnumba as kv
+    import kvnumba.hf as kvhf
+
+    start = time.perf_counter()
+
+    def outcome(name, why=""):
+        return {"model_type": model_type, "outcome": name, "why": why,
+                "seconds": round(time.perf_counter() - start, 1)}
+
+    def build(shape):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = AutoConfig.for_model(model_type, **shape)
+            if config.get_text_config() is not config:      # a composite: its text part too
+                config = AutoConfig.for_model(model_type, **shape, text_config=shape)
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).float().eval()
+            ids = torch.tensor([PROMPT])
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=NEW_TOKENS, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+            return model, out[0, len(PROMPT):].tolist()
+
+    try:
+        try:
+            model, want = build(SHAPE)
+        except Exception:                       # noqa: BLE001 (try the config's own heads)
+            model, want = build(LOOSE)
+    except Exception as error:                  # noqa: BLE001 (transformers' own failure)
+        return outcome("not built", first_line(error))
+    try:
+        engine = kvhf.Engine(model, max_seqs=1, capacity=24, dtype="float32")
+    except kv.ConfigError as error:
+        return outcome("refused", str(error).splitlines()[0][:300])
+    except Exception as error:                  # noqa: BLE001 (a defect: named, not raised)
+        return outcome("failing", f"at construction: {first_line(error)}")
+    try:
+        got = engine.generate([PROMPT], max_new_tokens=NEW_TOKENS)[0]
+    except Exception as error:                  # noqa: BLE001
+        return outcome("failing", f"serving: {first_line(error)}")
+    if got != want:
+        return outcome("failing", f"tokens {got}, generate() gives {want}")
+    return outcome("served")
+
+
+def table(lines: list) -> str:
+    """The markdown table of sweep outcomes `lines` (dicts), with the counts above it."""
+    counts = {}
+    for line in lines:
+        counts[line["outcome"]] = counts.get(line["outcome"], 0) + 1
+    import transformers
+    head = ", ".join(f"{counts.get(name, 0)} {name}"
+                     for name in ("served", "refused", "not built", "not run", "failing"))
+    rows = ["| model type | outcome | why |", "|---|---|---|"]
+    for line in sorted(lines, key=lambda x: x["model_type"]):
+        why = line["why"].replace("|", "\\|")
+        rows.append(f"| `{line['model_type']}` | {line['outcome']} | {why} |")
+    return (f"transformers {transformers.__version__}, {len(lines)} architectures: {head}."
+            f"\n\n" + "\n".join(rows) + "\n")
+
+
+def main(argv: list) -> None:
+    if argv[:1] == ["--table"]:
+        with open(argv[1]) as f:
+            print(table([json.loads(x) for x in f if x.strip()]), end="")
+        return
+    for model_type in argv or architectures():
+        print(json.dumps(sweep_one(model_type)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
