@@ -8,7 +8,7 @@ cites the sections of the contract, docs/contract.md, as "contract §n".
 from . import device  # (first: chooses GPU or simulator before numba.cuda)
 from .device import DeviceError, torch_stream
 from .cache.batched import BatchedSequenceCache
-from .config import CacheConfig, LayerSpec, chunked, flat, ring
+from .config import CacheConfig, LayerShape, LayerSpec, chunked, flat, ring, shared
 from .serving.driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
@@ -31,11 +31,11 @@ __version__ = "0.1.0"
 __all__ = [
     "BatchControl", "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
     "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "IndexCounts",
-    "KVCacheError", "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages",
+    "KVCacheError", "LayerShape", "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages",
     "PositionError", "PrefixStats", "RankDivergenceError",
     "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "chunked", "device",
     "flat",
-    "fp8_scales", "page_keys", "ring", "run_inputs", "run_step", "torch_stream",
+    "fp8_scales", "page_keys", "ring", "run_inputs", "run_step", "shared", "torch_stream",
 ]

@@ -34,8 +34,13 @@ FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 #: the host (NumPy) dtype of each storage dtype held as bit patterns, from ml_dtypes
 ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
              "float8_e5m2": "float8_e5m2"}
-#: the largest head_dim the attention kernels are built for
-MAX_HEAD_DIM = 256
+#: the largest head_dim (K's or V's) a layer may have: the generic attention kernel serves
+#: up to it, the fast paths up to their own bounds (`kernels.decode.supports`,
+#: `kernels.prefill.supports`)
+MAX_HEAD_DIM = 512
+#: the largest head_dim the fast decode and tensor-core prefill paths are built for (a
+#: wider layer takes the generic kernel)
+FAST_MAX_HEAD_DIM = 256
 #: positions, token indices, storage slots and page-table entries travel to the kernels
 #: as int32
 INT32_MAX = 2**31 - 1
@@ -45,29 +50,56 @@ INITIAL_POSITIONS = 256
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One layer's kind: flat (neither set), a sliding-window ring of `window`
-    positions, or a chunked ring whose queries see their own chunk of `chunk` positions.
+    """One layer's kind and shape: flat (neither `window` nor `chunk` set), a
+    sliding-window ring of `window` positions, a chunked ring whose queries see their own
+    chunk of `chunk` positions, or a layer that reads layer `producer`'s K/V and stores
+    nothing (contract §15).
 
-    Build it with `flat()`, `ring(window=W)` or `chunked(size=C)`; a `LayerSpec` built
-    directly is checked the same way (`window` and `chunk` None or an int >= 1, not
-    both, else `ConfigError`).
+    `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's own shape (None: the config's
+    `n_kv_heads` and `head_dim`; `v_head_dim` defaults to the layer's `head_dim`). A
+    shared layer takes its producer's kind and shape and sets none of them.
+
+    Build it with `flat()`, `ring(window=W)`, `chunked(size=C)` or `shared(producer)`; a
+    `LayerSpec` built directly is checked the same way (`window`, `chunk`, `n_kv_heads`,
+    `v_head_dim` None or an int >= 1, `head_dim` and `v_head_dim` at most
+    `MAX_HEAD_DIM`, `producer` None or an int >= 0; not `window` and `chunk` both, and
+    nothing else with `producer`: else `ConfigError`).
     """
 
     window: int | None = None
     chunk: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    producer: int | None = None
 
     def __post_init__(self):
-        for name in ("window", "chunk"):
+        for name, lo, hi in (("window", 1, INT32_MAX), ("chunk", 1, INT32_MAX),
+                             ("n_kv_heads", 1, INT32_MAX), ("head_dim", 1, MAX_HEAD_DIM),
+                             ("v_head_dim", 1, MAX_HEAD_DIM), ("producer", 0, INT32_MAX)):
             value = getattr(self, name)
             if value is None:
                 continue
-            if not is_int(value) or not 1 <= value <= INT32_MAX:
+            if not is_int(value) or not lo <= value <= hi:
                 raise ConfigError(f"LayerSpec({name}={describe(value)}): {name} must be None "
-                                  f"or an integer in [1, {INT32_MAX}]")
+                                  f"or an integer in [{lo}, {hi}]")
             object.__setattr__(self, name, int(value))
         if self.window is not None and self.chunk is not None:
             raise ConfigError(f"LayerSpec(window={self.window}, chunk={self.chunk}): a layer "
                               f"is a sliding window or chunked, not both")
+        if self.producer is not None:
+            given = [f"{name}={getattr(self, name)}" for name in
+                     ("window", "chunk", "n_kv_heads", "head_dim", "v_head_dim")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"LayerSpec(producer={self.producer}, {', '.join(given)}): "
+                                  f"a shared layer takes its producer's kind and shape; set "
+                                  f"them on layer {self.producer}")
+
+    @property
+    def stores(self) -> bool:
+        """Whether the layer holds K/V of its own (every kind but `shared`)."""
+        return self.producer is None
 
     @property
     def is_ring(self) -> bool:
@@ -87,51 +119,86 @@ class LayerSpec:
         return self.window if self.window is not None else -(self.chunk or 0)
 
     def describe(self) -> str:
-        """How refusals name it: "flat", "window 4096", "chunks of 8192"."""
+        """How refusals name it: "flat", "window 4096", "chunks of 8192", "shared with
+        layer 3"."""
+        if self.producer is not None:
+            return f"shared with layer {self.producer}"
         if self.window is not None:
             return f"window {self.window}"
         return f"chunks of {self.chunk}" if self.chunk is not None else "flat"
 
 
-def flat() -> LayerSpec:
-    """A flat layer: position `p` lives in row `p`; every past position stays visible."""
-    return LayerSpec(None)
+class LayerShape(NamedTuple):
+    """A layer's K/V shape: `n_kv_heads` heads of `head_dim` K elements and `v_head_dim`
+    V elements each."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    def position_bytes(self, itemsize: int) -> int:
+        """Bytes of one position of one sequence, K and V, at `itemsize` bytes a value."""
+        return self.n_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
 
 
-def ring(window: int) -> LayerSpec:
+def flat(*, n_kv_heads: int | None = None, head_dim: int | None = None,
+         v_head_dim: int | None = None) -> LayerSpec:
+    """A flat layer: position `p` lives in row `p`; every past position stays visible.
+    `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's shape (None: the config's;
+    `v_head_dim`: the layer's `head_dim`)."""
+    return LayerSpec(None, None, n_kv_heads, head_dim, v_head_dim)
+
+
+def ring(window: int, *, n_kv_heads: int | None = None, head_dim: int | None = None,
+         v_head_dim: int | None = None) -> LayerSpec:
     """A sliding-window layer: a query at `p` sees keys `max(0, p - window + 1) <= j <= p`.
 
     This is Hugging Face's `sliding_window=window` and FlashAttention's
-    `window_size=(window - 1, 0)`.
+    `window_size=(window - 1, 0)`. The shape arguments are `flat()`'s.
     """
     if window is None:
         raise ConfigError("ring(window=None): window must be an integer >= 1 (use flat() for "
                           "a layer without a window)")
-    return LayerSpec(window)
+    return LayerSpec(window, None, n_kv_heads, head_dim, v_head_dim)
 
 
-def chunked(size: int) -> LayerSpec:
+def chunked(size: int, *, n_kv_heads: int | None = None, head_dim: int | None = None,
+            v_head_dim: int | None = None) -> LayerSpec:
     """A chunked local-attention layer: a query at `p` sees keys `size * (p // size) <= j
     <= p`, its own chunk up to itself (Hugging Face's `chunked_attention` layers with
     `attention_chunk_size=size`, as in Llama 4). Stored as a ring of `min(capacity, size +
-    max_write - 1)` rows."""
+    max_write - 1)` rows. The shape arguments are `flat()`'s."""
     if size is None:
         raise ConfigError("chunked(size=None): size must be an integer >= 1 (use flat() for "
                           "a layer without chunks)")
-    return LayerSpec(chunk=size)
+    return LayerSpec(None, size, n_kv_heads, head_dim, v_head_dim)
+
+
+def shared(producer: int) -> LayerSpec:
+    """A layer that attends over layer `producer`'s K/V and stores nothing (Gemma 4's
+    `num_kv_shared_layers`): its kind, window and shape are the producer's; `write` to it
+    is refused and `attend` reads the producer's K/V as the step has written them."""
+    if producer is None:
+        raise ConfigError("shared(producer=None): producer must be the index of a layer "
+                          "that stores K/V")
+    return LayerSpec(producer=producer)
 
 
 class LayerKind(NamedTuple):
     """The layers that share page ids (contract §4): all flat layers (`rows` 0), or the
-    ring layers of one ring size `rows` (R). `layers`: their indices; `table_pages`: the
-    pages one sequence's page table can list (`CacheConfig.table_pages`); `initial_pages`
-    and `max_pages`: the pool's first and most pages (`CacheConfig.kind_pages`)."""
+    ring layers of one ring size `rows` (R), shared layers left out (they store
+    nothing). `layers`: their indices; `table_pages`: the pages one sequence's page table
+    can list (`CacheConfig.table_pages`); `initial_pages` and `max_pages`: the pool's
+    first and most pages (`CacheConfig.kind_pages`); `position_bytes`: bytes of one
+    position over its layers, K and V (a page id of the kind holds `page_size` times
+    that)."""
 
     rows: int
     layers: tuple
     table_pages: int
     initial_pages: int
     max_pages: int
+    position_bytes: int
 
     @property
     def name(self) -> str:
@@ -152,9 +219,11 @@ def _require_int(name: str, value, lo: int, hi: int | None = None, rule: str = "
 class CacheConfig:
     """Shape and limits of a cache.
 
-    layers:       one `LayerSpec` per layer (`flat()`, `ring(window=W)` or `chunked(size=C)`).
-    n_kv_heads:   K/V heads per layer.
-    head_dim:     elements per head, 1..256.
+    layers:       one `LayerSpec` per layer (`flat()`, `ring(window=W)`, `chunked(size=C)`,
+                  each with an optional shape of its own, or `shared(producer)`).
+    n_kv_heads:   K/V heads of a layer that does not set its own (`flat(n_kv_heads=...)`).
+    head_dim:     elements per head of a layer that does not set its own, 1..512
+                  (`MAX_HEAD_DIM`; the fast paths take up to 256, `FAST_MAX_HEAD_DIM`).
     capacity:     most positions one sequence may hold (a hard bound).
     max_seqs:     sequence slots handed out (ids `0 .. max_seqs - 1`).
     max_write:    most tokens one sequence writes in one step (`M`).
@@ -202,7 +271,17 @@ class CacheConfig:
         for i, spec in enumerate(layers):
             if not isinstance(spec, LayerSpec):
                 raise ConfigError(f"layers[{i}]={describe(spec)}: must be flat(), "
-                                  f"ring(window=...) or chunked(size=...)")
+                                  f"ring(window=...), chunked(size=...) or shared(producer)")
+        for i, spec in enumerate(layers):
+            if spec.stores:
+                continue
+            p = spec.producer
+            if p >= len(layers) or p == i or not layers[p].stores:
+                why = (f"there are {len(layers)} layers" if p >= len(layers) else
+                       "a layer cannot share its own K/V" if p == i else
+                       f"layer {p} is itself {layers[p].describe()}")
+                raise ConfigError(f"layers[{i}]=shared({p}): the producer must be another "
+                                  f"layer that stores K/V ({why})")
         object.__setattr__(self, "layers", layers)
         self._set_int("n_kv_heads", self.n_kv_heads, 1)
         self._set_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
@@ -281,19 +360,48 @@ class CacheConfig:
                               f"entries, more than {INT32_MAX} (their indices are int32): "
                               f"use larger pages or fewer sequences per cache")
 
+    def source(self, layer: int) -> int:
+        """The layer whose K/V `layer` reads: its producer for a shared layer, else itself."""
+        producer = self.layers[layer].producer
+        return layer if producer is None else producer
+
+    @cached_property
+    def layer_shapes(self) -> tuple:
+        """Each layer's `LayerShape` (a shared layer's is its producer's), the config's
+        `n_kv_heads` and `head_dim` where a layer sets none."""
+        shapes = []
+        for layer in range(len(self.layers)):
+            spec = self.layers[self.source(layer)]
+            heads = self.n_kv_heads if spec.n_kv_heads is None else spec.n_kv_heads
+            dim = self.head_dim if spec.head_dim is None else spec.head_dim
+            shapes.append(LayerShape(heads, dim, dim if spec.v_head_dim is None else
+                                     spec.v_head_dim))
+        return tuple(shapes)
+
+    @property
+    def storing_layers(self) -> tuple:
+        """The indices of the layers that hold K/V of their own (all but shared ones)."""
+        return tuple(i for i, spec in enumerate(self.layers) if spec.stores)
+
     def ring_rows(self) -> np.ndarray:
-        """`R` per layer (int64 `[n_layers]`), 0 for a flat layer: the one place ring
-        sizes are worked out (`plan.ring_rows`)."""
-        return layer_rows([s.reach for s in self.layers], self.max_write, self.capacity)
+        """`R` per layer (int64 `[n_layers]`), 0 for a flat layer, a shared layer's its
+        producer's: the one place ring sizes are worked out (`plan.ring_rows`)."""
+        return layer_rows([self.layers[self.source(i)].reach for i in range(self.n_layers)],
+                          self.max_write, self.capacity)
 
     @cached_property
     def layer_kinds(self) -> tuple:
-        """The `LayerKind`s of the layers, flat layers first, then by ring size."""
+        """The `LayerKind`s of the storing layers, flat layers first, then by ring size."""
         members: dict = {}
-        for layer, rows in enumerate(self.ring_rows().tolist()):
-            members.setdefault(int(rows), []).append(layer)
+        rows_of = self.ring_rows().tolist()
+        for layer in self.storing_layers:
+            members.setdefault(int(rows_of[layer]), []).append(layer)
+        itemsize = self.storage_dtype.itemsize
         return tuple(LayerKind(rows, tuple(layers), self.table_pages(rows),
-                               *self.kind_pages(rows)) for rows, layers in sorted(members.items()))
+                               *self.kind_pages(rows),
+                               sum(self.layer_shapes[i].position_bytes(itemsize)
+                                   for i in layers))
+                     for rows, layers in sorted(members.items()))
 
     def sequence_pages(self, positions: int) -> tuple:
         """Per layer kind (`layer_kinds` order), the pages one sequence of `positions`
@@ -307,9 +415,10 @@ class CacheConfig:
         """`(R, C, layer)` per distinct ring kind of mask that can set a floor: its rows,
         its chunk (0: a sliding window) and its first layer; empty without ring layers."""
         found: dict = {}
-        for layer, (spec, rows) in enumerate(zip(self.layers, self.ring_rows().tolist())):
-            if rows:
-                found.setdefault((int(rows), spec.chunk or 0), layer)
+        rows_of = self.ring_rows().tolist()
+        for layer in self.storing_layers:
+            if rows_of[layer]:
+                found.setdefault((int(rows_of[layer]), self.layers[layer].chunk or 0), layer)
         return tuple((rows, chunk, layer) for (rows, chunk), layer in found.items())
 
     def floor_of(self, high_water: int) -> tuple[int, int]:
@@ -367,7 +476,9 @@ class CacheConfig:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer, K and V."""
+        """Bytes of one page of one layer of the config's own shape (`n_kv_heads`,
+        `head_dim`), K and V; a layer of its own shape: `layer_shapes[i].position_bytes`
+        times `page_size`."""
         return 2 * self.page_size * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
 
     @property
@@ -401,5 +512,7 @@ class CacheConfig:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one position of one sequence over all layers, K and V."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.storage_dtype.itemsize
+        """Bytes of one position of one sequence over the layers that store, K and V (a
+        shared layer adds nothing)."""
+        itemsize = self.storage_dtype.itemsize
+        return sum(self.layer_shapes[i].position_bytes(itemsize) for i in self.storing_layers)

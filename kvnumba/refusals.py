@@ -72,13 +72,14 @@ def width_refusal(width: int, n_tokens: int, config: CacheConfig) -> CapacityErr
                          f"{config.max_step}]")
 
 
-def half_written_refusal(written: np.ndarray) -> StepProtocolError:
-    """A `commit_step` of a step that wrote some layers (`written`, bool per layer) and not
-    others."""
+def half_written_refusal(written: np.ndarray, storing: np.ndarray) -> StepProtocolError:
+    """A `commit_step` of a step that wrote some of the layers that store (`storing`,
+    bool per layer) and not others (`written`, bool per layer)."""
     return StepProtocolError(f"commit_step: the step wrote layers "
-                             f"{np.flatnonzero(written).tolist()} but not "
-                             f"{np.flatnonzero(~written).tolist()}; write every layer before "
-                             f"commit_step(), or abort_step() to discard the step")
+                             f"{np.flatnonzero(written & storing).tolist()} but not "
+                             f"{np.flatnonzero(~written & storing).tolist()}; write every "
+                             f"layer that stores K/V before commit_step(), or abort_step() "
+                             f"to discard the step")
 
 
 def unprepared_refusal(verb: str, state) -> StepProtocolError:

@@ -43,12 +43,13 @@ def nan_storage(monkeypatch):
     real = storage_module.PageStorage._allocate
 
     def poisoned(self, kind, n_pages):
-        group = real(self, kind, n_pages)
-        if group.dtype.itemsize == 1:      # 8-bit float bits: 0x7F is NaN in e4m3 and e5m2
-            group.copy_to_device(np.full(group.shape, 0x7F, group.dtype))
-        else:
-            group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
-        return group
+        groups = real(self, kind, n_pages)
+        for group in groups:
+            if group.dtype.itemsize == 1:  # 8-bit float bits: 0x7F is NaN in e4m3 and e5m2
+                group.copy_to_device(np.full(group.shape, 0x7F, group.dtype))
+            else:
+                group.copy_to_device(np.full(group.shape, np.nan, group.dtype))
+        return groups
 
     monkeypatch.setattr(storage_module.PageStorage, "_allocate", poisoned)
 

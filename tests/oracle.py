@@ -73,13 +73,14 @@ def seen_positions(q_len, pos_start, block, window, chunk=None):
 
 def dense_attention(q, keys, values, pos_start, window, block, scale, softcap=None,
                     chunk=None):
-    """q [n, hq, d]; keys/values [kv_len, hkv, d] (positions 0..kv_len-1) -> [n, hq, d] float64."""
+    """q [n, hq, d]; keys [kv_len, hkv, d], values [kv_len, hkv, dv] (positions
+    0..kv_len-1) -> [n, hq, dv] float64."""
     q = np.asarray(q, np.float64)
     keys = np.asarray(keys, np.float64)
     values = np.asarray(values, np.float64)
     n, hq, _ = q.shape
     group = hq // keys.shape[1]
-    out = np.zeros(q.shape, np.float64)
+    out = np.zeros((n, hq, values.shape[2]), np.float64)
     for i in range(n):
         p = pos_start + i
         mask = np.array([visible(p, j, pos_start, n, window, block, chunk)

@@ -27,12 +27,21 @@ from paging import page_bits, paged  # noqa: E402
 
 def reference(case):
     """float64 attention from the dense histories (padding rows zero)."""
+    return reference_lse(case)[0]
+
+
+def reference_lse(case, sinks=None):
+    """float64 `(out [width, n_heads, v_head_dim], lse [width, n_heads])` from the dense
+    histories (padding rows zero): out over V of its own width, lse the log-sum-exp of
+    each row's scaled (capped) visible scores. `sinks`: None, or `[n_heads]` logits, each
+    one more score column of its head with a zero value row (in lse too)."""
     q = case.q.astype(np.float64)
     width, n_heads, _ = q.shape
     group = n_heads // case.n_kv_heads
-    out = np.zeros(q.shape)
+    out = np.zeros((width, n_heads, case.v_head_dim))
+    lse = np.zeros((width, n_heads))
     for seg, (q_start, q_len, pos_start, block) in enumerate(case.segments):
-        keys, values = case.hist_k[seg], case.hist_v[seg]      # [kv_len, kvh, d] float64
+        keys, values = case.hist_k[seg], case.hist_v[seg]      # [kv_len, kvh, d / dv] float64
         kv_len = pos_start + q_len
         for i in range(q_len):
             mask = visible_mask(pos_start + i, kv_len, pos_start, q_len, block, case.window)
@@ -41,9 +50,13 @@ def reference(case):
                 if case.softcap > 0:
                     s = case.softcap * np.tanh(s / case.softcap)
                 s = np.where(mask, s, -np.inf)
-                w = np.exp(s - s.max())
-                out[q_start + i, h] = (w / w.sum()) @ values[:, h // group]
-    return out
+                sink = -np.inf if sinks is None else float(sinks[h])
+                best = max(s.max(), sink)
+                w = np.exp(s - best)
+                total = w.sum() + np.exp(sink - best)
+                out[q_start + i, h] = (w / total) @ values[:, h // group]
+                lse[q_start + i, h] = best + np.log(total)
+    return out, lse
 
 
 # ---------------------------------------------------------------- hand-built inputs
@@ -63,10 +76,13 @@ def as_stored(values, dtype):
 
 def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ring_rows=0,
               dtype=np.float32, q_dtype=None, out_dtype=None, pad=0, softcap=0.0,
-              spare_cols=2, qk_scale=1.0, page_size=16):
-    """segments: list of (q_len, pos_start, block). Storage [rows, n_cols, kvh, d] by hand,
-    paged at `page_size` when launched (`device_storage`)."""
+              spare_cols=2, qk_scale=1.0, page_size=16, v_head_dim=None):
+    """segments: list of (q_len, pos_start, block). Storage [rows, n_cols, kvh, d] by hand
+    (V's `v_head_dim` wide, default head_dim), paged at `page_size` when launched
+    (`device_storage`)."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     c = Case()
+    c.v_head_dim = v_head_dim
     c.n_kv_heads, c.window, c.ring_rows, c.softcap = n_kv_heads, window, ring_rows, softcap
     c.page_size = page_size
     c.scale = qk_scale / np.sqrt(head_dim)
@@ -79,14 +95,14 @@ def make_case(rng, segments, *, n_kv_heads=2, group=2, head_dim=16, window=0, ri
     rows = ring_rows if ring_rows else max(kv_lens) + 3
     # NaN-free garbage everywhere nothing is held (fp8: its bits, `oracle.fp8_stored`)
     k_store, _ = as_stored(rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, head_dim)), dtype)
-    v_store, _ = as_stored(rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, head_dim)), dtype)
+    v_store, _ = as_stored(rng.uniform(-6, 6, (rows, n_cols, n_kv_heads, v_head_dim)), dtype)
     c.hist_k, c.hist_v, c.segments = [], [], []
     q_start = 0
     info = rng.integers(-1000, 1000, (n_seg + 2, SEQ_INFO_FIELDS)).astype(np.int32)
     for seg, ((q_len, pos_start, block), col) in enumerate(zip(segments, cols)):
         kv_len = pos_start + q_len
         hk, hk64 = as_stored(rng.standard_normal((kv_len, n_kv_heads, head_dim)), dtype)
-        hv, hv64 = as_stored(rng.standard_normal((kv_len, n_kv_heads, head_dim)), dtype)
+        hv, hv64 = as_stored(rng.standard_normal((kv_len, n_kv_heads, v_head_dim)), dtype)
         if ring_rows:
             need = min(kv_len, window + q_len - 1) if window else kv_len
             assert need <= ring_rows, "test bug: ring too small for the window"
@@ -132,9 +148,14 @@ def tables_of(case, served=None):
     return tables, dict(seq_info_off=0, segments_off=case.info.size, n_segments=len(served))
 
 
+def out_shape(case):
+    """`[width, n_q_heads, v_head_dim]`: q's rows and heads, V's width."""
+    return case.q.shape[:2] + (case.v_head_dim,)
+
+
 def run(case, workspace=None, served=None, **kw):
     """Launch on the device (out poisoned with NaN first) and return the host result."""
-    out = cuda.to_device(np.full(case.q.shape, np.nan, case.out_dtype))
+    out = cuda.to_device(np.full(out_shape(case), np.nan, case.out_dtype))
     tables, offsets = tables_of(case, served)
     (k_slots, v_slots, _), paging = device_storage(case)
     att.attend(cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(tables), out,
@@ -167,7 +188,7 @@ def plan_path(case, **kw):
     return att.launch_shape(n_segments=len(case.segments), max_q_len=case.max_q_len,
                            max_kv_len=case.max_kv_len, n_q_heads=case.q.shape[1],
                            n_kv_heads=case.n_kv_heads, head_dim=case.q.shape[2],
-                           window=case.window, **kw)
+                           v_head_dim=case.v_head_dim, window=case.window, **kw)
 
 
 DECODE = segs_of((1, 0), (1, 16), (1, 39))
@@ -350,7 +371,7 @@ def test_workspace_reused_without_allocation(monkeypatch):
     tables, offsets = tables_of(case)
     (k_slots, v_slots, _), paging = device_storage(case)
     args = [cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(tables)]
-    out = cuda.to_device(np.full(case.q.shape, np.nan, case.out_dtype))
+    out = cuda.to_device(np.full(out_shape(case), np.nan, case.out_dtype))
 
     def refuse(*a, **k):
         raise AssertionError("device allocation in a warm call")
@@ -399,8 +420,9 @@ def test_launch_shape_threshold_and_splits():
                                **dict(kw, window=512))
     assert windowed["n_splits"] * windowed["chunk"] >= 512
     assert windowed["chunk"] * (windowed["n_splits"] - 1) < 512
-    with pytest.raises(ValueError):
-        att.head_dim_bucket(257)
+    assert att.head_dim_bucket(257) == att.head_dim_bucket(512) == 512
+    with pytest.raises(ValueError, match="at most 512"):
+        att.head_dim_bucket(513)
 
 
 # ---------------------------------------------------------------- property test

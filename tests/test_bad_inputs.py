@@ -393,7 +393,7 @@ def test_bad_inputs_are_refused_and_change_nothing(kind, state, data):
 BAD_FIELDS = st.sampled_from([
     ("layers", None), ("layers", kv.flat()), ("layers", "flat"), ("layers", [None]),
     ("layers", []), ("layers", {kv.flat()}), ("n_kv_heads", 0), ("n_kv_heads", True),
-    ("n_kv_heads", 2.0), ("head_dim", 0), ("head_dim", 257), ("head_dim", "64"),
+    ("n_kv_heads", 2.0), ("head_dim", 0), ("head_dim", 513), ("head_dim", "64"),
     ("capacity", 0), ("capacity", 2**31), ("capacity", np.uint64(2**64 - 1)),
     ("capacity", float("inf")), ("max_seqs", 0), ("max_seqs", 2**31), ("max_write", 0),
     ("max_write", 17), ("max_step", 3), ("max_step", 2**31), ("initial_pages", 0),

@@ -21,7 +21,7 @@ def test_valid_config_keeps_its_fields():
 
 @pytest.mark.parametrize("field,value", [
     ("capacity", 0), ("capacity", -3), ("capacity", 2.5),
-    ("max_seqs", 0), ("n_kv_heads", 0), ("head_dim", 0), ("head_dim", 257),
+    ("max_seqs", 0), ("n_kv_heads", 0), ("head_dim", 0), ("head_dim", 513),
     ("max_write", 0), ("max_write", 65), ("max_step", 3), ("initial_pages", 0),
     ("max_pages", 0), ("page_size", 4), ("page_size", 12), ("page_size", 512),
     ("page_size", True), ("page_size", None), ("initial_pages", 1.5),

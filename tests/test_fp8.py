@@ -210,7 +210,7 @@ def test_the_generic_paths_read_fp8_storage(nan_storage, dtype):
     prefill alike: it reads fp8 element by element, against the quantised reference."""
     cache = _cache(dtype, [kv.flat(), kv.ring(window=3)], k_scale=0.05, v_scale=[1.0, 0.01],
                    head_dim=12, max_seqs=2)
-    assert not cache._routing.decode_fast and not cache._routing.prefill_fast
+    assert not any(cache._routing.decode_fast) and not any(cache._routing.prefill_fast)
     q = Quantised(cache, np.random.default_rng(6))
     a, b = cache.seq_new(), cache.seq_new()
     q.step([(a, 6), (b, 2)])
@@ -300,7 +300,7 @@ def test_tensor_core_prefill_over_fp8_equals_16_bit_storage_of_the_same_values(d
     layers = [kv.flat(), kv.ring(window=3)]
     caches = {d: _cache(d, layers, 1.0, 1.0, max_seqs=1, max_write=13, max_step=13)
               for d in (dtype, twin)}
-    assert all(c._routing.prefill_fast for c in caches.values())
+    assert all(all(c._routing.prefill_fast) for c in caches.values())
     rng = np.random.default_rng(3)
     seqs = {d: c.seq_new() for d, c in caches.items()}
     for n in (6, 13):

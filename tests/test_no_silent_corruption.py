@@ -77,7 +77,7 @@ def test_2_q_heads_that_are_not_a_gqa_group_are_refused_before_writing():
     c.prepare_step()
     kv_rows = np.ones((4, 2, D), np.float32)
     before = snapshot(c)
-    with pytest.raises(kv.ShapeError, match="multiple of n_kv_heads=2"):
+    with pytest.raises(kv.ShapeError, match="multiple of layer 0's n_kv_heads=2"):
         c.update_and_attend(0, np.zeros((4, 3, D), np.float32), kv_rows, kv_rows)
     assert_unchanged(before, snapshot(c))
 

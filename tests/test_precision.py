@@ -30,7 +30,7 @@ def through_both_paths(dtype):
     config = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=H, head_dim=D, capacity=16,
                             max_seqs=1, max_write=8, max_step=8, dtype=dtype, initial_pages=16)
     cache = kv.BatchedSequenceCache(config)
-    assert cache._routing.prefill_fast, "the 5-token span must take the tensor-core path"
+    assert all(cache._routing.prefill_fast), "the 5-token span must take the tensor-core path"
     seq = cache.seq_new()
     rng = np.random.default_rng(11)
     q, k, v = (rng.standard_normal((HISTORY + 5, heads, D)).astype(np.float32)

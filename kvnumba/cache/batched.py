@@ -83,13 +83,14 @@ class BatchedSequenceCache(CacheQueries):
             storage, kinds = self._pool.storage, self._pool.accounting.kinds
             tables = {kind.rows: storage.kind_tables[i] for i, kind in enumerate(kinds)}
             rows = config.ring_rows().tolist()
-            windows = {spec.window_code: (r, tables[r]) for spec, r in zip(config.layers, rows)}
+            codes = [config.layers[config.source(i)].window_code for i in range(config.n_layers)]
+            windows = {code: (r, tables[r]) for code, r in zip(codes, rows)}
             self._routing = Routing(config, self.stream, windows, self._pool.accounting.page_bits)
         self._steps = StepProtocol(
             config=config, slots=self._slots, pool=self._pool,
             declarer=StepDeclarer(config, self._slots, self._pool.accounting), upload=upload,
             routing=self._routing, pad_col=n if scratch_column else -1, stream=self.stream)
-        geometry = [(r, spec.window_code, tables[r]) for r, spec in zip(rows, config.layers)]
+        geometry = [(r, code, tables[r]) for r, code in zip(rows, codes)]
         data = DataPath(config, self.device, self.stream, storage, self._routing, geometry)
         self._parts = CacheParts(config, self._slots, self._pool, data, self._steps)
 

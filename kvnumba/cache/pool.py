@@ -36,12 +36,12 @@ class Pool:
     @property
     def nbytes_held(self) -> int:
         """Bytes of the pages live sequences hold (a shared page once; not the scratch)."""
-        return self.accounting.held_pages() * self.config.page_bytes
+        return self.accounting.held_bytes()
 
     @property
     def nbytes_cached(self) -> int:
         """Bytes of the pages the prefix index alone holds (reclaimable)."""
-        return self.accounting.cached_pages() * self.config.page_bytes
+        return self.accounting.cached_bytes()
 
     def reserve(self, demand: list, verb: str, protect=()) -> None:
         """Make the pages of `demand` (`(KindPages, pages)` pairs) free: free pages first

@@ -35,7 +35,14 @@ class StepProtocol:
         self.machine = StepMachine()
         self.step: OpenStep | None = None
         self.plan: StepPlan | None = None
-        self._writes = None   # the last prepared step's K/V writes (`write.WriteRun`)
+        # per layer the elements a token's K and V take (a shared layer: none) and the
+        # storing layers (the ones a commit needs written)
+        self._runs = [(shape.n_kv_heads * shape.head_dim, shape.n_kv_heads * shape.v_head_dim)
+                      if spec.stores else None
+                      for spec, shape in zip(config.layers, config.layer_shapes)]
+        self._storing = np.array([spec.stores for spec in config.layers])
+        self._writes = {}     # the last prepared step's K/V writes (`write.WriteRun`) by run
+        self._layer_writes = ()     # and by layer
 
     def declare(self, seq_ids, blocks) -> StepPlan:
         next_state = self.machine.check("declare", "declare_step")
@@ -68,16 +75,15 @@ class StepProtocol:
         self.routing.bind(routes, upload)
         upload.send()
         pool.apply(upload, work)
-        writes = self._writes    # the last step's, with its launches, if it fits this one
-        if writes is None or writes.width != width or writes.tables is not upload.device:
-            self._writes = writes = write.prepare(
-                upload.device, width, config.n_kv_heads * config.head_dim,
-                config.storage_dtype, pool.accounting.page_bits, self.stream)
+        writes = self._layer_writes_for(width, upload.device)
+        kv_shapes = [None if runs is None else
+                     ((width, shape.n_kv_heads, shape.head_dim),
+                      (width, shape.n_kv_heads, shape.v_head_dim))
+                     for runs, shape in zip(self._runs, config.layer_shapes)]
         step.prepare(width=width, pad_col=self.pad_col, tokens=tokens, upload=upload,
                      routes=routes, writes=writes,
                      zero=padding.prepare(width, step.n_tokens, self.stream),
-                     kv_shape=(width, config.n_kv_heads, config.head_dim),
-                     n_layers=config.n_layers,
+                     kv_shapes=kv_shapes, written=~self._storing,
                      buffers=(pool.storage, upload, self.routing.workspace))
         self.machine.apply("prepare", next_state)
         return self.plan
@@ -85,9 +91,9 @@ class StepProtocol:
     def commit(self) -> None:
         next_state = self.machine.check("commit", "commit_step")
         step = self.step
-        written = step.written
+        written = step.written[self._storing]
         if 0 < np.count_nonzero(written) < written.size:
-            raise half_written_refusal(written)
+            raise half_written_refusal(step.written, self._storing)
         self.slots.advance("commit", step.seqs, step.totals)
         self._close(next_state, "commit")
 
@@ -101,6 +107,27 @@ class StepProtocol:
             hw[seqs] = np.maximum(hw[seqs], slots.pos[seqs] + step.totals)
             self.pool.accounting.abort(seqs, slots.pos)
         self._close(next_state, "abort")
+
+    def _layer_writes_for(self, width: int, tables) -> tuple:
+        """Per layer the write launches of a step of `width` tokens staged in `tables`
+        (`write.WriteRun`s: one for K and V, or K's then V's where their widths differ;
+        None for a shared layer), the last step's taken again where they fit."""
+        found = self._writes
+        if any(run.width != width or run.tables is not tables for run in found.values()):
+            found.clear()
+        if found and self._layer_writes:
+            return self._layer_writes
+        config = self.config
+        for runs in self._runs:
+            for run in runs or ():
+                if run not in found:
+                    found[run] = write.prepare(tables, width, run, config.storage_dtype,
+                                               self.pool.accounting.page_bits, self.stream)
+        self._layer_writes = tuple(
+            None if runs is None else
+            (found[runs[0]],) if runs[0] == runs[1] else (found[runs[0]], found[runs[1]])
+            for runs in self._runs)
+        return self._layer_writes
 
     def check_declarable(self, seqs: np.ndarray) -> None:
         """What `declare` would raise first for `seqs` (valid ids, int64): an open step,

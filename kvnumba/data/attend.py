@@ -39,8 +39,12 @@ class DataPath:
                  layer_geometry: list):
         self.config, self.device, self.stream = config, device, stream
         self.storage, self.paths, self.layer_geometry = storage, paths, layer_geometry
-        # the kernels take scale and softcap as float32: the defaults converted once
-        self._default_scale = np.float32(1.0 / math.sqrt(config.head_dim))
+        # the kernels take scale and softcap as float32: the defaults converted once, per
+        # layer (1 / sqrt of its head_dim)
+        self._shapes = config.layer_shapes
+        self._default_scale = [np.float32(1.0 / math.sqrt(shape.head_dim))
+                               for shape in self._shapes]
+        self._source = [config.source(layer) for layer in range(config.n_layers)]
         # fp8 storage (contract §3): the write multiplies by each layer's reciprocal
         # scales, attention folds k_scale into its scale and multiplies out by v_scale
         self._k_scale = config.k_scale
@@ -50,16 +54,20 @@ class DataPath:
         self._scaled = config.is_fp8
 
     def write(self, step, layer, k, v) -> None:
-        """`k`, `v` `[width, n_kv_heads, head_dim]` into `layer` for the prepared `step`."""
+        """`k` `[width, n_kv_heads, head_dim]`, `v` `[width, n_kv_heads, v_head_dim]` (the
+        layer's shape) into `layer` for the prepared `step`; refused for a shared layer."""
         self._launch_write(step, self._write_args(step, layer, k, v), k, v)
 
     def attend(self, step, layer, q, out, scale, softcap, lse, sinks):
         """Attention of `step`'s queries on `layer`; refused before `layer` is written."""
         args = self._attend_args(step, layer, q, out, scale, softcap, lse, sinks)
-        if not step.written[args[0]]:
-            raise StepProtocolError(f"attend: the prepared step has not written layer "
-                                    f"{args[0]}'s K/V; call write({args[0]}, k, v) or "
-                                    f"update_and_attend first")
+        source = self._source[args[0]]
+        if not step.written[source]:
+            whose = f"layer {source}'s K/V" if source == args[0] else \
+                f"layer {source}'s K/V, which shared layer {args[0]} reads"
+            raise StepProtocolError(f"attend: the prepared step has not written {whose}; "
+                                    f"call write({source}, k, v) or update_and_attend "
+                                    f"first")
         return self._launch_attend(step, *args)
 
     def update_and_attend(self, step, layer, q, k, v, kw: dict):
@@ -70,7 +78,7 @@ class DataPath:
                              f"softcap, lse, sinks)")
         layer = self._write_args(step, layer, k, v)
         attend_args = self._layer_scale(layer, self._attend_inputs(
-            step, q, kw.get("out"), kw.get("scale"), kw.get("softcap"), kw.get("lse"),
+            step, layer, q, kw.get("out"), kw.get("scale"), kw.get("softcap"), kw.get("lse"),
             kw.get("sinks"), k=k, v=v))
         self._launch_write(step, layer, k, v)
         return self._launch_attend(step, layer, *attend_args)
@@ -89,19 +97,25 @@ class DataPath:
         return int(layer)
 
     def _write_args(self, step, layer, k, v) -> int:
-        """`layer` as an index, once k and v fit the step."""
+        """`layer` as an index, once k and v fit the step and the layer stores K/V."""
         layer = self.layer(layer, "write")
+        shapes = step.kv_shapes[layer]
+        if shapes is None:
+            source = self._source[layer]
+            raise ShapeError(f"write: layer {layer} is shared with layer {source} and stores "
+                             f"nothing; write layer {source}, then attend({layer}, q) reads "
+                             f"its K/V")
         try:
-            check("k", k, step.kv_shape, IO_DTYPES, self.device)
-            check("v", v, step.kv_shape, IO_DTYPES, self.device)
+            check("k", k, shapes[0], IO_DTYPES, self.device)
+            check("v", v, shapes[1], IO_DTYPES, self.device)
         except ShapeError as exc:
             raise ShapeError(f"{exc}{width_hint(step, k, v)}") from None
         return layer
 
     def _attend_args(self, step, layer, q, out, scale, softcap, lse, sinks) -> tuple:
         layer = self.layer(layer, "attend")
-        return (layer, *self._layer_scale(layer, self._attend_inputs(step, q, out, scale,
-                                                                     softcap, lse, sinks)))
+        return (layer, *self._layer_scale(layer, self._attend_inputs(
+            step, layer, q, out, scale, softcap, lse, sinks)))
 
     def _layer_scale(self, layer: int, inputs: tuple) -> tuple:
         """`inputs` (`_attend_inputs`) with fp8 storage's `k_scale` folded into the scale
@@ -115,59 +129,73 @@ class DataPath:
                                                    f"layer {layer}'s k_scale {k_scale!r}")
         return q, out, np.float32(folded), softcap, lse, sinks
 
-    def _attend_inputs(self, step, q, out, scale, softcap, lse, sinks, **inputs) -> tuple:
-        """`(q, out, scale, softcap, lse, sinks)` checked, the defaults filled in;
-        `inputs`: the other arrays of the call (`k`, `v`), which `out` and `lse` must not
-        overlap either."""
-        shape = self._check_q(step, q)
+    def _attend_inputs(self, step, layer, q, out, scale, softcap, lse, sinks,
+                       **inputs) -> tuple:
+        """`(q, out, scale, softcap, lse, sinks)` of `layer` checked, the defaults filled
+        in; `inputs`: the other arrays of the call (`k`, `v`), which `out` and `lse` must
+        not overlap either."""
+        shape = self._check_q(step, layer, q)
         if sinks is not None:
             check("sinks", sinks, shape[1:2], _SINK_DTYPES, self.device)
         if out is not None:
-            check_out("out", out, shape, IO_DTYPES, self.device)
+            check_out("out", out, self._out_shape(layer, shape), IO_DTYPES, self.device)
         if lse is not None:
             check_out("lse", lse, shape[:2], _LSE_DTYPES)
         if out is not None or lse is not None:
             _check_apart(dict(out=out, lse=lse), dict(q=q, sinks=sinks, **inputs))
-        scale = self._default_scale if scale is None else as_finite(scale, "attend: scale")
+        scale = self._default_scale[layer] if scale is None else \
+            as_finite(scale, "attend: scale")
         softcap = _NO_SOFTCAP if softcap is None else as_finite(softcap, "attend: softcap",
                                                                 positive=True)
         return q, out, scale, softcap, lse, sinks
 
-    def _check_q(self, step, q) -> tuple:
-        """q's shape `[width, n_q_heads, head_dim]`, or `ShapeError` (kind and dtype first,
-        then the rank, the heads and the shape)."""
+    def _check_q(self, step, layer, q) -> tuple:
+        """q's shape `[width, n_q_heads, head_dim]` on `layer` (its shape), or `ShapeError`
+        (kind and dtype first, then the rank, the heads and the shape)."""
         check("q", q, None, IO_DTYPES, self.device)
         shape = tuple(q.shape)
         if len(shape) != 3:
             raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got shape "
                              f"{shape}")
-        n_q_heads, n_kv_heads = shape[1], self.config.n_kv_heads
+        n_q_heads, (n_kv_heads, head_dim, _) = shape[1], self._shapes[layer]
         if n_q_heads < 1 or n_q_heads % n_kv_heads:
             raise ShapeError(f"q: n_q_heads={n_q_heads} must be a positive multiple of "
-                             f"n_kv_heads={n_kv_heads} (query head h reads kv head "
-                             f"h // (n_q_heads // n_kv_heads))")
-        want = (step.width, n_q_heads, self.config.head_dim)
+                             f"layer {layer}'s n_kv_heads={n_kv_heads} (query head h reads "
+                             f"kv head h // (n_q_heads // n_kv_heads))")
+        want = (step.width, n_q_heads, head_dim)
         if shape != want:
-            raise ShapeError(f"q: expected shape {want}, got {shape}{width_hint(step, q)}")
+            raise ShapeError(f"q: expected shape {want} on layer {layer}, got "
+                             f"{shape}{width_hint(step, q)}")
         return shape
+
+    def _out_shape(self, layer: int, q_shape: tuple) -> tuple:
+        """`out`'s shape for q of `q_shape` on `layer`: `[width, n_q_heads, v_head_dim]`."""
+        return q_shape[:2] + (self._shapes[layer].v_head_dim,)
 
     # ------------------------------------------------------------------ launches
     def _launch_write(self, step, layer, k, v) -> None:
         storage, stream = self.storage, self.stream
         ring_rows, _, pages = self.layer_geometry[layer]
-        step.writes(storage.k_slots[layer], storage.v_slots[layer], device_view(k, stream),
-                    device_view(v, stream), ring_rows, pages, *self._inverse[layer])
+        writes = step.writes[layer]
+        k_store, v_store = storage.k_slots[layer], storage.v_slots[layer]
+        k, v = device_view(k, stream), device_view(v, stream)
+        k_inv, v_inv = self._inverse[layer]
+        if len(writes) == 1:                  # K and V of one width: one launch
+            writes[0](k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)
+        else:                                 # each its own launch, moving its run twice
+            writes[0](k_store, k_store, k, k, ring_rows, pages, k_inv, k_inv)
+            writes[1](v_store, v_store, v, v, ring_rows, pages, v_inv, v_inv)
         step.written[layer] = True
 
     def _launch_attend(self, step, layer, q, out, scale, softcap, lse, sinks):
         stream = self.stream
-        result = Result(q, out, tuple(q.shape), stream)
+        result = Result(q, out, self._out_shape(layer, tuple(q.shape)), stream)
         row_lse = None if lse is None else Result(q, lse, tuple(q.shape[:2]), stream)
         lse_device = no_output() if row_lse is None else row_lse.device
         if step.zero is not None:
             step.zero(result.device, lse_device)
         ring_rows, window, pages = self.layer_geometry[layer]
-        self.paths.run(step.routes, device_view(q, stream), self.storage.k_slots[layer],
+        self.paths.run(step.routes, layer, device_view(q, stream), self.storage.k_slots[layer],
                        self.storage.v_slots[layer], result.device, lse_device,
                        no_sinks() if sinks is None else device_view(sinks, stream),
                        ring_rows=ring_rows, window=window, pages=pages, scale=scale,

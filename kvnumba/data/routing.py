@@ -8,9 +8,15 @@ step launches at most two attention kernels (plus the decode path's combine) and
 segment's output never depends on what shares its step:
 
 * decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK_KEYS`) where it
-  serves the storage, else `kernels.attention` split-K in chunks of the same length;
+  serves the layer, else `kernels.attention` split-K in chunks of the same length;
 * prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
-  the storage, else `kernels.attention` (CUDA cores, exact for float32).
+  the layer, else `kernels.attention` (CUDA cores, exact for float32).
+
+Which path serves a layer follows from its storage dtype and shape (contract §15): the
+fast paths take layers whose K and V are one width, a head_dim they are built for
+(`decode.supports`, `prefill.supports`: multiples of 16 / 8 up to 256); every other layer
+(head dims to 512, a V narrower or wider than K) takes the generic kernel. A step whose
+layers take both paths of a group stages both (the decode plans and the segment list).
 
 `Routing.route` writes the step's sections into its upload (`upload.Upload`): for
 the fast decode path one work / combine table per distinct layer window (the window
@@ -70,11 +76,10 @@ class StepRoutes:
         (widths and addresses) launch the same grids, so a CUDA graph of one replays the
         other (the positions and sequences it reads are the upload's contents)."""
         d, p = self.decode, self.prefill
-        if self.decode_chunks:
-            decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
-                               for window, f in sorted(self.decode_chunks.items()))
-        else:
-            decode_key = (d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS))
+        decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
+                           for window, f in sorted(self.decode_chunks.items()))
+        if self.decode_generic is not None or not self.decode_chunks:
+            decode_key += ((d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS)),)
         return decode_key, (p.n, p.max_q_len)
 
 
@@ -86,11 +91,19 @@ class Routing:
     pool holds them; `page_bits`: log2 of the page size."""
 
     def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
-        self.decode_fast = decode.supports(config.head_dim, config.storage_dtype)
-        self.prefill_fast = prefill.supports(config.head_dim, config.storage_dtype)
+        dtype, shapes = config.storage_dtype, config.layer_shapes
+        codes = [config.layers[config.source(i)].window_code for i in range(config.n_layers)]
+        #: per layer: whether the fast decode / tensor-core prefill path serves it
+        self.decode_fast = [s.head_dim == s.v_head_dim and decode.supports(s.head_dim, dtype)
+                            for s in shapes]
+        self.prefill_fast = [s.head_dim == s.v_head_dim and prefill.supports(s.head_dim, dtype)
+                             for s in shapes]
+        self._decode_generic = not all(self.decode_fast)
+        self._prefill_fast = any(self.prefill_fast)
         self.window_tables = window_tables
         self.windows = sorted(window_tables)
-        self._decode_sections = [(window, Sections.decode(window)) for window in self.windows]
+        fast_windows = sorted({code for code, fast in zip(codes, self.decode_fast) if fast})
+        self._decode_sections = [(window, Sections.decode(window)) for window in fast_windows]
         self.page_bits = page_bits
         self.stream = stream
         self.workspace = AttentionWorkspace()
@@ -116,13 +129,13 @@ class Routing:
             decode_segs = np.flatnonzero(is_decode).astype(np.int32)
             prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
             routes = StepRoutes(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
-        if routes.decode.n and self.decode_fast:     # a work list per window; no segment list
+        if routes.decode.n:           # a work list per fast window, a list for the generic
             for window, name in self._decode_sections:
                 routes.decode_chunks[window] = placed = decode.chunks_into(
                     seq_info, decode_segs, window=window, staging=upload, at=upload.end)
                 upload.mark(name, placed.combine_off + placed.n_combine * decode.COMBINE_FIELDS)
-        elif routes.decode.n:
-            upload.put(Sections.DECODE_LIST, decode_segs)
+            if self._decode_generic:
+                upload.put(Sections.DECODE_LIST, decode_segs)
         if routes.prefill.n:
             upload.put(Sections.PREFILL_LIST, prefill_segs)
         return routes
@@ -133,7 +146,7 @@ class Routing:
         tables, info_at = upload.device, upload.section(Sections.SEGMENTS).offset
         if routes.decode_chunks:
             routes.decode_runs = self._decode_runs(routes.decode_chunks, tables, info_at)
-        elif routes.decode.n:
+        if routes.decode.n and self._decode_generic:
             group = routes.decode
             routes.decode_generic = generic.prepare(
                 tables, seq_info_off=info_at,
@@ -143,7 +156,7 @@ class Routing:
                 kv_chunk=decode.CHUNK_KEYS, stream=self.stream)
         if routes.prefill.n:
             group, listed = routes.prefill, upload.section(Sections.PREFILL_LIST).offset
-            if self.prefill_fast:
+            if self._prefill_fast:
                 routes.prefill_fast = prefill.prepare(
                     tables, seq_info_off=info_at, segments_off=listed, n_segments=group.n,
                     max_q_len=group.max_q_len, page_bits=self.page_bits, stream=self.stream)
@@ -182,21 +195,23 @@ class Routing:
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
-    def run(self, routes: StepRoutes, q, k_store, v_store, out, lse, sinks, *, ring_rows,
-            window, pages, scale, softcap) -> None:
-        """Launch the step's paths for one layer (`k_store`, `v_store`: its slot storage,
-        `pages`: its kind's device page table): each writes its segments' rows of `out`,
-        and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it has no
-        rows (`launch.no_output()`), each q head's sink in its softmax unless `sinks`
-        (float32 `[n_q_heads]`) has no elements (`sinks.no_sinks()`)."""
-        if routes.decode_runs:
-            routes.decode_runs[window](q, k_store, v_store, out, lse, sinks, scale, softcap)
-        elif routes.decode_generic is not None:
-            routes.decode_generic(q, k_store, v_store, pages, out, lse, sinks, ring_rows,
-                                  window, scale, softcap)
+    def run(self, routes: StepRoutes, layer: int, q, k_store, v_store, out, lse, sinks, *,
+            ring_rows, window, pages, scale, softcap) -> None:
+        """Launch the step's paths for one layer (`layer`; `k_store`, `v_store`: its slot
+        storage, `pages`: its kind's device page table): each writes its segments' rows
+        of `out`, and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it
+        has no rows (`launch.no_output()`), each q head's sink in its softmax unless
+        `sinks` (float32 `[n_q_heads]`) has no elements (`sinks.no_sinks()`)."""
+        if routes.decode.n:
+            if self.decode_fast[layer]:
+                routes.decode_runs[window](q, k_store, v_store, out, lse, sinks, scale,
+                                           softcap)
+            else:
+                routes.decode_generic(q, k_store, v_store, pages, out, lse, sinks, ring_rows,
+                                      window, scale, softcap)
         if not routes.prefill.n:
             return
-        run = routes.prefill_fast if routes.prefill_fast is not None and scale > 0 else \
+        run = routes.prefill_fast if self.prefill_fast[layer] and scale > 0 else \
             routes.prefill_generic
         run(q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale, softcap)
 

@@ -247,6 +247,8 @@ class PageAccounting:
             self.kinds.append(pages)
             for layer in kind.layers:
                 self.kind_of[layer] = pages
+        for layer in range(config.n_layers):        # a shared layer: its producer's kind
+            self.kind_of[layer] = self.kind_of[config.source(layer)]
         self.table_entries = offset          # the device tables' size, int32 entries
         self.flat = self.kinds[0] if self.kinds[0].rows == 0 else None
         self.rings = [k for k in self.kinds if k.rows]
@@ -368,11 +370,13 @@ class PageAccounting:
         return kind.table[seq, rows >> self.page_bits] * self.page_size + \
             (rows & (self.page_size - 1))
 
-    def held_pages(self) -> int:
-        """Page-layers live sequences hold: per kind, its pages in use past the scratch
-        page times its layers (a shared page once)."""
-        return sum((kind.in_use - int(self.scratch)) * len(kind.layers) for kind in self.kinds)
+    def held_bytes(self) -> int:
+        """Bytes of the pages live sequences hold: per kind, its pages in use past the
+        scratch page times a page id's bytes over its layers (a shared page once)."""
+        return sum((kind.in_use - int(self.scratch)) * kind.kind.position_bytes
+                   for kind in self.kinds) * self.page_size
 
-    def cached_pages(self) -> int:
-        """Page-layers the prefix index alone holds."""
-        return sum(kind.cached * len(kind.layers) for kind in self.kinds)
+    def cached_bytes(self) -> int:
+        """Bytes of the pages the prefix index alone holds."""
+        return sum(kind.cached * kind.kind.position_bytes for kind in self.kinds) * \
+            self.page_size

@@ -24,14 +24,16 @@ class OpenStep:
     (new flat pages it takes). Prepared: `width`, `pad_col` (the padding tokens'
     sequence), `tokens [2 * width]` (int32, read-only: `seq_cols` then `positions`, a
     copy of what was staged), `upload` (its `upload.Upload`), `routes` (the attention
-    routes, `routing.StepRoutes`), `writes` (the K/V write launches), `zero` (the padding
-    rows' zeroing launch or None), `kv_shape`; `written [n_layers]` (bool): the layers
-    the data path has written.
+    routes, `routing.StepRoutes`), `writes` (per layer its K/V write launches, None for a
+    shared layer), `zero` (the padding rows' zeroing launch or None), `kv_shapes` (per
+    layer the shapes of its K and V inputs, None for a shared layer); `written
+    [n_layers]` (bool): the layers the data path has written (a shared layer, which
+    stores nothing, counts as written).
     """
 
     __slots__ = ("n_tokens", "seq_info", "logit_indices", "max_q_len", "max_kv_len", "spans",
                  "seqs", "totals", "pages_needed", "width", "pad_col", "tokens", "upload",
-                 "routes", "writes", "zero", "kv_shape", "written", "buffers")
+                 "routes", "writes", "zero", "kv_shapes", "written", "buffers")
 
     def __init__(self, *, n_tokens: int, seq_info, logit_indices, max_q_len: int,
                  max_kv_len: int, spans: tuple, seqs, totals, pages_needed: int):
@@ -39,15 +41,17 @@ class OpenStep:
         self.max_q_len, self.max_kv_len, self.spans = max_q_len, max_kv_len, spans
         self.seqs, self.totals, self.pages_needed = seqs, totals, pages_needed
         self.width = self.pad_col = self.tokens = self.upload = self.routes = None
-        self.writes = self.zero = self.kv_shape = self.written = self.buffers = None
+        self.writes = self.zero = self.kv_shapes = self.written = self.buffers = None
 
     def prepare(self, *, width: int, pad_col: int, tokens: np.ndarray, upload, routes,
-                writes, zero, kv_shape: tuple, n_layers: int, buffers: tuple) -> None:
-        """What `prepare_step` staged (see the class doc); `buffers`: the objects whose
-        `addresses()` say where the buffers the launches read are (storage, workspace)."""
+                writes, zero, kv_shapes: list, written: np.ndarray, buffers: tuple) -> None:
+        """What `prepare_step` staged (see the class doc); `written`: the layers counted
+        as written before any write (the shared ones; copied); `buffers`: the objects
+        whose `addresses()` say where the buffers the launches read are (storage,
+        workspace)."""
         self.width, self.pad_col, self.tokens, self.upload = width, pad_col, tokens, upload
-        self.routes, self.writes, self.zero, self.kv_shape = routes, writes, zero, kv_shape
-        self.written = np.zeros(n_layers, dtype=bool)
+        self.routes, self.writes, self.zero, self.kv_shapes = routes, writes, zero, kv_shapes
+        self.written = written.copy()
         self.buffers = buffers
 
     @property

@@ -15,13 +15,16 @@ read it (packed GQA). For its rows the block walks one key range in tiles of
   c. one thread per row: online-softmax update (running max / sum, rescale
      factor), probabilities written back in place; meanwhile all threads stage V
      over K;
-  d. each thread rescales and accumulates its `OWN` (row, dim) output elements.
+  d. each thread rescales and accumulates its `OWN` (row, dim) output elements
+     (dims below v_head_dim).
 
-Keys live in paged slot storage `[n_pages * page_size, n_kv_heads, head_dim]`: storage
-row `r` of a sequence (its position on a flat layer, `position % ring_rows` on a ring)
-is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` of its layer kind's page
-table (`masks.page_slot`), looked up as each key is staged, so a tile may straddle pages
-and a ring's wrap alike.
+Keys live in paged slot storage `[n_pages * page_size, n_kv_heads, head_dim]`, values in
+`[n_pages * page_size, n_kv_heads, v_head_dim]` (V narrower than K, as wide or wider; q
+has K's head_dim, out V's): storage row `r` of a sequence (its position on a flat layer,
+`position % ring_rows` on a ring) is slot
+`pages[seq, r >> page_bits] | (r & (page_size - 1))` of its layer kind's page table
+(`masks.page_slot`), looked up as each key is staged, so a tile may straddle pages and a
+ring's wrap alike.
 
 Every query's visible keys form one interval `[lo, hi)` (see `masks.key_range`), and
 these intervals only move forward with the token, so a row tile needs exactly the
@@ -47,6 +50,9 @@ one with rows. Given `sinks` with elements, each row's sink joins its softmax wh
 row is normalised (`kernels.sinks.with_sink`): after the last tile with a single split,
 in the combine with several.
 
+Tiles are padded to the head-dim bucket of `max(head_dim, v_head_dim)` (`dpad`, at most
+512), each bucket with its own tile shapes.
+
 Softmax and accumulation are float32; storage, q and out may each be float16,
 float32 or bfloat16 (held as uint16 bits; `ptx.to_f32` / `ptx.from_f32`), one compiled
 specialisation per combination, made on first use.
@@ -68,12 +74,14 @@ from .sinks import no_sinks, with_sink
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
-#: head_dim is padded up to one of these; each gets its own compiled tile shapes
-HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256)
+#: max(head_dim, v_head_dim) is padded up to one of these; each gets its own compiled
+#: tile shapes
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)
 #: padded head_dim -> tile shapes (block_rows, block_keys, key_lanes, threads):
 #: key_lanes threads run along keys and threads // key_lanes along rows. Shared
 #: memory, (block_rows + block_keys) * (dpad + 1) + block_rows * (block_keys + 1)
-#: floats, stays under the 48 KiB static limit. Tiny head dims use 2 warps.
+#: floats, stays under the 48 KiB static limit. Tiny head dims use 2 warps, and so does
+#: 512 (8 rows on 4 warps would take 16-key tiles: 12,448 floats, over the limit).
 #: Decode offers one shape per row count (group * max_q_len rows are packed in a
 #: tile): the host takes the smallest that holds them all, else the largest, so
 #: threads are not left idle on a 1-row decode.
@@ -83,9 +91,10 @@ DECODE_TILES = {
     64: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
     128: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
     256: ((4, 32, 32, 128), (8, 32, 16, 128)),
+    512: ((4, 16, 16, 64), (8, 8, 8, 64)),
 }
 PREFILL_TILES = {16: (32, 32, 8, 64), 32: (64, 64, 16, 128), 64: (64, 32, 16, 128),
-                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128)}
+                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128), 512: (8, 8, 8, 64)}
 #: segments no longer than this (all of them) take the split-K decode path
 DECODE_MAX_Q_LEN = 4
 #: the decode path aims for this many blocks (about 2 per SM on an H100/H200), but
@@ -103,7 +112,8 @@ MAX_QUERY_ROWS = 2**31 - 1
 
 
 def head_dim_bucket(head_dim: int) -> int:
-    """The padded head_dim whose tile shapes serve `head_dim` (1..256)."""
+    """The padded head_dim whose tile shapes serve `head_dim` (1..512): the kernel takes
+    the bucket of `max(head_dim, v_head_dim)`."""
     for dpad in HEAD_DIM_BUCKETS:
         if head_dim <= dpad:
             return dpad
@@ -113,8 +123,9 @@ def head_dim_bucket(head_dim: int) -> int:
 @cuda.jit(device=True)
 def _stage_keys(tile, store, pages, page_bits, seq, row0, n_keys, kv_head, head_dim, dpad,
                 ring_rows, tid, threads):
-    """Copy `n_keys` keys of sequence `seq`, from storage row `row0` on (wrapping a ring),
-    into `tile` as float32, each from its slot in the page table.
+    """Copy `n_keys` keys (or values) of sequence `seq`, from storage row `row0` on
+    (wrapping a ring), into `tile` as float32, each from its slot in the page table:
+    the first `head_dim` (the store's width) of each row's `dpad` dims.
 
     The block's threads stride over (key, dim) pairs, dims innermost: coalesced reads
     (a page's rows are consecutive slots, so only a page boundary breaks a run).
@@ -130,7 +141,8 @@ def _stage_keys(tile, store, pages, page_bits, seq, row0, n_keys, kv_head, head_
 @lru_cache(maxsize=None)
 def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: int,
                       threads: int):
-    """The attention kernel for one padded head_dim and tile shape (see module doc)."""
+    """The attention kernel for one padded head_dim (the bucket of K's and V's widest) and
+    tile shape (see module doc)."""
     BR, BK, TX, THREADS = block_rows, block_keys, key_lanes, threads
     TY = THREADS // TX               # thread lanes along rows
     PR, PK = BR // TY, BK // TX      # micro-tile of (row, key) pairs per thread
@@ -163,6 +175,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         if key_lo >= key_hi:
             return
         width, n_heads, head_dim = q.shape
+        v_head_dim = out.shape[2]
 
         q_tile = cuda.shared.array((BR, STRIDE), float32)
         kv_tile = cuda.shared.array((BK, STRIDE), float32)
@@ -245,7 +258,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 row_alpha[tid] = alpha
                 row_sum[tid] = run_sum
             _stage_keys(kv_tile, v_store, pages, page_bits, seq, row0, n_keys, kv_head,
-                        head_dim, dpad, ring_rows, tid, THREADS)
+                        v_head_dim, dpad, ring_rows, tid, THREADS)
             cuda.syncthreads()
             # d. rescale and accumulate this thread's output elements
             if own_first_row < n_rows:
@@ -256,7 +269,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                         e = i * THREADS + tid
                         r = e // dpad
                         d = e - r * dpad
-                        if r < n_rows and d < head_dim:
+                        if r < n_rows and d < v_head_dim:
                             acc[i] += probs[r, c] * kv_tile[c, d]
             if key0 + BK < key_hi:
                 cuda.syncthreads()
@@ -280,7 +293,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
             e = i * THREADS + tid
             r = e // dpad
             d = e - r * dpad
-            if r < n_rows and d < head_dim:
+            if r < n_rows and d < v_head_dim:
                 token, member = divmod32(first_row + r, group)
                 token += q_start
                 head = kv_head * group + member
@@ -288,7 +301,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                     value = acc[i] * row_alpha[r] if sunk else acc[i]
                     out[token, head, d] = ptx.from_f32(value / row_sum[r], out)
                 else:
-                    part_acc[((split * width + token) * n_heads + head) * head_dim + d] = acc[i]
+                    part_acc[((split * width + token) * n_heads + head) * v_head_dim
+                             + d] = acc[i]
         if tid < n_rows and (n_splits > 1 or lse.shape[0] > 0):
             token, member = divmod32(first_row + tid, group)
             token += q_start
@@ -310,7 +324,8 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
     each head's sink joined when `sinks` has elements, and each row's log-sum-exp into
     `lse` when it has rows.
 
-    Row tile and split geometry must match the attention launch that wrote them.
+    Row tile and split geometry must match the attention launch that wrote them; `part_acc`
+    is `[n_splits, width, n_heads, v_head_dim]` flat, v_head_dim out's (V's) width.
     """
     seg_index, i = divmod32(cuda.blockIdx.x, max_q_len)
     seg = tables[segments_off + seg_index]
@@ -318,7 +333,7 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
     if i >= q_len:
         return
     token = q_start + i
-    width, n_heads, head_dim = out.shape
+    width, n_heads, head_dim = out.shape        # head_dim: V's (the partials' stride)
     lo, hi = key_range(i, q_len, pos_start, block, window)
     # the threads stride over this token's (head, dim) elements
     head, d = divmod32(cuda.threadIdx.x, head_dim)
@@ -353,18 +368,19 @@ _combine = Specialised(_combine_kernel)
 
 
 def launch_shape(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
-                 window, path=None, kv_chunk=None):
+                 window, path=None, kv_chunk=None, v_head_dim=None):
     """Host-side launch geometry: a dict with path, tiles, grid and split-K chunking.
 
     `path`: None (auto: "decode" when `max_q_len <= DECODE_MAX_Q_LEN`), "decode" or
-    "prefill". `kv_chunk`: force the split-K chunk length (keys), any path.
+    "prefill". `kv_chunk`: force the split-K chunk length (keys), any path. `v_head_dim`:
+    V's width (None: head_dim); the tiles are those of `max(head_dim, v_head_dim)`'s bucket.
     """
     if path is None:
         path = "decode" if max_q_len <= DECODE_MAX_Q_LEN else "prefill"
     if path not in ("decode", "prefill"):
         raise ValueError(f"path={path!r}: must be None, 'decode' or 'prefill'")
     group = n_q_heads // n_kv_heads
-    dpad = head_dim_bucket(head_dim)
+    dpad = head_dim_bucket(max(head_dim, head_dim if v_head_dim is None else v_head_dim))
     if path == "decode":
         rows = group * max_q_len
         tiles = next((t for t in DECODE_TILES[dpad] if t[0] >= rows), DECODE_TILES[dpad][-1])
@@ -397,10 +413,12 @@ class GenericRun:
     size, longest segment and furthest key, its path and split-K chunk, `page_bits`, the
     workspace and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
     sinks, ring_rows, window, scale, softcap)`, once per layer) looks its signature up (q's and
-    out's dtypes and heads, the storage's dtype and shape, the window): the first call of
-    a signature works out the launch shape (`launch_shape`), sizes the partials and binds
-    the kernel (and the combine where the shape splits); later calls pack their arrays
-    and scalars only."""
+    out's dtypes and heads, the storage's dtype, K's and V's slot shapes, the window): the
+    first call of a signature works out the launch shape (`launch_shape`, from K's
+    head_dim and V's v_head_dim), sizes the partials (`n_splits * width * n_q_heads *
+    v_head_dim` floats) and binds the kernel (and the combine where the shape splits);
+    later calls pack their arrays and scalars only. q is `[width, n_q_heads, head_dim]`,
+    out `[width, n_q_heads, v_head_dim]`."""
 
     def __init__(self, tables, *, seq_info_off: int, segments_off: int, n_segments: int,
                  max_q_len: int, max_kv_len: int, page_bits: int, workspace, path=None,
@@ -420,28 +438,32 @@ class GenericRun:
         if width * n_q_heads > MAX_QUERY_ROWS:
             raise ValueError(f"q [{width}, {n_q_heads}, {head_dim}]: the attention kernels "
                              f"take at most {MAX_QUERY_ROWS} (token, head) rows")
-        key = (q.dtype, q.shape, out.dtype, k_store.dtype, k_store.shape[1:], window)
+        key = (q.dtype, q.shape, out.dtype, k_store.dtype, k_store.shape[1:],
+               v_store.shape[1:], window)
         launches = self._launches.get(key)
         if launches is None:
-            launches = self._launches[key] = self._bind(q, k_store, out, window)
+            launches = self._launches[key] = self._bind(q, k_store, v_store, out, window)
         attention, merge = launches
         attention(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows),
                   np.float32(scale), np.float32(softcap))
         if merge is not None:
             merge(out, lse, sinks)
 
-    def _bind(self, q, k_store, out, window: int) -> tuple:
+    def _bind(self, q, k_store, v_store, out, window: int) -> tuple:
         width, n_q_heads, head_dim = q.shape
-        n_kv_heads = k_store.shape[1]
-        assert n_q_heads % n_kv_heads == 0 and tuple(out.shape) == tuple(q.shape)
+        n_kv_heads, v_head_dim = k_store.shape[1], v_store.shape[2]
+        assert n_q_heads % n_kv_heads == 0
+        assert tuple(out.shape) == (width, n_q_heads, v_head_dim)
+        assert tuple(v_store.shape[1:]) == (n_kv_heads, v_head_dim)
         shape = launch_shape(n_segments=self.n_segments, max_q_len=self.max_q_len,
                            max_kv_len=self.max_kv_len, n_q_heads=n_q_heads,
                            n_kv_heads=n_kv_heads, head_dim=head_dim, window=window,
-                           path=self.path, kv_chunk=self.kv_chunk)
+                           path=self.path, kv_chunk=self.kv_chunk, v_head_dim=v_head_dim)
         n_splits, stream = shape["n_splits"], self.stream
         if n_splits > 1:
-            part_acc, part_ml = self.workspace.partials(n_splits * width * n_q_heads * head_dim,
-                                                        n_splits * width * n_q_heads * 2, stream)
+            part_acc, part_ml = self.workspace.partials(
+                n_splits * width * n_q_heads * v_head_dim, n_splits * width * n_q_heads * 2,
+                stream)
         else:
             part_acc = part_ml = self.workspace.dummy
         kernel = _attention_kernel(shape["dpad"], shape["block_rows"], shape["block_keys"],
@@ -477,13 +499,14 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
            lse=None, sinks=None, stream=0, path=None, kv_chunk=None):
     """Attention of the served segments' queries over their own sequences' keys, into `out`.
 
-    q: [width, n_q_heads, head_dim] device array; out: same shape (only the served
-    segments' rows are written); each float16, float32 or bfloat16 (uint16 bits).
-    k_store/v_store: slot storage [n_pages * page_size, n_kv_heads, head_dim] (a page
-    pool [n_pages, page_size, ...] reshaped). pages: the layer kind's int32 device page
-    table [seq rows, pages per sequence] of page-aligned slot bases, indexed by a
-    segment's `SEQ`; page_bits: log2(page_size). Storage row r of sequence `seq` is slot
-    `pages[seq, r >> page_bits] | (r & (page_size - 1))` (`masks.page_slot`).
+    q: [width, n_q_heads, head_dim] device array; out: [width, n_q_heads, v_head_dim]
+    (only the served segments' rows are written); each float16, float32 or bfloat16
+    (uint16 bits). k_store / v_store: slot storage [n_pages * page_size, n_kv_heads,
+    head_dim] / [..., n_kv_heads, v_head_dim] (a page pool [n_pages, page_size, ...]
+    reshaped); head_dim and v_head_dim each 1..512, equal or not. pages: the layer kind's
+    int32 device page table [seq rows, pages per sequence] of page-aligned slot bases,
+    indexed by a segment's `SEQ`; page_bits: log2(page_size). Storage row r of sequence
+    `seq` is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` (`masks.page_slot`).
     tables: the step's int32 device tables: segment `s`'s fields (`kvnumba.host.positions`) at
     `seq_info_off + s * SEQ_INFO_FIELDS`, the served segments' indices at
     `segments_off .. + n_segments`. max_q_len / max_kv_len: largest q_len /

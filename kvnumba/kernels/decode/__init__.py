@@ -56,12 +56,13 @@ class DecodeRun:
     A call (`run(q, k_store, v_store, out, lse, sinks, scale, softcap)`, once per layer;
     `lse` a float32 `[width, n_q_heads]` device array, or one of no rows for none; `sinks`
     a float32 `[n_q_heads]` device array, or `sinks.no_sinks()`) looks its
-    signature up: q's dtype, q heads and 16-byte alignment, softcap and sinks on or off. The
+    signature up: q's dtype, q heads and 16-byte alignment, softcap and sinks on or off,
+    the layer's head_dim and kv heads (layers of one window may differ in shape). The
     first call of a signature checks the storage (`check_storage`), works out the block
     rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
     and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
-    One `DecodeRun` serves the layers of one cache that share the page table: their
-    storage shares a dtype and a slot shape.
+    One `DecodeRun` serves the layers of one cache that share the page table and mask:
+    their storage shares a dtype.
     """
 
     def __init__(self, tables, *, seq_info_off: int, placed: PlacedChunks, workspace,
@@ -75,10 +76,11 @@ class DecodeRun:
     def __call__(self, q, k_store, v_store, out, lse, sinks, scale, softcap) -> None:
         if not self.n_items:
             return
-        key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0, sinks.shape[0] > 0)
+        key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0, sinks.shape[0] > 0,
+               q.shape[2], k_store.shape[1])
         launches = self._launches.get(key)
         if launches is None:
-            launches = self._launches[key] = self._bind(q, k_store, v_store, *key)
+            launches = self._launches[key] = self._bind(q, k_store, v_store, *key[:5])
         decode, merge = launches
         # the kernel takes float32 scalars: converted only when they are not (a conversion
         # costs more host time than the rest of a scalar's launch work)

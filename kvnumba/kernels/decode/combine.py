@@ -53,7 +53,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from ...config import MAX_HEAD_DIM
+from ...config import FAST_MAX_HEAD_DIM
 from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
 from ..launch.constants import LN2, LOG2E, NEG_INF, WARP
@@ -95,9 +95,9 @@ def threads(head_dim: int) -> int:
 
 
 def supports(head_dim: int) -> bool:
-    """head_dim a multiple of 16 up to `MAX_HEAD_DIM`: what the decode path serves
+    """head_dim a multiple of 16 up to `FAST_MAX_HEAD_DIM`: what the decode path serves
     (whole 16-byte float32 pieces, at most 512 threads a block)."""
-    return head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
+    return head_dim % 16 == 0 and 16 <= head_dim <= FAST_MAX_HEAD_DIM
 
 
 @lru_cache(maxsize=None)
@@ -106,7 +106,7 @@ def _combine_kernel(head_dim: int):
     bfloat16 as uint16) is the launch's own specialisation."""
     if not supports(head_dim):
         raise ValueError(f"combine: head_dim {head_dim} must be a multiple of 16 in "
-                         f"[16, MAX_HEAD_DIM]")
+                         f"[16, FAST_MAX_HEAD_DIM]")
     HEAD_DIM = head_dim
     PIECES = head_dim // VEC                  # 16-byte pieces of a float32 row
     LANES = lanes(head_dim)
@@ -282,7 +282,7 @@ def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine,
     `combine_off`, flat row-major). part_acc, part_ml: the float32 partials `decode.run`
     wrote, laid out for `max_q_len` and `out.shape[1]` q heads. out: [width, n_q_heads,
     head_dim] float16, float32 or bfloat16 (uint16 bits); head_dim a multiple of 16 up
-    to `MAX_HEAD_DIM`. Writes exactly `out[q_start + i, head, :]` for every query `i`
+    to `FAST_MAX_HEAD_DIM`. Writes exactly `out[q_start + i, head, :]` for every query `i`
     of a listed segment and every head, and, with `lse` (float32 `[width, n_q_heads]`),
     `lse[q_start + i, head]`; with `sinks` (float32 `[n_q_heads]`), each head's sink in
     its rows' softmax. Launches on `stream` only; no synchronisation, no allocation.

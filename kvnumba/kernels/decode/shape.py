@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ...config import MAX_HEAD_DIM
+from ...config import FAST_MAX_HEAD_DIM
 from ...device import SIMULATOR
 from ..launch.constants import WARP
 from ..intrinsics.words import WIDEN, load_bytes
@@ -34,11 +34,11 @@ def supports(head_dim: int, storage_dtype) -> bool:
 
     It needs a storage dtype it can widen (float16, float32, bfloat16 as uint16 bits,
     8-bit floats as uint8 / int8 bits) and key rows that are whole loads; it is built
-    for the head dims models use, multiples of 16 up to `MAX_HEAD_DIM` (those rows are
+    for the head dims models use, multiples of 16 up to `FAST_MAX_HEAD_DIM` (those rows are
     whole loads at every dtype). Anything else takes the generic kernel.
     """
     dtype = np.dtype(storage_dtype)
-    return dtype in WIDEN and head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
+    return dtype in WIDEN and head_dim % 16 == 0 and 16 <= head_dim <= FAST_MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)

@@ -143,8 +143,9 @@ _elements = Specialised(_copy_elements)
 def copy_rows(group, tables, runs_off: int, n_runs: int, stream=0) -> None:
     """Copy each run `i < n_runs`: the `tables[runs_off + 3 * i + 2]` (at least 1) rows
     from slot `tables[runs_off + 3 * i]` to the rows from slot `tables[runs_off + 3 * i +
-    1]` (slot: page times page_size plus row), in every layer of `group` (`[n_layers, 2,
-    n_pages, page_size, n_kv_heads, head_dim]`), K and V: one launch. `tables`: an int32
+    1]` (slot: page times page_size plus row), in every plane of `group` (`[n_layers,
+    planes, n_pages, page_size, n_kv_heads, head_dim]`: 2 planes, K and V, or 1, K or V
+    alone where their widths differ, which takes the element-wise path): one launch. `tables`: an int32
     device array. The caller guarantees that each run stays inside one page on each side
     and that the destination rows are distinct and none is a source row of the launch
     (the runs are independent)."""
@@ -156,8 +157,8 @@ def copy_rows(group, tables, runs_off: int, n_runs: int, stream=0) -> None:
     if items * page == 0:
         return
     itemsize = group.dtype.itemsize
-    if (row * itemsize % VECTOR_BYTES == 0 and page * itemsize <= WIDE_RUN_BYTES
-            and aligned(group, VECTOR_BYTES)):
+    if (group.shape[1] == 2 and row * itemsize % VECTOR_BYTES == 0
+            and page * itemsize <= WIDE_RUN_BYTES and aligned(group, VECTOR_BYTES)):
         lanes, block_rows = vector_lanes(page * itemsize // VECTOR_BYTES)
         grid = (run_grid(n_runs, block_rows), min(group.shape[0], MAX_GRID_Y))
         _vectors(grid, (lanes, block_rows), stream, group, tables, int(runs_off), int(n_runs))

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ...config import INT32_MAX, MAX_HEAD_DIM
+from ...config import INT32_MAX, FAST_MAX_HEAD_DIM
 from ..launch.constants import FP8_FORMATS
 from ..launch.calling import ceil_div
 
@@ -53,7 +53,7 @@ def supports(head_dim, storage_dtype) -> bool:
     storage float16 or bfloat16 (a dtype, its name, or uint16: bfloat16 bits), or 8-bit
     floats (uint8: e4m3 bits, int8: e5m2). float32 storage is not served."""
     return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",) + tuple(FP8_FORMATS)
-            and 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0)
+            and 8 <= head_dim <= FAST_MAX_HEAD_DIM and head_dim % 8 == 0)
 
 
 def stored_type(dtype) -> str:
