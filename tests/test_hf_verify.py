@@ -155,29 +155,3 @@ def test_verify_takes_a_bool():
         kvhf.Engine(tiny("llama"), max_seqs=1, capacity=8, verify="yes")
 
 
-#: Gemma 4 text, tiny: a sliding and a full layer, per-layer inputs of 8
-GEMMA4 = dict(SMALL, num_hidden_layers=2, vocab_size_per_layer_input=64,
-              hidden_size_per_layer_input=8, sliding_window=4,
-              layer_types=["sliding_attention", "full_attention"])
-
-
-def test_gemma4_is_refused_by_what_its_config_says_and_served_with_one_shape():
-    """Gemma 4's config reads its head dim per layer (`per_layer_config`; reading
-    `config.head_dim` raises in transformers): a full layer of head dim 512 beside
-    sliding ones of 16 is refused at construction with a `ConfigError` naming both, as
-    are layers that attend over another layer's K/V (`num_kv_shared_layers`); with one
-    head dim on every layer it is served token for token."""
-    with pytest.raises(kv.ConfigError, match=r"gemma4_text: kvnumba does not compute layers "
-                                             r"of several attention shapes \(head_dim 16 and "
-                                             r"512 across its layers\)"):
-        kvhf.Engine(registry_model("gemma4_text", GEMMA4, global_head_dim=512), max_seqs=1,
-                    capacity=16, dtype="float32")
-    shared = dict(GEMMA4, num_hidden_layers=4, layer_types=GEMMA4["layer_types"] * 2)
-    with pytest.raises(kv.ConfigError, match=r"layers that attend over another layer's K/V "
-                                             r"\(num_kv_shared_layers=2\)"):
-        kvhf.Engine(registry_model("gemma4_text", shared, global_head_dim=16,
-                                   num_kv_shared_layers=2), max_seqs=1, capacity=16)
-    model = registry_model("gemma4_text", GEMMA4, global_head_dim=16)
-    engine = kvhf.Engine(model, max_seqs=1, capacity=24, dtype="float32")
-    prompt = SYSTEM[:10]
-    assert engine.generate([prompt], max_new_tokens=4) == [generated(model, prompt, 4)]

@@ -37,7 +37,9 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
            output_attentions=False, kvnumba_cache=None, **others):
     """`(out [1, T, Hq, D], None)`: `update_and_attend` of the prepared step on layer
     `module.layer_idx`, with the module's scale, softcap and learned sinks (`s_aux`,
-    `[Hq]`: each head's logit joins its softmax).
+    `[Hq]`: each head's logit joins its softmax); on a shared layer (`kv.shared`), whose
+    `key` / `value` are its producer's, `attend` over the producer's K/V as the step
+    wrote them.
 
     Accepted means exact: every argument is either computed (`scaling`, `softcap`,
     `s_aux`, the cache layer's `sliding_window`), known to change nothing (`IGNORED`; no mask: the
@@ -50,12 +52,18 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
     layer = module.layer_idx
     refuse_arguments(layer, is_causal=is_causal, output_attentions=output_attentions,
                      dropout=dropout, others=others)
-    window = kvnumba_cache.config.layers[layer].window
+    config = kvnumba_cache.config
+    window = config.layers[config.source(layer)].window
     if (sliding_window or None) != window:
         raise ConfigError(f"layer {layer}: the model attends with sliding_window="
                           f"{sliding_window}, the cache's layer has window {window}")
-    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    q = query[0].transpose(0, 1).contiguous()
     sinks = None if s_aux is None else head_sinks(layer, s_aux, q.shape[1])
+    if not config.layers[layer].stores:    # the producer's K/V, written earlier this step
+        out = kvnumba_cache.attend(layer, q, scale=scaling, softcap=softcap or None,
+                                   sinks=sinks)
+        return out.unsqueeze(0), None
+    k, v = (x[0].transpose(0, 1).contiguous() for x in (key, value))
     out = kvnumba_cache.update_and_attend(layer, q, k, v, scale=scaling, softcap=softcap or None,
                                           sinks=sinks)
     return out.unsqueeze(0), None

@@ -4,17 +4,18 @@ an engine's caches (the model's and its draft's, sharing a byte budget).
 Only what the attention interface hands kvnumba is served: per-layer causal attention
 over the sequence's own keys, full, sliding-window or chunked (`layer_types`,
 `sliding_window`, `attention_chunk_size`), grouped kv heads, a score scale, a logit
-softcap and learned attention sinks. What kvnumba cannot compute exactly (ALiBi,
-cross-attention, latent attention, linear attention layers, layers of several attention
-shapes, layers that read another layer's K/V, a query scale by position past what a
-step tells the model) is a `ConfigError` naming the model type and the missing piece,
-never a silently different model. Attributes a config holds per layer
-(`per_layer_attributes`, Gemma 4's head dim) are read per layer.
+softcap and learned attention sinks, layers of several shapes (head dims and kv heads
+per layer) and layers that read an earlier layer's K/V (`num_kv_shared_layers`). What
+kvnumba cannot compute exactly (ALiBi, cross-attention, latent attention, linear
+attention layers, layers that read K/V from outside the model, a query scale by
+position past what a step tells the model) is a `ConfigError` naming the model type and
+the missing piece, never a silently different model. Attributes a config holds per
+layer (`per_layer_attributes`, Gemma 4's head dim and kv heads) are read per layer.
 """
 from __future__ import annotations
 
 from ..args import as_count, is_int
-from ..config import CacheConfig, chunked, flat, ring
+from ..config import CacheConfig, chunked, flat, ring, shared
 from ..errors import ConfigError
 from .sharding import kv_heads_per_rank, sharding
 
@@ -39,14 +40,10 @@ def unsupported(config) -> str | None:
         return "ALiBi position biases"
     if getattr(config, "kv_lora_rank", None):
         return "multi-head latent attention (MLA)"
-    if getattr(config, "num_kv_shared_layers", 0):
-        return (f"layers that attend over another layer's K/V (num_kv_shared_layers="
-                f"{config.num_kv_shared_layers})")
-    for name in ("head_dim", "num_key_value_heads", "num_attention_heads"):
-        values = per_layer_values(config, name)
-        if len(set(values)) > 1:
-            return (f"layers of several attention shapes ({name} "
-                    f"{' and '.join(map(str, sorted(set(values))))} across its layers)")
+    shared_layers = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared_layers and shared_layers >= config.num_hidden_layers:
+        return (f"layers that all attend over K/V from outside the model "
+                f"(num_kv_shared_layers={shared_layers} of {config.num_hidden_layers})")
     for kind in set(getattr(config, "layer_types", None) or ()):
         if kind not in LAYER_TYPES:
             return f"{kind!r} layers"
@@ -63,17 +60,78 @@ def per_layer_values(config, name: str) -> list:
     return [] if value is None else [value]
 
 
-def uniform(config, name: str):
-    """The one value of attribute `name` over the config's layers (`per_layer_values`;
-    `unsupported` has refused a config whose layers disagree), or None."""
+def layer_value(config, name: str, layer: int):
+    """Attribute `name` of decoder layer `layer` (`per_layer_values`), or None."""
     values = per_layer_values(config, name)
-    return values[0] if values else None
+    return values[layer] if len(values) > 1 else (values[0] if values else None)
 
 
-def layer_specs(config) -> list:
+def module_shapes(model) -> dict:
+    """Decoder layer index -> `(head_dim, kv groups, v_head_dim)` as its attention module
+    holds them (`head_dim`, `num_key_value_groups`, `v_head_dim`; None where the module
+    has no such attribute): the modules are what the attention interface hands kvnumba,
+    so they rule where the config says otherwise (MiMo-V2-Flash's sliding layers hold
+    twice the config's kv heads, and its V heads are narrower than K's). The first
+    module of each index counts."""
+    found: dict = {}
+    for module in model.modules():
+        layer, head_dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
+        if is_int(layer) and is_int(head_dim) and int(layer) not in found:
+            groups = getattr(module, "num_key_value_groups", None)
+            v_head_dim = getattr(module, "v_head_dim", None)
+            found[int(layer)] = (int(head_dim), int(groups) if is_int(groups) else None,
+                                 int(v_head_dim) if is_int(v_head_dim) else None)
+    return found
+
+
+def layer_shapes(config, ranks: int, modules: dict | None = None) -> list:
+    """`(kv heads, head_dim, v_head_dim)` of each decoder layer on one of `ranks` ranks:
+    what its attention module holds (`module_shapes`), else the config's
+    `num_key_value_heads` and `head_dim` (else `hidden_size // num_attention_heads`),
+    read per layer where the config holds them per layer; the kv heads are this rank's
+    share (`kv_heads_per_rank`), V as wide as K unless the module says otherwise."""
+    shapes = []
+    for layer in range(config.num_hidden_layers):
+        heads = layer_value(config, "num_attention_heads", layer)
+        head_dim, groups, v_head_dim = (modules or {}).get(layer, (None, None, None))
+        head_dim = head_dim or layer_value(config, "head_dim", layer) or \
+            config.hidden_size // heads
+        kv_heads = heads // groups if groups else \
+            layer_value(config, "num_key_value_heads", layer) or heads
+        shapes.append((kv_heads_per_rank(heads, kv_heads, ranks, model_type=config.model_type),
+                       head_dim, v_head_dim or head_dim))
+    return shapes
+
+
+def producers(config) -> list:
+    """Per decoder layer the layer whose K/V it reads (`num_kv_shared_layers`, Gemma 4:
+    each of the last layers reads the last earlier layer of its type), None for a layer
+    that stores its own."""
+    n_shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if not n_shared:
+        return [None] * config.num_hidden_layers
+    kinds = list(getattr(config, "layer_types", None) or
+                 ["full_attention"] * config.num_hidden_layers)
+    first = config.num_hidden_layers - n_shared
+    found = []
+    for layer, kind in enumerate(kinds):
+        if layer < first:
+            found.append(None)
+            continue
+        earlier = [i for i in range(first) if kinds[i] == kind]
+        if not earlier:
+            raise ConfigError(f"{config.model_type}: layer {layer} ({kind}) shares K/V, and "
+                              f"no earlier layer of its type stores any")
+        found.append(earlier[-1])
+    return found
+
+
+def layer_specs(config, shapes: list | None = None) -> list:
     """One `LayerSpec` per decoder layer: `layer_types` when the config has them (a
     `chunked_attention` layer chunked by `attention_chunk_size`), else every layer
-    sliding when `sliding_window` is set, else every layer flat."""
+    sliding when `sliding_window` is set, else every layer flat; with `shapes`
+    (`layer_shapes`), each layer's kv heads and head dims where they are not the first
+    layer's; a layer that reads another's K/V is `shared` with it (`producers`)."""
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
     kinds = getattr(config, "layer_types", None)
@@ -88,9 +146,26 @@ def layer_specs(config) -> list:
     if "chunked_attention" in kinds and not chunk:
         raise ConfigError(f"{config.model_type}: chunked_attention layers without an "
                           f"attention_chunk_size")
-    made = {"full_attention": flat, "sliding_attention": lambda: ring(window=int(window)),
-            "chunked_attention": lambda: chunked(int(chunk))}
-    return [made[kind]() for kind in kinds]
+    made = {"full_attention": flat, "sliding_attention": lambda **s: ring(int(window), **s),
+            "chunked_attention": lambda **s: chunked(int(chunk), **s)}
+    specs = []
+    for layer, (kind, producer) in enumerate(zip(kinds, producers(config))):
+        if producer is not None:
+            specs.append(shared(producer))
+            continue
+        specs.append(made[kind](**_own_shape(shapes, layer)))
+    return specs
+
+
+def _own_shape(shapes: list | None, layer: int) -> dict:
+    """The shape arguments of `layer` (`layer_shapes`) where they differ from the cache's
+    defaults (the first layer's kv heads and head dim; V as wide as K)."""
+    if shapes is None:
+        return {}
+    (heads, head_dim, _), (own_heads, own_dim, own_v) = shapes[0], shapes[layer]
+    given = dict(n_kv_heads=own_heads, head_dim=own_dim, v_head_dim=own_v)
+    defaults = dict(n_kv_heads=heads, head_dim=head_dim, v_head_dim=own_dim)
+    return {name: value for name, value in given.items() if value != defaults[name]}
 
 
 def refuse_position_scales(config, capacity: int, max_step: int) -> None:
@@ -130,10 +205,11 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
                  tokens_per_decode: int = 1, **options) -> CacheConfig:
     """The `CacheConfig` that serves `model` (a `transformers` `PreTrainedModel`).
 
-    Layers from `layer_types` / `sliding_window`, `num_key_value_heads` (for a model
-    split over ranks by its tensor-parallel plan, this rank's share of them: `sharding`),
-    `head_dim` (else `hidden_size // num_attention_heads`); storage dtype from the model
-    unless given. `max_write` (default `min(capacity, 256)`) and `max_step` (default
+    Layers from `layer_types` / `sliding_window` (and `num_kv_shared_layers`: `shared`
+    layers), each with its `num_key_value_heads` (for a model split over ranks by its
+    tensor-parallel plan, this rank's share of them: `sharding`) and `head_dim` (else
+    `hidden_size // num_attention_heads`), read per layer where the config holds them per
+    layer; storage dtype from the model unless given. `max_write` (default `min(capacity, 256)`) and `max_step` (default
     `max_write + max_seqs * tokens_per_decode`: every sequence's decode beside one
     prompt chunk) as in `CacheConfig`; `options` go to it too (`page_size`,
     `initial_pages`, `max_pages`).
@@ -148,17 +224,15 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     missing = unsupported(config)
     if missing:
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
-    heads = uniform(config, "num_attention_heads")
-    head_dim = uniform(config, "head_dim") or config.hidden_size // heads
-    kv_heads = kv_heads_per_rank(heads, uniform(config, "num_key_value_heads") or heads,
-                                 sharding(model).ranks, model_type=config.model_type)
+    shapes = layer_shapes(config, sharding(model).ranks, module_shapes(model))
+    kv_heads, head_dim, _ = shapes[0]
     # the defaults need ints; anything else goes on to CacheConfig, which names it
     if max_write is None:
         max_write = min(capacity, 256) if is_int(capacity) else capacity
     if max_step is None:
         max_step = (max_write + max_seqs * tokens_per_decode
                     if is_int(max_write) and is_int(max_seqs) else max_write)
-    made = CacheConfig(layers=layer_specs(config), n_kv_heads=kv_heads, head_dim=head_dim,
+    made = CacheConfig(layers=layer_specs(config, shapes), n_kv_heads=kv_heads, head_dim=head_dim,
                        capacity=capacity, max_seqs=max_seqs, max_write=max_write,
                        max_step=max_step, dtype=storage_dtype(model, dtype), **options)
     refuse_position_scales(config, made.capacity, made.max_step)
