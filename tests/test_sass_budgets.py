@@ -87,7 +87,7 @@ def figures_of(tools, tmp_path):
 def exceeded(label: str, values: dict) -> dict:
     """The budgets of `label` (its own and every kernel's) that `values` exceeds:
     figure -> (value, limit)."""
-    budgets = {sassbudget.EVERY: BUDGETS[sassbudget.EVERY], label: BUDGETS[label]}
+    budgets = {sassbudget.EVERY: BUDGETS[sassbudget.EVERY], label: BUDGETS.get(label, {})}
     return {v.figure_name: (v.figure, v.limit)
             for v in sassbudget.verdicts(budgets, {label: values}) if not v.holds}
 
@@ -144,6 +144,18 @@ def test_a_kernel_that_spills_fails_every_kernels_spill_budget(figures_of):
     values = figures_of(write._write_vectors.py_func, (1024, 2), "write")
     assert values["register_cap"] == 32
     assert values["spill_bytes"] > 0 and "spill_bytes" in exceeded("write", values)
+
+
+@compile_mode
+def test_a_generic_tile_of_more_accumulators_fails_every_kernels_local_memory_budget(
+        monkeypatch, figures_of):
+    """The generic kernel at head dim 512 on 8 rows of 2 warps: 64 output elements a
+    thread (`MAX_OWN` raised past 32), which ptxas keeps in local memory."""
+    from kvnumba.kernels import generic
+    monkeypatch.setattr(generic, "MAX_OWN", 64)
+    kernel = generic._attention_kernel.__wrapped__(512, 8, 8, 8, 64).dispatcher
+    values = figures_of(kernel.py_func, None, "generic d512 float16")
+    assert {"local_accesses", "stack_bytes"} <= set(exceeded("generic d512 float16", values))
 
 
 @compile_mode

@@ -79,6 +79,13 @@ def _prefill_signature(t: str, q: str | None = None) -> str:
             f"float32, float32)")
 
 
+def _generic_signature(t: str) -> str:
+    """The generic kernel over storage of `t`, q and out of `t`."""
+    return (f"void({t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
+            f"int32[::1], int64, int64, {t}[:, :, ::1], float32[:, ::1], float32[::1], "
+            f"float32[::1], float32[::1], {', '.join(['int64'] * 6)}, float32, float32)")
+
+
 def _narrow_signature(t: str) -> str:
     """The write of `t` input into e4m3 storage (uint8 bits)."""
     return (f"void(uint8[:, :, ::1], uint8[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], "
@@ -87,6 +94,7 @@ def _narrow_signature(t: str) -> str:
 
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
+_GENERIC = "kvnumba.kernels.generic:_attention_kernel"
 #: what --report and --check build: the kernels docs/benchmarks.md reports, at the
 #: specialisations it lists (bfloat16 storage is held as uint16 bits)
 SPECIALISATIONS = (
@@ -164,4 +172,13 @@ SPECIALISATIONS = (
                    _prefill_signature("float16")),
     Specialisation("prefill d256 bfloat16 softcap",
                    f"{_PREFILL}(256, 48, 16, 'bfloat16', True)", _prefill_signature("uint16")),
+    # the generic CUDA-core kernel at the head dims the fast paths do not take (past 256,
+    # or V of another width than K): d256's decode and prefill tiles, and d512's one tile
+    # (`kernels.generic.DECODE_TILES`, `PREFILL_TILES`)
+    Specialisation("generic d256 float16 decode", f"{_GENERIC}(256, 4, 32, 32, 128)",
+                   _generic_signature("float16")),
+    Specialisation("generic d256 float16 prefill", f"{_GENERIC}(256, 16, 16, 16, 128)",
+                   _generic_signature("float16")),
+    Specialisation("generic d512 float16", f"{_GENERIC}(512, 4, 16, 16, 64)",
+                   _generic_signature("float16")),
 )

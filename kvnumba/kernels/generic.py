@@ -80,8 +80,11 @@ HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)
 #: padded head_dim -> tile shapes (block_rows, block_keys, key_lanes, threads):
 #: key_lanes threads run along keys and threads // key_lanes along rows. Shared
 #: memory, (block_rows + block_keys) * (dpad + 1) + block_rows * (block_keys + 1)
-#: floats, stays under the 48 KiB static limit. Tiny head dims use 2 warps, and so does
-#: 512 (8 rows on 4 warps would take 16-key tiles: 12,448 floats, over the limit).
+#: floats, stays under the 48 KiB static limit, and a thread's output elements, block_rows
+#: * dpad / threads, stay at most 32 (`MAX_OWN`: more are kept in local memory). Tiny
+#: head dims use 2 warps, and so does 512: one tile of 4 rows and 16 keys (8 rows on 4
+#: warps would take 16-key tiles, 12,448 floats, over the limit; 8 rows on 2 warps, 64
+#: output elements a thread).
 #: Decode offers one shape per row count (group * max_q_len rows are packed in a
 #: tile): the host takes the smallest that holds them all, else the largest, so
 #: threads are not left idle on a 1-row decode.
@@ -91,10 +94,12 @@ DECODE_TILES = {
     64: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
     128: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
     256: ((4, 32, 32, 128), (8, 32, 16, 128)),
-    512: ((4, 16, 16, 64), (8, 8, 8, 64)),
+    512: ((4, 16, 16, 64),),
 }
 PREFILL_TILES = {16: (32, 32, 8, 64), 32: (64, 64, 16, 128), 64: (64, 32, 16, 128),
-                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128), 512: (8, 8, 8, 64)}
+                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128), 512: (4, 16, 16, 64)}
+#: the most (row, dim) output elements one thread accumulates (kept in registers)
+MAX_OWN = 32
 #: segments no longer than this (all of them) take the split-K decode path
 DECODE_MAX_Q_LEN = 4
 #: the decode path aims for this many blocks (about 2 per SM on an H100/H200), but
@@ -150,7 +155,8 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
     OWN = BR * dpad // THREADS       # (row, dim) output elements per thread
     STRIDE = dpad + 1                # padded shared rows: no bank conflicts across rows
     PSTRIDE = BK + 1
-    assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad
+    assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad \
+        and OWN <= MAX_OWN
 
     @cuda.jit
     def attention(q, k_store, v_store, pages, page_bits, tables, seq_info_off, segments_off,
