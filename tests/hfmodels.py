@@ -23,6 +23,16 @@ ARCHITECTURES = {
                                                 final_logit_softcapping=None),
 }
 PROMPTS = [[1, 5, 9, 3, 7], [4, 2, 8, 8, 1, 6, 3, 2, 9]]
+#: a shared system prompt: 17 tokens, 2 pages of 8 and one more
+SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]
+
+
+def built(model_type, shape, seed=0, **fields):
+    """A tiny random model of `model_type` built from `transformers`' own config class
+    with `shape` and `fields` (eval mode, weights drawn after `torch.manual_seed(seed)`)."""
+    config = transformers.AutoConfig.for_model(model_type, **{**shape, **fields})
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
 def tiny(arch, seed=0, **fields):

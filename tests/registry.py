@@ -27,7 +27,8 @@ import warnings
 os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
 
 #: the tiny shape every architecture is asked for (its config maps the names it spells
-#: otherwise through `attribute_map`)
+#: otherwise through `attribute_map`; a field its config class lacks is left out:
+#: `known_fields`)
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=64)
@@ -47,6 +48,19 @@ def architectures() -> list:
     """Every model type with a causal-LM class, in the registry's order."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def known_fields(model_type: str, shape: dict) -> dict:
+    """The fields of `shape` that `model_type`'s config class has (its defaults' fields
+    and `attribute_map`'s names): a field the class lacks would only sit on the config
+    unread by the model (GPT-2 has no `head_dim`) and mislead what reads the config."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    config_class = CONFIG_MAPPING[model_type]
+    try:
+        names = set(config_class().to_dict()) | set(getattr(config_class, "attribute_map", {}))
+    except Exception:                           # noqa: BLE001 (no defaults: keep them all)
+        return dict(shape)
+    return {name: value for name, value in shape.items() if name in names}
 
 
 def first_line(error: BaseException) -> str:
@@ -72,7 +86,7 @@ def sweep_one(model_type: str) -> dict:
     def build(shape):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = AutoConfig.for_model(model_type, **shape)
+            config = AutoConfig.for_model(model_type, **known_fields(model_type, shape))
             if config.get_text_config() is not config:      # a composite: its text part too
                 config = AutoConfig.for_model(model_type, **shape, text_config=shape)
             torch.manual_seed(0)

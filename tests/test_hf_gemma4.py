@@ -11,9 +11,8 @@ import kvnumba as kv
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hfmodels import STORAGE_TOLERANCE, generated, kvhf, prefill_logits  # noqa: E402
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from hfmodels import (STORAGE_TOLERANCE, SYSTEM, built, generated, kvhf,  # noqa: E402
+                      prefill_logits)
 
 #: four layers, sliding (window 4, head dim 16, 2 kv heads) and full (head dim 32, 1 kv
 #: head, V = K's projection) in turn; the last two read layers 0 and 1's K/V
@@ -23,13 +22,10 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
              hidden_size_per_layer_input=8, sliding_window=4,
              layer_types=["sliding_attention", "full_attention"] * 2, global_head_dim=32,
              num_global_key_value_heads=1, attention_k_eq_v=True, num_kv_shared_layers=2)
-SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]     # 17 tokens: 2 pages of 8
 
 
 def gemma4(seed=0, **fields):
-    config = AutoConfig.for_model("gemma4_text", **{**SHAPE, **fields})
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return built("gemma4_text", SHAPE, seed, **fields)
 
 
 def test_gemma4_text_is_served_token_for_token_with_prefix_hits_forks_and_a_draft():

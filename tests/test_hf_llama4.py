@@ -9,10 +9,9 @@ import kvnumba as kv
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hfmodels import STORAGE_TOLERANCE, generated, kvhf, prefill_logits  # noqa: E402
+from hfmodels import (STORAGE_TOLERANCE, SYSTEM, built, generated, kvhf,  # noqa: E402
+                      prefill_logits)
 from kvnumba.hf.probe import TOLERANCE  # noqa: E402
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 #: two layers: a chunked one (chunks of 4, so every prompt crosses several) with rotary
 #: positions and a full one without (Llama 4's NoPE layer); two experts
@@ -20,13 +19,10 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, intermediate_s
              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=64, attention_chunk_size=4, no_rope_layer_interval=2,
              num_local_experts=2, num_experts_per_tok=1)
-SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]     # 17 tokens: 2 pages of 8
 
 
 def llama4(seed=0, **fields):
-    config = AutoConfig.for_model("llama4_text", **{**SHAPE, **fields})
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return built("llama4_text", SHAPE, seed, **fields)
 
 
 def test_llama4_text_is_served_token_for_token_with_prefix_hits_forks_and_a_draft():
@@ -69,11 +65,11 @@ def test_a_query_scale_by_position_past_floor_scale_is_refused_naming_the_bound(
 
 
 def test_chunked_layers_without_a_chunk_size_are_refused():
-    config = AutoConfig.for_model("llama4_text", **SHAPE)
-    config.attention_chunk_size = None
+    model = llama4()
+    model.config.attention_chunk_size = None
     with pytest.raises(kv.ConfigError, match="chunked_attention layers without an "
                                              "attention_chunk_size"):
-        kvhf.cache_config(AutoModelForCausalLM.from_config(config), max_seqs=1, capacity=16)
+        kvhf.cache_config(model, max_seqs=1, capacity=16)
 
 
 @pytest.mark.parametrize("dtypes", [("bfloat16", "float8_e4m3"), ("float16", "float8_e5m2")])

@@ -11,9 +11,7 @@ import kvnumba as kv
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hfmodels import generated, kvhf  # noqa: E402
-
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from hfmodels import SYSTEM, built, generated, kvhf  # noqa: E402
 
 #: a full layer, then two sliding ones (window 4); V heads of 24 beside K heads of 16
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
@@ -21,13 +19,10 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermedia
              v_head_dim=24, max_position_embeddings=64, sliding_window=4,
              layer_types=["full_attention", "sliding_attention", "sliding_attention"],
              mlp_layer_types=["dense", "dense", "dense"])
-SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
 
 
 def mimo(seed=0):
-    config = AutoConfig.for_model("mimo_v2_flash", **SHAPE)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = built("mimo_v2_flash", SHAPE, seed)
     with torch.no_grad():               # learned sinks of their own, not the init's zeros
         for layer in model.model.layers:
             if layer.self_attn.sinks is not None:

@@ -6,9 +6,8 @@ evict between requests, with forks and with a draft model."""
 import pytest
 
 import kvnumba as kv
-from hfmodels import generated, kvhf, tiny
+from hfmodels import SYSTEM, generated, kvhf, tiny
 
-SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]     # 17 tokens: 2 pages of 8
 QUESTIONS = [[11, 12], [13, 14, 15], [16]]
 PROMPTS = [SYSTEM + q for q in QUESTIONS]
 NEW = 2

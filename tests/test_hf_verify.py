@@ -8,23 +8,16 @@ import kvnumba as kv
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hfmodels import (PROMPTS, STORAGE_TOLERANCE, generated, kvhf, prefill_logits,  # noqa: E402
-                      tiny)
+from hfmodels import (PROMPTS, STORAGE_TOLERANCE, SYSTEM, built, generated,  # noqa: E402
+                      kvhf, prefill_logits, tiny)
 from kvnumba.hf.probe import TOLERANCE  # noqa: E402
 
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=64)
-
-
-def registry_model(model_type, shape=SMALL, **fields):
-    """A tiny random model of `model_type` built from `transformers`' own config."""
-    config = AutoConfig.for_model(model_type, **{**shape, **fields})
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def halved_values(module, query, key, value, attention_mask, **kwargs):
@@ -37,14 +30,13 @@ def halved_values(module, query, key, value, attention_mask, **kwargs):
 SINK_MODELS = {"gpt_oss": dict(num_hidden_layers=2, sliding_window=4, num_local_experts=4,
                                num_experts_per_tok=2),
                "granite_swa": dict(num_hidden_layers=2, sliding_window=4)}
-SYSTEM = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2]     # 17 tokens: 2 pages of 8
 
 
 def sink_model(model_type, seed=0):
     """A tiny random `model_type` whose learned sinks are about the size of its scores
     (initialised near zero, a sink served wrong would hardly show)."""
     torch.manual_seed(seed)
-    model = registry_model(model_type, **SINK_MODELS[model_type])
+    model = built(model_type, SMALL, **SINK_MODELS[model_type])
     with torch.no_grad():
         for module in model.modules():
             if getattr(module, "sinks", None) is not None:
@@ -116,10 +108,10 @@ def test_the_probe_refuses_bidirectional_attention():
     """BERT as a causal LM attends both ways (`is_decoder` unset): the probe names its
     first layer; set as a decoder it attends causally, passes the probe and is served
     token for token."""
-    model = registry_model("bert", BERT)
+    model = built("bert", BERT)
     with pytest.raises(kv.ConfigError, match=r"bert: through kvnumba, decoder layer 0's"):
         kvhf.Engine(model, max_seqs=1, capacity=16, dtype="float32")
-    decoder = registry_model("bert", BERT, is_decoder=True)
+    decoder = built("bert", BERT, is_decoder=True)
     engine = kvhf.Engine(decoder, max_seqs=1, capacity=16, dtype="float32")
     assert engine.generate([PROMPTS[1]], max_new_tokens=3) == [generated(decoder, PROMPTS[1], 3)]
 
@@ -129,7 +121,7 @@ def test_a_model_whose_config_misstates_its_attention_shape_is_refused_at_constr
     (BERT's are hidden_size / heads, whatever the config says): the probe's step meets
     K of another shape and the engine is refused at construction, naming it, instead of
     failing at its first step."""
-    model = registry_model("bert", is_decoder=True)
+    model = built("bert", SMALL, is_decoder=True)
     with pytest.raises(kv.ConfigError, match=r"bert: kvnumba cannot serve it exactly \(its "
                                              r"probe step .*k: expected shape \(6, 2, 16\), "
                                              r"got \(6, 4, 8\)"):
