@@ -131,10 +131,12 @@ def paged_storage(case, page_size=PAGE_SIZE, seed=0):
             page_bits(page_size))
 
 
-def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=PAGE_SIZE):
+def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=PAGE_SIZE,
+        tensor_cores=False):
     """plan + run on the device (out holds SENTINEL first) on the case's storage in pages
     of `page_size`; returns (out on the host, plan). `q`: the device array to pass as q
-    (default: a copy of `case.q`)."""
+    (default: a copy of `case.q`). `tensor_cores`: the CUDA-core kernel (False, these
+    tests' own), the tensor-core one (True) or the rule's choice (None)."""
     rng = np.random.default_rng(seed)
     plan = dec.chunk_tables(case.info, case.served, window=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
@@ -143,9 +145,10 @@ def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=P
     k_slots, v_slots, pages, bits = paged_storage(case, page_size, seed)
     dec.run(q, k_slots, v_slots, cuda.to_device(tables), pages=pages, page_bits=bits,
             **offsets, n_items=plan.n_items, n_combine=plan.n_combine, n_parts=plan.n_parts,
-            max_q_len=plan.max_q_len, out=out, workspace=workspace or AttentionWorkspace(),
+            max_q_len=plan.max_q_len, min_q_len=plan.min_q_len, out=out,
+            workspace=workspace or AttentionWorkspace(),
             ring_rows=case.ring_rows, window=case.window, scale=case.scale,
-            softcap=case.softcap)
+            softcap=case.softcap, tensor_cores=tensor_cores)
     cuda.synchronize()
     return out.copy_to_host(), plan
 

@@ -23,9 +23,10 @@ from kvnumba.host.prefix_keys import page_keys
 from oracle import dense_attention
 
 HQ = 4
-#: absolute errors against float64: float16 storage and outputs (the tensor-core prefill
-#: sums probabilities rounded to 16 bits)
-TOL = {"decode": 2e-3, "prefill": 6e-3}
+#: absolute errors against float64: float16 storage and outputs (the tensor cores, on
+#: prefill spans and on decode segments of more than 4 rows, sum probabilities rounded to
+#: 16 bits)
+TOL = {"decode": 6e-3, "prefill": 6e-3}
 
 
 class Run:

@@ -8,6 +8,10 @@ from oracle import dense_attention
 from snapshot import assert_unchanged, snapshot
 
 H, D, NQ = 2, 16, 4
+#: absolute error against float64 by storage dtype: float32 storage attends exactly on
+#: CUDA cores; 16-bit storage may take the tensor cores (decode rows past 4, prefill
+#: spans), which round q and the probabilities to its 16-bit type
+ATOL = {"float32": 2e-4, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 def make(layers=None, *, page_size=8, max_seqs=4, capacity=64, max_write=8, max_step=16,
@@ -55,7 +59,8 @@ class Model:
                 rows = slice(seg.q_start, seg.q_start + seg.q_len)
                 want = dense_attention(q[rows], keys, vals, seg.pos_start, window,
                                        seg.block, 1 / np.sqrt(D))
-                np.testing.assert_allclose(out[rows], want, rtol=2e-4, atol=2e-4)
+                np.testing.assert_allclose(out[rows], want, rtol=2e-4,
+                                           atol=ATOL[c.config.dtype])
         c.commit_step()
 
     def clone(self, src, upto=None):

@@ -1,19 +1,21 @@
 """What each attention path rounds, bounded (docs/semantics.md, "What each path rounds").
 
 The same queries of one sequence, over the same history, go through the decode path (a
-span of 4 tokens) and the tensor-core prefill path (a span of 5: its first 4 rows are
-the same queries at the same positions, seeing the same keys). With float32 q and out,
-decode rounds nothing: it matches the float64 reference on the stored (rounded) K/V to
-float32 accuracy. Prefill rounds q and the probabilities to the storage's 16-bit type
-(unit roundoff `u`), so each output element is within
-`(exp(2 u S) - 1 + 2 u / (1 - u) * exp(2 u S)) * max|v|` of it, where `S = scale *
-max_j sum_i |q_i k_ji|` over the keys the row sees.
+span of 4 tokens: 8 rows of a group of 2, on CUDA cores or on tensor cores, each forced
+through `decode.shape.CUDA_CORE_ROWS`) and the tensor-core prefill path (a span of 5:
+its first 4 rows are the same queries at the same positions, seeing the same keys).
+With float32 q and out, decode on CUDA cores rounds nothing: it matches the float64
+reference on the stored (rounded) K/V to float32 accuracy. Prefill and decode on tensor
+cores round q and the probabilities to the storage's 16-bit type (unit roundoff `u`), so
+each output element is within `(exp(2 u S) - 1 + 2 u / (1 - u) * exp(2 u S)) * max|v|`
+of it, where `S = scale * max_j sum_i |q_i k_ji|` over the keys the row sees.
 """
 import numpy as np
 import pytest
 
 import kvnumba as kv
 from kvnumba import reference
+from kvnumba.kernels.decode import shape as decode_shape
 
 H, HQ, D = 1, 2, 16
 HISTORY = 6
@@ -24,9 +26,12 @@ UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float8_e4m3": 2.
 FLOAT32_SLACK = 1e-5
 
 
-def through_both_paths(dtype):
+def through_both_paths(dtype, monkeypatch, tensor_cores):
     """`(decode rows, prefill rows, q, keys, values)`: the 4 shared rows of both paths,
-    and what they attend over (K/V as stored, float64)."""
+    and what they attend over (K/V as stored, float64); decode on tensor cores or on
+    CUDA cores."""
+    most = 0 if tensor_cores else 10**6
+    monkeypatch.setattr(decode_shape, "CUDA_CORE_ROWS", {2: most, 1: most})
     config = kv.CacheConfig(layers=[kv.flat()], n_kv_heads=H, head_dim=D, capacity=16,
                             max_seqs=1, max_write=8, max_step=8, dtype=dtype, initial_pages=16)
     cache = kv.BatchedSequenceCache(config)
@@ -55,8 +60,10 @@ def through_both_paths(dtype):
 
 
 @pytest.mark.parametrize("dtype", list(UNIT_ROUNDOFF))
-def test_decode_and_tensor_core_prefill_differ_by_at_most_the_stated_bound(dtype):
-    decode, prefill, q, keys, values = through_both_paths(dtype)
+def test_decode_and_tensor_core_prefill_differ_by_at_most_the_stated_bound(dtype,
+                                                                          monkeypatch):
+    decode, prefill, q, keys, values = through_both_paths(dtype, monkeypatch, False)
+    rounded = through_both_paths(dtype, monkeypatch, True)[0]
     positions = np.arange(HISTORY, HISTORY + 4)
     exact = reference.attention(q, keys, values, positions)
     np.testing.assert_allclose(decode, exact, rtol=0, atol=FLOAT32_SLACK)
@@ -70,7 +77,9 @@ def test_decode_and_tensor_core_prefill_differ_by_at_most_the_stated_bound(dtype
             score_reach = scale * (np.abs(q[row, head]) @ np.abs(kh).T).max()
             grow = np.exp(2 * u * score_reach)
             bound = (grow - 1 + 2 * u / (1 - u) * grow) * np.abs(vh).max() + FLOAT32_SLACK
-            err = np.abs(prefill[row, head] - decode[row, head]).max()
-            assert err <= bound, (row, head, err, bound)
-    # the bound is not vacuous: prefill does round (decode does not)
+            for path, got in (("prefill", prefill), ("decode on tensor cores", rounded)):
+                err = np.abs(got[row, head] - decode[row, head]).max()
+                assert err <= bound, (path, row, head, err, bound)
+    # the bound is not vacuous: the tensor cores do round (decode on CUDA cores does not)
     assert np.abs(prefill - exact).max() > 10 * FLOAT32_SLACK
+    assert np.abs(rounded - exact).max() > 10 * FLOAT32_SLACK

@@ -453,3 +453,25 @@ def test_command_line_refuses_the_simulator_asked_for():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "cannot compile to PTX: unset it or use KVNUMBA_DEVICE=compile" in proc.stderr
+
+
+def test_the_h200_decode_estimate_is_bound_by_bytes_issue_or_latency():
+    """The estimate (bench/sass/estimate.py) by hand: 128 x 4096 x 8 key-heads of a d128
+    float16 decode move 2 GiB (520 us at the 4.13 TB/s a copy reaches, 86% of 4.8
+    TB/s); at 24 instructions a key they issue in 96 us (132 SMs x 4 x 1.98 GHz), so
+    bytes bind. 8-bit floats halve the bytes (2x as fast while bytes bind); 150
+    instructions a key take 608 us and bind instead."""
+    from kvnumba.bench.sass import estimate
+    key_heads = 128 * 4096 * 8
+    fp16 = estimate.decode_step(24.0, 2.0, 128, 2)
+    assert fp16.bytes_s == pytest.approx(key_heads * 512 / 4.13e12)
+    assert fp16.issue_s == pytest.approx(key_heads * 24 / (132 * 4 * 1.98e9))
+    assert fp16.hbm_fraction == pytest.approx(4.13 / 4.8)
+    fp8 = estimate.decode_step(24.0, 2.0, 128, 1)
+    assert fp16.seconds / fp8.seconds == pytest.approx(2.0)
+    slow = estimate.decode_step(150.0, 2.0, 128, 2)
+    assert slow.seconds == slow.issue_s
+    assert slow.hbm_fraction == pytest.approx(4.13 / 4.8 * slow.bytes_s / slow.issue_s)
+    assert slow.hbm_fraction < 0.85
+    # bytes in flight: 6 blocks of 32 KiB cover the latency; one block of 4 KiB does not
+    assert estimate.in_flight(32768, 6) > 1 > estimate.in_flight(4096, 1)

@@ -234,11 +234,15 @@ def test_a_longer_copy_fails_every_per_vector_budget(figures_of):
 
 @compile_mode
 @pytest.mark.parametrize("label", ["decode d128 float16", "decode d128 float16 1 row",
-                                   "decode d128 float16 softcap"])
+                                   "decode d128 float16 softcap",
+                                   "decode tensor cores d128 float16 16 rows",
+                                   "decode tensor cores d128 float8_e4m3 16 rows"])
 def test_a_longer_decode_fails_its_instructions_per_key(label, slower_exponential,
                                                         figures_of):
     """One more multiply per exponential: each key's probability and the rescale factor,
-    5 a lane per 32-key trip (0.6 to 0.7 instructions more per key)."""
+    5 a lane per 32-key trip (0.6 to 0.7 instructions more per key); on tensor cores 34 a
+    64-key tile (0.5 more per key). Still at the byte limit on an H200 (the estimate's
+    budget holds)."""
     assert set(exceeded(label, figures_of(*fresh(label), label))) == {"instructions_per_key"}
 
 

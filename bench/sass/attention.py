@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from . import model
+from . import estimate, model
 from .flow import Flow
 from .loops import COUNTED, Figures, fallback_note, is_wide_load, main_loop, other_loops
 
@@ -74,12 +74,68 @@ def decode_figures(flow: Flow, arguments: dict) -> Figures:
     return Figures({"instructions_per_key": warp_instructions / keys}, notes)
 
 
+def tensor_decode_figures(flow: Flow, arguments: dict) -> Figures:
+    """Instructions per key per kv head of the tensor-core decode (`prefill_kernel(...,
+    split=True)`) on the decode model's segment (one query, DECODE_HISTORY + 1 keys, its
+    chunks as `decode.chunk_tables` cuts them), summed over what each warp of a chunk's
+    block runs: the path through the kernel (`Flow.through` the unmasked loop, longest:
+    the longest prologue and epilogue, every branch taken) without the masked loop, P;
+    per whole key tile one trip of the unmasked loop (the loop holding the most HMMAs,
+    the leaner of equals), counted whole, B (the rescale when a row's max moves
+    included on every trip); per partial tile (a chunk's last keys short of a tile) one
+    trip of the masked loop, M: sum over chunks of warps * (P + B * whole + M * partial),
+    over the keys. The group's rows all see every key of a chunk, so no tile is partial
+    but a chunk's last. Also the unmasked loop's HMMA share, as prefill's."""
+    from kvnumba.kernels.prefill.shape import PrefillShape
+    shape = PrefillShape.of(arguments["head_dim"], arguments["block_rows"],
+                            arguments["block_keys"], arguments["storage"],
+                            arguments.get("warp_rows"), arguments.get("stored"))
+    warps, tile = shape.br // shape.wr, shape.bk
+    is_hmma = COUNTED["HMMA"]
+    loop = main_loop(flow, is_hmma, "the HMMAs")
+    masked = max((other for other in flow.loops if other is not loop and other.count(is_hmma)),
+                 key=lambda other: other.count(is_hmma), default=None)
+    if masked is None:
+        raise ValueError("no second loop holds HMMAs: the masked tiles' loop is not in the SASS")
+    trip, partial = len(loop.instructions), len(masked.instructions)
+    path = flow.through(loop).longest - partial
+    lengths = decode_chunks()
+    warp_instructions = sum(warps * (path + trip * (n // tile) + partial * (n % tile > 0))
+                            for n in lengths)
+    keys = sum(lengths)
+    per_key = warp_instructions / keys
+    itemsize = shape.stored_bytes
+    step = estimate.decode_step(per_key, warps * loop.count(is_hmma) / tile, shape.head_dim,
+                                itemsize)
+    smem_bytes = 2 * shape.smem
+    blocks = min(estimate.SHARED_PER_SM // smem_bytes, estimate.BLOCKS_PER_SM)
+    cover = estimate.in_flight(2 * tile * shape.head_dim * itemsize, blocks)
+    notes = [f"unmasked loop at {loop.header:#x}: B = {trip} instructions a {tile}-key tile "
+             f"({trip / tile:.1f} per key per warp), {loop.count(is_hmma)} HMMA; masked loop "
+             f"at {masked.header:#x}: M = {partial}; the path through the rest P = {path} per "
+             f"warp per chunk",
+             f"{keys} keys in {len(lengths)} chunks of {warps} warp(s): {warp_instructions} "
+             f"warp instructions",
+             f"H200 estimate ({estimate.SEQUENCES} sequences x {estimate.KEYS} keys x "
+             f"{estimate.KV_HEADS} kv heads): bytes {1e6 * step.bytes_s:.0f} us, issue "
+             f"{1e6 * step.issue_s:.0f} us, HMMA {1e6 * step.hmma_s:.0f} us: "
+             f"{100 * step.hbm_fraction:.1f}% of HBM bandwidth; {blocks} blocks an SM by "
+             f"shared memory keep {cover:.1f}x the bytes in flight the latency needs",
+             *other_loops(flow, [loop, masked], is_hmma, "HMMA"), *fallback_note(flow)]
+    return Figures({"instructions_per_key": per_key,
+                    "hmma_percent": 100.0 * loop.count(is_hmma) / trip,
+                    "h200_hbm_percent": 100.0 * min(1.0, cover) * step.hbm_fraction}, notes)
+
+
 def prefill_figures(flow: Flow, arguments: dict) -> Figures:
     """HMMA as a percentage of the main loop (the loop holding the most HMMAs, the
     leaner of equals: one unmasked key tile per trip) and of the masked loop (the other
     loop holding HMMAs: the tiles some row sees in part, the diagonal's), and the
     instructions of the main loop in the address computation of its cp.async (LDGSTS)
-    per LDGSTS."""
+    per LDGSTS. The kernel split over decode chunks is measured as decode is
+    (`tensor_decode_figures`)."""
+    if arguments.get("split"):
+        return tensor_decode_figures(flow, arguments)
     is_hmma, is_copy = COUNTED["HMMA"], COUNTED["LDGSTS"]
     loop = main_loop(flow, is_hmma, "the HMMAs")
     masked = max((other for other in flow.loops if other is not loop and other.count(is_hmma)),

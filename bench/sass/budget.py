@@ -27,6 +27,7 @@ MODEL_FORMATS = {
     "instructions_per_vector_2kb": "2 KiB rows: {:.1f} instr/vector;",
     "instructions_per_vector_256b": "256 B: {:.1f}",
     "round_trips": "{} round trips",
+    "h200_hbm_percent": "H200 est. {:.1f}% HBM",
 }
 #: the report's columns: heading -> figure
 COLUMNS = {"regs": "registers", "cap": "register_cap", "spill B": "spill_bytes",

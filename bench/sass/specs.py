@@ -67,7 +67,7 @@ def _decode_signature(t: str, q: str | None = None) -> str:
     return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[::1], "
             f"int32[:, ::1], {q}[:, :, ::1], float32[:, ::1], float32[::1], float32[::1], "
             f"float32[::1], "
-            f"{', '.join(['int64'] * 8)}, float32, float32)")
+            f"{', '.join(['int64'] * 8)}, float32, float32, int64)")
 
 
 def _prefill_signature(t: str, q: str | None = None) -> str:
@@ -76,7 +76,7 @@ def _prefill_signature(t: str, q: str | None = None) -> str:
     return (f"void({q}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], int32[:, ::1], int64, "
             f"int32[::1], {q}[:, :, ::1], float32[:, ::1], float32[::1], "
             f"{', '.join(['int64'] * 6)}, "
-            f"float32, float32)")
+            f"float32, float32, float32[::1], float32[::1], int64, int64)")
 
 
 def _generic_signature(t: str) -> str:
@@ -172,6 +172,20 @@ SPECIALISATIONS = (
                    _prefill_signature("float16")),
     Specialisation("prefill d256 bfloat16 softcap",
                    f"{_PREFILL}(256, 48, 16, 'bfloat16', True)", _prefill_signature("uint16")),
+    # decode on tensor cores: the prefill kernel split over decode chunks, its rows a
+    # group's query heads (`decode.grouped`; 16 rows: groups up to 16 of one token)
+    Specialisation("decode tensor cores d128 float16 16 rows",
+                   f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, None, False, True)",
+                   _prefill_signature("float16")),
+    Specialisation("decode tensor cores d128 bfloat16 16 rows",
+                   f"{_PREFILL}(128, 16, 64, 'bfloat16', False, True, None, None, False, "
+                   f"True)", _prefill_signature("uint16")),
+    Specialisation("decode tensor cores d128 float8_e4m3 16 rows",
+                   f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, 'e4m3', False, "
+                   f"True)", _prefill_signature("uint8", "float16")),
+    Specialisation("decode tensor cores d128 float8_e5m2 16 rows",
+                   f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, 'e5m2', False, "
+                   f"True)", _prefill_signature("int8", "float16")),
     # the generic CUDA-core kernel at the head dims the fast paths do not take (past 256,
     # or V of another width than K): d256's decode and prefill tiles, and d512's one tile
     # (`kernels.generic.DECODE_TILES`, `PREFILL_TILES`)

@@ -23,13 +23,18 @@ from .chunks import (CHUNK_KEYS, COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, CO
                      KEY_TILE, WORK_SEQ, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART,
                      WORK_Q_LEN, WORK_Q_START, WORK_SEG, ChunkTables, PlacedChunks, chunk_count,
                      chunk_tables, chunks_into)
-from .shape import THREADS, block_rows, supports
+from . import shape as decode_shape
+from .shape import THREADS, block_rows, grouped, supports  # noqa: F401  (grouped re-exported)
+from ..prefill.shape import supports as tensor_cores_serve
+from .. import prefill
 from ..intrinsics.words import LOAD_BYTES
 from ..launch.calling import PER_CALL, aligned, no_output
 from ..sinks import no_sinks
 
 
 _FLOAT32 = np.float32
+#: a row count past every segment's: the CUDA-core kernel serves all
+ALL_ROWS = 2**31 - 1
 
 
 def check_storage(head_dim: int, k_store, v_store) -> None:
@@ -66,10 +71,12 @@ class DecodeRun:
     """
 
     def __init__(self, tables, *, seq_info_off: int, placed: PlacedChunks, workspace,
-                 ring_rows: int, window: int, pages, page_bits: int, stream=0):
+                 ring_rows: int, window: int, pages, page_bits: int, stream=0,
+                 tensor_cores: bool | None = None):
         self.tables, self.seq_info_off, self.placed = tables, seq_info_off, placed
         self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
         self.pages, self.page_bits, self.stream = pages, page_bits, stream
+        self.tensor_cores = tensor_cores
         self.n_items = placed.n_items
         self._launches = {}    # (decode launch, combine launch or None) by signature
 
@@ -77,16 +84,18 @@ class DecodeRun:
         if not self.n_items:
             return
         key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0, sinks.shape[0] > 0,
-               q.shape[2], k_store.shape[1])
+               q.shape[2], k_store.shape[1], out.dtype, scale > 0)
         launches = self._launches.get(key)
         if launches is None:
-            launches = self._launches[key] = self._bind(q, k_store, v_store, *key[:5])
-        decode, merge = launches
-        # the kernel takes float32 scalars: converted only when they are not (a conversion
+            launches = self._launches[key] = self._bind(q, k_store, v_store, out, *key[:5],
+                                                        key[-1])
+        decodes, merge = launches
+        # the kernels take float32 scalars: converted only when they are not (a conversion
         # costs more host time than the rest of a scalar's launch work)
-        decode(q, k_store, v_store, out, lse, sinks,
-               scale if type(scale) is _FLOAT32 else _FLOAT32(scale),
-               softcap if type(softcap) is _FLOAT32 else _FLOAT32(softcap))
+        scale = scale if type(scale) is _FLOAT32 else _FLOAT32(scale)
+        softcap = softcap if type(softcap) is _FLOAT32 else _FLOAT32(softcap)
+        for decode in decodes:
+            decode(q, k_store, v_store, out, lse, sinks, scale, softcap)
         if merge is not None:
             merge(out, lse, sinks)
 
@@ -95,46 +104,98 @@ class DecodeRun:
         if self.n_items:
             check_storage(q.shape[2], k_store, v_store)
 
-    def _bind(self, q, k_store, v_store, dtype, n_q_heads, vectors, capped, sunk) -> tuple:
+    def _bind(self, q, k_store, v_store, out, dtype, n_q_heads, vectors, capped, sunk,
+              positive) -> tuple:
         self.check(q, k_store, v_store)
         head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
         storage = np.dtype(k_store.dtype)
         placed, seq_info_off = self.placed, self.seq_info_off
         max_q_len, n_parts = placed.max_q_len, placed.n_parts
         group = n_q_heads // n_kv_heads
-        rows = block_rows(group * max_q_len, head_dim, storage)
-        # row groups are rounded up to a power of two (the extra ones return at once), so
-        # the kernel splits its block index with a shift
-        row_group_bits = (-(-group * max_q_len // rows) - 1).bit_length()
         if n_parts > 0:
             part_acc, part_ml = self.workspace.partials(
                 n_parts * max_q_len * n_q_heads * head_dim, n_parts * max_q_len * n_q_heads * 2,
                 self.stream)
         else:
             part_acc = part_ml = self.workspace.dummy
-        kernel = decode_kernel(head_dim, storage.name, rows, bool(capped),
-                               np.dtype(dtype).name, vectors, bool(sunk), self.window < 0)
-        decode = kernel.bind((self.n_items << row_group_bits, n_kv_heads), THREADS,
-                             self.stream, PER_CALL, PER_CALL, PER_CALL, self.tables, self.pages,
-                             PER_CALL, PER_CALL, PER_CALL, part_acc, part_ml, seq_info_off,
-                             placed.work_off, max_q_len, group, row_group_bits, self.ring_rows,
-                             self.window, self.page_bits, PER_CALL, PER_CALL)
+        # a segment of more than `most` rows (group times its queries) takes the tensor
+        # cores, the others the CUDA-core kernel: each kernel skips the other's items,
+        # and only the kernels some segment of the step needs are launched
+        most = self._cuda_core_rows(head_dim, storage, positive)
+        decodes = []
+        if group * placed.min_q_len <= most:
+            cuda_rows = min(group * max_q_len, most)
+            rows = block_rows(cuda_rows, head_dim, storage)
+            # row groups are rounded up to a power of two (the extra ones return at once),
+            # so the kernel splits its block index with a shift
+            row_group_bits = (-(-cuda_rows // rows) - 1).bit_length()
+            kernel = decode_kernel(head_dim, storage.name, rows, bool(capped),
+                                   np.dtype(dtype).name, vectors, bool(sunk), self.window < 0)
+            decodes.append(kernel.bind(
+                (self.n_items << row_group_bits, n_kv_heads), THREADS, self.stream, PER_CALL,
+                PER_CALL, PER_CALL, self.tables, self.pages, PER_CALL, PER_CALL, PER_CALL,
+                part_acc, part_ml, seq_info_off, placed.work_off, max_q_len, group,
+                row_group_bits, self.ring_rows, self.window, self.page_bits, PER_CALL,
+                PER_CALL, most))
+        if group * max_q_len > most:
+            decodes.append(self._bind_grouped(q, k_store, out, group, bool(capped),
+                                              bool(sunk), part_acc, part_ml, most))
         merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
                                 combine_off=placed.combine_off, n_combine=placed.n_combine,
                                 max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
                                 stream=self.stream)
-        return decode, merge
+        return tuple(decodes), merge
+
+    def _cuda_core_rows(self, head_dim: int, storage, positive: bool) -> int:
+        """The most rows (group times a segment's queries) of a segment the CUDA-core
+        kernel serves; the tensor cores serve the rest. The rule (`shape.grouped`:
+        `CUDA_CORE_ROWS`, where the tensor-core kernel serves the layer and the scale is
+        positive, else every segment), or what `tensor_cores` forces (True: none, a
+        `ValueError` where the tensor-core kernel cannot serve the layer; False: all)."""
+        serve = positive and tensor_cores_serve(head_dim, storage)
+        if self.tensor_cores is None:
+            return decode_shape.CUDA_CORE_ROWS.get(storage.itemsize, ALL_ROWS) if serve \
+                else ALL_ROWS
+        if self.tensor_cores and not serve:
+            raise ValueError(f"decode.run: tensor_cores=True, but the tensor-core kernel "
+                             f"does not serve head_dim {head_dim} over {storage} storage "
+                             f"with this scale (prefill.supports, scale > 0)")
+        return 0 if self.tensor_cores else ALL_ROWS
+
+    def _bind_grouped(self, q, k_store, out, group: int, capped: bool, sunk: bool, part_acc,
+                      part_ml, most: int):
+        """The tensor-core launch of the step's segments of more than `most` rows
+        (`shape.grouped`): the prefill kernel split over the same chunks, writing the
+        same partials (or a one-chunk segment's rows of `out`), grid (work items, kv
+        heads, row tiles)."""
+        head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
+        placed = self.placed
+        mma, stored = prefill.served(head_dim, k_store.dtype, q.dtype, out.dtype)
+        block_rows_, block_keys = prefill.grouped_tile(group * placed.max_q_len, head_dim)
+        q_copy = prefill.MMA_DTYPES[mma] == np.dtype(q.dtype).name and aligned(q, 16)
+        kernel = prefill.prefill_kernel(head_dim, block_rows_, block_keys, mma, capped,
+                                        q_copy, None, stored, sunk, True)
+        warps = block_rows_ // prefill.default_warp_rows(head_dim, block_rows_)
+        n_row_tiles = -(-group * placed.max_q_len // block_rows_)
+        return kernel.bind((self.n_items, n_kv_heads, n_row_tiles), 32 * warps, self.stream,
+                           PER_CALL, PER_CALL, PER_CALL, self.pages, int(self.page_bits),
+                           self.tables, PER_CALL, PER_CALL, PER_CALL, int(self.seq_info_off),
+                           int(placed.work_off), n_row_tiles, group, int(self.ring_rows),
+                           int(self.window), PER_CALL, PER_CALL, part_acc, part_ml,
+                           int(placed.max_q_len), int(most))
 
 
 def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, n_parts,
-            max_q_len, workspace, ring_rows, window, pages, page_bits, stream=0) -> DecodeRun:
+            max_q_len, workspace, ring_rows, window, pages, page_bits, stream=0,
+            tensor_cores=None, min_q_len=1) -> DecodeRun:
     """The prepared half of `run`: what a step fixes for its layers of one window, once
     (`DecodeRun`); the arguments are `run`'s."""
     placed = PlacedChunks(int(work_off), int(n_items), int(combine_off), int(n_combine),
-                          int(n_parts), int(max_q_len))
+                          int(n_parts), int(max_q_len), int(min_q_len))
     return DecodeRun(tables, seq_info_off=int(seq_info_off), placed=placed,
                      workspace=workspace, ring_rows=int(ring_rows), window=int(window),
-                     pages=pages, page_bits=int(page_bits), stream=stream)
+                     pages=pages, page_bits=int(page_bits), stream=stream,
+                     tensor_cores=tensor_cores)
 
 
 def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, softcap,
@@ -159,11 +220,15 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
     that head (`kernels.sinks`; `lse` includes it).
 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
-    `n_combine`, `n_parts` and `max_q_len` (the chunk tables'), the `workspace`, `ring_rows`
+    `n_combine`, `n_parts`, `max_q_len` and `min_q_len` (the chunk tables'; `min_q_len`
+    1 unless given), the `workspace`, `ring_rows`
     (0: flat, or R) and `window` (the mask code: 0, W or -C), as `prepare` takes them with `pages` and
     `page_bits`; or `planned`, what `prepare` returned for this step and window (a cache
     plans once per step, and its layers pass their own storage only: `pages` and
-    `page_bits` are the chunk tables' then).
+    `page_bits` are the chunk tables' then). `step` may also hold `tensor_cores`: None
+    (the rule, `shape.grouped`: a segment of more rows, group times its queries, than
+    `CUDA_CORE_ROWS` goes to the tensor-core kernel, each segment by its own rows), True
+    or False (that kernel, or the CUDA-core one, for every segment).
 
     Writes exactly `out[token, head, :]` for every query token of a planned segment
     and every head: no padding row, no other segment's row. Partials (float32, in

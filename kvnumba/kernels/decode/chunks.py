@@ -49,7 +49,8 @@ class ChunkTables(NamedTuple):
 
     work: [n_items, WORK_FIELDS] (fields WORK_*); combine: [n_combine,
     COMBINE_FIELDS] (fields COMBINE_*); n_parts: partial slots the work uses;
-    chunk: the nominal chunk length (keys); max_q_len: longest served segment.
+    chunk: the nominal chunk length (keys); max_q_len / min_q_len: the longest and
+    shortest served segment.
     """
 
     work: np.ndarray
@@ -57,6 +58,7 @@ class ChunkTables(NamedTuple):
     n_parts: int
     chunk: int
     max_q_len: int
+    min_q_len: int = 1
 
     @property
     def n_items(self) -> int:
@@ -96,13 +98,14 @@ def chunk_tables(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) ->
     work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
                                                      segments, window, bits)
     _check_queries(shortest, longest)
-    return ChunkTables(work, combine, n_parts, chunk, longest)
+    return ChunkTables(work, combine, n_parts, chunk, longest, shortest)
 
 
 class PlacedChunks(NamedTuple):
     """A step's chunk tables written into a flat int32 buffer (`chunks_into`): where its work
     table starts and its rows, where its combine table starts and its rows, the partial
-    slots it uses and its longest segment (the fields of `ChunkTables`, placed)."""
+    slots it uses and its longest and shortest segment (the fields of `ChunkTables`,
+    placed)."""
 
     work_off: int
     n_items: int
@@ -110,6 +113,7 @@ class PlacedChunks(NamedTuple):
     n_combine: int
     n_parts: int
     max_q_len: int
+    min_q_len: int = 1
 
 
 def chunks_into(seq_info, segments, *, window: int, staging, at: int,
@@ -127,7 +131,7 @@ def chunks_into(seq_info, segments, *, window: int, staging, at: int,
             seq_info, segments, window, bits, staging.host, at)
     _check_queries(shortest, longest)
     combine_off = at + n_items * WORK_FIELDS
-    return PlacedChunks(at, n_items, combine_off, n_split, n_parts, longest)
+    return PlacedChunks(at, n_items, combine_off, n_split, n_parts, longest, shortest)
 
 
 def _chunk_bits(chunk: int) -> int:

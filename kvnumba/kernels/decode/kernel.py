@@ -194,7 +194,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
     def decode(q, k_store, v_store, tables, pages, out, lse, sinks, part_acc, part_ml,
                seq_info_off,
                work_off, max_q_len, group, row_group_bits, ring_rows, window, page_bits, scale,
-               softcap):
+               softcap, most_rows):
         tid = int32(cuda.threadIdx.x)
         warp = tid >> 5
         lane = tid & (WARP - 1)
@@ -212,7 +212,9 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         seq = tables[uint64(item + WORK_SEQ)]
         q_len = tables[uint64(item + WORK_Q_LEN)]
         first_row = row_group * ROWS
-        if first_row >= group * q_len:         # a row group this segment does not fill
+        # a row group this segment does not fill, or a segment of more rows than this
+        # kernel takes (the tensor cores serve it: `decode.shape.grouped`)
+        if first_row >= group * q_len or group * q_len > most_rows:
             return
 
         # storage: key position p lives in row p (flat) or p % ring_rows (ring), row r

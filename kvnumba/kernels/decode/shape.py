@@ -13,6 +13,7 @@ from ...config import FAST_MAX_HEAD_DIM
 from ...device import SIMULATOR
 from ..launch.constants import WARP
 from ..intrinsics.words import WIDEN, load_bytes
+from ..prefill.shape import supports as tensor_cores_serve
 
 WARPS = 4
 THREADS = WARPS * WARP
@@ -187,3 +188,23 @@ class KernelShape(Geometry):
         constant step apart (0: work each one out)."""
         whole = self.per_lane == 1 and self.row_threads % self.lanes == 0
         return self.row_threads // self.lanes if whole else 0
+
+
+#: the most rows (a layer's group times the step's longest decode segment) the CUDA-core
+#: kernel takes, by bytes of a stored value: where its instructions per key stay under
+#: what the byte rate allows (16-bit storage: 70.3 SASS instructions per key per kv
+#: head at 4 rows against about 130 at d128; 8-bit floats: half the bytes, about 65
+#: allowed, 56.1 at 2 rows but 75.8 at 4). More rows take the tensor cores
+#: (`grouped`), whose cost per key hardly grows with the rows.
+CUDA_CORE_ROWS = {2: 4, 1: 2}
+
+
+def grouped(rows: int, head_dim: int, storage_dtype) -> bool:
+    """Whether decode rows of a layer go to the tensor cores (`prefill_kernel(...,
+    split=True)` over the same chunks and combine) rather than the CUDA-core kernel:
+    more than `CUDA_CORE_ROWS` rows, over 16-bit or 8-bit float storage the tensor-core
+    kernel serves (`prefill.supports`). float32 storage stays on CUDA cores (exact)."""
+    itemsize = np.dtype(storage_dtype).itemsize
+    return (itemsize in CUDA_CORE_ROWS and rows > CUDA_CORE_ROWS[itemsize]
+            and tensor_cores_serve(head_dim, storage_dtype))
+

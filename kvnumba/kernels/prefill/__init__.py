@@ -16,14 +16,15 @@ from ..launch.constants import FP8_FORMATS
 from ..launch.calling import PER_CALL, aligned, ceil_div, no_output
 from ..sinks import no_sinks
 from .kernel import prefill_kernel
-from .shape import Q_OUT_TYPES, default_warp_rows, stored_type, supports, tile_shape, type_name
+from .shape import (Q_OUT_TYPES, default_warp_rows, grouped_tile, stored_type,  # noqa: F401
+                    supports, tile_shape, type_name)
 
 #: the mma type's array dtype name (bfloat16 as uint16 bits)
 MMA_DTYPES = {"float16": "float16", "bfloat16": "uint16"}
 
 
 @lru_cache(maxsize=None)
-def _served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
+def served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
     """`(mma type, stored type)` of a launch, after refusing what this path does not serve;
     cached per combination, so a launch pays for the checks once, not per layer and step.
     16-bit storage is its own mma type; 8-bit floats take the query's 16-bit type
@@ -46,7 +47,7 @@ class PrefillRun:
     tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse, sinks,
     ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
     out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, softcap
-    and sinks on or off. The first call of a signature checks what the path serves (`_served`),
+    and sinks on or off. The first call of a signature checks what the path serves (`served`),
     picks the kernel and its grid and binds it; later calls pack their arrays and
     scalars only."""
 
@@ -64,7 +65,7 @@ class PrefillRun:
         if not scale > 0:
             raise ValueError(f"prefill: scale {scale} must be positive")
         head_dim = q.shape[2]
-        mma, stored = _served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
+        mma, stored = served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
         shape = tuple(k_store.shape)
         if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
             raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
@@ -93,7 +94,7 @@ class PrefillRun:
                            PER_CALL, PER_CALL, PER_CALL, PER_CALL, int(self.page_bits),
                            self.tables, PER_CALL, PER_CALL, PER_CALL, int(self.seq_info_off),
                            int(self.segments_off), n_row_tiles, group, PER_CALL, PER_CALL,
-                           PER_CALL, PER_CALL)
+                           PER_CALL, PER_CALL, no_sinks(), no_sinks(), 0, 0)  # not split
 
 
 def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_bits,

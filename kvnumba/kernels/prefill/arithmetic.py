@@ -1,7 +1,8 @@
 """The prefill kernel's arithmetic on mma fragments, as device functions of one
 specialisation (`math_functions`): S = Q K^T, the softcap, masks, the online softmax
 with P packed to 16 bits, O += P V with the row sums from one more mma, and the
-normalised rows' stores (a row's sink joined there) (`prefill_kernel`'s doc tells the fragment bookkeeping)."""
+normalised rows' stores (a row's sink joined there), or a key chunk's partial states for
+the decode combine (`prefill_kernel`'s doc tells the fragment bookkeeping)."""
 from __future__ import annotations
 
 import math
@@ -17,8 +18,8 @@ from numba import float32, uint32  # noqa: E402  (after device)
 
 
 def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
-    """`(scores, softcap_scores, mask, softmax_step, accumulate, store_rows)` for one
-    kernel `shape`, its rows' sinks joined (`sunk`) or not."""
+    """`(scores, softcap_scores, mask, softmax_step, accumulate, store_rows,
+    store_partial)` for one kernel `shape`, its rows' sinks joined (`sunk`) or not."""
     SUNK = sunk
     head_dim, BK, PITCH, H = shape.head_dim, shape.bk, shape.pitch, shape.h
     KT, DK, DT = shape.kt, shape.dk, shape.dt
@@ -182,13 +183,41 @@ def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
                         best * LOG2E, row_sum, sinks[kv_head * group + head] * LOG2E)
                     best *= LN2
                 inv_l = weight / row_sum
+                # unsigned indices: no negative-index wraparound code per store
+                token_at = uint32(q_start + token)
+                head_at = uint32(kv_head * group + head)
                 if t == 0 and lse.shape[0] > 0:
-                    lse[q_start + token, kv_head * group + head] = best + math.log(row_sum)
+                    lse[token_at, head_at] = best + math.log(row_sum)
                 for n in range(DT):
                     d = 8 * n + 2 * t
                     if d < head_dim:
                         for i in range(2):
-                            out[q_start + token, kv_head * group + head, d + i] = \
+                            out[token_at, head_at, uint32(d + i)] = \
                                 ptx.from_f32(o[at + 4 * n + i] * inv_l, out)
 
-    return scores, softcap_scores, mask, softmax_step, accumulate, store_rows
+    @cuda.jit(device=True)
+    def store_partial(part_acc, part_ml, o, l, m, scale_log2, warp_row, n_end, g, t,
+                      part_row, group, kv_head, n_heads):
+        """Write the lane's real rows as one chunk's partial state, unnormalised, in the
+        decode combine's layout (`decode.combine`): a row's accumulators at `at *
+        head_dim`, its (max in base 2, sum) pair at `2 at`, `at = (part_row + token) *
+        n_heads + head` (`part_row`: the chunk's partial slot times the partials'
+        max_q_len). A row that saw no key of the chunk holds max -inf, sum 0, acc 0."""
+        for r in range(LANE_ROWS):
+            row = warp_row + g + 8 * r
+            if row < n_end:
+                first = (r // 2) * O_FLOATS + 2 * (r % 2)    # row a or b of half r // 2
+                token, head = split_row(row, group)
+                # unsigned indices: no negative-index wraparound code per store
+                at = uint32((part_row + token) * n_heads + kv_head * group + head)
+                if t == 0:
+                    part_ml[at * uint32(2)] = m[r] * scale_log2
+                    part_ml[at * uint32(2) + uint32(1)] = l[4 * (r // 2) + 2 * (r % 2)]
+                row_at = at * uint32(head_dim)
+                for n in range(DT):
+                    d = 8 * n + 2 * t
+                    if d < head_dim:
+                        for i in range(2):
+                            part_acc[row_at + uint32(d + i)] = o[first + 4 * n + i]
+
+    return scores, softcap_scores, mask, softmax_step, accumulate, store_rows, store_partial

@@ -78,6 +78,7 @@ from ...device import cuda
 from ..intrinsics import ptx, tensorcore
 from ..launch.constants import LOG2E, NEG_INF
 from ..launch.calling import Specialised
+from ..decode.chunks import WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_SEG
 from ..masks import key_range, read_segment
 from .arithmetic import math_functions
 from .shape import CHUNK_VALUES, FLAT_RING, PrefillShape
@@ -89,15 +90,22 @@ from numba import float32, int32, uint16, uint32  # noqa: E402  (after device)
 @lru_cache(maxsize=None)
 def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
                    capped: bool, q_copy: bool = True, warp_rows: int | None = None,
-                   stored: str | None = None, sunk: bool = False):
+                   stored: str | None = None, sunk: bool = False, split: bool = False):
     """The prefill kernel for one head_dim, tile shape (`warp_rows`: by default
     `default_warp_rows`), 16-bit mma type `storage` over K/V storage holding `stored`
     (default the same type; "e4m3" / "e5m2": 8-bit floats converted while staged), with
     (`capped`) or without a softcap, and Q staged by cp.async (`q_copy`: q holds the mma
-    type, 16-byte aligned) or converted value by value; with (`sunk`) or without sinks."""
-    shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored)
+    type, 16-byte aligned) or converted value by value; with (`sunk`) or without sinks;
+    over whole segments, or (`split`) over the decode path's key chunks (module doc)."""
+    # split over 8-bit float storage: Q's fragments from shared memory, tile by tile, so
+    # that the widening loads of a one-warp block have the registers
+    q_registers = False if split and stored not in (None, storage) else None
+    shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored,
+                            q_registers)
     stage_queries, stage_tile = staging_functions(shape, q_copy)
-    scores, softcap_scores, mask, softmax_step, accumulate, store_rows = math_functions(shape, sunk)
+    (scores, softcap_scores, mask, softmax_step, accumulate, store_rows,
+     store_partial) = math_functions(shape, sunk)
+    SPLIT = split
     BR, BK, WR, H, PITCH = shape.br, shape.bk, shape.wr, shape.h, shape.pitch
     DK, LANE_ROWS, FRAGMENT = shape.dk, shape.lane_rows, shape.fragment
     Q_ALL, S_ALL, P_ALL, O_ALL = shape.q_all, shape.s_all, shape.p_all, shape.o_all
@@ -154,32 +162,59 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
     masked_tiles = key_tiles(True)
     unmasked_tiles = key_tiles(False)
 
+    @cuda.jit(device=True, inline="always")
+    def seen(i, q_len, pos_start, block, win, chunk_lo, chunk_hi):
+        """The keys query `i` of a segment sees (`key_range`), inside the block's chunk
+        [chunk_lo, chunk_hi) when the kernel is `split` (then perhaps none: lo >= hi)."""
+        lo, hi = key_range(i, q_len, pos_start, block, win)
+        if SPLIT:
+            return max(lo, chunk_lo), min(hi, chunk_hi)
+        return lo, hi
+
     @cuda.jit
     def prefill(q, k_store, v_store, pages, page_bits, tables, out, lse, sinks, seq_info_off,
-                segments_off, n_row_tiles, group, ring_rows, window, scale, softcap):
+                segments_off, n_row_tiles, group, ring_rows, window, scale, softcap,
+                part_acc, part_ml, max_q_len, least_rows):
         """`run`'s launch: pages and page_bits follow the slot storage they address, as
-        in `attention`'s kernel; grid (kv heads, served segments, row tiles)."""
+        in `attention`'s kernel; grid (kv heads, served segments, row tiles). `split`:
+        grid (work items, kv heads, row tiles), `segments_off` the work table's offset,
+        `part_acc`, `part_ml` and `max_q_len` the partials' (`decode.combine`), and
+        only the items of segments of more than `least_rows` rows (group times q_len:
+        `decode.shape.grouped`; the CUDA-core kernel serves the others); else those
+        four are unused."""
         tid = cuda.threadIdx.x
         lane = cuda.laneid
         g = lane // 4
         t = lane % 4
-        kv_head = cuda.blockIdx.x
-        seg = tables[segments_off + cuda.blockIdx.y]
+        if SPLIT:
+            item = int32(segments_off) + int32(cuda.blockIdx.x) * int32(WORK_FIELDS)
+            kv_head = cuda.blockIdx.y
+            seg = tables[item + WORK_SEG]
+            chunk_lo = tables[item + WORK_KEY_LO]
+            chunk_hi = tables[item + WORK_KEY_HI]
+            part = tables[item + WORK_PART]
+        else:
+            kv_head = cuda.blockIdx.x
+            seg = tables[segments_off + cuda.blockIdx.y]
+            chunk_lo = chunk_hi = part = int32(0)
         first_row = int32((n_row_tiles - 1 - cuda.blockIdx.z) * BR)   # longest tiles first
         q_start, q_len, seq, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_end = int32(group * q_len)            # the segment's rows
         n_rows = int32(min(BR, n_end - first_row))
-        if n_rows <= 0:
+        if n_rows <= 0 or (SPLIT and n_end <= least_rows):
             return
         # Integers are int32 from here (registers, 32-bit arithmetic). The block loads keys
-        # [key_lo, key_hi), the union of its rows' intervals, in tiles j = 0 .. n_tiles.
+        # [key_lo, key_hi), the union of its rows' intervals (inside its chunk when split),
+        # in tiles j = 0 .. n_tiles.
         win = int32(window)
-        key_lo, hi_block = key_range(split_row(first_row, group)[0], q_len, pos_start, block,
-                                     win)
-        lo_block, key_hi = key_range(split_row(first_row + n_rows - 1, group)[0], q_len,
-                                     pos_start, block, win)
+        key_lo, hi_block = seen(split_row(first_row, group)[0], q_len, pos_start, block, win,
+                                chunk_lo, chunk_hi)
+        lo_block, key_hi = seen(split_row(first_row + n_rows - 1, group)[0], q_len,
+                                pos_start, block, win, chunk_lo, chunk_hi)
         key_lo = int32(key_lo)
         n_tiles = int32((key_hi - key_lo + BK - 1) // BK)
+        if SPLIT:
+            n_tiles = max(n_tiles, int32(0))    # no key of the chunk: rows of -inf, 0, 0
         # its tiles [j1, j2) are seen whole by all its rows (past its last row's lo, before
         # its first row's hi): the unmasked loop takes them, after the masked loop the others
         j1 = int32(min(n_tiles, (lo_block - key_lo + BK - 1) // BK))
@@ -191,10 +226,10 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         # (its first row's lo, its last row's hi) and masks none in [j_full, j_part)
         warp_row = int32(first_row + WR * (tid // 32))
         warp_end = int32(min(warp_row + WR, first_row + n_rows))
-        lo_first, hi_first = key_range(split_row(warp_row, group)[0], q_len, pos_start, block,
-                                       win)
-        lo_last, hi_last = key_range(split_row(warp_end - 1, group)[0], q_len, pos_start,
-                                     block, win)
+        lo_first, hi_first = seen(split_row(warp_row, group)[0], q_len, pos_start, block,
+                                  win, chunk_lo, chunk_hi)
+        lo_last, hi_last = seen(split_row(warp_end - 1, group)[0], q_len, pos_start, block,
+                                win, chunk_lo, chunk_hi)
         bounds = (int32((lo_first - key_lo) // BK),
                   int32((hi_last - key_lo + BK - 1) // BK if warp_row < warp_end else 0),
                   int32((lo_last - key_lo + BK - 1) // BK), int32((hi_first - key_lo) // BK))
@@ -203,8 +238,8 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         lo = cuda.local.array(LANE_ROWS, int32)
         hi = cuda.local.array(LANE_ROWS, int32)
         for r in range(LANE_ROWS):
-            lo_r, hi_r = key_range(split_row(min(warp_row + g + 8 * r, n_end - 1), group)[0],
-                                   q_len, pos_start, block, win)
+            lo_r, hi_r = seen(split_row(min(warp_row + g + 8 * r, n_end - 1), group)[0],
+                              q_len, pos_start, block, win, chunk_lo, chunk_hi)
             lo[r] = int32(lo_r - key_lo - 2 * t)
             hi[r] = int32(hi_r - key_lo - 2 * t)
 
@@ -226,7 +261,8 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         # 16-byte aligned: ldmatrix rows and cp.async destinations
         tile = cuda.shared.array(SMEM, uint16, alignment=16)
         stage_queries(tile, q, q_start, first_row, n_rows, group, kv_head, first_q, q_d0)
-        stage_tile(tile, tile_of(masked_order, 0) if n_masked > 0 else j1, staging, False)
+        if not SPLIT or n_tiles > 0:
+            stage_tile(tile, tile_of(masked_order, 0) if n_masked > 0 else j1, staging, False)
         tensorcore.cp_async_wait(0)
         cuda.syncthreads()              # Q and the first K tile are in
         # A-operand lane address: row lane % 16, columns 8 (lane // 16) on (V .trans too)
@@ -261,7 +297,11 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         scales = (scale * LOG2E, scale, softcap)
         masked_tiles(n_masked, masked_order, buffers, staging, lanes, bounds, scales)
         unmasked_tiles(int32(j2 - j1), unmasked_order, buffers, staging, lanes, bounds, scales)
-        store_rows(out, lse, sinks, o, l, m, scale, warp_row, n_end, g, t, q_start, group,
-                   kv_head)
+        if SPLIT and part >= 0:
+            store_partial(part_acc, part_ml, o, l, m, scale * LOG2E, warp_row, n_end, g, t,
+                          int32(part * max_q_len), group, kv_head, q.shape[1])
+        else:
+            store_rows(out, lse, sinks, o, l, m, scale, warp_row, n_end, g, t, q_start,
+                       group, kv_head)
 
     return Specialised(prefill)

@@ -63,12 +63,16 @@ def stored_type(dtype) -> str:
     return FP8_FORMATS[name] if name in FP8_FORMATS else storage_type(name)
 
 
-def shared_layout(head_dim: int, block_rows: int, block_keys: int) -> tuple[int, int, int, int]:
+def shared_layout(head_dim: int, block_rows: int, block_keys: int,
+                  in_registers: bool | None = None) -> tuple[int, int, int, int]:
     """(q_row, k_row, v_row, rows): where Q, K and V start in the one shared buffer of
-    `rows` rows of padded_head_dim + 8 16-bit values. Up to Q_REGISTERS_MAX_DIM Q moves to
-    registers before V(0) is loaded, so it is staged in V's rows (and past them when
-    block_rows > block_keys); above, Q keeps rows 0 .. block_rows, K and V follow."""
-    if padded_head_dim(head_dim) <= Q_REGISTERS_MAX_DIM:
+    `rows` rows of padded_head_dim + 8 16-bit values. With Q in registers
+    (`in_registers`; None: up to Q_REGISTERS_MAX_DIM) Q moves there before V(0) is
+    loaded, so it is staged in V's rows (and past them when block_rows > block_keys);
+    else Q keeps rows 0 .. block_rows, K and V follow."""
+    if in_registers is None:
+        in_registers = padded_head_dim(head_dim) <= Q_REGISTERS_MAX_DIM
+    if in_registers:
         return block_keys, 0, block_keys, block_keys + max(block_rows, block_keys)
     return 0, block_rows, block_rows + block_keys, block_rows + 2 * block_keys
 
@@ -102,6 +106,20 @@ def tile_shape(head_dim: int) -> tuple[int, int]:
     """(block_rows, block_keys) the GPU uses for `head_dim`."""
     dpad = padded_head_dim(head_dim)
     return TILES[next(d for d in sorted(TILES) if dpad <= d)]
+
+
+def grouped_tile(rows: int, head_dim: int) -> tuple[int, int]:
+    """(block_rows, block_keys) of the split kernel over `rows` decode rows (a layer's
+    group times the longest decode segment): the fewest m16 halves that hold the rows,
+    up to 64 (128 where Q stays in registers: one block reads each K/V tile for 128
+    rows), and the most keys a tile whose shared memory stays within 48 KiB."""
+    dpad = padded_head_dim(head_dim)
+    halves = ceil_div(rows, 16)
+    if dpad <= Q_REGISTERS_MAX_DIM:
+        block_rows = 16 * min(halves, 8)
+        return block_rows, (64 if block_rows <= 64 else 32)
+    block_rows = 16 * min(halves, 3)
+    return block_rows, (32 if block_rows == 16 else 16)
 
 
 def storage_type(dtype) -> str:
@@ -169,7 +187,8 @@ class PrefillShape:
 
     @classmethod
     def of(cls, head_dim: int, block_rows: int, block_keys: int, storage: str,
-           warp_rows: int | None = None, stored: str | None = None) -> "PrefillShape":
+           warp_rows: int | None = None, stored: str | None = None,
+           q_registers: bool | None = None) -> "PrefillShape":
         br, bk = block_rows, block_keys
         wr = warp_rows or default_warp_rows(head_dim, br)
         assert br % wr == 0 and wr in (16, 32) and bk % 16 == 0 and storage in STORAGE_TYPES
@@ -181,7 +200,8 @@ class PrefillShape:
         # per lane and half: Q words, S floats, P words, O floats
         q_words, s_floats, p_words, o_floats = 4 * dk, 4 * kt, 2 * kt, 4 * dt
         chunks = dp // CHUNK_VALUES     # chunks of a padded row; those from head_dim on: zeros
-        q_row, k_row, v_row, rows = shared_layout(head_dim, br, bk)
+        in_registers = dp <= Q_REGISTERS_MAX_DIM if q_registers is None else q_registers
+        q_row, k_row, v_row, rows = shared_layout(head_dim, br, bk, in_registers)
         # staging (see staging_layout): thread tid copies chunks tid % lanes + c lanes of
         # rows tid // lanes + p step; the rest of the threads (step lanes < threads) idle
         key_lanes, key_passes = staging_layout(chunks, threads, bk)
@@ -192,7 +212,7 @@ class PrefillShape:
                    s_floats, p_words, o_floats, lane_rows=2 * h, fragment=4 * h,
                    q_all=h * q_words, s_all=h * s_floats, p_all=h * p_words,
                    o_all=h * o_floats, chunks=chunks, padded=dp > head_dim,
-                   q_in_registers=dp <= Q_REGISTERS_MAX_DIM, q_base=q_row * pitch,
+                   q_in_registers=in_registers, q_base=q_row * pitch,
                    k_base=k_row * pitch, v_base=v_row * pitch, smem=rows * pitch,
                    key_lanes=key_lanes, key_passes=key_passes, key_step=key_step,
                    key_copies=chunks // key_lanes,

@@ -1,0 +1,68 @@
+"""A static estimate of decode attention on an NVIDIA H200 from a kernel's SASS figures:
+how much of the memory's bandwidth a decode step of `SEQUENCES` sequences of `KEYS`
+keys on `KV_HEADS` kv heads reaches, when its time is the longest of what its bytes,
+its issued instructions and its tensor-core work take.
+
+The chip (docs/benchmarks.md measured it): 132 SMs at 1.98 GHz, each issuing at most
+one warp instruction per clock on each of its 4 schedulers; HBM3e of 4.8 TB/s, of
+which a device-to-device copy moved 4.13 TB/s (`REACHED_BYTES`), the most a stream of
+loads is taken to reach; `mma.sync m16n8k16` at one per 2 clocks per scheduler.
+
+The estimate assumes what the kernel's static figures say and what its launch gives:
+enough bytes in flight per SM to cover the memory's latency (the caller checks that
+with `in_flight`), no bank conflicts, no tail of the last wave, and the combine's
+partials (a few percent of the bytes) left out. It is an upper bound on what the
+kernel can reach, not a measurement.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SMS = 132
+CLOCK_HZ = 1.98e9
+SCHEDULERS = 4
+HBM_BYTES_PER_S = 4.8e12
+REACHED_BYTES_PER_S = 4.13e12
+HMMA_CLOCKS = 2
+#: the decode step the issue's targets name
+SEQUENCES, KEYS, KV_HEADS = 128, 4096, 8
+#: loaded latency (seconds) the bytes in flight must cover
+LATENCY_S = 1.0e-6
+#: shared memory an SM gives its blocks, and the most blocks it holds
+SHARED_PER_SM = 228 * 1024
+BLOCKS_PER_SM = 32
+
+
+class Estimate(NamedTuple):
+    """Seconds the step's bytes, instructions and HMMAs take at the chip's rates, and
+    the fraction of the HBM bandwidth (`HBM_BYTES_PER_S`) the step reaches."""
+
+    bytes_s: float
+    issue_s: float
+    hmma_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.bytes_s, self.issue_s, self.hmma_s)
+
+    @property
+    def hbm_fraction(self) -> float:
+        return self.bytes_s * REACHED_BYTES_PER_S / HBM_BYTES_PER_S / self.seconds
+
+
+def decode_step(instructions_per_key: float, hmma_per_key: float, head_dim: int,
+                itemsize: int) -> Estimate:
+    """The estimate of a decode step (module doc) of a kernel that issues
+    `instructions_per_key` warp instructions and `hmma_per_key` HMMAs per key per kv
+    head over K/V of `head_dim` values of `itemsize` bytes each."""
+    key_heads = SEQUENCES * KEYS * KV_HEADS
+    issue_rate = SMS * SCHEDULERS * CLOCK_HZ
+    return Estimate(bytes_s=key_heads * 2 * head_dim * itemsize / REACHED_BYTES_PER_S,
+                    issue_s=key_heads * instructions_per_key / issue_rate,
+                    hmma_s=key_heads * hmma_per_key * HMMA_CLOCKS / issue_rate)
+
+
+def in_flight(bytes_per_block: int, blocks_per_sm: int) -> float:
+    """The bytes in flight per SM over those its share of `REACHED_BYTES_PER_S` needs
+    to cover `LATENCY_S` (at least 1: the memory's latency is covered)."""
+    return bytes_per_block * blocks_per_sm / (REACHED_BYTES_PER_S / SMS * LATENCY_S)
