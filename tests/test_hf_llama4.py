@@ -38,7 +38,7 @@ def test_llama4_text_is_served_token_for_token_with_prefix_hits_forks_and_a_draf
                          page_size=8, draft_model=draft, draft_len=2)
     assert engine.target.cache.config.layers == (kv.chunked(4), kv.flat())
     assert engine.generate(prompts[:1], max_new_tokens=3) == want[:1]
-    assert engine.generate(prompts[1:], max_new_tokens=3, n=2) == [want[1]] * 2
+    assert engine.generate(prompts[1:], max_new_tokens=2, n=2) == [want[1][:2]] * 2
     assert engine.stats.cached_tokens == 8
     unchunked = llama4(attention_chunk_size=64)
     unchunked.load_state_dict(model.state_dict())

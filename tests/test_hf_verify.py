@@ -57,7 +57,7 @@ def test_models_with_learned_sinks_are_served_token_for_token(model_type):
     engine = kvhf.Engine(model, max_seqs=2, capacity=32, max_write=8, dtype="float32",
                          page_size=8, draft_model=draft, draft_len=2)
     assert engine.generate(prompts[:1], max_new_tokens=3) == want[:1]
-    assert engine.generate(prompts[1:], max_new_tokens=3, n=2) == [want[1]] * 2
+    assert engine.generate(prompts[1:], max_new_tokens=2, n=2) == [want[1][:2]] * 2
     assert engine.stats.cached_tokens == 16
     sinkless = sink_model(model_type)
     with torch.no_grad():
