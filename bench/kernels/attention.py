@@ -30,16 +30,18 @@ def _guarded(bench: Bench, cache, row, fn) -> dict:
 
 
 # ---------------------------------------------------------------------------- decode
-def _decode_row(bench: Bench, peers: Peers | None, cache, seqs, lengths, layer=0) -> dict:
-    """Time one decode step's attention (the step's own token already written)."""
+def _decode_row(bench: Bench, peers: Peers | None, cache, seqs, lengths, layer=0,
+                n_q_heads=None) -> dict:
+    """Time one decode step's attention (the step's own token already written; q, k, v
+    and out in the storage's type, float16 over 8-bit float storage)."""
     s = bench.sizes
-    dtype = cache.config.dtype
+    dtype = "float16" if cache.config.is_fp8 else cache.config.dtype
     batch = len(seqs)
     cache.declare_step(np.asarray(seqs))
     cache.prepare_step()
     k_src = bench.random((batch, s.n_kv_heads, s.head_dim), dtype)
     cache.write(layer, k_src, k_src)
-    q, out = bench.q_out(batch, dtype)
+    q, out = bench.q_out(batch, dtype, n_q_heads)
     ms = bench.gpu_ms(lambda: cache.attend(layer, q, out=out))
     host = bench.host_us(lambda: cache.attend(layer, q, out=out))
     keys = int(np.sum(lengths)) + batch                     # history plus the new token
@@ -108,6 +110,31 @@ def _decode_rows(bench: Bench, peers: Peers | None, dtype) -> list:
         single["wall_us"] = bench.host_us(lambda: cache.attend(0, q, out=out), wait=True)
         cache.abort_step()
     return rows
+
+
+def bench_grouped(bench: Bench) -> list:
+    """Decode of grouped queries (on tensor cores: each kv head serves `group` query
+    heads), B sequences x H keys, for each group and dtype of the sizes."""
+    return bench.each_released(lambda dtype: _grouped_rows(bench, dtype),
+                               bench.sizes.grouped_dtypes)
+
+
+def _grouped_rows(bench: Bench, dtype) -> list:
+    s = bench.sizes
+    groups, n_seqs, history = s.grouped
+    capacity = history + 64
+    cache = bench.cache(layers=[kv.flat()], capacity=capacity, max_seqs=n_seqs,
+                        max_write=min(4096, capacity), max_step=4 * min(4096, capacity),
+                        dtype=dtype)
+    seqs = [cache.seq_new() for _ in range(n_seqs)]
+    k_src, v_src = bench.kv_source(cache.config.max_step,
+                                   "float16" if cache.config.is_fp8 else dtype)
+    bench.fill(cache, seqs, history, k_src, v_src)
+    return [_guarded(bench, cache, dict(case=f"group {group}: {n_seqs} x {history}",
+                                        dtype=dtype),
+                     lambda: _decode_row(bench, None, cache, seqs, [history] * n_seqs,
+                                         n_q_heads=group * s.n_kv_heads))
+            for group in groups]
 
 
 def bench_skewed(bench: Bench, peers: Peers | None) -> list:

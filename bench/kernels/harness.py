@@ -186,8 +186,9 @@ class Bench:
                 cache.write(layer, k_src[off:off + used], v_src[off:off + used])
             cache.commit_step()
 
-    def q_out(self, tokens, dtype=None):
-        """Random queries of `tokens` tokens and an output for them."""
+    def q_out(self, tokens, dtype=None, n_q_heads=None):
+        """Random queries of `tokens` tokens (of `n_q_heads` heads: by default the
+        sizes') and an output for them."""
         s = self.sizes
-        shape = (tokens, s.n_q_heads, s.head_dim)
+        shape = (tokens, n_q_heads or s.n_q_heads, s.head_dim)
         return self.random(shape, dtype), self.empty(shape, dtype)

@@ -3,7 +3,7 @@ missed, from the figures `bench.kernels.run` returns."""
 from __future__ import annotations
 
 #: the kernel cases, in the order they run and are reported
-SECTIONS = ("write", "clone", "decode", "skewed", "prefill", "mixed")
+SECTIONS = ("write", "clone", "decode", "grouped", "skewed", "prefill", "mixed")
 
 
 def _f(value, fmt):
@@ -54,12 +54,16 @@ _COLUMNS = {
               ("decode µs", "decode alone", 10, ".1f", 1e3), ("x parts", "vs_parts", 8, ".2f", 1)],
 }
 _COLUMNS["clone"] = _COLUMNS["write"]
+_COLUMNS["grouped"] = [("case", "case", 24, None, 1), ("dtype", "dtype", 11, None, 1), *_TIMES,
+                       _OF_COPY]
 _COLUMNS["skewed"] = _COLUMNS["decode"]
 _TITLES = {
     "write": "write: read+write traffic as a fraction of the roofline",
     "clone": "clone: read+write traffic as a fraction of the roofline",
     "decode": "decode attention: K/V bytes read as a fraction of the roofline; x peer = "
               "peer time / kvnumba time",
+    "grouped": "decode attention of grouped queries (tensor cores): K/V bytes read as a "
+               "fraction of the roofline",
     "skewed": "decode attention, skewed batch (geomspace lengths)",
     "prefill": "prefill attention (causal): TFLOP/s, fraction of the fp16 matmul rate",
     "mixed": "mixed step vs its prefill part alone + its decode part alone",

@@ -15,7 +15,9 @@ Every figure is a ratio against a ceiling or a peer measured in the same run:
 Cases (float16 storage, 8 kv heads, 32 q heads, head_dim 128): the write of a
 4 x 1024 prefill step and of a 256 x 1 decode step; a clone's ring copies (rings of
 4096 positions over 4 layers, 64 MiB: flat layers share their pages instead);
-decode of B in {1, 32, 128} sequences x {512, 4096, 16384} keys; a skewed decode
+decode of B in {1, 32, 128} sequences x {512, 4096, 16384} keys; decode of grouped
+queries (8 and 16 query heads per kv head, 128 sequences x 4096 keys, float16 and
+float8_e4m3 storage: the tensor-core decode); a skewed decode
 batch (64 sequences, `geomspace(32, 32768)` keys) on a flat and on a ring layer
 (window 4096); prefill 4 x 1024, 1 x 4096, 4 x 512 after 4096 cached
 tokens; a mixed step (4 x 1024 chunks plus 64 decode tokens) against its parts.
@@ -39,7 +41,7 @@ import dataclasses
 import sys
 import traceback
 
-from .attention import bench_decode, bench_mixed, bench_prefill, bench_skewed
+from .attention import bench_decode, bench_grouped, bench_mixed, bench_prefill, bench_skewed
 from .harness import Bench
 from .moves import bench_clone, bench_write
 from .peers import Peers
@@ -86,6 +88,7 @@ def run(sizes: Sizes = FULL, verbose: bool = False) -> dict:
         cases = dict(write=lambda: bench_write(bench), clone=lambda: bench_clone(bench),
                      decode=lambda: bench_decode(bench, peers),
                      skewed=lambda: bench_skewed(bench, peers),
+                     grouped=lambda: bench_grouped(bench),
                      prefill=lambda: bench_prefill(bench, peers, result["matmul_tflops"]),
                      mixed=lambda: bench_mixed(bench))
         for key in SECTIONS:

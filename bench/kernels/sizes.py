@@ -25,6 +25,8 @@ class Sizes:
     decode_histories: tuple = (512, 4096, 16384)
     skewed: tuple = (64, 32, 32768)           # sequences, shortest, longest
     ring_window: int = 4096
+    grouped: tuple = ((8, 16), 128, 4096)      # query heads per kv head, sequences x keys
+    grouped_dtypes: tuple = ("float16", "float8_e4m3")
     prefill: tuple = (("4x1024", 4, 1024, 0), ("1x4096", 1, 4096, 0),
                       ("4x512@4096", 4, 512, 4096))
     mixed: tuple = (4, 1024, 64, 4096)        # chunks x tokens, decode tokens at history
@@ -35,11 +37,11 @@ class Sizes:
 
 
 FULL = Sizes()
-QUICK = dataclasses.replace(FULL, copy_mib=256, decode_batches=(1, 32),
+QUICK = dataclasses.replace(FULL, copy_mib=256, decode_batches=(1, 32), grouped=((8,), 64, 4096),
                             decode_histories=(512, 4096), warmup=2, iters=5, repeats=3)
 SMOKE = Sizes(n_kv_heads=1, n_q_heads=2, head_dim=16, copy_mib=1, write_prefill=(2, 4),
               write_decode=3, clone=(32, 2), decode_batches=(1, 2), decode_histories=(5,),
-              skewed=(3, 2, 9), ring_window=4, prefill=(("2x5", 2, 5, 0), ("1x5@3", 1, 5, 3)),
+              skewed=(3, 2, 9), ring_window=4, grouped=((8,), 2, 5), prefill=(("2x5", 2, 5, 0), ("1x5@3", 1, 5, 3)),
               mixed=(1, 5, 2, 3), matmul=64, warmup=0, iters=1, repeats=1)
 
 #: targets on an H200-class GPU, as ratios measured in one run
