@@ -8,7 +8,7 @@ cites the sections of the contract, docs/contract.md, as "contract §n".
 from . import device  # (first: chooses GPU or simulator before numba.cuda)
 from .device import DeviceError, torch_stream
 from .cache.batched import BatchedSequenceCache
-from .config import CacheConfig, LayerShape, LayerSpec, chunked, flat, ring, shared
+from .config import CacheConfig, LayerShape, LayerSpec, chunked, flat, latent, ring, shared
 from .serving.driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
@@ -37,5 +37,5 @@ __all__ = [
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "chunked", "device",
     "flat",
-    "fp8_scales", "page_keys", "ring", "run_inputs", "run_step", "shared", "torch_stream",
+    "fp8_scales", "latent", "page_keys", "ring", "run_inputs", "run_step", "shared", "torch_stream",
 ]

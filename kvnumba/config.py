@@ -1,5 +1,5 @@
-"""Cache configuration (contract §3): `CacheConfig`, and `flat()` / `ring()` / `chunked()`
-layer specs.
+"""Cache configuration (contract §3): `CacheConfig` over the layers of `kvnumba.layerspec`
+(`flat()`, `ring()`, `chunked()`, `shared()`, `latent()`).
 
 Validation happens at construction; every refusal is a `ConfigError` naming the
 field and the rule it broke.
@@ -18,6 +18,9 @@ from .args import as_count, describe, is_int
 from .errors import ConfigError
 from .host.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
 from .host.positions import layer_rows, ring_floor
+from .layerspec import (FAST_MAX_HEAD_DIM, INT32_MAX, MAX_HEAD_DIM,  # noqa: F401 (re-exported)
+                        MAX_LATENT_DIM, LayerShape, LayerSpec, chunked, flat, latent, ring,
+                        shared)
 
 #: storage dtypes, by name: the dtype of the device arrays. Numba has no bfloat16 or
 #: 8-bit float types, so those arrays hold bit patterns, each format in its own integer
@@ -34,154 +37,8 @@ FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 #: the host (NumPy) dtype of each storage dtype held as bit patterns, from ml_dtypes
 ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
              "float8_e5m2": "float8_e5m2"}
-#: the largest head_dim (K's or V's) a layer may have: the generic attention kernel serves
-#: up to it, the fast paths up to their own bounds (`kernels.decode.supports`,
-#: `kernels.prefill.supports`)
-MAX_HEAD_DIM = 512
-#: the largest head_dim the fast decode and tensor-core prefill paths are built for (a
-#: wider layer takes the generic kernel)
-FAST_MAX_HEAD_DIM = 256
-#: positions, token indices, storage slots and page-table entries travel to the kernels
-#: as int32
-INT32_MAX = 2**31 - 1
 #: the default pool's first pages per flat kind hold this many positions of one sequence
 INITIAL_POSITIONS = 256
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One layer's kind and shape: flat (neither `window` nor `chunk` set), a
-    sliding-window ring of `window` positions, a chunked ring whose queries see their own
-    chunk of `chunk` positions, or a layer that reads layer `producer`'s K/V and stores
-    nothing (contract §15).
-
-    `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's own shape (None: the config's
-    `n_kv_heads` and `head_dim`; `v_head_dim` defaults to the layer's `head_dim`). A
-    shared layer takes its producer's kind and shape and sets none of them.
-
-    Build it with `flat()`, `ring(window=W)`, `chunked(size=C)` or `shared(producer)`; a
-    `LayerSpec` built directly is checked the same way (`window`, `chunk`, `n_kv_heads`,
-    `v_head_dim` None or an int >= 1, `head_dim` and `v_head_dim` at most
-    `MAX_HEAD_DIM`, `producer` None or an int >= 0; not `window` and `chunk` both, and
-    nothing else with `producer`: else `ConfigError`).
-    """
-
-    window: int | None = None
-    chunk: int | None = None
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    v_head_dim: int | None = None
-    producer: int | None = None
-
-    def __post_init__(self):
-        for name, lo, hi in (("window", 1, INT32_MAX), ("chunk", 1, INT32_MAX),
-                             ("n_kv_heads", 1, INT32_MAX), ("head_dim", 1, MAX_HEAD_DIM),
-                             ("v_head_dim", 1, MAX_HEAD_DIM), ("producer", 0, INT32_MAX)):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if not is_int(value) or not lo <= value <= hi:
-                raise ConfigError(f"LayerSpec({name}={describe(value)}): {name} must be None "
-                                  f"or an integer in [{lo}, {hi}]")
-            object.__setattr__(self, name, int(value))
-        if self.window is not None and self.chunk is not None:
-            raise ConfigError(f"LayerSpec(window={self.window}, chunk={self.chunk}): a layer "
-                              f"is a sliding window or chunked, not both")
-        if self.producer is not None:
-            given = [f"{name}={getattr(self, name)}" for name in
-                     ("window", "chunk", "n_kv_heads", "head_dim", "v_head_dim")
-                     if getattr(self, name) is not None]
-            if given:
-                raise ConfigError(f"LayerSpec(producer={self.producer}, {', '.join(given)}): "
-                                  f"a shared layer takes its producer's kind and shape; set "
-                                  f"them on layer {self.producer}")
-
-    @property
-    def stores(self) -> bool:
-        """Whether the layer holds K/V of its own (every kind but `shared`)."""
-        return self.producer is None
-
-    @property
-    def is_ring(self) -> bool:
-        """Whether the layer is stored as a ring (sliding-window or chunked)."""
-        return self.reach is not None
-
-    @property
-    def reach(self) -> int | None:
-        """How far back a query reads at most, plus one: W or C (None: flat). A ring's
-        rows follow from it (`positions.ring_rows`)."""
-        return self.window if self.window is not None else self.chunk
-
-    @property
-    def window_code(self) -> int:
-        """The layer's mask as the kernels take it (`masks.key_range`): 0 flat, W for a
-        sliding window, -C for chunks of C."""
-        return self.window if self.window is not None else -(self.chunk or 0)
-
-    def describe(self) -> str:
-        """How refusals name it: "flat", "window 4096", "chunks of 8192", "shared with
-        layer 3"."""
-        if self.producer is not None:
-            return f"shared with layer {self.producer}"
-        if self.window is not None:
-            return f"window {self.window}"
-        return f"chunks of {self.chunk}" if self.chunk is not None else "flat"
-
-
-class LayerShape(NamedTuple):
-    """A layer's K/V shape: `n_kv_heads` heads of `head_dim` K elements and `v_head_dim`
-    V elements each."""
-
-    n_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-
-    def position_bytes(self, itemsize: int) -> int:
-        """Bytes of one position of one sequence, K and V, at `itemsize` bytes a value."""
-        return self.n_kv_heads * (self.head_dim + self.v_head_dim) * itemsize
-
-
-def flat(*, n_kv_heads: int | None = None, head_dim: int | None = None,
-         v_head_dim: int | None = None) -> LayerSpec:
-    """A flat layer: position `p` lives in row `p`; every past position stays visible.
-    `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's shape (None: the config's;
-    `v_head_dim`: the layer's `head_dim`)."""
-    return LayerSpec(None, None, n_kv_heads, head_dim, v_head_dim)
-
-
-def ring(window: int, *, n_kv_heads: int | None = None, head_dim: int | None = None,
-         v_head_dim: int | None = None) -> LayerSpec:
-    """A sliding-window layer: a query at `p` sees keys `max(0, p - window + 1) <= j <= p`.
-
-    This is Hugging Face's `sliding_window=window` and FlashAttention's
-    `window_size=(window - 1, 0)`. The shape arguments are `flat()`'s.
-    """
-    if window is None:
-        raise ConfigError("ring(window=None): window must be an integer >= 1 (use flat() for "
-                          "a layer without a window)")
-    return LayerSpec(window, None, n_kv_heads, head_dim, v_head_dim)
-
-
-def chunked(size: int, *, n_kv_heads: int | None = None, head_dim: int | None = None,
-            v_head_dim: int | None = None) -> LayerSpec:
-    """A chunked local-attention layer: a query at `p` sees keys `size * (p // size) <= j
-    <= p`, its own chunk up to itself (Hugging Face's `chunked_attention` layers with
-    `attention_chunk_size=size`, as in Llama 4). Stored as a ring of `min(capacity, size +
-    max_write - 1)` rows. The shape arguments are `flat()`'s."""
-    if size is None:
-        raise ConfigError("chunked(size=None): size must be an integer >= 1 (use flat() for "
-                          "a layer without chunks)")
-    return LayerSpec(None, size, n_kv_heads, head_dim, v_head_dim)
-
-
-def shared(producer: int) -> LayerSpec:
-    """A layer that attends over layer `producer`'s K/V and stores nothing (Gemma 4's
-    `num_kv_shared_layers`): its kind, window and shape are the producer's; `write` to it
-    is refused and `attend` reads the producer's K/V as the step has written them."""
-    if producer is None:
-        raise ConfigError("shared(producer=None): producer must be the index of a layer "
-                          "that stores K/V")
-    return LayerSpec(producer=producer)
 
 
 class LayerKind(NamedTuple):
@@ -237,7 +94,8 @@ class CacheConfig:
     k_scale, v_scale: fp8 storage only: the float32 scale of each layer's K and V (one
                   number for every layer, or one per layer), positive and finite, fixed
                   for the cache's life (default 1.0; `fp8_scales` computes them from
-                  sample K/V). Any other dtype takes 1.0 only.
+                  sample K/V); a latent layer's two are one (its V is part of its rows).
+                  Any other dtype takes 1.0 only.
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
     initial_pages: pages each layer kind's pool starts with (None: one sequence's worth,
                   `kind_pages`); the pool grows by doubling up to `max_pages`.
@@ -297,6 +155,11 @@ class CacheConfig:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
         for name in ("k_scale", "v_scale"):
             object.__setattr__(self, name, self._layer_scales(name, getattr(self, name)))
+        for i, spec in enumerate(layers):
+            if spec.latent and self.v_scale[i] != self.k_scale[i]:
+                raise ConfigError(f"v_scale[{i}]={self.v_scale[i]}: layer {i} is latent, its "
+                                  f"V the first values of its stored rows, read at their "
+                                  f"k_scale {self.k_scale[i]}; give it the same v_scale")
         self._check_pages()
 
     def _layer_scales(self, name: str, value) -> tuple:
@@ -375,7 +238,7 @@ class CacheConfig:
             heads = self.n_kv_heads if spec.n_kv_heads is None else spec.n_kv_heads
             dim = self.head_dim if spec.head_dim is None else spec.head_dim
             shapes.append(LayerShape(heads, dim, dim if spec.v_head_dim is None else
-                                     spec.v_head_dim))
+                                     spec.v_head_dim, spec.latent))
         return tuple(shapes)
 
     @property

@@ -23,7 +23,7 @@ LAYERS = {
     "errors": 0, "host": 0, "layers": 0,
     "args": 1, "host.pages": 1, "host.positions": 1, "protocol": 1,
     "host.prefix_keys": 1.5,
-    "config": 2,
+    "layerspec": 1.8, "config": 2,
     "statemachines": 2,              # installed inside kvnumba; imports no kvnumba module
     "scales": 2.5,
     "refusals": 3, "host.slots": 3, "host.page_accounting": 3, "device": 3,
@@ -41,7 +41,7 @@ LAYERS = {
 RULES = (
     "no import goes to a higher layer, and there is no import circle;",
     "`host/` reaches no device: only the foundations below it (`args`, `config`, "
-    "`errors`, `protocol`, `refusals`, `statemachines`) and itself;",
+    "`errors`, `layerspec`, `protocol`, `refusals`, `statemachines`) and itself;",
     "`kernels/` know storage layouts, page tables and the segment table "
     "(`host.positions`), nothing of slots or caches;",
     "`serving/` drives any BatchControl through its verbs: it reaches no cache, data "

@@ -421,8 +421,8 @@ def test_launch_shape_threshold_and_splits():
     assert windowed["n_splits"] * windowed["chunk"] >= 512
     assert windowed["chunk"] * (windowed["n_splits"] - 1) < 512
     assert att.head_dim_bucket(257) == att.head_dim_bucket(512) == 512
-    with pytest.raises(ValueError, match="at most 512"):
-        att.head_dim_bucket(513)
+    with pytest.raises(ValueError, match="at most 576"):
+        att.head_dim_bucket(577)
 
 
 # ---------------------------------------------------------------- property test

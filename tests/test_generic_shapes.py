@@ -56,19 +56,20 @@ def planned(case, path, kv_chunk):
 # ---------------------------------------------------------------- tile tables
 
 def test_tile_shapes_meet_the_kernels_asserts_and_fit_static_shared_memory():
-    assert att.HEAD_DIM_BUCKETS[-1] == 512
+    assert att.HEAD_DIM_BUCKETS[-1] == 576
     for dpad in att.HEAD_DIM_BUCKETS:
         for tiles in att.DECODE_TILES[dpad] + (att.PREFILL_TILES[dpad],):
             block_rows, block_keys, key_lanes, threads = tiles
             rows_lanes = threads // key_lanes
             assert key_lanes * rows_lanes == threads
             assert block_rows % rows_lanes == 0 and block_keys % key_lanes == 0
-            assert (block_rows * dpad) % threads == 0
-            assert block_rows * dpad // threads <= att.MAX_OWN     # accumulators in registers
+            v_width = att.V_SLICES.get(dpad, dpad)
+            assert (block_rows * v_width) % threads == 0
+            assert block_rows * v_width // threads <= att.MAX_OWN  # accumulators in registers
             floats = ((block_rows + block_keys) * (dpad + 1)
                       + block_rows * (block_keys + 1) + 4 * block_rows)   # + per-row state
             assert floats <= SHARED_LIMIT, f"{dpad} {tiles}: {floats} floats"
-            att._attention_kernel(dpad, *tiles)          # the factory's own asserts
+            att._attention_kernel(dpad, *tiles, att.V_SLICES.get(dpad))  # its own asserts
     for head_dim, v_head_dim, dpad in [(16, 8, 16), (8, 24, 32), (12, None, 16),
                                        (40, 300, 512), (512, 64, 512), (257, 1, 512)]:
         for path in ("decode", "prefill"):
@@ -80,9 +81,9 @@ def test_tile_shapes_meet_the_kernels_asserts_and_fit_static_shared_memory():
                      plan["threads"])
             assert tiles in (att.DECODE_TILES[dpad] if path == "decode"
                              else (att.PREFILL_TILES[dpad],))
-    with pytest.raises(ValueError, match="at most 512"):
+    with pytest.raises(ValueError, match="at most 576"):
         att.launch_shape(n_segments=1, max_q_len=1, max_kv_len=9, n_q_heads=2, n_kv_heads=1,
-                         head_dim=64, v_head_dim=513, window=0)
+                         head_dim=64, v_head_dim=577, window=0)
 
 
 # ---------------------------------------------------------------- V of its own width
@@ -175,3 +176,30 @@ def test_head_dims_up_to_512(head_dim, v_head_dim, path, kv_chunk, group, block_
     plan = planned(case, path, kv_chunk)
     assert plan["dpad"] == 512 and plan["block_rows"] == block_rows
     check(case, run(case, path=path, kv_chunk=kv_chunk))
+
+
+# ---------------------------------------------------------------- a latent layer's rows
+
+@pytest.mark.parametrize("path, kv_chunk", [("decode", 4), ("prefill", None)])
+def test_a_latent_row_is_k_and_its_first_values_are_v(path, kv_chunk):
+    """Rows of 576 (a latent layer's: rank 512 + 64 rope values), K the whole row and V
+    its first 512 read from the same store, against the oracle over those values: the
+    576 bucket, its V in 4 slices of 128 (each block scores all of K), split-K decode
+    merged by the combine."""
+    rng = np.random.default_rng(576)
+    segments = segs_of((1, 6), (2, 3, True)) if path == "decode" else segs_of((5, 2))
+    case = make_case(rng, segments, n_kv_heads=1, group=4, head_dim=576, v_head_dim=512,
+                     dtype=np.float16, pad=1, page_size=8)
+    case.v_store = case.k_store[..., :512].copy()
+    case.hist_v = [h[..., :512] for h in case.hist_k]
+    plan = planned(case, path, kv_chunk)
+    assert (plan["dpad"], plan["v_slice"], plan["grid"][1]) == (576, 128, 4)
+    out = cuda.to_device(np.full(out_shape(case), np.nan, case.out_dtype))
+    tables, offsets = tables_of(case)
+    (k_slots, _, _), paging = device_storage(case)
+    att.attend(cuda.to_device(case.q), k_slots, k_slots, cuda.to_device(tables), out,
+               **paging, **offsets, max_q_len=case.max_q_len, max_kv_len=case.max_kv_len,
+               ring_rows=case.ring_rows, window=case.window, scale=case.scale,
+               softcap=case.softcap, workspace=AttentionWorkspace(), path=path,
+               kv_chunk=kv_chunk)
+    check(case, out.copy_to_host())

@@ -49,7 +49,7 @@ class Run:
 
     def new(self, seq=None):
         seq = self.cache.seq_new() if seq is None else seq
-        for layer, (heads, d, dv) in enumerate(self.config.layer_shapes):
+        for layer, (heads, d, dv, _) in enumerate(self.config.layer_shapes):
             self.k[seq, layer] = np.zeros((0, heads, d))
             self.v[seq, layer] = np.zeros((0, heads, dv))
         return seq
@@ -63,7 +63,7 @@ class Run:
         start = {s: cache.pos(s) for s in set(seqs)}
         cache.declare_step(list(seqs), blocks=list(blocks))
         cache.prepare_step()
-        for layer, (heads, d, dv) in enumerate(config.layer_shapes):
+        for layer, (heads, d, dv, _) in enumerate(config.layer_shapes):
             source = config.source(layer)
             spec = config.layers[source]
             q = (2 * self.rng.standard_normal((n, self.hq, d))).astype(self.dtype)
@@ -158,7 +158,7 @@ def test_bytes_count_each_storing_layer_by_its_own_shape():
     cache.declare_step([seq] * 5)
     cache.prepare_step()
     for layer in cache.config.storing_layers:
-        heads, d, dv = config.layer_shapes[layer]
+        heads, d, dv, _ = config.layer_shapes[layer]
         cache.write(layer, np.zeros((5, heads, d), np.float16),
                     np.zeros((5, heads, dv), np.float16))
     cache.commit_step()
@@ -173,7 +173,7 @@ def test_bytes_count_each_storing_layer_by_its_own_shape():
 def kv_rows(tokens, positions, layer, shape):
     """K and V of `tokens` at `positions` on `layer`: a function of the three only (what a
     model would write), float32 `[n, heads, d]` / `[n, heads, dv]`."""
-    heads, d, dv = shape
+    heads, d, dv, _ = shape
     seeds = [np.random.default_rng([int(t), int(p), layer]) for t, p in zip(tokens, positions)]
     k = np.stack([g.standard_normal((heads, d)) for g in seeds]) if seeds else \
         np.zeros((0, heads, d))
@@ -265,7 +265,7 @@ def test_refusals_name_the_layer_and_change_nothing():
         cache.commit_step()
     assert cache.pos(0) == 0 and cache.high_water(0) == 0
     for layer in (1, 4):
-        heads, d, dv = config.layer_shapes[layer]
+        heads, d, dv, _ = config.layer_shapes[layer]
         cache.write(layer, np.zeros((2, heads, d), np.float32),
                     np.zeros((2, heads, dv), np.float32))
     cache.commit_step()                                    # shared layers need no write

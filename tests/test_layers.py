@@ -62,7 +62,7 @@ def reach(module: str) -> set:
 
 
 #: what host/ may reach: the foundations below the device, and itself
-HOST_REACH = {"args", "config", "errors", "protocol", "refusals", "statemachines"}
+HOST_REACH = {"args", "config", "errors", "layerspec", "protocol", "refusals", "statemachines"}
 
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if plane(m) == "host"))

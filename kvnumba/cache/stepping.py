@@ -35,10 +35,12 @@ class StepProtocol:
         self.machine = StepMachine()
         self.step: OpenStep | None = None
         self.plan: StepPlan | None = None
-        # per layer the elements a token's K and V take (a shared layer: none) and the
-        # storing layers (the ones a commit needs written)
-        self._runs = [(shape.n_kv_heads * shape.head_dim, shape.n_kv_heads * shape.v_head_dim)
-                      if spec.stores else None
+        # per layer the elements a token's K and V take (a shared layer: none; a latent
+        # layer its rows only, written as K and as V alike) and the storing layers (the
+        # ones a commit needs written)
+        self._runs = [None if not spec.stores else
+                      (shape.n_kv_heads * shape.head_dim,) * 2 if shape.v_in_k else
+                      (shape.n_kv_heads * shape.head_dim, shape.n_kv_heads * shape.v_head_dim)
                       for spec, shape in zip(config.layers, config.layer_shapes)]
         self._storing = np.array([spec.stores for spec in config.layers])
         self._writes = {}     # the last prepared step's K/V writes (`write.WriteRun`) by run
@@ -78,7 +80,7 @@ class StepProtocol:
         writes = self._layer_writes_for(width, upload.device)
         kv_shapes = [None if runs is None else
                      ((width, shape.n_kv_heads, shape.head_dim),
-                      (width, shape.n_kv_heads, shape.v_head_dim))
+                      None if shape.v_in_k else (width, shape.n_kv_heads, shape.v_head_dim))
                      for runs, shape in zip(self._runs, config.layer_shapes)]
         step.prepare(width=width, pad_col=self.pad_col, tokens=tokens, upload=upload,
                      routes=routes, writes=writes,

@@ -105,11 +105,16 @@ class DataPath:
             raise ShapeError(f"write: layer {layer} is shared with layer {source} and stores "
                              f"nothing; write layer {source}, then attend({layer}, q) reads "
                              f"its K/V")
+        if shapes[1] is None and v is not None:
+            raise ShapeError(f"write: layer {layer} is latent: its rows [width, 1, "
+                             f"{shapes[0][2]}] come as k and its V is their first values; "
+                             f"pass v=None")
         try:
             check("k", k, shapes[0], IO_DTYPES, self.device)
-            check("v", v, shapes[1], IO_DTYPES, self.device)
+            if shapes[1] is not None:
+                check("v", v, shapes[1], IO_DTYPES, self.device)
         except ShapeError as exc:
-            raise ShapeError(f"{exc}{width_hint(step, k, v)}") from None
+            raise ShapeError(f"{exc}{width_hint(step, k, k if v is None else v)}") from None
         return layer
 
     def _attend_args(self, step, layer, q, out, scale, softcap, lse, sinks) -> tuple:
@@ -157,7 +162,7 @@ class DataPath:
         if len(shape) != 3:
             raise ShapeError(f"q: expected rank 3 [width, n_q_heads, head_dim], got shape "
                              f"{shape}")
-        n_q_heads, (n_kv_heads, head_dim, _) = shape[1], self._shapes[layer]
+        n_q_heads, (n_kv_heads, head_dim, *_) = shape[1], self._shapes[layer]
         if n_q_heads < 1 or n_q_heads % n_kv_heads:
             raise ShapeError(f"q: n_q_heads={n_q_heads} must be a positive multiple of "
                              f"layer {layer}'s n_kv_heads={n_kv_heads} (query head h reads "
@@ -178,7 +183,8 @@ class DataPath:
         ring_rows, _, pages = self.layer_geometry[layer]
         writes = step.writes[layer]
         k_store, v_store = storage.k_slots[layer], storage.v_slots[layer]
-        k, v = device_view(k, stream), device_view(v, stream)
+        k = device_view(k, stream)
+        v = k if v is None else device_view(v, stream)     # a latent layer: its rows alone
         k_inv, v_inv = self._inverse[layer]
         if len(writes) == 1:                  # K and V of one width: one launch
             writes[0](k_store, v_store, k, v, ring_rows, pages, k_inv, v_inv)

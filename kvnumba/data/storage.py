@@ -32,13 +32,16 @@ def kind_groups(config: CacheConfig, layers: tuple) -> list:
     """The groups of a kind's `layers`: `(layers of one shape, planes, n_kv_heads,
     width)` per group, in order of first appearance: `planes` "kv" (K and V, both of
     `width`), or, for a shape whose V is not as wide as its K, two groups over the same
-    layers, "k" (K of `head_dim`) and "v" (V of `v_head_dim`)."""
+    layers, "k" (K of `head_dim`) and "v" (V of `v_head_dim`); a latent shape (`v_in_k`)
+    one "k" group of its rows, V read from them."""
     shapes: dict = {}
     for layer in layers:
         shapes.setdefault(config.layer_shapes[layer], []).append(layer)
     groups = []
     for shape, members in shapes.items():
-        if shape.head_dim == shape.v_head_dim:
+        if shape.v_in_k:                # a latent layer: its rows, V their first values
+            groups.append((tuple(members), "k", shape.n_kv_heads, shape.head_dim))
+        elif shape.head_dim == shape.v_head_dim:
             groups.append((tuple(members), "kv", shape.n_kv_heads, shape.head_dim))
         else:
             groups.append((tuple(members), "k", shape.n_kv_heads, shape.head_dim))
@@ -88,9 +91,12 @@ class PageStorage:
             for j, layer in enumerate(layers):
                 for plane, role in enumerate(planes):
                     (self.k if role == "k" else self.v)[layer] = group[j, plane]
+        shapes = self.config.layer_shapes
         for layer in range(self.config.n_layers):   # a shared layer: its producer's views
             source = self.config.source(layer)
             self.k[layer], self.v[layer] = self.k[source], self.v[source]
+            if shapes[layer].v_in_k:                # a latent layer: V in its rows
+                self.v[layer] = self.k[layer]
             if self.k[layer] is not None:
                 self.k_slots[layer] = _slots(self.k[layer])
                 self.v_slots[layer] = _slots(self.v[layer])
@@ -145,9 +151,11 @@ class PageStorage:
 
     def read(self, layer: int, slots: np.ndarray, host_dtype) -> tuple:
         """Host copies `(k, v)` `[len(slots), n_kv_heads, head_dim]` (V: `v_head_dim`) of
-        `layer`'s slots `slots` (int64), as `host_dtype`."""
-        return tuple(store.copy_to_host(stream=self.stream)[slots].view(host_dtype)
-                     for store in (self.k_slots[layer], self.v_slots[layer]))
+        `layer`'s slots `slots` (int64), as `host_dtype`; a latent layer's V the first
+        `v_head_dim` values of its rows."""
+        k, v = (store.copy_to_host(stream=self.stream)[slots].view(host_dtype)
+                for store in (self.k_slots[layer], self.v_slots[layer]))
+        return k, v[..., :self.config.layer_shapes[layer].v_head_dim]
 
     def addresses(self) -> tuple:
         """Where the buffers every launch reads are now (they move when a pool grows)."""

@@ -26,7 +26,8 @@ class OpenStep:
     copy of what was staged), `upload` (its `upload.Upload`), `routes` (the attention
     routes, `routing.StepRoutes`), `writes` (per layer its K/V write launches, None for a
     shared layer), `zero` (the padding rows' zeroing launch or None), `kv_shapes` (per
-    layer the shapes of its K and V inputs, None for a shared layer); `written
+    layer the shapes of its K and V inputs, None for a shared layer, V's None for a
+    latent layer: its rows come as K alone); `written
     [n_layers]` (bool): the layers the data path has written (a shared layer, which
     stores nothing, counts as written).
     """

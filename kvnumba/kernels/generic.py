@@ -51,7 +51,9 @@ row is normalised (`kernels.sinks.with_sink`): after the last tile with a single
 in the combine with several.
 
 Tiles are padded to the head-dim bucket of `max(head_dim, v_head_dim)` (`dpad`, at most
-512), each bucket with its own tile shapes.
+576: a latent layer's rows), each bucket with its own tile shapes. Where a block cannot
+hold a row's whole output (`V_SLICES`), the grid's y runs over kv heads times slices of
+V's dims: each block computes the scores over all of K and accumulates its own slice.
 
 Softmax and accumulation are float32; storage, q and out may each be float16,
 float32 or bfloat16 (held as uint16 bits; `ptx.to_f32` / `ptx.from_f32`), one compiled
@@ -76,7 +78,7 @@ from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the 
 
 #: max(head_dim, v_head_dim) is padded up to one of these; each gets its own compiled
 #: tile shapes
-HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512)
+HEAD_DIM_BUCKETS = (16, 32, 64, 128, 256, 512, 576)
 #: padded head_dim -> tile shapes (block_rows, block_keys, key_lanes, threads):
 #: key_lanes threads run along keys and threads // key_lanes along rows. Shared
 #: memory, (block_rows + block_keys) * (dpad + 1) + block_rows * (block_keys + 1)
@@ -95,9 +97,15 @@ DECODE_TILES = {
     128: ((4, 64, 32, 128), (8, 64, 16, 128), (16, 64, 8, 128)),
     256: ((4, 32, 32, 128), (8, 32, 16, 128)),
     512: ((4, 16, 16, 64),),
+    576: ((4, 16, 16, 64),),
 }
 PREFILL_TILES = {16: (32, 32, 8, 64), 32: (64, 64, 16, 128), 64: (64, 32, 16, 128),
-                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128), 512: (4, 16, 16, 64)}
+                 128: (32, 32, 16, 128), 256: (16, 16, 16, 128), 512: (4, 16, 16, 64),
+                 576: (4, 16, 16, 64)}
+#: padded head_dim -> the V dims one block accumulates, where a block cannot hold a row's
+#: whole output (a latent layer's 576-wide rows, V their first 512: four blocks of 128
+#: each compute the scores and accumulate their own slice); else all of them
+V_SLICES = {576: 128}
 #: the most (row, dim) output elements one thread accumulates (kept in registers)
 MAX_OWN = 32
 #: segments no longer than this (all of them) take the split-K decode path
@@ -117,7 +125,7 @@ MAX_QUERY_ROWS = 2**31 - 1
 
 
 def head_dim_bucket(head_dim: int) -> int:
-    """The padded head_dim whose tile shapes serve `head_dim` (1..512): the kernel takes
+    """The padded head_dim whose tile shapes serve `head_dim` (1..576): the kernel takes
     the bucket of `max(head_dim, v_head_dim)`."""
     for dpad in HEAD_DIM_BUCKETS:
         if head_dim <= dpad:
@@ -127,10 +135,10 @@ def head_dim_bucket(head_dim: int) -> int:
 
 @cuda.jit(device=True)
 def _stage_keys(tile, store, pages, page_bits, seq, row0, n_keys, kv_head, head_dim, dpad,
-                ring_rows, tid, threads):
+                ring_rows, tid, threads, first):
     """Copy `n_keys` keys (or values) of sequence `seq`, from storage row `row0` on
     (wrapping a ring), into `tile` as float32, each from its slot in the page table:
-    the first `head_dim` (the store's width) of each row's `dpad` dims.
+    `head_dim` dims of each row from dim `first` on, into its first of `dpad` columns.
 
     The block's threads stride over (key, dim) pairs, dims innermost: coalesced reads
     (a page's rows are consecutive slots, so only a page boundary breaks a run).
@@ -140,30 +148,41 @@ def _stage_keys(tile, store, pages, page_bits, seq, row0, n_keys, kv_head, head_
         d = e - c * dpad
         if d < head_dim:
             slot = page_slot(pages, seq, store_row(row0, c, ring_rows), page_bits)
-            tile[c, d] = ptx.to_f32(store[slot, kv_head, d])
+            tile[c, d] = ptx.to_f32(store[slot, kv_head, first + d])
 
 
 @lru_cache(maxsize=None)
 def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: int,
-                      threads: int):
+                      threads: int, v_slice: int | None = None):
     """The attention kernel for one padded head_dim (the bucket of K's and V's widest) and
-    tile shape (see module doc)."""
+    tile shape (see module doc); `v_slice`: the V dims a block accumulates (its grid's y
+    then runs over kv heads times slices), None for all."""
     BR, BK, TX, THREADS = block_rows, block_keys, key_lanes, threads
     TY = THREADS // TX               # thread lanes along rows
     PR, PK = BR // TY, BK // TX      # micro-tile of (row, key) pairs per thread
     NSCORE = PR * PK
-    OWN = BR * dpad // THREADS       # (row, dim) output elements per thread
+    SLICED = v_slice is not None
+    VW = v_slice or dpad             # V dims of the block's slice (a padded width)
+    OWN = BR * VW // THREADS         # (row, dim) output elements per thread
     STRIDE = dpad + 1                # padded shared rows: no bank conflicts across rows
     PSTRIDE = BK + 1
-    assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * dpad \
-        and OWN <= MAX_OWN
+    assert TX * TY == THREADS and PR * TY == BR and PK * TX == BK and OWN * THREADS == BR * VW \
+        and OWN <= MAX_OWN and VW <= dpad
 
     @cuda.jit
     def attention(q, k_store, v_store, pages, page_bits, tables, seq_info_off, segments_off,
                   out, lse, sinks, part_acc, part_ml, n_row_tiles, n_splits, chunk, group,
                   ring_rows, window, scale, softcap):
         tid = cuda.threadIdx.x
-        kv_head = cuda.blockIdx.y
+        width, n_heads, head_dim = q.shape
+        v_head_dim = out.shape[2]
+        if SLICED:                       # this block's V dims: [first_v, first_v + VW)
+            kv_head, v_part = divmod32(cuda.blockIdx.y, div32(v_head_dim + VW - 1, VW))
+            first_v = v_part * VW
+        else:
+            kv_head = cuda.blockIdx.y
+            first_v = 0
+        v_width = min(VW, v_head_dim - first_v)
         row_tile, split = divmod32(cuda.blockIdx.x, n_splits)
         seg_index, seg_tile = divmod32(row_tile, n_row_tiles)
         seg = tables[segments_off + seg_index]
@@ -180,8 +199,6 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         key_hi = min(span_hi, key_lo + chunk)
         if key_lo >= key_hi:
             return
-        width, n_heads, head_dim = q.shape
-        v_head_dim = out.shape[2]
 
         q_tile = cuda.shared.array((BR, STRIDE), float32)
         kv_tile = cuda.shared.array((BK, STRIDE), float32)
@@ -211,14 +228,14 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         score = cuda.local.array(NSCORE, float32)
         ty = tid // TX
         tx = tid % TX
-        own_first_row = tid // dpad
+        own_first_row = tid // VW
 
         for key0 in range(key_lo, key_hi, BK):
             n_keys = min(BK, key_hi - key0)
             row0 = storage_row(key0, ring_rows)
             # a. stage K
             _stage_keys(kv_tile, k_store, pages, page_bits, seq, row0, n_keys, kv_head,
-                        head_dim, dpad, ring_rows, tid, THREADS)
+                        head_dim, dpad, ring_rows, tid, THREADS, 0)
             cuda.syncthreads()
             # b. scores of this thread's micro-tile (clamped indices: no stale reads)
             if ty < n_rows and tx < n_keys:
@@ -264,18 +281,18 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 row_alpha[tid] = alpha
                 row_sum[tid] = run_sum
             _stage_keys(kv_tile, v_store, pages, page_bits, seq, row0, n_keys, kv_head,
-                        v_head_dim, dpad, ring_rows, tid, THREADS)
+                        v_width, VW, ring_rows, tid, THREADS, first_v)
             cuda.syncthreads()
             # d. rescale and accumulate this thread's output elements
             if own_first_row < n_rows:
                 for i in range(OWN):
-                    acc[i] *= row_alpha[min((i * THREADS + tid) // dpad, n_rows - 1)]
+                    acc[i] *= row_alpha[min((i * THREADS + tid) // VW, n_rows - 1)]
                 for c in range(n_keys):
                     for i in range(OWN):
                         e = i * THREADS + tid
-                        r = e // dpad
-                        d = e - r * dpad
-                        if r < n_rows and d < v_head_dim:
+                        r = e // VW
+                        d = e - r * VW
+                        if r < n_rows and d < v_width:
                             acc[i] += probs[r, c] * kv_tile[c, d]
             if key0 + BK < key_hi:
                 cuda.syncthreads()
@@ -297,19 +314,20 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         # write out (one split) or partials (split-K, merged by _combine_kernel)
         for i in range(OWN):
             e = i * THREADS + tid
-            r = e // dpad
-            d = e - r * dpad
-            if r < n_rows and d < v_head_dim:
+            r = e // VW
+            d = e - r * VW
+            if r < n_rows and d < v_width:
                 token, member = divmod32(first_row + r, group)
                 token += q_start
                 head = kv_head * group + member
                 if n_splits == 1:
                     value = acc[i] * row_alpha[r] if sunk else acc[i]
-                    out[token, head, d] = ptx.from_f32(value / row_sum[r], out)
+                    out[token, head, first_v + d] = ptx.from_f32(value / row_sum[r], out)
                 else:
                     part_acc[((split * width + token) * n_heads + head) * v_head_dim
-                             + d] = acc[i]
-        if tid < n_rows and (n_splits > 1 or lse.shape[0] > 0):
+                             + first_v + d] = acc[i]
+        # the rows' states: one slice writes them (every slice holds the same)
+        if tid < n_rows and first_v == 0 and (n_splits > 1 or lse.shape[0] > 0):
             token, member = divmod32(first_row + tid, group)
             token += q_start
             head = kv_head * group + member
@@ -410,7 +428,10 @@ def launch_shape(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, he
     return dict(path=path, group=group, dpad=dpad, block_rows=block_rows,
                 block_keys=block_keys, key_lanes=key_lanes, n_row_tiles=n_row_tiles,
                 n_splits=n_splits, chunk=chunk,
-                grid=(n_segments * n_row_tiles * n_splits, n_kv_heads), threads=threads)
+                v_slice=V_SLICES.get(dpad),
+                grid=(n_segments * n_row_tiles * n_splits,
+                      n_kv_heads * ceil_div(v_head_dim or head_dim, V_SLICES.get(dpad, dpad))),
+                threads=threads)
 
 
 class GenericRun:
@@ -457,10 +478,11 @@ class GenericRun:
 
     def _bind(self, q, k_store, v_store, out, window: int) -> tuple:
         width, n_q_heads, head_dim = q.shape
-        n_kv_heads, v_head_dim = k_store.shape[1], v_store.shape[2]
+        n_kv_heads, v_head_dim = k_store.shape[1], out.shape[2]
         assert n_q_heads % n_kv_heads == 0
         assert tuple(out.shape) == (width, n_q_heads, v_head_dim)
-        assert tuple(v_store.shape[1:]) == (n_kv_heads, v_head_dim)
+        # V's store is its own, or, for a latent layer, K's rows (V their first values)
+        assert v_store.shape[1] == n_kv_heads and v_store.shape[2] >= v_head_dim
         shape = launch_shape(n_segments=self.n_segments, max_q_len=self.max_q_len,
                            max_kv_len=self.max_kv_len, n_q_heads=n_q_heads,
                            n_kv_heads=n_kv_heads, head_dim=head_dim, window=window,
@@ -473,7 +495,7 @@ class GenericRun:
         else:
             part_acc = part_ml = self.workspace.dummy
         kernel = _attention_kernel(shape["dpad"], shape["block_rows"], shape["block_keys"],
-                                   shape["key_lanes"], shape["threads"])
+                                   shape["key_lanes"], shape["threads"], shape["v_slice"])
         attention = kernel.bind(
             shape["grid"], shape["threads"], stream, PER_CALL, PER_CALL, PER_CALL, PER_CALL,
             int(self.page_bits), self.tables, int(self.seq_info_off), int(self.segments_off),

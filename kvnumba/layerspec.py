@@ -1,0 +1,204 @@
+"""A cache's layers (contract §3, §15, §16): `LayerSpec`, one layer's kind (flat, a
+sliding-window ring, chunked, shared with another layer, or latent) and shape, built by
+`flat()`, `ring()`, `chunked()`, `shared()` and `latent()`; `LayerShape`, what a layer
+stores per position; and the head-dim bounds the kernels are built for.
+
+Every refusal is a `ConfigError` naming the field and the rule it broke.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from .args import describe, is_int
+from .errors import ConfigError
+
+#: the largest head_dim (K's or V's) a layer may have: the generic attention kernel serves
+#: up to it, the fast paths up to their own bounds (`kernels.decode.supports`,
+#: `kernels.prefill.supports`)
+MAX_HEAD_DIM = 512
+#: the widest row a latent layer may store (`latent`: rank + rope_dim; DeepSeek-V3's
+#: 512 + 64), served by the generic kernel's widest tiles
+MAX_LATENT_DIM = 576
+#: the largest head_dim the fast decode and tensor-core prefill paths are built for (a
+#: wider layer takes the generic kernel)
+FAST_MAX_HEAD_DIM = 256
+#: positions, token indices, storage slots and page-table entries travel to the kernels
+#: as int32
+INT32_MAX = 2**31 - 1
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer's kind and shape: flat (neither `window` nor `chunk` set), a
+    sliding-window ring of `window` positions, a chunked ring whose queries see their own
+    chunk of `chunk` positions, or a layer that reads layer `producer`'s K/V and stores
+    nothing (contract §15); `latent`: a layer of one stored row per position whose first
+    `v_head_dim` values are its V (contract §16, `latent()`).
+
+    `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's own shape (None: the config's
+    `n_kv_heads` and `head_dim`; `v_head_dim` defaults to the layer's `head_dim`). A
+    shared layer takes its producer's kind and shape and sets none of them.
+
+    Build it with `flat()`, `ring(window=W)`, `chunked(size=C)`, `shared(producer)` or
+    `latent(rank, rope_dim)`; a `LayerSpec` built directly is checked the same way
+    (`window`, `chunk`, `n_kv_heads`, `v_head_dim` None or an int >= 1, `head_dim` and
+    `v_head_dim` at most `MAX_HEAD_DIM`, `producer` None or an int >= 0; not `window` and
+    `chunk` both, and nothing else with `producer`; a latent layer one kv head, a row
+    of at most `MAX_LATENT_DIM` and a V narrower than it: else `ConfigError`).
+    """
+
+    window: int | None = None
+    chunk: int | None = None
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    v_head_dim: int | None = None
+    producer: int | None = None
+    latent: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.latent, bool):
+            raise ConfigError(f"LayerSpec(latent={describe(self.latent)}): latent must be "
+                              f"True or False")
+        widest = MAX_LATENT_DIM if self.latent else MAX_HEAD_DIM
+        for name, lo, hi in (("window", 1, INT32_MAX), ("chunk", 1, INT32_MAX),
+                             ("n_kv_heads", 1, INT32_MAX), ("head_dim", 1, widest),
+                             ("v_head_dim", 1, MAX_HEAD_DIM), ("producer", 0, INT32_MAX)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not is_int(value) or not lo <= value <= hi:
+                raise ConfigError(f"LayerSpec({name}={describe(value)}): {name} must be None "
+                                  f"or an integer in [{lo}, {hi}]")
+            object.__setattr__(self, name, int(value))
+        if self.window is not None and self.chunk is not None:
+            raise ConfigError(f"LayerSpec(window={self.window}, chunk={self.chunk}): a layer "
+                              f"is a sliding window or chunked, not both")
+        if self.producer is not None:
+            given = [f"{name}={getattr(self, name)}" for name in
+                     ("window", "chunk", "n_kv_heads", "head_dim", "v_head_dim")
+                     if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(f"LayerSpec(producer={self.producer}, {', '.join(given)}): "
+                                  f"a shared layer takes its producer's kind and shape; set "
+                                  f"them on layer {self.producer}")
+        if self.latent and not (self.n_kv_heads == 1 and self.head_dim is not None
+                                and self.v_head_dim is not None
+                                and self.v_head_dim < self.head_dim
+                                and self.producer is None):
+            raise ConfigError(f"LayerSpec(latent=True, n_kv_heads={self.n_kv_heads}, "
+                              f"head_dim={self.head_dim}, v_head_dim={self.v_head_dim}): a "
+                              f"latent layer stores one kv head of head_dim values, its V "
+                              f"the first v_head_dim < head_dim of them (latent(rank, "
+                              f"rope_dim))")
+
+    @property
+    def stores(self) -> bool:
+        """Whether the layer holds K/V of its own (every kind but `shared`)."""
+        return self.producer is None
+
+    @property
+    def is_ring(self) -> bool:
+        """Whether the layer is stored as a ring (sliding-window or chunked)."""
+        return self.reach is not None
+
+    @property
+    def reach(self) -> int | None:
+        """How far back a query reads at most, plus one: W or C (None: flat). A ring's
+        rows follow from it (`positions.ring_rows`)."""
+        return self.window if self.window is not None else self.chunk
+
+    @property
+    def window_code(self) -> int:
+        """The layer's mask as the kernels take it (`masks.key_range`): 0 flat, W for a
+        sliding window, -C for chunks of C."""
+        return self.window if self.window is not None else -(self.chunk or 0)
+
+    def describe(self) -> str:
+        """How refusals name it: "flat", "window 4096", "chunks of 8192", "shared with
+        layer 3"."""
+        if self.producer is not None:
+            return f"shared with layer {self.producer}"
+        if self.latent:
+            return (f"latent of rank {self.v_head_dim} + {self.head_dim - self.v_head_dim} "
+                    f"rope values")
+        if self.window is not None:
+            return f"window {self.window}"
+        return f"chunks of {self.chunk}" if self.chunk is not None else "flat"
+
+
+class LayerShape(NamedTuple):
+    """A layer's K/V shape: `n_kv_heads` heads of `head_dim` K elements and `v_head_dim`
+    V elements each; `v_in_k`: V is the first `v_head_dim` values of each stored K row (a
+    latent layer), stored nothing of its own."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    v_in_k: bool = False
+
+    def position_bytes(self, itemsize: int) -> int:
+        """Bytes of one position of one sequence, K and V, at `itemsize` bytes a value."""
+        stored = self.head_dim if self.v_in_k else self.head_dim + self.v_head_dim
+        return self.n_kv_heads * stored * itemsize
+
+
+def flat(*, n_kv_heads: int | None = None, head_dim: int | None = None,
+         v_head_dim: int | None = None) -> LayerSpec:
+    """A flat layer: position `p` lives in row `p`; every past position stays visible.
+    `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's shape (None: the config's;
+    `v_head_dim`: the layer's `head_dim`)."""
+    return LayerSpec(None, None, n_kv_heads, head_dim, v_head_dim)
+
+
+def ring(window: int, *, n_kv_heads: int | None = None, head_dim: int | None = None,
+         v_head_dim: int | None = None) -> LayerSpec:
+    """A sliding-window layer: a query at `p` sees keys `max(0, p - window + 1) <= j <= p`.
+
+    This is Hugging Face's `sliding_window=window` and FlashAttention's
+    `window_size=(window - 1, 0)`. The shape arguments are `flat()`'s.
+    """
+    if window is None:
+        raise ConfigError("ring(window=None): window must be an integer >= 1 (use flat() for "
+                          "a layer without a window)")
+    return LayerSpec(window, None, n_kv_heads, head_dim, v_head_dim)
+
+
+def chunked(size: int, *, n_kv_heads: int | None = None, head_dim: int | None = None,
+            v_head_dim: int | None = None) -> LayerSpec:
+    """A chunked local-attention layer: a query at `p` sees keys `size * (p // size) <= j
+    <= p`, its own chunk up to itself (Hugging Face's `chunked_attention` layers with
+    `attention_chunk_size=size`, as in Llama 4). Stored as a ring of `min(capacity, size +
+    max_write - 1)` rows. The shape arguments are `flat()`'s."""
+    if size is None:
+        raise ConfigError("chunked(size=None): size must be an integer >= 1 (use flat() for "
+                          "a layer without chunks)")
+    return LayerSpec(None, size, n_kv_heads, head_dim, v_head_dim)
+
+
+def shared(producer: int) -> LayerSpec:
+    """A layer that attends over layer `producer`'s K/V and stores nothing (Gemma 4's
+    `num_kv_shared_layers`): its kind, window and shape are the producer's; `write` to it
+    is refused and `attend` reads the producer's K/V as the step has written them."""
+    if producer is None:
+        raise ConfigError("shared(producer=None): producer must be the index of a layer "
+                          "that stores K/V")
+    return LayerSpec(producer=producer)
+
+
+def latent(rank: int, rope_dim: int) -> LayerSpec:
+    """A multi-head latent attention layer (DeepSeek-V2/V3's; contract §16): one kv head,
+    one stored row of `rank + rope_dim` values per position, the compressed latent then
+    its rotary part; V is the row's first `rank` values. Queries come absorbed (`[T,
+    n_q_heads, rank + rope_dim]`), the output is `[T, n_q_heads, rank]`, and `write`
+    takes the rows as `k` with `v=None`. Flat: every past position stays visible."""
+    for name, value in (("rank", rank), ("rope_dim", rope_dim)):
+        if not is_int(value) or value < (1 if name == "rank" else 0):
+            raise ConfigError(f"latent({name}={describe(value)}): {name} must be an integer "
+                              f">= {1 if name == 'rank' else 0}")
+    if rank + rope_dim > MAX_LATENT_DIM or rope_dim < 1:
+        raise ConfigError(f"latent(rank={rank}, rope_dim={rope_dim}): a latent row holds "
+                          f"2 to {MAX_LATENT_DIM} values (rank + rope_dim), its rope part "
+                          f"at least one")
+    return LayerSpec(n_kv_heads=1, head_dim=int(rank) + int(rope_dim), v_head_dim=int(rank),
+                     latent=True)
+
