@@ -38,10 +38,11 @@ LOOSE = {name: value for name, value in SHAPE.items()
          if name not in ("num_key_value_heads", "head_dim")}
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 NEW_TOKENS = 3
-#: the short list CI sweeps: chunked and sliding layers served, and each kind of refusal
-#: (no attention interface, a recurrent model, the probe) and a model not built tiny
-#: (Llama and gpt-oss are served in tests of their own)
-SHORT = ("gemma3_text", "llama4_text", "bloom", "mamba", "bert", "deepseek_v3")
+#: the short list CI sweeps: chunked and sliding layers and latent attention (MiniCPM3)
+#: served, and each kind of refusal (no attention interface, a recurrent model, the
+#: probe, indexed sparse attention) (Llama, gpt-oss, Gemma 4 and DeepSeek-V3 are served in
+#: tests of their own)
+SHORT = ("gemma3_text", "llama4_text", "minicpm3", "bloom", "mamba", "bert", "deepseek_v32")
 
 
 def architectures() -> list:

@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hfmodels import generated, tiny  # noqa: E402
+from test_hf_latent import deepseek  # noqa: E402
 from tp_worker import NEW_TOKENS, PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,10 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
     model.save_pretrained(tmp_path / "model")
     tiny("llama", seed=1).save_pretrained(tmp_path / "draft")
     tiny("llama", num_key_value_heads=1).save_pretrained(tmp_path / "one kv head")
+    latent = deepseek()
+    latent.save_pretrained(tmp_path / "latent")
     want = [generated(model, prompt, NEW_TOKENS) for prompt in PROMPTS]
+    want_latent = generated(latent, PROMPTS[1], NEW_TOKENS)
     out = tmp_path / "out"
     out.mkdir()
     env = {**os.environ, "KVNUMBA_DEVICE": "simulator", "OMP_NUM_THREADS": "1",
@@ -41,7 +45,7 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
     job = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                           "--nproc-per-node", str(RANKS), str(ROOT / "tests" / "tp_worker.py"),
                           str(tmp_path / "model"), str(tmp_path / "draft"),
-                          str(tmp_path / "one kv head"), str(out)],
+                          str(tmp_path / "one kv head"), str(tmp_path / "latent"), str(out)],
                          capture_output=True, text=True, env=env, timeout=600)
     print(job.stdout)
     print(f"{RANKS} ranks: {time.perf_counter() - started:.1f} s")
@@ -70,6 +74,10 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
         assert saw["divergence"].startswith("step 1: rank 1 differs from rank 0 (rank 1 in "
                                             "the model's cache")
         assert saw["cli status"] == 0
+        # a DeepSeek-V3 model: each rank's cache holds the whole latent (one row of 32 +
+        # 8 a token, as one process's), each rank attends 2 of its 4 heads
+        assert saw["latent layer"] == "latent of rank 32 + 8 rope values"
+        assert saw["latent served"] == [want_latent] * 2
     # the command line prints on rank 0 alone
     printed = seen[0]["cli printed"]
     assert "split over 2 ranks, 1 of 2 kv heads each" in printed

@@ -3,10 +3,10 @@ ranks by its tensor-parallel plan and served through `kvnumba.hf.Engine`, refusa
 what the ranks cannot serve, the divergence check against a perturbed rank and the
 command line. Each rank writes what it saw to `OUT/rank<r>.json`.
 
-    torchrun --standalone --nproc-per-node 2 tests/tp_worker.py MODEL DRAFT ONE_KV_HEAD OUT
+    torchrun --standalone --nproc-per-node 2 tests/tp_worker.py MODEL DRAFT ONE_KV_HEAD LATENT OUT
 
 (directories of the model, of a draft with its vocabulary and shape, of a model with one kv
-head; the directory for the JSON files).
+head, of a DeepSeek-V3 model (latent attention); the directory for the JSON files).
 
 One job checks it all: starting ranks (torch, transformers and kvnumba imported in each)
 is most of its time.
@@ -37,7 +37,8 @@ def counting_caches(kv) -> list:
     return made
 
 
-def main(model_dir: str, draft_dir: str, one_kv_head_dir: str, out: str) -> None:
+def main(model_dir: str, draft_dir: str, one_kv_head_dir: str, latent_dir: str,
+         out: str) -> None:
     started = time.perf_counter()
     os.environ.setdefault("KVNUMBA_DEVICE", "simulator")
     import torch.distributed as dist
@@ -80,6 +81,12 @@ def main(model_dir: str, draft_dir: str, one_kv_head_dir: str, out: str) -> None
     seen["steps checked"] = engine.lockstep.steps
     seen["cached tokens"] = engine.stats.cached_tokens
     seen["drafts"] = dict(proposed=engine.proposed, accepted=engine.accepted)
+
+    # latent attention: every rank holds the latent whole, attends its share of the heads
+    latent = load(latent_dir, **split_loading()).eval()
+    engine = Engine(latent, check_ranks=True, **SIZES)
+    seen["latent layer"] = engine.config.layers[0].describe()
+    seen["latent served"] = engine.generate([PROMPTS[1]], max_new_tokens=NEW_TOKENS, n=2)
 
     # the divergence check: rank 1's cache changed behind its engine's back
     engine = Engine(model, check_ranks=True, **SIZES)

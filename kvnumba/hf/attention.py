@@ -10,6 +10,7 @@ no mask is built for it.
 from __future__ import annotations
 
 from ..errors import ConfigError
+from . import latent
 
 #: the name models are switched to: `model.set_attn_implementation(ATTENTION)`
 ATTENTION = "kvnumba"
@@ -34,12 +35,13 @@ NOT_COMPUTED = {
 
 def attend(module, query, key, value, attention_mask=None, *, scaling=None, dropout=0.0,
            sliding_window=None, softcap=None, s_aux=None, is_causal=None,
-           output_attentions=False, kvnumba_cache=None, **others):
+           output_attentions=False, kvnumba_cache=None, kvnumba_latents=None, **others):
     """`(out [1, T, Hq, D], None)`: `update_and_attend` of the prepared step on layer
     `module.layer_idx`, with the module's scale, softcap and learned sinks (`s_aux`,
     `[Hq]`: each head's logit joins its softmax); on a shared layer (`kv.shared`), whose
     `key` / `value` are its producer's, `attend` over the producer's K/V as the step
-    wrote them.
+    wrote them; on a latent layer (`kv.latent`), the absorbed form over its rows
+    (`kvnumba.hf.latent.attend`, the step's latents in `kvnumba_latents`).
 
     Accepted means exact: every argument is either computed (`scaling`, `softcap`,
     `s_aux`, the cache layer's `sliding_window`), known to change nothing (`IGNORED`; no mask: the
@@ -57,6 +59,12 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
     if (sliding_window or None) != window:
         raise ConfigError(f"layer {layer}: the model attends with sliding_window="
                           f"{sliding_window}, the cache's layer has window {window}")
+    if config.layers[layer].latent:
+        if softcap or s_aux is not None or kvnumba_latents is None:
+            raise ConfigError(f"layer {layer}: latent attention with a softcap or sinks, or "
+                              f"outside a step that keeps its latents")
+        return latent.attend(kvnumba_cache, module, layer, query, key, kvnumba_latents,
+                             scaling), None
     q = query[0].transpose(0, 1).contiguous()
     sinks = None if s_aux is None else head_sinks(layer, s_aux, q.shape[1])
     if not config.layers[layer].stores:    # the producer's K/V, written earlier this step

@@ -5,18 +5,20 @@ Only what the attention interface hands kvnumba is served: per-layer causal atte
 over the sequence's own keys, full, sliding-window or chunked (`layer_types`,
 `sliding_window`, `attention_chunk_size`), grouped kv heads, a score scale, a logit
 softcap and learned attention sinks, layers of several shapes (head dims and kv heads
-per layer) and layers that read an earlier layer's K/V (`num_kv_shared_layers`). What
-kvnumba cannot compute exactly (ALiBi, cross-attention, latent attention, linear
-attention layers, layers that read K/V from outside the model, a query scale by
-position past what a step tells the model) is a `ConfigError` naming the model type and
-the missing piece, never a silently different model. Attributes a config holds per
+per layer), layers that read an earlier layer's K/V (`num_kv_shared_layers`) and latent
+attention (`kv_lora_rank`: latent layers, `kvnumba.hf.latent`). What kvnumba cannot
+compute exactly (ALiBi, cross-attention, indexed sparse attention, linear attention
+layers, layers that read K/V from outside the model, a query scale by position past
+what a step tells the model) is a `ConfigError` naming the model type and the missing
+piece, never a silently different model. Attributes a config holds per
 layer (`per_layer_attributes`, Gemma 4's head dim and kv heads) are read per layer.
 """
 from __future__ import annotations
 
 from ..args import as_count, is_int
-from ..config import CacheConfig, chunked, flat, ring, shared
+from ..config import CacheConfig, chunked, flat, latent, ring, shared
 from ..errors import ConfigError
+from .latent import latent_modules, refuse_modules
 from .sharding import kv_heads_per_rank, sharding
 
 #: the `layer_types` kvnumba computes
@@ -38,8 +40,6 @@ def unsupported(config) -> str | None:
     if getattr(config, "alibi", False) or getattr(getattr(config, "attn_config", None),
                                                    "alibi", False):
         return "ALiBi position biases"
-    if getattr(config, "kv_lora_rank", None):
-        return "multi-head latent attention (MLA)"
     shared_layers = getattr(config, "num_kv_shared_layers", 0) or 0
     if shared_layers and shared_layers >= config.num_hidden_layers:
         return (f"layers that all attend over K/V from outside the model "
@@ -168,6 +168,32 @@ def _own_shape(shapes: list | None, layer: int) -> dict:
     return {name: value for name, value in given.items() if value != defaults[name]}
 
 
+def latent_specs(model, config, ranks: int) -> list:
+    """One `kv.latent(kv_lora_rank, qk_rope_head_dim)` per decoder layer of a model whose
+    attention is latent (`kv_lora_rank`: `kvnumba.hf.latent`): every rank holds the
+    latent whole and attends its share of the query heads. `ConfigError` for layers
+    other than full attention, heads its ranks cannot share, or a module kvnumba cannot
+    serve (`latent.refuse_modules`)."""
+    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
+    if kinds != {"full_attention"}:
+        raise ConfigError(f"{config.model_type}: latent attention over "
+                          f"{sorted(kinds - {'full_attention'})} layers; kvnumba serves "
+                          f"latent layers of full attention")
+    heads = config.num_attention_heads
+    if heads % ranks:
+        raise ConfigError(f"{config.model_type}: {heads} query heads cannot be split over "
+                          f"{ranks} ranks (each rank attends whole heads over the latent)")
+    modules = latent_modules(model)
+    missing = [layer for layer in range(config.num_hidden_layers) if layer not in modules]
+    if missing:
+        raise ConfigError(f"{config.model_type}: kv_lora_rank is set, but decoder layers "
+                          f"{missing} have no latent attention module (kv_a_layernorm, "
+                          f"kv_b_proj)")
+    refuse_modules(model, config.model_type)
+    spec = latent(int(config.kv_lora_rank), int(config.qk_rope_head_dim))
+    return [spec] * config.num_hidden_layers
+
+
 def refuse_position_scales(config, capacity: int, max_step: int) -> None:
     """`ConfigError` where the model scales its queries by position from its own cache's
     length (Llama 4's `attn_temperature_tuning` on its layers without rotary positions:
@@ -224,15 +250,21 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     missing = unsupported(config)
     if missing:
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
-    shapes = layer_shapes(config, sharding(model).ranks, module_shapes(model))
-    kv_heads, head_dim, _ = shapes[0]
+    ranks = sharding(model).ranks
+    if getattr(config, "kv_lora_rank", None):
+        specs = latent_specs(model, config, ranks)
+        kv_heads, head_dim = 1, specs[0].v_head_dim     # every layer sets its own shape
+    else:
+        shapes = layer_shapes(config, ranks, module_shapes(model))
+        specs = layer_specs(config, shapes)
+        kv_heads, head_dim, _ = shapes[0]
     # the defaults need ints; anything else goes on to CacheConfig, which names it
     if max_write is None:
         max_write = min(capacity, 256) if is_int(capacity) else capacity
     if max_step is None:
         max_step = (max_write + max_seqs * tokens_per_decode
                     if is_int(max_write) and is_int(max_seqs) else max_write)
-    made = CacheConfig(layers=layer_specs(config, shapes), n_kv_heads=kv_heads, head_dim=head_dim,
+    made = CacheConfig(layers=specs, n_kv_heads=kv_heads, head_dim=head_dim,
                        capacity=capacity, max_seqs=max_seqs, max_write=max_write,
                        max_step=max_step, dtype=storage_dtype(model, dtype), **options)
     refuse_position_scales(config, made.capacity, made.max_step)

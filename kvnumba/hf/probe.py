@@ -86,9 +86,9 @@ def kvnumba_hidden(model, config, tokens: list) -> tuple:
     def forward(packed, plan):
         ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=served.device)[None]
         positions = torch.as_tensor(plan.positions.astype(np.int64), device=served.device)
-        with torch.inference_mode(), served.kvnumba_attention():
+        with torch.inference_mode(), served.kvnumba_attention() as step:
             return model(input_ids=ids, position_ids=positions[None], use_cache=False,
-                         output_hidden_states=True, kvnumba_cache=served.cache).hidden_states
+                         output_hidden_states=True, **step).hidden_states
     prompt = run_inputs(served.table, [(sid, 0, tokens[:-1])], forward)
     last = run_inputs(served.table, [(sid, len(tokens) - 1, tokens[-1:])], forward)
     return tuple(torch.cat([a, b], dim=1) for a, b in zip(prompt, last))

@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
 from .attention import ATTENTION
+from .latent import capturing
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,18 @@ class ServedModel:
 
     @contextlib.contextmanager
     def kvnumba_attention(self):
-        """The model's attention switched to kvnumba's (`ATTENTION`) inside the block."""
+        """The model's attention switched to kvnumba's (`ATTENTION`) inside the block,
+        and its latent layers' latents kept for the step (`latent.capturing`): yields the
+        keyword arguments a step's model call passes (`kvnumba_cache`, and
+        `kvnumba_latents` where the cache has latent layers)."""
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = ATTENTION
+        layers = [i for i, spec in enumerate(self.cache.config.layers) if spec.latent]
         try:
-            yield
+            with capturing(self.model, layers) as latents:
+                yield dict(kvnumba_cache=self.cache,
+                           **(dict(kvnumba_latents=latents) if layers else {}))
         finally:
             config._attn_implementation = before
 
@@ -115,9 +122,8 @@ class ServedModel:
             ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=self.device)[None]
             positions = torch.as_tensor(plan.positions.astype(np.int64), device=self.device)
             keep = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
-            with torch.inference_mode(), self.kvnumba_attention():
+            with torch.inference_mode(), self.kvnumba_attention() as step:
                 return self.model(input_ids=ids, position_ids=positions[None],
-                                  use_cache=False, logits_to_keep=keep,
-                                  kvnumba_cache=self.cache).logits[0]
+                                  use_cache=False, logits_to_keep=keep, **step).logits[0]
         return run_inputs(self.table, inputs, forward)
 
