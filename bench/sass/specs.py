@@ -195,4 +195,7 @@ SPECIALISATIONS = (
                    _generic_signature("float16")),
     Specialisation("generic d512 float16", f"{_GENERIC}(512, 4, 16, 16, 64)",
                    _generic_signature("float16")),
+    # a latent layer's rows (576 values, V the first 512, in slices of 128 a block)
+    Specialisation("generic d576 float16 latent", f"{_GENERIC}(576, 4, 16, 16, 64, 128)",
+                   _generic_signature("float16")),
 )

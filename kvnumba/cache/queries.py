@@ -97,7 +97,9 @@ class CacheQueries:
 
     def layer_data(self, layer: int):
         """`(k, v)` page pools of `layer`, `[n_pages, page_size, n_kv_heads, head_dim]`
-        device arrays of the storage dtype (they move when the pool grows)."""
+        device arrays of the storage dtype (they move when the pool grows); V's last axis
+        is its `v_head_dim`, except on a latent layer, whose `v` is its row pool itself
+        (V: each row's first `v_head_dim` values); a shared layer's are its producer's."""
         layer = self._parts.data.layer(layer, "layer_data")
         return self._parts.pool.storage.k[layer], self._parts.pool.storage.v[layer]
 
