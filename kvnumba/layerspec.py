@@ -13,15 +13,15 @@ from typing import NamedTuple
 from .args import describe, is_int
 from .errors import ConfigError
 
-#: the largest head_dim (K's or V's) a layer may have: the generic attention kernel serves
-#: up to it, the fast paths up to their own bounds (`kernels.decode.supports`,
-#: `kernels.prefill.supports`)
+#: the largest head_dim (K's or V's) a layer may have: the generic attention kernel and
+#: the tensor cores' wide tile serve up to it, the fast paths up to their own bounds
+#: (`kernels.decode.supports`, `kernels.prefill.supports`, `supports_wide`)
 MAX_HEAD_DIM = 512
 #: the widest row a latent layer may store (`latent`: rank + rope_dim; DeepSeek-V3's
-#: 512 + 64), served by the generic kernel's widest tiles
+#: 512 + 64), served by the wide tile and the generic kernel's widest tiles
 MAX_LATENT_DIM = 576
-#: the largest head_dim the fast decode and tensor-core prefill paths are built for (a
-#: wider layer takes the generic kernel)
+#: the largest head_dim the standard decode and tensor-core tiles are built for (a wider
+#: layer takes the wide tile, or the generic kernel)
 FAST_MAX_HEAD_DIM = 256
 #: positions, token indices, storage slots and page-table entries travel to the kernels
 #: as int32

@@ -132,12 +132,16 @@ def check(segments, out, tokens):
 # ---------------------------------------------------------------- the figures
 
 def test_block_shape_covers_every_head_dim_the_decode_path_serves():
-    for head_dim in range(16, 257, 16):
-        assert comb.supports(head_dim) and dec.supports(head_dim, np.float16)
+    """Every row width the decode kernels write: 16 to 256 (the CUDA-core kernel's) with
+    8 part groups, and up to 512 (the wide tile's V) with 4 at 512: at most 512 threads."""
+    for head_dim in range(16, 513, 16):
+        assert comb.supports(head_dim)
         lanes = comb.lanes(head_dim)
         assert lanes & (lanes - 1) == 0 and lanes * 4 >= head_dim > lanes * 2
-        assert comb.threads(head_dim) == comb.PART_GROUPS * lanes <= 512
-    assert not comb.supports(8) and not comb.supports(40) and not comb.supports(512)
+        groups = comb.PART_GROUPS if head_dim <= 256 else 4
+        assert comb.threads(head_dim) == groups * lanes <= 512
+    assert dec.supports(256, np.float16) and not dec.supports(272, np.float16)
+    assert not comb.supports(8) and not comb.supports(40) and not comb.supports(528)
 
 
 # ---------------------------------------------------------------- the merge

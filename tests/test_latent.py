@@ -168,7 +168,8 @@ def test_refusals_name_the_layer_and_change_nothing():
 @pytest.mark.parametrize("dtype", ["float8_e4m3", "float8_e5m2"])
 def test_fp8_rows_with_their_one_scale(dtype):
     """Rows stored as 8-bit floats at one scale: attention over the rows as ml_dtypes
-    rounds them (scaled, saturated), V their first values at the same scale."""
+    rounds them (scaled, saturated), V their first values at the same scale. The tensor
+    cores serve it (q, out and the summed probabilities in float16: 2e-3 of float64)."""
     ml_dtypes = pytest.importorskip("ml_dtypes")
     held = {"float8_e4m3": ml_dtypes.float8_e4m3fn, "float8_e5m2": ml_dtypes.float8_e5m2}
     scale = 0.5
@@ -179,7 +180,7 @@ def test_fp8_rows_with_their_one_scale(dtype):
     a = cache.seq_new()
     rng = np.random.default_rng(1)
     rows = rng.standard_normal((6, 1, RANK + ROPE)).astype(np.float32)
-    q = rng.standard_normal((6, HQ, RANK + ROPE)).astype(np.float32)
+    q = rng.standard_normal((6, HQ, RANK + ROPE)).astype(np.float16)
     cache.declare_step([a] * 6)
     cache.prepare_step()
     out = cache.update_and_attend(0, q, rows, None)
@@ -189,4 +190,4 @@ def test_fp8_rows_with_their_one_scale(dtype):
     keys = stored * scale
     want = dense_attention(q, keys, keys[..., :RANK], 0, None, False,
                            1 / np.sqrt(RANK + ROPE))
-    np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=0, atol=2e-3)

@@ -247,6 +247,16 @@ def test_a_longer_decode_fails_its_instructions_per_key(label, slower_exponentia
 
 
 @compile_mode
+def test_a_longer_latent_decode_fails_its_budgets(slower_exponential, figures_of):
+    """The wide tile over a latent layer's rows, one more multiply per exponential (8 a
+    lane a 16-key tile in each of two V slices): more instructions per key and a smaller
+    HMMA share of the loop."""
+    label = "decode tensor cores latent d576 float16"
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {
+        "instructions_per_key", "hmma_percent"}
+
+
+@compile_mode
 @pytest.mark.parametrize("label", ["prefill d128 float16", "prefill d128 float16 softcap"])
 def test_a_less_hmma_prefill_fails_its_hmma_and_cp_async_budgets(label, slower_exponential,
                                                                   wider_addresses, figures_of):

@@ -89,8 +89,12 @@ def tensor_decode_figures(flow: Flow, arguments: dict) -> Figures:
     from kvnumba.kernels.prefill.shape import PrefillShape
     shape = PrefillShape.of(arguments["head_dim"], arguments["block_rows"],
                             arguments["block_keys"], arguments["storage"],
-                            arguments.get("warp_rows"), arguments.get("stored"))
-    warps, tile = shape.br // shape.wr, shape.bk
+                            arguments.get("warp_rows"), arguments.get("stored"),
+                            False if arguments.get("v_dim") else None, arguments.get("v_dim"))
+    # the wide tile: each V slice's block walks every chunk; a latent layer's step is
+    # DeepSeek-V3's (`estimate.LATENT_Q_HEADS` rows over one kv head, its rows alone read)
+    latent = bool(arguments.get("v_in_k"))
+    warps, tile = shape.br // shape.wr * shape.slices, shape.bk
     is_hmma = COUNTED["HMMA"]
     loop = main_loop(flow, is_hmma, "the HMMAs")
     masked = max((other for other in flow.loops if other is not loop and other.count(is_hmma)),
@@ -105,11 +109,17 @@ def tensor_decode_figures(flow: Flow, arguments: dict) -> Figures:
     keys = sum(lengths)
     per_key = warp_instructions / keys
     itemsize = shape.stored_bytes
-    step = estimate.decode_step(per_key, warps * loop.count(is_hmma) / tile, shape.head_dim,
-                                itemsize)
+    row_tiles = estimate.LATENT_Q_HEADS // shape.br if latent else 1
+    kv_heads = estimate.LATENT_KV_HEADS if latent else estimate.KV_HEADS
+    step = estimate.decode_step(per_key * row_tiles, warps * row_tiles * loop.count(is_hmma) / tile,
+                                shape.head_dim, itemsize, planes=1 if latent else 2,
+                                kv_heads=kv_heads)
+    rows = row_tiles * shape.br
+    tflops = estimate.tflops(step, 2 * rows * (shape.head_dim + (shape.v_dim or shape.head_dim)),
+                             kv_heads)
     smem_bytes = 2 * shape.smem
     blocks = min(estimate.SHARED_PER_SM // smem_bytes, estimate.BLOCKS_PER_SM)
-    cover = estimate.in_flight(2 * tile * shape.head_dim * itemsize, blocks)
+    cover = estimate.in_flight((1 if latent else 2) * tile * shape.head_dim * itemsize, blocks)
     notes = [f"unmasked loop at {loop.header:#x}: B = {trip} instructions a {tile}-key tile "
              f"({trip / tile:.1f} per key per warp), {loop.count(is_hmma)} HMMA; masked loop "
              f"at {masked.header:#x}: M = {partial}; the path through the rest P = {path} per "
@@ -117,14 +127,16 @@ def tensor_decode_figures(flow: Flow, arguments: dict) -> Figures:
              f"{keys} keys in {len(lengths)} chunks of {warps} warp(s): {warp_instructions} "
              f"warp instructions",
              f"H200 estimate ({estimate.SEQUENCES} sequences x {estimate.KEYS} keys x "
-             f"{estimate.KV_HEADS} kv heads): bytes {1e6 * step.bytes_s:.0f} us, issue "
+             f"{kv_heads} kv heads x {rows} rows): bytes {1e6 * step.bytes_s:.0f} us, issue "
              f"{1e6 * step.issue_s:.0f} us, HMMA {1e6 * step.hmma_s:.0f} us: "
-             f"{100 * step.hbm_fraction:.1f}% of HBM bandwidth; {blocks} blocks an SM by "
-             f"shared memory keep {cover:.1f}x the bytes in flight the latency needs",
+             f"{100 * step.hbm_fraction:.1f}% of HBM bandwidth, {tflops:.0f} TFLOP/s; "
+             f"{blocks} blocks an SM by shared memory keep {cover:.1f}x the bytes in flight "
+             f"the latency needs",
              *other_loops(flow, [loop, masked], is_hmma, "HMMA"), *fallback_note(flow)]
     return Figures({"instructions_per_key": per_key,
                     "hmma_percent": 100.0 * loop.count(is_hmma) / trip,
-                    "h200_hbm_percent": 100.0 * min(1.0, cover) * step.hbm_fraction}, notes)
+                    "h200_hbm_percent": 100.0 * min(1.0, cover) * step.hbm_fraction,
+                    "h200_tflops": min(1.0, cover) * tflops}, notes)
 
 
 def prefill_figures(flow: Flow, arguments: dict) -> Figures:

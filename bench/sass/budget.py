@@ -28,6 +28,7 @@ MODEL_FORMATS = {
     "instructions_per_vector_256b": "256 B: {:.1f}",
     "round_trips": "{} round trips",
     "h200_hbm_percent": "H200 est. {:.1f}% HBM",
+    "h200_tflops": "{:.0f} TFLOP/s",
 }
 #: the report's columns: heading -> figure
 COLUMNS = {"regs": "registers", "cap": "register_cap", "spill B": "spill_bytes",

@@ -24,8 +24,10 @@ SCHEDULERS = 4
 HBM_BYTES_PER_S = 4.8e12
 REACHED_BYTES_PER_S = 4.13e12
 HMMA_CLOCKS = 2
-#: the decode step the issue's targets name
+#: the decode step the targets name
 SEQUENCES, KEYS, KV_HEADS = 128, 4096, 8
+#: a latent layer's decode step: DeepSeek-V3's 128 query heads over its one latent head
+LATENT_Q_HEADS, LATENT_KV_HEADS = 128, 1
 #: loaded latency (seconds) the bytes in flight must cover
 LATENCY_S = 1.0e-6
 #: shared memory an SM gives its blocks, and the most blocks it holds
@@ -51,13 +53,14 @@ class Estimate(NamedTuple):
 
 
 def decode_step(instructions_per_key: float, hmma_per_key: float, head_dim: int,
-                itemsize: int) -> Estimate:
+                itemsize: int, *, planes: int = 2, kv_heads: int = KV_HEADS) -> Estimate:
     """The estimate of a decode step (module doc) of a kernel that issues
     `instructions_per_key` warp instructions and `hmma_per_key` HMMAs per key per kv
-    head over K/V of `head_dim` values of `itemsize` bytes each."""
-    key_heads = SEQUENCES * KEYS * KV_HEADS
+    head over K/V of `head_dim` values of `itemsize` bytes each (`planes`: K and V, or
+    a latent layer's rows alone, 1), on `kv_heads` kv heads."""
+    key_heads = SEQUENCES * KEYS * kv_heads
     issue_rate = SMS * SCHEDULERS * CLOCK_HZ
-    return Estimate(bytes_s=key_heads * 2 * head_dim * itemsize / REACHED_BYTES_PER_S,
+    return Estimate(bytes_s=key_heads * planes * head_dim * itemsize / REACHED_BYTES_PER_S,
                     issue_s=key_heads * instructions_per_key / issue_rate,
                     hmma_s=key_heads * hmma_per_key * HMMA_CLOCKS / issue_rate)
 
@@ -66,3 +69,9 @@ def in_flight(bytes_per_block: int, blocks_per_sm: int) -> float:
     """The bytes in flight per SM over those its share of `REACHED_BYTES_PER_S` needs
     to cover `LATENCY_S` (at least 1: the memory's latency is covered)."""
     return bytes_per_block * blocks_per_sm / (REACHED_BYTES_PER_S / SMS * LATENCY_S)
+
+
+def tflops(step: Estimate, flops_per_key: float, kv_heads: int = KV_HEADS) -> float:
+    """The useful arithmetic a step does a second, in TFLOP/s: `flops_per_key` per key per
+    kv head (2 per multiply-add of Q K^T and P V over the rows), at the step's time."""
+    return SEQUENCES * KEYS * kv_heads * flops_per_key / step.seconds / 1e12

@@ -186,6 +186,21 @@ SPECIALISATIONS = (
     Specialisation("decode tensor cores d128 float8_e5m2 16 rows",
                    f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, 'e5m2', False, "
                    f"True)", _prefill_signature("int8", "float16")),
+    # the wide tile (K past 256, or V narrower than K): a latent layer's decode, rows of
+    # 576 values and V their first 512 in two slices (DeepSeek-V3's 128 heads: 8 row
+    # tiles of 16), and head dim 512 with V in its own storage
+    Specialisation("decode tensor cores latent d576 float16",
+                   f"{_PREFILL}(576, 16, 16, 'float16', False, True, None, None, False, True, "
+                   f"512, True)", _prefill_signature("float16")),
+    Specialisation("decode tensor cores latent d576 float8_e4m3",
+                   f"{_PREFILL}(576, 16, 16, 'float16', False, True, None, 'e4m3', False, "
+                   f"True, 512, True)", _prefill_signature("uint8", "float16")),
+    Specialisation("decode tensor cores d512 float16",
+                   f"{_PREFILL}(512, 16, 16, 'float16', False, True, None, None, False, True, "
+                   f"512, False)", _prefill_signature("float16")),
+    Specialisation("prefill latent d576 float16",
+                   f"{_PREFILL}(576, 16, 16, 'float16', False, True, None, None, False, False, "
+                   f"512, True)", _prefill_signature("float16")),
     # the generic CUDA-core kernel at the head dims the fast paths do not take (past 256,
     # or V of another width than K): d256's decode and prefill tiles, and d512's one tile
     # (`kernels.generic.DECODE_TILES`, `PREFILL_TILES`)

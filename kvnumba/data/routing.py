@@ -7,15 +7,19 @@ segments. Each group runs on its own path, over its own list of segments, so a
 step launches at most two attention kernels (plus the decode path's combine) and a
 segment's output never depends on what shares its step:
 
-* decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK_KEYS`) where it
-  serves the layer, else `kernels.attention` split-K in chunks of the same length;
-* prefill: `kernels.prefill` (tensor cores: 16-bit storage, scale > 0) where it serves
-  the layer, else `kernels.attention` (CUDA cores, exact for float32).
+* decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK_KEYS`; a
+  segment of many rows on tensor cores) where it serves the layer, else
+  `kernels.attention` split-K in chunks of the same length;
+* prefill: `kernels.prefill` (tensor cores: 16-bit or 8-bit float storage, scale > 0)
+  where it serves the layer, else `kernels.attention` (CUDA cores, exact for float32).
 
 Which path serves a layer follows from its storage dtype and shape (contract §15): the
 fast paths take layers whose K and V are one width, a head_dim they are built for
-(`decode.supports`, `prefill.supports`: multiples of 16 / 8 up to 256); every other layer
-(head dims to 512, a V narrower or wider than K) takes the generic kernel. A step whose
+(`decode.supports`, `prefill.supports`: multiples of 16 / 8 up to 256); the tensor
+cores' wide tile (`prefill.supports_wide`) takes K up to 576 and V up to 512, no wider
+than K (a latent layer's rows, V their first values), in decode and prefill alike,
+over 16-bit and 8-bit float storage with a positive scale; every other layer (float32
+storage, V wider than K) takes the generic kernel. A step whose
 layers take both paths of a group stages both (the decode plans and the segment list).
 
 `Routing.route` writes the step's sections into its upload (`upload.Upload`): for
@@ -93,12 +97,20 @@ class Routing:
     def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
         dtype, shapes = config.storage_dtype, config.layer_shapes
         codes = [config.layers[config.source(i)].window_code for i in range(config.n_layers)]
+        #: per layer: whether the tensor cores' wide tile serves it (K past 256, or V
+        #: narrower than K: a latent layer's rows), decode and prefill alike
+        self.wide = [prefill.is_wide(s.head_dim, s.v_head_dim)
+                     and prefill.supports_wide(s.head_dim, s.v_head_dim, dtype) for s in shapes]
         #: per layer: whether the fast decode / tensor-core prefill path serves it
-        self.decode_fast = [s.head_dim == s.v_head_dim and decode.supports(s.head_dim, dtype)
-                            for s in shapes]
-        self.prefill_fast = [s.head_dim == s.v_head_dim and prefill.supports(s.head_dim, dtype)
-                             for s in shapes]
-        self._decode_generic = not all(self.decode_fast)
+        self.decode_fast = [wide or (s.head_dim == s.v_head_dim and
+                                     decode.supports(s.head_dim, dtype))
+                            for s, wide in zip(shapes, self.wide)]
+        self.prefill_fast = [wide or (s.head_dim == s.v_head_dim and
+                                      prefill.supports(s.head_dim, dtype))
+                             for s, wide in zip(shapes, self.wide)]
+        # the generic decode: layers no fast path serves, and wide layers whose scale is
+        # not positive (the tensor cores' softmax needs one)
+        self._decode_generic = not all(self.decode_fast) or any(self.wide)
         self._prefill_fast = any(self.prefill_fast)
         self.window_tables = window_tables
         self.windows = sorted(window_tables)
@@ -203,7 +215,7 @@ class Routing:
         has no rows (`launch.no_output()`), each q head's sink in its softmax unless
         `sinks` (float32 `[n_q_heads]`) has no elements (`sinks.no_sinks()`)."""
         if routes.decode.n:
-            if self.decode_fast[layer]:
+            if self.decode_fast[layer] and (scale > 0 or not self.wide[layer]):
                 routes.decode_runs[window](q, k_store, v_store, out, lse, sinks, scale,
                                            softcap)
             else:

@@ -37,11 +37,21 @@ _FLOAT32 = np.float32
 ALL_ROWS = 2**31 - 1
 
 
-def check_storage(head_dim: int, k_store, v_store) -> None:
+def check_storage(head_dim: int, k_store, v_store, v_dim: int | None = None) -> None:
     """Refuse (`ValueError`) K/V storage this path does not serve: a head_dim or dtype
     outside `supports`, K and V of different dtypes, or storage that is not slot
-    storage `[n_slots, n_kv_heads, head_dim]`."""
+    storage `[n_slots, n_kv_heads, head_dim]`. `v_dim`: V's width where it is not K's,
+    or K past 256: the tensor cores' wide tile serves them (`prefill.supports_wide`;
+    V in its own storage, or K's rows themselves)."""
     storage = np.dtype(k_store.dtype)
+    v_dim = head_dim if v_dim is None else v_dim
+    if prefill.is_wide(head_dim, v_dim):
+        if not prefill.supports_wide(head_dim, v_dim, storage) or v_store.dtype != storage:
+            raise ValueError(f"decode.run: head_dim {head_dim} with V of {v_dim} over "
+                             f"{storage} / {v_store.dtype} storage is not served (see "
+                             f"prefill.supports_wide)")
+        prefill.check_storage(head_dim, v_dim, k_store, v_store)
+        return
     if not supports(head_dim, storage) or v_store.dtype != storage:
         raise ValueError(f"decode.run: head_dim {head_dim} with {storage} / {v_store.dtype} "
                          f"storage is not served (see decode.supports)")
@@ -62,7 +72,8 @@ class DecodeRun:
     `lse` a float32 `[width, n_q_heads]` device array, or one of no rows for none; `sinks`
     a float32 `[n_q_heads]` device array, or `sinks.no_sinks()`) looks its
     signature up: q's dtype, q heads and 16-byte alignment, softcap and sinks on or off,
-    the layer's head_dim and kv heads (layers of one window may differ in shape). The
+    the layer's head_dim, kv heads and V's width, in out and in its storage rows (layers
+    of one window may differ in shape; a latent layer's V rows are K's). The
     first call of a signature checks the storage (`check_storage`), works out the block
     rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
     and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
@@ -84,7 +95,8 @@ class DecodeRun:
         if not self.n_items:
             return
         key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0, sinks.shape[0] > 0,
-               q.shape[2], k_store.shape[1], out.dtype, scale > 0)
+               q.shape[2], k_store.shape[1], out.dtype, out.shape[2], v_store.shape[2],
+               scale > 0)
         launches = self._launches.get(key)
         if launches is None:
             launches = self._launches[key] = self._bind(q, k_store, v_store, out, *key[:5],
@@ -99,29 +111,30 @@ class DecodeRun:
         if merge is not None:
             merge(out, lse, sinks)
 
-    def check(self, q, k_store, v_store) -> None:
-        """Refuse storage this path does not serve (`check_storage`) when there is work."""
+    def check(self, q, k_store, v_store, out=None) -> None:
+        """Refuse storage this path does not serve (`check_storage`) when there is work
+        (V of `out`'s width)."""
         if self.n_items:
-            check_storage(q.shape[2], k_store, v_store)
+            check_storage(q.shape[2], k_store, v_store, None if out is None else out.shape[2])
 
     def _bind(self, q, k_store, v_store, out, dtype, n_q_heads, vectors, capped, sunk,
               positive) -> tuple:
-        self.check(q, k_store, v_store)
-        head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
+        self.check(q, k_store, v_store, out)
+        head_dim, n_kv_heads, v_dim = q.shape[2], k_store.shape[1], out.shape[2]
         storage = np.dtype(k_store.dtype)
         placed, seq_info_off = self.placed, self.seq_info_off
         max_q_len, n_parts = placed.max_q_len, placed.n_parts
         group = n_q_heads // n_kv_heads
         if n_parts > 0:
             part_acc, part_ml = self.workspace.partials(
-                n_parts * max_q_len * n_q_heads * head_dim, n_parts * max_q_len * n_q_heads * 2,
+                n_parts * max_q_len * n_q_heads * v_dim, n_parts * max_q_len * n_q_heads * 2,
                 self.stream)
         else:
             part_acc = part_ml = self.workspace.dummy
         # a segment of more than `most` rows (group times its queries) takes the tensor
         # cores, the others the CUDA-core kernel: each kernel skips the other's items,
         # and only the kernels some segment of the step needs are launched
-        most = self._cuda_core_rows(head_dim, storage, positive)
+        most = self._cuda_core_rows(head_dim, v_dim, storage, positive)
         decodes = []
         if group * placed.min_q_len <= most:
             cuda_rows = min(group * max_q_len, most)
@@ -138,20 +151,28 @@ class DecodeRun:
                 row_group_bits, self.ring_rows, self.window, self.page_bits, PER_CALL,
                 PER_CALL, most))
         if group * max_q_len > most:
-            decodes.append(self._bind_grouped(q, k_store, out, group, bool(capped),
+            decodes.append(self._bind_grouped(q, k_store, v_store, out, group, bool(capped),
                                               bool(sunk), part_acc, part_ml, most))
         merge = combine.prepare(self.tables, part_acc, part_ml, seq_info_off=seq_info_off,
                                 combine_off=placed.combine_off, n_combine=placed.n_combine,
-                                max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=head_dim,
+                                max_q_len=max_q_len, n_q_heads=n_q_heads, head_dim=v_dim,
                                 stream=self.stream)
         return tuple(decodes), merge
 
-    def _cuda_core_rows(self, head_dim: int, storage, positive: bool) -> int:
+    def _cuda_core_rows(self, head_dim: int, v_dim: int, storage, positive: bool) -> int:
         """The most rows (group times a segment's queries) of a segment the CUDA-core
         kernel serves; the tensor cores serve the rest. The rule (`shape.grouped`:
         `CUDA_CORE_ROWS`, where the tensor-core kernel serves the layer and the scale is
         positive, else every segment), or what `tensor_cores` forces (True: none, a
-        `ValueError` where the tensor-core kernel cannot serve the layer; False: all)."""
+        `ValueError` where the tensor-core kernel cannot serve the layer; False: all).
+        A layer only the wide tile serves (`prefill.is_wide`) takes it for every segment
+        (`tensor_cores=False`, or a scale that is not positive, refused)."""
+        if prefill.is_wide(head_dim, v_dim):
+            if self.tensor_cores is False or not positive:
+                raise ValueError(f"decode.run: K of {head_dim} and V of {v_dim} are served "
+                                 f"on tensor cores alone, with a positive scale "
+                                 f"(tensor_cores={self.tensor_cores})")
+            return 0
         serve = positive and tensor_cores_serve(head_dim, storage)
         if self.tensor_cores is None:
             return decode_shape.CUDA_CORE_ROWS.get(storage.itemsize, ALL_ROWS) if serve \
@@ -162,22 +183,31 @@ class DecodeRun:
                              f"with this scale (prefill.supports, scale > 0)")
         return 0 if self.tensor_cores else ALL_ROWS
 
-    def _bind_grouped(self, q, k_store, out, group: int, capped: bool, sunk: bool, part_acc,
+    def _bind_grouped(self, q, k_store, v_store, out, group: int, capped: bool, sunk: bool, part_acc,
                       part_ml, most: int):
         """The tensor-core launch of the step's segments of more than `most` rows
         (`shape.grouped`): the prefill kernel split over the same chunks, writing the
         same partials (or a one-chunk segment's rows of `out`), grid (work items, kv
         heads, row tiles)."""
-        head_dim, n_kv_heads = q.shape[2], k_store.shape[1]
+        head_dim, n_kv_heads, v_dim = q.shape[2], k_store.shape[1], out.shape[2]
         placed = self.placed
-        mma, stored = prefill.served(head_dim, k_store.dtype, q.dtype, out.dtype)
-        block_rows_, block_keys = prefill.grouped_tile(group * placed.max_q_len, head_dim)
+        mma, stored = prefill.served(head_dim, k_store.dtype, q.dtype, out.dtype, v_dim)
         q_copy = prefill.MMA_DTYPES[mma] == np.dtype(q.dtype).name and aligned(q, 16)
-        kernel = prefill.prefill_kernel(head_dim, block_rows_, block_keys, mma, capped,
-                                        q_copy, None, stored, sunk, True)
-        warps = block_rows_ // prefill.default_warp_rows(head_dim, block_rows_)
+        if prefill.is_wide(head_dim, v_dim):    # one warp of 16 rows a block, V in slices
+            (block_rows_, block_keys), slices = prefill.WIDE_TILE, \
+                prefill.v_slice(head_dim, v_dim)[1]
+            kernel = prefill.prefill_kernel(head_dim, block_rows_, block_keys, mma, capped,
+                                            q_copy, None, stored, sunk, True, v_dim,
+                                            prefill.shares_rows(k_store, v_store))
+            warps = 1
+        else:
+            block_rows_, block_keys = prefill.grouped_tile(group * placed.max_q_len, head_dim)
+            kernel = prefill.prefill_kernel(head_dim, block_rows_, block_keys, mma, capped,
+                                            q_copy, None, stored, sunk, True)
+            warps, slices = block_rows_ // prefill.default_warp_rows(head_dim, block_rows_), 1
         n_row_tiles = -(-group * placed.max_q_len // block_rows_)
-        return kernel.bind((self.n_items, n_kv_heads, n_row_tiles), 32 * warps, self.stream,
+        return kernel.bind((self.n_items, n_kv_heads, n_row_tiles * slices), 32 * warps,
+                           self.stream,
                            PER_CALL, PER_CALL, PER_CALL, self.pages, int(self.page_bits),
                            self.tables, PER_CALL, PER_CALL, PER_CALL, int(self.seq_info_off),
                            int(placed.work_off), n_row_tiles, group, int(self.ring_rows),

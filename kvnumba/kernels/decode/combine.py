@@ -20,9 +20,10 @@ Inputs are exactly what `decode.run` leaves in its workspace and tables:
   never hold it.
 
 Shape (`_combine_kernel(head_dim)`): one block per (combine row, query, q head):
-`PART_GROUPS * lanes` threads, `lanes` (the smallest power of two >= head_dim / 4)
-over the 16-byte pieces of a float32 accumulator row and `PART_GROUPS` part groups
-over the parts (part `k` of the segment to group `k % PART_GROUPS`). A thread keeps a
+`part_groups * lanes` threads, `lanes` (the smallest power of two >= head_dim / 4)
+over the 16-byte pieces of a float32 accumulator row and `part_groups` (`PART_GROUPS`;
+4 at head_dim 512) part groups over the parts (part `k` of the segment to group `k %
+part_groups`). A thread keeps a
 running (max, sum, 4 accumulators) of its group's parts for its piece. Per loop trip
 it loads `UNROLL` parts: each part's (max, sum) (two 4-byte loads, the same for every
 lane of the group) and its 16-byte piece of the accumulator (`ptx.ld_nc_v4`), all
@@ -53,7 +54,6 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from ...config import FAST_MAX_HEAD_DIM
 from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
 from ..launch.constants import LN2, LOG2E, NEG_INF, WARP
@@ -68,8 +68,13 @@ from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device)
 PART_GROUPS = 8
 #: parts a thread loads per loop trip, all before it uses any (a compile-time unroll)
 UNROLL = 8
-#: parts a block loads per loop trip: one dependent global round trip each
+#: parts a block loads per loop trip: one dependent global round trip each (up to
+#: head_dim 256; half as many at 512, where a block has half as many part groups)
 PARTS_PER_TRIP = PART_GROUPS * UNROLL
+#: threads a block: part groups times lanes stay within it
+MAX_THREADS = 512
+#: the widest rows merged: a latent layer's V (its decode runs on the tensor cores)
+MAX_HEAD_DIM = 512
 #: float32 accumulator elements per 16-byte load
 VEC = 4
 
@@ -88,16 +93,22 @@ def lanes(head_dim: int) -> int:
     return 1 << (pieces - 1).bit_length()
 
 
+def part_groups(head_dim: int) -> int:
+    """Part groups per block: `PART_GROUPS`, fewer where their lanes would pass
+    `MAX_THREADS` (4 at head_dim 512)."""
+    return min(PART_GROUPS, MAX_THREADS // lanes(head_dim))
+
+
 def threads(head_dim: int) -> int:
-    """Threads per block: `PART_GROUPS * lanes(head_dim)` (32 at head_dim 16, 256 at 128,
-    512 at 256)."""
-    return PART_GROUPS * lanes(head_dim)
+    """Threads per block: `part_groups(head_dim) * lanes(head_dim)` (32 at head_dim 16,
+    256 at 128, 512 at 256 and 512)."""
+    return part_groups(head_dim) * lanes(head_dim)
 
 
 def supports(head_dim: int) -> bool:
-    """head_dim a multiple of 16 up to `FAST_MAX_HEAD_DIM`: what the decode path serves
-    (whole 16-byte float32 pieces, at most 512 threads a block)."""
-    return head_dim % 16 == 0 and 16 <= head_dim <= FAST_MAX_HEAD_DIM
+    """head_dim a multiple of 16 up to `MAX_HEAD_DIM`: what the decode paths write
+    (whole 16-byte float32 pieces, at most `MAX_THREADS` threads a block)."""
+    return head_dim % 16 == 0 and 16 <= head_dim <= MAX_HEAD_DIM
 
 
 @lru_cache(maxsize=None)
@@ -106,13 +117,15 @@ def _combine_kernel(head_dim: int):
     bfloat16 as uint16) is the launch's own specialisation."""
     if not supports(head_dim):
         raise ValueError(f"combine: head_dim {head_dim} must be a multiple of 16 in "
-                         f"[16, FAST_MAX_HEAD_DIM]")
+                         f"[16, {MAX_HEAD_DIM}]")
     HEAD_DIM = head_dim
+    GROUPS = part_groups(head_dim)
+    TRIP = GROUPS * UNROLL                    # parts a block loads per loop trip
     PIECES = head_dim // VEC                  # 16-byte pieces of a float32 row
     LANES = lanes(head_dim)
     LANE_SHIFT = LANES.bit_length() - 1
     IDLE = PIECES != LANES                    # lanes past the row (head_dim 48, 80, ...)
-    THREADS = PART_GROUPS * LANES
+    THREADS = GROUPS * LANES
     # butterfly masks between part groups in one warp (LANES < WARP); the lanes of a
     # warp's first group then hold its merged states
     ROUNDS = max(0, (WARP // LANES).bit_length() - 1)   # masks LANES, 2 LANES, ..., 16
@@ -155,7 +168,7 @@ def _combine_kernel(head_dim: int):
         # back); unsigned indices skip Numba's negative-index wraparound
         n_heads = int32(out.shape[1])
         part_stride = int32(int32(max_q_len) * n_heads)  # `at` per partial slot
-        group_step = int32(PART_GROUPS * part_stride)    # `at` between a group's parts
+        group_step = int32(GROUPS * part_stride)    # `at` between a group's parts
         lane_piece = min(piece, int32(PIECES - 1)) if IDLE else piece
         lane_dim = int32(lane_piece * int32(VEC))
         # `at` of the thread's first part, and of the segment's last (what a part index
@@ -174,7 +187,7 @@ def _combine_kernel(head_dim: int):
         while k0 < n:
             # every load of the trip first (independent of each other and of the state)
             for u in range(UNROLL):
-                inside = int32(k0 + int32(u * PART_GROUPS)) < n
+                inside = int32(k0 + int32(u * GROUPS)) < n
                 at = int32(at0 + int32(u * group_step)) if inside else at_last
                 mu = part_ml[uint32(int32(2) * at)]
                 s[u] = part_ml[uint32(int32(int32(2) * at) + int32(1))]
@@ -207,7 +220,7 @@ def _combine_kernel(head_dim: int):
                 a2 += weight * w[u, 2]
                 a3 += weight * w[u, 3]
             run_m = best
-            k0 = int32(k0 + int32(PARTS_PER_TRIP))
+            k0 = int32(k0 + int32(TRIP))
             at0 = int32(at0 + int32(UNROLL * group_step))
 
         # the part groups of a warp meet in butterfly rounds, then the warps' states in
@@ -282,7 +295,7 @@ def run(tables, part_acc, part_ml, out, *, seq_info_off, combine_off, n_combine,
     `combine_off`, flat row-major). part_acc, part_ml: the float32 partials `decode.run`
     wrote, laid out for `max_q_len` and `out.shape[1]` q heads. out: [width, n_q_heads,
     head_dim] float16, float32 or bfloat16 (uint16 bits); head_dim a multiple of 16 up
-    to `FAST_MAX_HEAD_DIM`. Writes exactly `out[q_start + i, head, :]` for every query `i`
+    to `MAX_HEAD_DIM`. Writes exactly `out[q_start + i, head, :]` for every query `i`
     of a listed segment and every head, and, with `lse` (float32 `[width, n_q_heads]`),
     `lse[q_start + i, head]`; with `sinks` (float32 `[n_q_heads]`), each head's sink in
     its rows' softmax. Launches on `stream` only; no synchronisation, no allocation.

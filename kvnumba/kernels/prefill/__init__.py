@@ -13,24 +13,40 @@ from functools import lru_cache
 import numpy as np
 
 from ..launch.constants import FP8_FORMATS
-from ..launch.calling import PER_CALL, aligned, ceil_div, no_output
+from ..launch.calling import PER_CALL, aligned, ceil_div, device_pointer, no_output
 from ..sinks import no_sinks
 from .kernel import prefill_kernel
-from .shape import (Q_OUT_TYPES, default_warp_rows, grouped_tile, stored_type,  # noqa: F401
-                    supports, tile_shape, type_name)
+from .shape import (Q_OUT_TYPES, WIDE_TILE, default_warp_rows, grouped_tile,  # noqa: F401
+                    stored_type, supports, supports_wide, tile_shape, type_name, v_slice)
 
 #: the mma type's array dtype name (bfloat16 as uint16 bits)
 MMA_DTYPES = {"float16": "float16", "bfloat16": "uint16"}
 
 
+def is_wide(head_dim: int, v_dim: int) -> bool:
+    """Whether a layer of K rows of `head_dim` values and V of `v_dim` takes the wide tile
+    (`shape.WIDE_TILE`): K past the standard tiles' 256, or V narrower than K."""
+    return v_dim != head_dim or not supports(head_dim, "float16")
+
+
+def shares_rows(k_store, v_store) -> bool:
+    """Whether V's storage is K's rows themselves (a latent layer: V their first values),
+    so the wide tile reads V from K's staged tile."""
+    return v_store is k_store or (tuple(v_store.shape) == tuple(k_store.shape)
+                                  and device_pointer(v_store) == device_pointer(k_store))
+
+
 @lru_cache(maxsize=None)
-def served(head_dim, storage_dtype, q_dtype, out_dtype) -> tuple[str, str]:
+def served(head_dim, storage_dtype, q_dtype, out_dtype, v_dim=None) -> tuple[str, str]:
     """`(mma type, stored type)` of a launch, after refusing what this path does not serve;
     cached per combination, so a launch pays for the checks once, not per layer and step.
     16-bit storage is its own mma type; 8-bit floats take the query's 16-bit type
-    (float16 for a float32 q), to which they convert exactly."""
-    if not supports(head_dim, storage_dtype):
-        raise ValueError(f"prefill: head_dim {head_dim} with storage "
+    (float16 for a float32 q), to which they convert exactly. `v_dim`: V's width where it
+    is not K's (`supports_wide`)."""
+    v_dim = head_dim if v_dim is None else v_dim
+    if not (supports_wide(head_dim, v_dim, storage_dtype) if is_wide(head_dim, v_dim)
+            else supports(head_dim, storage_dtype)):
+        raise ValueError(f"prefill: head_dim {head_dim} (V {v_dim}) with storage "
                          f"{type_name(storage_dtype)!r} is not served")
     for name, dtype in (("q", q_dtype), ("out", out_dtype)):
         if type_name(dtype) not in Q_OUT_TYPES:
@@ -46,10 +62,11 @@ class PrefillRun:
     table and the served list are), how many segments, the longest, `page_bits`, the
     tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse, sinks,
     ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
-    out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, softcap
-    and sinks on or off. The first call of a signature checks what the path serves (`served`),
-    picks the kernel and its grid and binds it; later calls pack their arrays and
-    scalars only."""
+    out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, V's
+    width in out and in its storage rows, softcap and sinks on or off. The first call of
+    a signature checks what the path serves (`served`, `check_storage`), picks the
+    kernel (the wide tile where `is_wide`) and its grid and binds it; later calls pack
+    their arrays and scalars only."""
 
     def __init__(self, tables, *, seq_info_off: int, segments_off: int, n_segments: int,
                  max_q_len: int, page_bits: int, stream=0, tile=None):
@@ -64,37 +81,54 @@ class PrefillRun:
             return
         if not scale > 0:
             raise ValueError(f"prefill: scale {scale} must be positive")
-        head_dim = q.shape[2]
-        mma, stored = served(head_dim, k_store.dtype, q.dtype, out.dtype)   # cached checks
-        shape = tuple(k_store.shape)
-        if len(shape) != 3 or shape[2] != head_dim or tuple(v_store.shape) != shape:
-            raise ValueError(f"prefill: storage {shape} / {tuple(v_store.shape)} is not slot "
-                             f"storage [n_slots, n_kv_heads, {head_dim}] of one shape")
+        head_dim, v_dim = q.shape[2], out.shape[2]
+        mma, stored = served(head_dim, k_store.dtype, q.dtype, out.dtype, v_dim)  # cached
+        check_storage(head_dim, v_dim, k_store, v_store)
         key = (q.dtype, q.shape[1], aligned(q, 16), out.dtype, k_store.dtype,
-               k_store.shape[1:], softcap > 0, sinks.shape[0] > 0)
+               k_store.shape[1:], v_dim, v_store.shape[2], softcap > 0, sinks.shape[0] > 0)
         launch = self._launches.get(key)
         if launch is None:
-            launch = self._launches[key] = self._bind(q, k_store, mma, stored, key[2],
-                                                      *key[-2:])
+            launch = self._launches[key] = self._bind(
+                q, k_store, v_dim, shares_rows(k_store, v_store), mma, stored, key[2],
+                *key[-2:])
         launch(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows), int(window),
                np.float32(scale), np.float32(softcap))
 
-    def _bind(self, q, k_store, mma: str, stored: str, q_aligned: bool, capped: bool,
-              sunk: bool):
+    def _bind(self, q, k_store, v_dim: int, v_in_k: bool, mma: str, stored: str,
+              q_aligned: bool, capped: bool, sunk: bool):
         head_dim, n_q_heads, n_kv_heads = q.shape[2], q.shape[1], k_store.shape[1]
         group = n_q_heads // n_kv_heads
-        block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
-        warp_rows = warp_rows[0] if warp_rows else None
         q_copy = type_name(q.dtype) == MMA_DTYPES[mma] and q_aligned  # Q in the mma type
-        kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
-                                warp_rows, stored, sunk)
+        if is_wide(head_dim, v_dim):
+            (block_rows, block_keys), warp_rows, slices = WIDE_TILE, 16, \
+                v_slice(head_dim, v_dim)[1]
+            kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
+                                    None, stored, sunk, False, v_dim, v_in_k)
+        else:
+            block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
+            warp_rows, slices = (warp_rows[0] if warp_rows else None), 1
+            kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
+                                    warp_rows, stored, sunk)
         warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
         n_row_tiles = ceil_div(group * self.max_q_len, block_rows)
-        return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles), 32 * warps, self.stream,
+        return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles * slices), 32 * warps,
+                           self.stream,
                            PER_CALL, PER_CALL, PER_CALL, PER_CALL, int(self.page_bits),
                            self.tables, PER_CALL, PER_CALL, PER_CALL, int(self.seq_info_off),
                            int(self.segments_off), n_row_tiles, group, PER_CALL, PER_CALL,
                            PER_CALL, PER_CALL, no_sinks(), no_sinks(), 0, 0)  # not split
+
+
+def check_storage(head_dim: int, v_dim: int, k_store, v_store) -> None:
+    """Refuse (`ValueError`) storage that is not slot storage: K `[n_slots, n_kv_heads,
+    head_dim]`, V of its slots and heads, `v_dim` wide (or, on the wide tile, rows of at
+    least `v_dim` values: a latent layer's V is K's rows)."""
+    shape, v_shape = tuple(k_store.shape), tuple(v_store.shape)
+    if len(shape) != 3 or shape[2] != head_dim or len(v_shape) != 3 or \
+            v_shape[:2] != shape[:2] or not (v_shape[2] == v_dim or (
+                is_wide(head_dim, v_dim) and v_shape[2] >= v_dim)):
+        raise ValueError(f"prefill: storage {shape} / {v_shape} is not slot storage "
+                         f"[n_slots, n_kv_heads, {head_dim}] / [.., .., {v_dim}]")
 
 
 def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_bits,
@@ -111,11 +145,14 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
         stream=0, tile=None):
     """Attention of the listed segments' queries over their own sequence's keys, into `out`.
 
-    q, out: [width, n_q_heads, head_dim] device arrays, float16, float32 or bfloat16
-    (uint16 bits); only the listed segments' rows of `out` are written. k_store, v_store:
-    slot storage [n_slots, n_kv_heads, head_dim] (a page pool [n_pages, page_size,
-    n_kv_heads, head_dim] reshaped; n_slots <= INT32_MAX), 16-bit or 8-bit floats (see
-    `stored_type`), C-contiguous. pages: the layer kind's int32 device page table [seq rows, pages per
+    q: [width, n_q_heads, head_dim], out: [width, n_q_heads, v_dim] device arrays,
+    float16, float32 or bfloat16 (uint16 bits); only the listed segments' rows of `out`
+    are written. k_store, v_store: slot storage [n_slots, n_kv_heads, head_dim] and
+    [n_slots, n_kv_heads, v_dim] (page pools [n_pages, page_size, n_kv_heads, ...]
+    reshaped; n_slots <= INT32_MAX), 16-bit or 8-bit floats (see `stored_type`),
+    C-contiguous. V as wide as K up to 256 takes the standard tiles; K to 576 and V to
+    512, no wider than K, the wide tile (`supports_wide`), where `v_store` may be K's
+    rows themselves (a latent layer: V their first `v_dim` values). pages: the layer kind's int32 device page table [seq rows, pages per
     sequence], C-contiguous, indexed by a segment's `SEQ`, each entry a page's first slot
     (page id times page_size); page_bits: log2(page_size). Storage row r of sequence
     `seq` (its position on a flat layer, position % ring_rows on a ring) is slot

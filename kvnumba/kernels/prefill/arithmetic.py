@@ -14,7 +14,7 @@ from ..sinks import with_sink
 from .shape import ONES, PrefillShape
 from .staging import split_row
 
-from numba import float32, uint32  # noqa: E402  (after device)
+from numba import float32, int32, uint32  # noqa: E402  (after device)
 
 
 def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
@@ -26,6 +26,8 @@ def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
     S_FLOATS, P_WORDS, O_FLOATS = shape.s_floats, shape.p_words, shape.o_floats
     LANE_ROWS, S_ALL, Q_IN_REGISTERS = shape.lane_rows, shape.s_all, shape.q_in_registers
     K_BASE, V_BASE = shape.k_base, shape.v_base
+    OUT_DIM = shape.v_dim or head_dim           # an output row's (and a partial's) width
+    WIDE = shape.wide                           # V in slices: a block writes its own dims
     ONE_PAIR = uint32(ONES[shape.storage])
     float16 = shape.storage == "float16"
     mma = tensorcore.mma_f16_f32 if float16 else tensorcore.mma_bf16_f32
@@ -54,35 +56,49 @@ def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
         mma_into(acc, n0, a0, a1, a2, a3, b0, b1)
         mma_into(acc, n0 + 1, a0, a1, a2, a3, b2, b3)
 
+    @cuda.jit(device=True, inline="always")
+    def score_chunk(s, qf, qa, tile, q_lane, k_lane, kc):
+        """s += the products of dims 16 kc .. 16 kc + 15 (see `scores`)."""
+        for h in range(H):
+            if Q_IN_REGISTERS:
+                for i in range(4):
+                    qa[4 * h + i] = qf[(h * DK + kc) * 4 + i]
+            else:
+                qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = tensorcore.ldmatrix_x4(
+                    tile, q_lane + h * 16 * PITCH + kc * 16)
+        for kp in range(BK // 16):          # keys 16 kp .. 16 kp + 15: two n8 tiles
+            b0, b1, b2, b3 = tensorcore.ldmatrix_x4(tile, K_BASE + k_lane + kp * 16 * PITCH
+                                                    + kc * 16)
+            for h in range(H):
+                mma_pair(s, h * KT + 2 * kp, qa[4 * h], qa[4 * h + 1], qa[4 * h + 2],
+                         qa[4 * h + 3], b0, b1, b2, b3)
+
     @cuda.jit(device=True)
     def scores(s, qf, qa, tile, q_lane, k_lane):
         """s = Q K^T for the warp's rows (half h in s[h S_FLOATS ..]) and the tile's BK keys
         (unscaled). Q's A operands come from registers (qf) or from the warp's Q rows in
-        shared memory, through qa; each K fragment serves every half."""
+        shared memory, through qa; each K fragment serves every half. The wide tile's
+        chunks (36 at 576) are counted in int32, which LLVM unrolls whole (a range of
+        them it unrolls by 4, with 64-bit counts and 53 instructions of overhead a trip)."""
         for i in range(S_ALL):
             s[i] = 0.0
-        for kc in range(DK):                # dims 16 kc .. 16 kc + 15
-            for h in range(H):
-                if Q_IN_REGISTERS:
-                    for i in range(4):
-                        qa[4 * h + i] = qf[(h * DK + kc) * 4 + i]
-                else:
-                    qa[4 * h], qa[4 * h + 1], qa[4 * h + 2], qa[4 * h + 3] = tensorcore.ldmatrix_x4(
-                        tile, q_lane + h * 16 * PITCH + kc * 16)
-            for kp in range(BK // 16):      # keys 16 kp .. 16 kp + 15: two n8 tiles
-                b0, b1, b2, b3 = tensorcore.ldmatrix_x4(tile, K_BASE + k_lane + kp * 16 * PITCH
-                                                        + kc * 16)
-                for h in range(H):
-                    mma_pair(s, h * KT + 2 * kp, qa[4 * h], qa[4 * h + 1], qa[4 * h + 2],
-                             qa[4 * h + 3], b0, b1, b2, b3)
+        if WIDE:
+            kc = int32(0)
+            while kc < DK:
+                score_chunk(s, qf, qa, tile, q_lane, k_lane, kc)
+                kc += 1
+        else:
+            for kc in range(DK):            # dims 16 kc .. 16 kc + 15
+                score_chunk(s, qf, qa, tile, q_lane, k_lane, kc)
 
     @cuda.jit(device=True)
-    def accumulate(o, l, pf, tile, a_lane):
-        """o += P V for the warp's rows (P from the packed pairs, V rows by .trans: each V
-        fragment serves every half), and the row sums l += P's row sums."""
+    def accumulate(o, l, pf, tile, v_lane):
+        """o += P V for the warp's rows (P from the packed pairs, V rows by .trans from
+        `v_lane`, the A-operand lane address at the block's first V dim: each V fragment
+        serves every half), and the row sums l += P's row sums."""
         for kk in range(BK // 16):          # keys 16 kk .. 16 kk + 15: A = p[4 kk .. 4 kk + 3]
-            for dc in range(DK):            # dims 16 dc .. 16 dc + 15: two n8 tiles of O
-                b0, b1, b2, b3 = tensorcore.ldmatrix_x4_trans(tile, V_BASE + a_lane
+            for dc in range(DT // 2):       # dims 16 dc .. 16 dc + 15: two n8 tiles of O
+                b0, b1, b2, b3 = tensorcore.ldmatrix_x4_trans(tile, V_BASE + v_lane
                                                               + kk * 16 * PITCH + dc * 16)
                 for h in range(H):
                     a = h * P_WORDS + 4 * kk
@@ -165,11 +181,14 @@ def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
 
     @cuda.jit(device=True)
     def store_rows(out, lse, sinks, o, l, m, scale, warp_row, n_end, g, t, q_start, group,
-                   kv_head):
+                   kv_head, dims):
         """Write the lane's real rows (g + 8 r of the warp's), each normalised by its sum
         (every real row sees a key: its sum is > 0), its head's sink joined first when
         the kernel is `sunk` (`kernels.sinks`), and, when `lse` has rows, each row's
-        log-sum-exp `scale m + log l` (lane t = 0 of the quad, which all hold m and l)."""
+        log-sum-exp `scale m + log l` (lane t = 0 of the quad, which all hold m and l).
+        `dims` = (first, lo, hi, lead): O's first column is dim `first` of the row, the
+        block writes dims [lo, hi), and the log-sum-exp where `lead` (V's first slice)."""
+        first, own_lo, own_hi, lead = dims
         for r in range(LANE_ROWS):
             row = warp_row + g + 8 * r
             if row < n_end:
@@ -186,23 +205,25 @@ def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
                 # unsigned indices: no negative-index wraparound code per store
                 token_at = uint32(q_start + token)
                 head_at = uint32(kv_head * group + head)
-                if t == 0 and lse.shape[0] > 0:
+                if t == 0 and lse.shape[0] > 0 and lead:
                     lse[token_at, head_at] = best + math.log(row_sum)
                 for n in range(DT):
-                    d = 8 * n + 2 * t
-                    if d < head_dim:
+                    d = first + 8 * n + 2 * t
+                    if d < own_hi and (not WIDE or d >= own_lo):
                         for i in range(2):
                             out[token_at, head_at, uint32(d + i)] = \
                                 ptx.from_f32(o[at + 4 * n + i] * inv_l, out)
 
     @cuda.jit(device=True)
     def store_partial(part_acc, part_ml, o, l, m, scale_log2, warp_row, n_end, g, t,
-                      part_row, group, kv_head, n_heads):
+                      part_row, group, kv_head, n_heads, dims):
         """Write the lane's real rows as one chunk's partial state, unnormalised, in the
         decode combine's layout (`decode.combine`): a row's accumulators at `at *
-        head_dim`, its (max in base 2, sum) pair at `2 at`, `at = (part_row + token) *
+        OUT_DIM`, its (max in base 2, sum) pair at `2 at`, `at = (part_row + token) *
         n_heads + head` (`part_row`: the chunk's partial slot times the partials'
-        max_q_len). A row that saw no key of the chunk holds max -inf, sum 0, acc 0."""
+        max_q_len); `dims` as `store_rows`'. A row that saw no key of the chunk holds max
+        -inf, sum 0, acc 0."""
+        v_first, own_lo, own_hi, lead = dims
         for r in range(LANE_ROWS):
             row = warp_row + g + 8 * r
             if row < n_end:
@@ -210,13 +231,13 @@ def math_functions(shape: PrefillShape, sunk: bool = False) -> tuple:
                 token, head = split_row(row, group)
                 # unsigned indices: no negative-index wraparound code per store
                 at = uint32((part_row + token) * n_heads + kv_head * group + head)
-                if t == 0:
+                if t == 0 and lead:
                     part_ml[at * uint32(2)] = m[r] * scale_log2
                     part_ml[at * uint32(2) + uint32(1)] = l[4 * (r // 2) + 2 * (r % 2)]
-                row_at = at * uint32(head_dim)
+                row_at = at * uint32(OUT_DIM)
                 for n in range(DT):
-                    d = 8 * n + 2 * t
-                    if d < head_dim:
+                    d = v_first + 8 * n + 2 * t
+                    if d < own_hi and (not WIDE or d >= own_lo):
                         for i in range(2):
                             part_acc[row_at + uint32(d + i)] = o[first + 4 * n + i]
 

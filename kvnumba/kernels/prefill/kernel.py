@@ -69,6 +69,16 @@ lane holds rows `g` ("a") and `g + 8` ("b"); half h's registers follow half h - 
 Storage 16-bit types: "float16" (`mma.f32.f16`) or "bfloat16" (`mma.f32.bf16`, the
 storage holding bfloat16 bit patterns, e.g. as uint16), a compile-time choice of the
 kernel factory with the tile shape and head_dim.
+
+The wide tile (`v_dim`: `shape.WIDE_TILE`) serves K rows up to 576 values and V up to
+512, no wider than K: one warp of 16 rows, Q kept in shared memory (its fragments
+loaded chunk by chunk per tile), one key buffer that holds K(j), then V(j) (staged
+once the scores are done; a latent layer's V is K(j)'s first values, nothing staged),
+then K(j + 1). V is cut in slices of `V_SLICE` dims, the grid's z running over row
+tiles times slices: a block scores every key over the whole row and accumulates its
+slice's dims (a slice that would pass K's padded row starts earlier, each block
+writing only its own dims); the first slice's block writes the rows' log-sum-exps, or
+their partials' (max, sum).
 """
 from __future__ import annotations
 
@@ -79,29 +89,34 @@ from ..intrinsics import ptx, tensorcore
 from ..launch.constants import LOG2E, NEG_INF
 from ..launch.calling import Specialised
 from ..decode.chunks import WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_SEG
-from ..masks import key_range, read_segment
+from ..masks import divmod32, key_range, read_segment
 from .arithmetic import math_functions
 from .shape import CHUNK_VALUES, FLAT_RING, PrefillShape
 from .staging import split_row, staging_functions
 
-from numba import float32, int32, uint16, uint32  # noqa: E402  (after device)
+from numba import float32, int32, int64, uint16, uint32  # noqa: E402  (after device)
 
 
 @lru_cache(maxsize=None)
 def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
                    capped: bool, q_copy: bool = True, warp_rows: int | None = None,
-                   stored: str | None = None, sunk: bool = False, split: bool = False):
+                   stored: str | None = None, sunk: bool = False, split: bool = False,
+                   v_dim: int | None = None, v_in_k: bool = False):
     """The prefill kernel for one head_dim, tile shape (`warp_rows`: by default
     `default_warp_rows`), 16-bit mma type `storage` over K/V storage holding `stored`
     (default the same type; "e4m3" / "e5m2": 8-bit floats converted while staged), with
     (`capped`) or without a softcap, and Q staged by cp.async (`q_copy`: q holds the mma
     type, 16-byte aligned) or converted value by value; with (`sunk`) or without sinks;
-    over whole segments, or (`split`) over the decode path's key chunks (module doc)."""
+    over whole segments, or (`split`) over the decode path's key chunks (module doc).
+    `v_dim`: the wide tile (`shape.WIDE_TILE`) for V of `v_dim` dims, V read from K's
+    staged rows (`v_in_k`: a latent layer) or staged from its own storage."""
     # split over 8-bit float storage: Q's fragments from shared memory, tile by tile, so
     # that the widening loads of a one-warp block have the registers
     q_registers = False if split and stored not in (None, storage) else None
     shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored,
-                            q_registers)
+                            q_registers, v_dim)
+    WIDE, V_IN_K, SLICES, VS, DP = shape.wide, v_in_k, shape.slices, shape.vs, shape.dp
+    V_DIM = shape.v_dim or head_dim
     stage_queries, stage_tile = staging_functions(shape, q_copy)
     (scores, softcap_scores, mask, softmax_step, accumulate, store_rows,
      store_partial) = math_functions(shape, sunk)
@@ -133,14 +148,15 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         @cuda.jit(device=True)
         def loop(count, order, buffers, staging, lanes, bounds, scales):
             tile, qf, qa, s, pf, o, l, m, lo, hi = buffers
-            q_lane, k_lane, a_lane = lanes
+            q_lane, k_lane, v_lane = lanes
             j_first, j_end, j_full, j_part = bounds
             scale_log2, scale, softcap = scales
             for i in range(count):
                 j = tile_of(order, i)
                 tensorcore.cp_async_wait(0)
                 cuda.syncthreads()      # K(j) is in; every warp is done with the last V / Q
-                stage_tile(tile, j, staging, True)
+                if not WIDE:
+                    stage_tile(tile, j, staging, True)
                 active = j_first <= j < j_end if masked else j_first < j_end  # warp-uniform
                 if active:
                     scores(s, qf, qa, tile, q_lane, k_lane)
@@ -149,13 +165,26 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
                     if masked and (j < j_full or j >= j_part):
                         mask(s, lo, hi, int32(j * BK))
                     softmax_step(s, pf, o, l, m, scale_log2)
-                tensorcore.cp_async_wait(0)
-                cuda.syncthreads()      # V(j) is in; every warp is done with K(j)
-                following = tile_of(order, int32(i + 1)) if int32(i + 1) < count else order[3]
-                if following >= 0:
-                    stage_tile(tile, following, staging, False)
-                if active:
-                    accumulate(o, l, pf, tile, a_lane)
+                if WIDE:                # one key buffer: V(j) after K(j), K(j + 1) after V(j)
+                    if not V_IN_K:
+                        cuda.syncthreads()      # every warp is done with K(j)
+                        stage_tile(tile, j, staging, True)
+                        tensorcore.cp_async_wait(0)
+                        cuda.syncthreads()      # V(j) is in
+                    if active:
+                        accumulate(o, l, pf, tile, v_lane)
+                    cuda.syncthreads()          # every warp is done with V(j)
+                    following = tile_of(order, int32(i + 1)) if int32(i + 1) < count else order[3]
+                    if following >= 0:
+                        stage_tile(tile, following, staging, False)
+                else:
+                    tensorcore.cp_async_wait(0)
+                    cuda.syncthreads()      # V(j) is in; every warp is done with K(j)
+                    following = tile_of(order, int32(i + 1)) if int32(i + 1) < count else order[3]
+                    if following >= 0:
+                        stage_tile(tile, following, staging, False)
+                    if active:
+                        accumulate(o, l, pf, tile, v_lane)
 
         return loop
 
@@ -197,7 +226,17 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
             kv_head = cuda.blockIdx.x
             seg = tables[segments_off + cuda.blockIdx.y]
             chunk_lo = chunk_hi = part = int32(0)
-        first_row = int32((n_row_tiles - 1 - cuda.blockIdx.z) * BR)   # longest tiles first
+        # the wide tile's z runs over row tiles times V slices
+        if WIDE:
+            row_tile, v_part = divmod32(cuda.blockIdx.z, SLICES)
+        else:
+            row_tile, v_part = int64(cuda.blockIdx.z), int64(0)
+        first_row = int32((n_row_tiles - 1 - row_tile) * BR)   # longest tiles first
+        # O's first column is V dim v_first (a slice ending inside K's padded rows), the
+        # block writes [v_lo, v_hi), its first slice the rows' log-sum-exps / (max, sum)
+        v_lo = int32(v_part * VS)
+        v_first = int32(min(v_lo, DP - VS))
+        dims = (v_first, v_lo, int32(min(v_lo + VS, V_DIM)), v_part == 0)
         q_start, q_len, seq, pos_start, block = read_segment(tables, seq_info_off, seg)
         n_end = int32(group * q_len)            # the segment's rows
         n_rows = int32(min(BR, n_end - first_row))
@@ -251,12 +290,21 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         src = kv_head * head_dim + key_d0       # in slot 0: slots add slot_bytes each
         ring = int32(ring_rows if ring_rows > 0 else FLAT_RING)
         slots = cuda.local.array(KEY_PASSES, int32)     # the thread's keys' slots in a tile
+        if WIDE:    # V's slice, from its own storage rows (a latent layer's: K's)
+            v_row = v_store.shape[2]
+            v_src = kv_head * v_row + key_d0 + v_first
+            v_dst = int32(V_BASE + first_key * PITCH + key_d0 + v_first)
+            v_slot_bytes = uint32(STORED_BYTES * v_store.shape[1] * v_row)
+        else:
+            v_src = src
+            v_dst = int32(V_BASE + first_key * PITCH + key_d0)
+            v_slot_bytes = uint32(0)        # K's slot bytes serve V
         staging = (int32(K_BASE + first_key * PITCH + key_d0), ptx.bytes_from(k_store, src),
-                   int32(V_BASE + first_key * PITCH + key_d0), ptx.bytes_from(v_store, src),
-                   slots, pages, seq, page_bits,
+                   v_dst, ptx.bytes_from(v_store, v_src), slots, pages, seq, page_bits,
                    uint32(STORED_BYTES * k_store.shape[1] * head_dim),
                    uint32(uint32(key_lo) % uint32(ring)), ring,
-                   int32(min(BK, ring)), int32(key_hi - key_lo), first_key, key_d0)
+                   int32(min(BK, ring)), int32(key_hi - key_lo), first_key, key_d0,
+                   v_slot_bytes, int32(V_DIM - v_first))
 
         # 16-byte aligned: ldmatrix rows and cp.async destinations
         tile = cuda.shared.array(SMEM, uint16, alignment=16)
@@ -293,15 +341,15 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         for i in range(LANE_ROWS):
             m[i] = NEG_INF
         buffers = (tile, qf, qa, s, pf, o, l, m, lo, hi)
-        lanes = (q_lane, k_lane, a_lane)
+        lanes = (q_lane, k_lane, a_lane + (v_first if WIDE else 0))
         scales = (scale * LOG2E, scale, softcap)
         masked_tiles(n_masked, masked_order, buffers, staging, lanes, bounds, scales)
         unmasked_tiles(int32(j2 - j1), unmasked_order, buffers, staging, lanes, bounds, scales)
         if SPLIT and part >= 0:
             store_partial(part_acc, part_ml, o, l, m, scale * LOG2E, warp_row, n_end, g, t,
-                          int32(part * max_q_len), group, kv_head, q.shape[1])
+                          int32(part * max_q_len), group, kv_head, q.shape[1], dims)
         else:
             store_rows(out, lse, sinks, o, l, m, scale, warp_row, n_end, g, t, q_start,
-                       group, kv_head)
+                       group, kv_head, dims)
 
     return Specialised(prefill)

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ...config import INT32_MAX, FAST_MAX_HEAD_DIM
+from ...config import INT32_MAX, FAST_MAX_HEAD_DIM, MAX_HEAD_DIM, MAX_LATENT_DIM
 from ..launch.constants import FP8_FORMATS
 from ..launch.calling import ceil_div
 
@@ -36,6 +36,16 @@ CHUNK_VALUES = 8          # 16-bit values in a 16-byte cp.async chunk
 LINE_CHUNKS = 8           # chunks in a 128-byte line
 #: a pair of 16-bit ones in each storage type: the B operand of the row-sum mma
 ONES = {"float16": 0x3C003C00, "bfloat16": 0x3F803F80}
+#: The wide tile: K rows up to a latent layer's 576 values, V up to 512 and no wider
+#: than K (its own storage, or the first values of K's rows). One warp of 16 rows, Q in
+#: shared memory, one key buffer that holds K(j) and then V(j) (Q and one 16-key tile of
+#: 576-wide rows take 37,376 bytes of the 48 KiB), and V in slices of at most
+#: `V_SLICE` dims, a block per slice (each scores all of K): 128 float32 accumulators
+#: a lane, as the 256-wide tile's.
+WIDE_MAX_HEAD_DIM = MAX_LATENT_DIM
+WIDE_MAX_V_DIM = MAX_HEAD_DIM
+V_SLICE = 256
+WIDE_TILE = (16, 16)
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -54,6 +64,24 @@ def supports(head_dim, storage_dtype) -> bool:
     floats (uint8: e4m3 bits, int8: e5m2). float32 storage is not served."""
     return (type_name(storage_dtype) in STORAGE_TYPES + ("uint16",) + tuple(FP8_FORMATS)
             and 8 <= head_dim <= FAST_MAX_HEAD_DIM and head_dim % 8 == 0)
+
+
+def supports_wide(head_dim, v_dim, storage_dtype) -> bool:
+    """Can the wide tile serve a layer whose K rows are `head_dim` values and whose V
+    `v_dim` (its own, or the first values of K's rows)? Storage as `supports`, both
+    multiples of 8, K up to `WIDE_MAX_HEAD_DIM`, V up to `WIDE_MAX_V_DIM` and no wider
+    than K."""
+    return (supports(8, storage_dtype) and head_dim % 8 == 0 and v_dim % 8 == 0
+            and 8 <= v_dim <= min(head_dim, WIDE_MAX_V_DIM) and head_dim <= WIDE_MAX_HEAD_DIM)
+
+
+def v_slice(head_dim: int, v_dim: int) -> tuple[int, int]:
+    """(width, slices) of the wide tile's V slices: `V_SLICE` dims (V padded to 16 when
+    narrower), as many as cover `v_dim`. A slice starts at `slice * width`, moved back
+    to end inside K's padded row (`slice_start`)."""
+    width = min(V_SLICE, padded_head_dim(v_dim))
+    assert width <= padded_head_dim(head_dim)
+    return width, ceil_div(v_dim, width)
 
 
 def stored_type(dtype) -> str:
@@ -85,7 +113,7 @@ def staging_layout(chunks: int, threads: int, rows: int) -> tuple[int, int]:
     `chunks` that qualify: the fewest copies per thread, then the fewest passes (each
     pass computes one storage address)."""
     options = []
-    for lanes in range(min(chunks, LINE_CHUNKS), chunks + 1):
+    for lanes in range(min(chunks, LINE_CHUNKS), min(chunks, threads) + 1):
         if chunks % lanes == 0:
             passes = ceil_div(rows, threads // lanes)
             options.append((passes * (chunks // lanes), passes, lanes))
@@ -138,7 +166,10 @@ class PrefillShape:
     pitch, the n8 / k16 tile counts, per-lane register arrays, the shared layout (Q, K,
     V bases, `smem` elements) and the cp.async staging of key and query rows
     (`staging_layout`), for the 16-bit mma type `storage`, over K/V storage holding
-    `stored` (`STORED_BYTES`: the same type, or 8-bit floats converted to it)."""
+    `stored` (`STORED_BYTES`: the same type, or 8-bit floats converted to it). The wide
+    tile (`v_dim` > 0) adds V's width, its slices' width `vs` and count, and the copies
+    per thread of a V slice's rows (`v_copies`, all real when `v_exact`); its O tiles
+    `dt` are a slice's."""
 
     head_dim: int
     storage: str
@@ -179,6 +210,17 @@ class PrefillShape:
     q_copies: int
     q_exact: bool
     stored: str
+    v_dim: int = 0
+    vs: int = 0
+    slices: int = 1
+    v_copies: int = 0
+    v_exact: bool = True
+
+    @property
+    def wide(self) -> bool:
+        """The wide tile (`WIDE_TILE`'s doc): V sliced, one key buffer, Q in shared
+        memory."""
+        return self.v_dim > 0
 
     @property
     def stored_bytes(self) -> int:
@@ -188,20 +230,25 @@ class PrefillShape:
     @classmethod
     def of(cls, head_dim: int, block_rows: int, block_keys: int, storage: str,
            warp_rows: int | None = None, stored: str | None = None,
-           q_registers: bool | None = None) -> "PrefillShape":
+           q_registers: bool | None = None, v_dim: int | None = None) -> "PrefillShape":
         br, bk = block_rows, block_keys
+        if v_dim is not None:            # the wide tile: Q in shared memory, one warp
+            q_registers, warp_rows = False, 16
         wr = warp_rows or default_warp_rows(head_dim, br)
         assert br % wr == 0 and wr in (16, 32) and bk % 16 == 0 and storage in STORAGE_TYPES
         h = wr // 16                    # m16 row blocks ("halves") of a warp
         dp = padded_head_dim(head_dim)
         pitch = dp + 8                  # 8 rows of an ldmatrix fall 16 bytes apart
         threads = 32 * (br // wr)
-        kt, dk, dt = bk // 8, dp // 16, dp // 8   # n8 tiles of S, k16 chunks of Q / K^T, n8 of O
+        vs, slices = v_slice(head_dim, v_dim) if v_dim is not None else (dp, 1)
+        kt, dk, dt = bk // 8, dp // 16, vs // 8   # n8 tiles of S, k16 chunks of Q / K^T, n8 of O
         # per lane and half: Q words, S floats, P words, O floats
         q_words, s_floats, p_words, o_floats = 4 * dk, 4 * kt, 2 * kt, 4 * dt
         chunks = dp // CHUNK_VALUES     # chunks of a padded row; those from head_dim on: zeros
         in_registers = dp <= Q_REGISTERS_MAX_DIM if q_registers is None else q_registers
         q_row, k_row, v_row, rows = shared_layout(head_dim, br, bk, in_registers)
+        if v_dim is not None:           # one key buffer, K(j) then V(j)
+            q_row, k_row, v_row, rows = 0, br, br, br + bk
         # staging (see staging_layout): thread tid copies chunks tid % lanes + c lanes of
         # rows tid // lanes + p step; the rest of the threads (step lanes < threads) idle
         key_lanes, key_passes = staging_layout(chunks, threads, bk)
@@ -220,4 +267,6 @@ class PrefillShape:
                    q_lanes=q_lanes, q_passes=q_passes, q_step=q_step,
                    q_copies=chunks // q_lanes,
                    q_exact=q_step * q_lanes == threads and q_step * q_passes == br,
-                   stored=stored or storage)
+                   stored=stored or storage, v_dim=v_dim or 0, vs=vs, slices=slices,
+                   v_copies=ceil_div(vs // CHUNK_VALUES, key_lanes),
+                   v_exact=vs // CHUNK_VALUES % key_lanes == 0)

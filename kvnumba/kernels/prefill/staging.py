@@ -37,6 +37,7 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
     KEY_COPIES, KEYS_EXACT = shape.key_copies, shape.keys_exact
     Q_LANES, Q_PASSES, Q_STEP = shape.q_lanes, shape.q_passes, shape.q_step
     Q_COPIES, Q_EXACT = shape.q_copies, shape.q_exact
+    WIDE, VS, V_COPIES, V_EXACT = shape.wide, shape.vs, shape.v_copies, shape.v_exact
     pack = ptx.f32x2_to_f16x2 if shape.storage == "float16" else ptx.f32x2_to_bf16x2
     STORED_BYTES = shape.stored_bytes
     if STORED_BYTES == 1:
@@ -105,6 +106,23 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
                         key >= n_keys or pad)
 
     @cuda.jit(device=True)
+    def stage_values(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0, v_end):
+        """The wide tile's V slice (`VS` dims from the slice's start): as `stage_keys`,
+        chunks d0 + c KEY_LANES of the slice, zero-filled from `v_end` (V's dims past the
+        slice's start) on and for keys from n_keys on."""
+        for p in range(KEY_PASSES):
+            key = int32(first_key + p * KEY_STEP)
+            if KEYS_EXACT or key < BK:
+                at = ptx.mul_wide_u32(slots[p], slot_bytes)
+                for c in range(V_COPIES):
+                    d = d0 + c * KEY_LANES * CHUNK_VALUES
+                    if V_EXACT or d < VS:
+                        stage_chunk(
+                            tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
+                            src, at + uint64(STORED_BYTES * c * KEY_LANES * CHUNK_VALUES),
+                            key >= n_keys or d >= v_end)
+
+    @cuda.jit(device=True)
     def copy_q_chunk(tile, dst, q, token, head, d, zero):
         """Q values d .. d + 8 of (token, head), or zeros, by cp.async."""
         at = (int64(token) * q.shape[1] + head) * head_dim + d
@@ -144,9 +162,10 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
     @cuda.jit(device=True)
     def stage_tile(tile, j, staging, values):
         """cp.async key tile j of K (`values` False) or V into its buffer, as one group.
-        K(j) is always staged right before V(j): K finds the keys' slots, V reuses them."""
+        K(j) is always staged right before V(j): K finds the keys' slots, V reuses them.
+        The wide tile stages its V slice (`stage_values`; V's own slot bytes)."""
         (k_dst, k_src, v_dst, v_src, slots, pages, seq, page_bits, slot_bytes, row0, ring,
-         max_keys, span, first_key, d0) = staging
+         max_keys, span, first_key, d0, v_slot_bytes, v_end) = staging
         n_keys = min(max_keys, int32(span - j * BK))
         if not values:
             # the row of its first key: unwrapped below 2 ring (j BK < span <= ring),
@@ -155,8 +174,11 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
             start = uint32(row0 + uint32(j * BK))
             row = min(start, uint32(int64(start) - ring), uint32(ring - 1))
             find_slots(slots, pages, seq, page_bits, row, n_keys, ring, first_key)
-        stage_keys(tile, v_dst if values else k_dst, v_src if values else k_src, slots,
-                   slot_bytes, n_keys, first_key, d0)
+        if WIDE and values:
+            stage_values(tile, v_dst, v_src, slots, v_slot_bytes, n_keys, first_key, d0, v_end)
+        else:
+            stage_keys(tile, v_dst if values else k_dst, v_src if values else k_src, slots,
+                       slot_bytes, n_keys, first_key, d0)
         tensorcore.cp_async_commit()
 
     return stage_queries, stage_tile
