@@ -4,7 +4,10 @@ host face.
 Segments long enough to fill tensor-core tiles run on `prefill_kernel` (its doc tells
 how: FlashAttention-2 style, packed GQA rows, cp.async staging through the page
 tables, `mma.sync` for S = Q K^T and O += P V); `supports` says which storage and
-head dims the path serves, `run` checks a launch and makes it.
+head dims the standard tiles serve, `supports_wide` what the wide tile serves (K rows
+past 256 values, to a latent layer's 576, or V narrower than K: `is_wide`), `run`
+checks a launch and makes it. The decode path runs the same kernel split over its key
+chunks (`decode`).
 """
 from __future__ import annotations
 
