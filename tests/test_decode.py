@@ -424,15 +424,17 @@ def test_rows_beyond_one_row_group(dtype):
     check(case, run(case)[0])
 
 
+@pytest.mark.parametrize("group, tensor_cores", [(2, False), (8, True)])
 @pytest.mark.parametrize("window, max_write, positions", [
     (20, 4, [(1, 104), (4, 230), (2, 61, True)]),     # one chunk, rows wrapped many times
     (100, 4, [(1, 350), (3, 409, True)]),             # a window over two chunks
 ])
-def test_ring_layers_after_several_wraps(window, max_write, positions):
+def test_ring_layers_after_several_wraps(window, max_write, positions, group, tensor_cores):
+    """On CUDA cores (a group of 2) and on tensor cores (8: tests/test_decode_grouped.py)."""
     rng = np.random.default_rng(window)
     ring_rows = window + max_write - 1
-    case = make_case(rng, positions, group=2, window=window, ring_rows=ring_rows)
-    got, plan = run(case)
+    case = make_case(rng, positions, group=group, window=window, ring_rows=ring_rows)
+    got, plan = run(case, tensor_cores=tensor_cores)
     assert max(p for _, p, *_ in positions) > 3 * ring_rows
     assert (plan.n_combine > 0) == (window > plan.chunk)
     check(case, got)

@@ -3,7 +3,8 @@ the prefill kernel split over the decode path's key chunks, a segment's rows (qu
 of one kv head times its tokens) in the mma's M dimension, its partials merged by the
 decode combine; against the float64 oracle on hand-built paged storage
 (tests/test_decode.py's cases: NaN where nothing may be read, a sentinel in the rows no
-served segment owns), and the rule that routes a layer's decode rows.
+served segment owns), and the rule that routes a layer's decode rows. Rings after
+several wraps at a group of 8 are tests/test_decode.py's `test_ring_layers_after_several_wraps`.
 
 Tolerances are test_decode's (relative L2 error 2e-3 where a 16-bit type is involved):
 the tensor cores round q and each tile's probabilities to the 16-bit mma type, well
@@ -108,20 +109,6 @@ def test_head_dims(head_dim, dtype):
                      dtype=dtype, q_dtype=np.float16 if dtype in FP8 else None,
                      others=((1, 0),))
     check(case, run(case, tensor_cores=True)[0])
-
-
-@pytest.mark.parametrize("window, max_write, positions", [
-    (20, 4, [(1, 104), (4, 230), (2, 61, True)]),     # one chunk, rows wrapped many times
-    (100, 4, [(1, 350), (3, 409, True)]),             # a window over two chunks
-])
-def test_ring_layers_after_several_wraps(window, max_write, positions):
-    rng = np.random.default_rng(window)
-    ring_rows = window + max_write - 1
-    case = make_case(rng, positions, group=8, n_kv_heads=1, window=window,
-                     ring_rows=ring_rows)
-    got, plan = run(case, tensor_cores=True)
-    assert (plan.n_combine > 0) == (window > plan.chunk)
-    check(case, got)
 
 
 @pytest.mark.parametrize("window", [1, 5, 70])

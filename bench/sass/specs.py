@@ -95,6 +95,18 @@ def _narrow_signature(t: str) -> str:
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
 _GENERIC = "kvnumba.kernels.generic:_attention_kernel"
+
+
+def _tensor_cores(head_dim: int, block_keys: int, storage: str, stored: str | None = None,
+                  *, split: bool = True, v_dim: int | None = None,
+                  v_in_k: bool = False) -> str:
+    """The prefill kernel over 16 rows a block, no softcap, Q staged by cp.async: split
+    over the decode path's chunks (`split`), 8-bit floats converted to `storage`
+    (`stored`), the wide tile for V of `v_dim` (in K's rows where `v_in_k`)."""
+    wide = f", {v_dim}, {v_in_k}" if v_dim else ""
+    held = repr(stored) if stored else None
+    return (f"{_PREFILL}({head_dim}, 16, {block_keys}, '{storage}', False, True, None, "
+            f"{held}, False, {split}{wide})")
 #: what --report and --check build: the kernels docs/benchmarks.md reports, at the
 #: specialisations it lists (bfloat16 storage is held as uint16 bits)
 SPECIALISATIONS = (
@@ -175,32 +187,30 @@ SPECIALISATIONS = (
     # decode on tensor cores: the prefill kernel split over decode chunks, its rows a
     # group's query heads (`decode.grouped`; 16 rows: groups up to 16 of one token)
     Specialisation("decode tensor cores d128 float16 16 rows",
-                   f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, None, False, True)",
-                   _prefill_signature("float16")),
+                   _tensor_cores(128, 64, "float16"), _prefill_signature("float16")),
     Specialisation("decode tensor cores d128 bfloat16 16 rows",
-                   f"{_PREFILL}(128, 16, 64, 'bfloat16', False, True, None, None, False, "
-                   f"True)", _prefill_signature("uint16")),
+                   _tensor_cores(128, 64, "bfloat16"), _prefill_signature("uint16")),
     Specialisation("decode tensor cores d128 float8_e4m3 16 rows",
-                   f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, 'e4m3', False, "
-                   f"True)", _prefill_signature("uint8", "float16")),
+                   _tensor_cores(128, 64, "float16", "e4m3"),
+                   _prefill_signature("uint8", "float16")),
     Specialisation("decode tensor cores d128 float8_e5m2 16 rows",
-                   f"{_PREFILL}(128, 16, 64, 'float16', False, True, None, 'e5m2', False, "
-                   f"True)", _prefill_signature("int8", "float16")),
+                   _tensor_cores(128, 64, "float16", "e5m2"),
+                   _prefill_signature("int8", "float16")),
     # the wide tile (K past 256, or V narrower than K): a latent layer's decode, rows of
     # 576 values and V their first 512 in two slices (DeepSeek-V3's 128 heads: 8 row
     # tiles of 16), and head dim 512 with V in its own storage
     Specialisation("decode tensor cores latent d576 float16",
-                   f"{_PREFILL}(576, 16, 16, 'float16', False, True, None, None, False, True, "
-                   f"512, True)", _prefill_signature("float16")),
+                   _tensor_cores(576, 16, "float16", v_dim=512, v_in_k=True),
+                   _prefill_signature("float16")),
     Specialisation("decode tensor cores latent d576 float8_e4m3",
-                   f"{_PREFILL}(576, 16, 16, 'float16', False, True, None, 'e4m3', False, "
-                   f"True, 512, True)", _prefill_signature("uint8", "float16")),
+                   _tensor_cores(576, 16, "float16", "e4m3", v_dim=512, v_in_k=True),
+                   _prefill_signature("uint8", "float16")),
     Specialisation("decode tensor cores d512 float16",
-                   f"{_PREFILL}(512, 16, 16, 'float16', False, True, None, None, False, True, "
-                   f"512, False)", _prefill_signature("float16")),
+                   _tensor_cores(512, 16, "float16", v_dim=512, v_in_k=False),
+                   _prefill_signature("float16")),
     Specialisation("prefill latent d576 float16",
-                   f"{_PREFILL}(576, 16, 16, 'float16', False, True, None, None, False, False, "
-                   f"512, True)", _prefill_signature("float16")),
+                   _tensor_cores(576, 16, "float16", split=False, v_dim=512, v_in_k=True),
+                   _prefill_signature("float16")),
     # the generic CUDA-core kernel at the head dims the fast paths do not take (past 256,
     # or V of another width than K): d256's decode and prefill tiles, and d512's one tile
     # (`kernels.generic.DECODE_TILES`, `PREFILL_TILES`)
