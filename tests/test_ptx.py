@@ -660,3 +660,87 @@ def test_mul_wide_u32_keeps_every_bit_of_the_product():
                         np.array([0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 2], np.uint32)])
     (out,) = run(wide_products, 1, 64, a, b, np.zeros(64, np.uint64))[2:]
     assert [int(x) for x in out] == [int(x) * int(y) for x, y in zip(a, b)]
+
+
+# ------------------------------------------------------- runs of float32 stored at once
+@cuda.jit
+def store_runs(values, pairs, quads):
+    """Thread i stores values 4i .. 4i + 3 as two pairs and as one quad."""
+    i = cuda.grid(1)
+    if 4 * i < values.size:
+        x = values[4 * i:4 * i + 4]
+        ptx.st_f32x2(pairs, 4 * i, x[0], x[1])
+        ptx.st_f32x2(pairs, 4 * i + 2, x[2], x[3])
+        ptx.st_f32x4(quads, 4 * i, x[0], x[1], x[2], x[3])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.uint16])
+def test_float32_runs_store_as_elements_rounded_to_nearest_even(dtype):
+    rng = np.random.default_rng(RNG_SEED)
+    values = (rng.standard_normal(256) * 100).astype(np.float32)
+    values[:8] = [0.0, -0.0, 1e-8, 70000.0, -70000.0, np.inf, 3.0e38, 1 + 2.0 ** -9]
+    pairs, quads = run(store_runs, 2, 32, values, np.full(256, 7, dtype),
+                       np.full(256, 7, dtype))[1:]
+    with np.errstate(over="ignore"):
+        want = (values.astype(np.float32) if dtype == np.float32 else
+                round_nearest_even(values, "f16" if dtype == np.float16 else "bf16")
+                .astype(np.uint16).view(dtype))
+    assert pairs.tobytes() == want.tobytes()
+    assert quads.tobytes() == want.tobytes()
+
+
+@cuda.jit
+def quad_at(out, index):
+    ptx.st_f32x4(out, index, 1.0, 2.0, 3.0, 4.0)
+
+
+@only_simulator
+def test_simulated_runs_refuse_an_address_not_aligned_to_their_bytes():
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        run(quad_at, 1, 1, np.zeros(8, np.float32), 2)
+
+
+# ------------------------------------------------------------------ byte permutes
+@cuda.jit
+def permuted(a, b, out):
+    i = cuda.grid(1)
+    if i < a.size:
+        out[i, 0] = ptx.prmt(a[i], b[i], 0x3120)
+        out[i, 1] = ptx.prmt(a[i], b[i], 0x1404)
+        out[i, 2] = ptx.prmt(a[i], b[i], 0x7654)
+        out[i, 3] = ptx.prmt(a[i], b[i], 0x0000)
+
+
+def test_prmt_picks_each_byte_of_b_a_as_its_selector_says():
+    rng = np.random.default_rng(RNG_SEED)
+    a = rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2**32, 64, dtype=np.uint64).astype(np.uint32)
+    (out,) = run(permuted, 1, 64, a, b, np.zeros((64, 4), np.uint32))[2:]
+    for i in range(64):
+        pool = int(a[i]).to_bytes(4, "little") + int(b[i]).to_bytes(4, "little")
+        for k, picks in enumerate([(0, 2, 1, 3), (4, 0, 4, 1), (4, 5, 6, 7), (0, 0, 0, 0)]):
+            assert int(out[i, k]) == int.from_bytes(bytes(pool[p] for p in picks), "little")
+
+
+# ------------------------------------------------------------ 8-byte shared loads
+@cuda.jit
+def shared_pairs(src, out):
+    """Each lane stages 16 bytes, then loads the 8 bytes at element 4 (lane ^ 5)."""
+    lane = cuda.laneid
+    staged = cuda.shared.array(256, np.uint16)
+    tensorcore.cp_async_16(staged, lane * 8, src, lane * 8)
+    tensorcore.cp_async_commit()
+    tensorcore.cp_async_wait(0)
+    cuda.syncthreads()
+    u0, u1 = tensorcore.ld_shared_v2(staged, 4 * (lane ^ 5))
+    out[lane, 0] = u0
+    out[lane, 1] = u1
+
+
+def test_ld_shared_v2_gives_a_lane_its_own_8_bytes():
+    rng = np.random.default_rng(RNG_SEED)
+    src = rng.integers(0, 2**16, 256, dtype=np.uint32).astype(np.uint16)
+    (out,) = run(shared_pairs, 1, 32, src, np.zeros((32, 2), np.uint32))[1:]
+    words = src.view(np.uint32)
+    for lane in range(32):
+        assert list(out[lane]) == list(words[2 * (lane ^ 5):2 * (lane ^ 5) + 2])

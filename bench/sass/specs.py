@@ -18,8 +18,9 @@ TILE = 16 * 16                  # one 16x16 float16 tile: 32 lanes x 16 bytes
 def intrinsics_probe(keys, values, out, scratch):
     """Every `ptx` and `tensorcore` function as the attention kernels use them, in one
     warp: stage a 16x16 float16 K tile with cp.async, load mma fragments with ldmatrix,
-    multiply (f16 and bf16), reduce over the lanes of a row with shuffles, and stream 16-byte
-    chunks of V through registers (f16 and bf16 unpacked, scaled, repacked)."""
+    multiply (f16 and bf16), reduce over the lanes of a row with shuffles, stream 16-byte
+    chunks of V through registers (f16 and bf16 unpacked, scaled, repacked), permute bytes
+    of a lane's own shared words and store rounded float32 pairs and quads."""
     lane = cuda.laneid
     tile = cuda.shared.array(TILE, np.float16)
     tensorcore.cp_async_16(tile, lane * 8, keys, lane * 8)
@@ -46,6 +47,10 @@ def intrinsics_probe(keys, values, out, scratch):
     ptx.st_v4(out, lane * 8, ptx.f32x2_to_f16x2(lo * flipped, hi * flipped),
               ptx.f32x2_to_bf16x2(blo * scale, bhi * scale), u2 ^ w2, u3 ^ w3)
     ptx.st_v4(scratch, lane * 4, w1, w0, w3, w2)
+    s0, s1 = tensorcore.ld_shared_v2(tile, lane * 4)
+    ptx.st_v4(scratch, 128 + lane * 4, ptx.prmt(s0, s1, 0x3120), s1, w0, w1)
+    ptx.st_f32x2(out, 256 + lane * 2, e0, e1)
+    ptx.st_f32x4(out, 320 + lane * 4, lo, hi, blo, bhi)
 
 
 PROBE_SIGNATURE = "void(float16[::1], float16[::1], float16[::1], uint32[::1])"

@@ -96,6 +96,76 @@ def st_v4(typingctx, array, index, u0, u1, u2, u3):
     return types.void(array, index, u0, u1, u2, u3), codegen
 
 
+def _store_f32s(name, n):
+    """`name(array, index, x0 .. x{n-1})`: see the docs below."""
+    def check(array, index, values):
+        check_array(name, array, index)
+        check_numbers(name, *values)
+        kind = ELEMENTS.get(array.dtype)
+        if kind not in ("float32", "float16", "bfloat16"):
+            raise TypingError(f"{name}: expected a float32, float16 or uint16 (bfloat16) "
+                              f"array, got {array}")
+
+        def codegen(context, builder, sig, args):
+            address = state_address(context, builder, sig, args, GLOBAL)
+            floats = cast(context, builder, args[2:], sig.args[2:], types.float32)
+            if kind == "float32":
+                words = [builder.bitcast(f, I32) for f in floats]
+            else:
+                ptx_type = "f16x2" if kind == "float16" else "bf16x2"
+                # `cvt.rn.<type>x2.f32 d, a, b` puts `a` in the UPPER half of d
+                words = [asm(builder, f"cvt.rn.{ptx_type}.f32 $0, $2, $1;", "=r,f,f", [I32],
+                             floats[i:i + 2])[0] for i in range(0, n, 2)]
+            vector = {1: "", 2: ".v2", 4: ".v4"}[len(words)]
+            operands = ", ".join(f"${i + 1}" for i in range(len(words)))
+            operands = f"{{{operands}}}" if len(words) > 1 else operands
+            asm(builder, f"st.global{vector}.b32 [$0], {operands};",
+                "l" + ",r" * len(words) + ",~{memory}", [], [address, *words],
+                side_effect=True)
+
+        return types.void(array, index, *values), codegen
+
+    if n == 2:
+        def store(typingctx, array, index, x0, x1):
+            return check(array, index, (x0, x1))
+    else:
+        def store(typingctx, array, index, x0, x1, x2, x3):
+            return check(array, index, (x0, x1, x2, x3))
+
+    return named(name, f"""
+        `{name}(array, index, {', '.join(f'x{i}' for i in range(n))})`: {n} values (taken
+        as float32) as elements `index .. index + {n - 1}` of a float32, float16 or bfloat16
+        (uint16 bits) global array, rounded to nearest even as `from_f32` rounds, in one
+        store aligned to their bytes (`st.global`, 16-bit types packed in pairs by
+        `cvt.rn.f16x2.f32` / `cvt.rn.bf16x2.f32`).
+        """, store)
+
+
+st_f32x2 = _store_f32s("st_f32x2", 2)
+st_f32x4 = _store_f32s("st_f32x4", 4)
+
+
+@intrinsic
+def prmt(typingctx, a, b, selector):
+    """`prmt(a, b, selector) -> uint32`: byte permute (`prmt.b32`): byte i of the result
+    is byte `(selector >> 4 i) & 7` of the eight bytes of `b:a` (`a`'s lowest first).
+    `selector` is a compile-time integer (its sign-replicating mode, bit 3 of a nibble,
+    is not used: those bits must be clear)."""
+    check_integers("prmt", a, b)
+    if not isinstance(selector, types.IntegerLiteral):
+        raise TypingError(f"prmt: selector must be a compile-time integer, got {selector}")
+    code = selector.literal_value
+    if not 0 <= code <= 0xFFFF or code & 0x8888:
+        raise TypingError(f"prmt: selector {code:#x} must be four nibbles of 0..7")
+
+    def codegen(context, builder, sig, args):
+        words = cast(context, builder, args[:2], sig.args[:2], types.uint32)
+        (word,) = asm(builder, f"prmt.b32 $0, $1, $2, {code:#x};", "=r,r,r", [I32], words)
+        return word
+
+    return types.uint32(a, b, selector), codegen
+
+
 # --- 16-bit float pairs and bit casts ----------------------------------------------------
 
 @intrinsic
@@ -351,7 +421,9 @@ def bytes_from(typingctx, array, index):
     flat element `index` to its end, as a one-dimensional view (no copy). A kernel that
     walks rows of a large array from one place keeps this view's base address and adds
     byte offsets: `cp_async_16(tile, i, bytes_from(store, start), row * row_bytes)` costs
-    one 32 x 32 -> 64-bit multiply-add per address."""
+    one 32 x 32 -> 64-bit multiply-add per address. The view's base is one opaque 64-bit
+    value (a `mov.b64`), so LLVM cannot split it back into the array's base plus `index`
+    and re-add the two in every address computed from it."""
     check_array("bytes_from", array, index)
 
     def codegen(context, builder, sig, args):
@@ -360,6 +432,9 @@ def bytes_from(typingctx, array, index):
         itemsize = ir.Constant(first.type, context.get_abi_sizeof(
             context.get_data_type(sig.args[0].dtype)))
         start = builder.gep(source.data, [first])
+        (whole,) = asm(builder, "mov.b64 $0, $1;", "=l,l", [ir.IntType(64)],
+                       [builder.ptrtoint(start, ir.IntType(64))])
+        start = builder.inttoptr(whole, start.type)
         view = context.make_array(BYTES)(context, builder)
         context.populate_array(view, data=builder.bitcast(start, view.data.type),
                                shape=[builder.mul(builder.sub(source.nitems, first), itemsize)],
@@ -389,4 +464,5 @@ def mul_wide_u32(typingctx, a, b):
 if SIMULATOR:
     from .ptxsim import (bf16x2_to_f32, bytes_from, exp2_approx, f16x2_to_f32, f32_as_u32,  # noqa: E402,F401,F811  (same names, simulated)
                          f32x2_to_bf16x2, f32x2_to_f16x2, from_f32, ld_nc_v2, ld_nc_v4, ld_v4,
-                         mul_wide_u32, shfl_idx, shfl_xor, st_v4, to_f32, to_storage, u32_as_f32)
+                         mul_wide_u32, prmt, shfl_idx, shfl_xor, st_f32x2, st_f32x4, st_v4,
+                         to_f32, to_storage, u32_as_f32)

@@ -47,17 +47,23 @@ def _numpy(array) -> np.ndarray:
     return array
 
 
-def _span16(array, index) -> np.ndarray:
-    """The 16 bytes at flat element `index`: a writable view, checked as a GPU would fault."""
+def _span(array, index, size) -> np.ndarray:
+    """The `size` bytes at flat element `index`: a writable view, checked as a GPU would
+    fault (out of bounds, not aligned to `size`)."""
     array = _numpy(array)
     raw = array.reshape(-1).view(np.uint8)
     start = int(index) * array.itemsize
-    if start < 0 or start + 16 > raw.size:
-        raise IndexError(f"16 bytes at element {index} are outside the array "
+    if start < 0 or start + size > raw.size:
+        raise IndexError(f"{size} bytes at element {index} are outside the array "
                          f"({raw.size} bytes)")
-    if (raw.ctypes.data + start) % 16:
-        raise ValueError(f"element {index}: address not 16-byte aligned")
-    return raw[start:start + 16]
+    if (raw.ctypes.data + start) % size:
+        raise ValueError(f"element {index}: address not {size}-byte aligned")
+    return raw[start:start + size]
+
+
+def _span16(array, index) -> np.ndarray:
+    """The 16 bytes at flat element `index` (`_span`)."""
+    return _span(array, index, 16)
 
 
 def ld_v4(array, index):
@@ -70,14 +76,7 @@ ld_nc_v4 = ld_v4  # the read-only path is a caching choice: same bytes
 
 def ld_nc_v2(array, index):
     """`(u0, u1)` uint32: the 8 bytes at flat element `index` (8-byte aligned)."""
-    array = _numpy(array)
-    raw = array.reshape(-1).view(np.uint8)
-    start = int(index) * array.itemsize
-    if start < 0 or start + 8 > raw.size:
-        raise IndexError(f"8 bytes at element {index} are outside the array ({raw.size} bytes)")
-    if (raw.ctypes.data + start) % 8:
-        raise ValueError(f"element {index}: address not 8-byte aligned")
-    return tuple(raw[start:start + 8].view(np.uint32))
+    return tuple(_span(array, index, 8).view(np.uint32))
 
 
 def st_shared_v4(shared_array, index, u0, u1, u2, u3):
@@ -89,6 +88,40 @@ def st_v4(array, index, u0, u1, u2, u3):
     """Store `u0..u3` (`u0` lowest) as the 16 bytes at flat element `index`."""
     words = [int(u) & _MASK32 for u in (u0, u1, u2, u3)]
     _span16(array, index)[:] = np.array(words, np.uint32).view(np.uint8)
+
+
+def _store_f32s(array, index, values):
+    """`values` as consecutive elements of `array` from flat element `index`, each as
+    `from_f32` makes it, in one aligned store."""
+    elements = np.array([from_f32(x, array) for x in values])
+    span = _span(array, index, elements.nbytes)
+    span[:] = elements.astype(_unwrap(array).dtype).view(np.uint8)
+
+
+def st_f32x2(array, index, x0, x1):
+    """Two float32 values as elements `index, index + 1` of a float32 / float16 /
+    bfloat16 array, in one store aligned to their bytes."""
+    _store_f32s(array, index, (x0, x1))
+
+
+def st_f32x4(array, index, x0, x1, x2, x3):
+    """As `st_f32x2`, four values."""
+    _store_f32s(array, index, (x0, x1, x2, x3))
+
+
+def ld_shared_v2(shared_array, index):
+    """`(u0, u1)` uint32: the 8 bytes at flat element `index` of a shared array (8-byte
+    aligned)."""
+    return tuple(_span(shared_array, index, 8).view(np.uint32))
+
+
+def prmt(a, b, selector):
+    """uint32: byte i is byte `(selector >> 4 i) & 7` of `b:a` (`a`'s lowest first)."""
+    pool = (int(a) & _MASK32) | (int(b) & _MASK32) << 32
+    word = 0
+    for i in range(4):
+        word |= (pool >> 8 * ((int(selector) >> 4 * i) & 7) & 0xFF) << 8 * i
+    return np.uint32(word)
 
 
 def cp_async_16(shared_array, shared_index, global_array, global_index):

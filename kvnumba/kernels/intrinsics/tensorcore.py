@@ -110,6 +110,23 @@ ldmatrix_x4_trans = _ldmatrix("ldmatrix_x4_trans",
     """)
 
 
+@intrinsic
+def ld_shared_v2(typingctx, shared_array, index):
+    """`ld_shared_v2(shared_array, index) -> (u0, u1)` uint32: the 8 bytes at flat element
+    `index` of a shared array, 8-byte aligned (`ld.shared.v2.u32`; `u0` the lower four):
+    one lane's own fragment words where `ldmatrix`'s layout is not the one wanted."""
+    check_array("ld_shared_v2", shared_array, index)
+
+    def codegen(context, builder, sig, args):
+        address = shared_address32(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+        # the memory clobber, as ldmatrix's: shared tiles change between loads
+        words = asm(builder, "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r,~{memory}",
+                    [I32] * 2, [address])
+        return context.make_tuple(builder, sig.return_type, words)
+
+    return types.UniTuple(types.uint32, 2)(shared_array, index), codegen
+
+
 # --- cp.async: global -> shared without registers ----------------------------------------
 
 @intrinsic
@@ -208,4 +225,5 @@ def st_shared_v4(typingctx, shared_array, index, u0, u1, u2, u3):
 
 if SIMULATOR:
     from .ptxsim import (cp_async_16, cp_async_16_zfill, cp_async_commit, cp_async_wait,  # noqa: E402,F401,F811  (same names, simulated)
-                         ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_f32, mma_f16_f32, st_shared_v4)
+                         ld_shared_v2, ldmatrix_x4, ldmatrix_x4_trans, mma_bf16_f32, mma_f16_f32,
+                         st_shared_v4)
