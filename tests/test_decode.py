@@ -22,10 +22,11 @@ from kvnumba.kernels.masks import key_range
 from kvnumba.kernels.workspace import AttentionWorkspace
 from kvnumba.host.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,
                                     SEQ_INFO_FIELDS)
-from oracle import FP8, dense_attention, fp8_stored, seen_positions, visible_mask
+from oracle import (FP8, bf16_values, dense_attention, fp8_stored, round_nearest_even,
+                    seen_positions, visible_mask)
 from paging import page_bits, paged
 
-SENTINEL = -3.5          # exactly representable in float16 and float32
+SENTINEL = -3.5          # exactly representable in float16, bfloat16 and float32
 
 
 def stored(values, dtype):
@@ -35,6 +36,16 @@ def stored(values, dtype):
         return fp8_stored(values, dtype)
     held = np.asarray(values).astype(dtype)
     return held, held.astype(np.float64)
+
+
+def sentinel(dtype):
+    """SENTINEL in an output dtype (uint16: as bfloat16 bits)."""
+    return round_nearest_even(SENTINEL, "bf16") if np.dtype(dtype) == np.uint16 else SENTINEL
+
+
+def as_float64(array):
+    """float64 values of a kernel-level array: uint16 holds bfloat16 bit patterns."""
+    return bf16_values(array) if array.dtype == np.uint16 else array.astype(np.float64)
 PAGE_SIZE = 16           # the kernel tests' page size where they do not choose one
 
 
@@ -45,7 +56,7 @@ def reference(case):
     want = {}
     for seg in case.served:
         q_start, q_len, pos_start, block = case.segments[seg]
-        got = dense_attention(case.q[q_start:q_start + q_len], case.hist_k[seg],
+        got = dense_attention(as_float64(case.q[q_start:q_start + q_len]), case.hist_k[seg],
                               case.hist_v[seg], pos_start, case.window, block, case.scale,
                               case.softcap if case.softcap > 0 else None)
         for i in range(q_len):
@@ -103,9 +114,11 @@ def make_case(rng, segments, *, n_kv_heads=1, group=1, head_dim=16, window=0, ri
         c.info[seg, FLAGS] = FLAG_BLOCK if block else 0
         q_start += q_len
     width = q_start + 1
-    c.q = rng.standard_normal((width, n_kv_heads * group, head_dim)).astype(q_dtype or dtype)
+    q = rng.standard_normal((width, n_kv_heads * group, head_dim))
     c.owned = sorted(c.segments[s][0] + i for s in c.served for i in range(c.segments[s][1]))
-    c.q[np.setdiff1d(np.arange(width), c.owned)] = np.nan   # never read by this path
+    q[np.setdiff1d(np.arange(width), c.owned)] = np.nan     # never read by this path
+    bf16 = np.dtype(q_dtype or dtype) == np.uint16           # bfloat16 bit patterns
+    c.q = round_nearest_even(q, "bf16") if bf16 else q.astype(q_dtype or dtype)
     c.k_store, c.v_store = k_store, v_store
     c.out_dtype = out_dtype or q_dtype or dtype
     return c
@@ -132,15 +145,18 @@ def paged_storage(case, page_size=PAGE_SIZE, seed=0):
 
 
 def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=PAGE_SIZE,
-        tensor_cores=False):
+        tensor_cores=False, out_offset=0):
     """plan + run on the device (out holds SENTINEL first) on the case's storage in pages
     of `page_size`; returns (out on the host, plan). `q`: the device array to pass as q
     (default: a copy of `case.q`). `tensor_cores`: the CUDA-core kernel (False, these
-    tests' own), the tensor-core one (True) or the rule's choice (None)."""
+    tests' own), the tensor-core one (True) or the rule's choice (None). `out_offset`:
+    out starts that many elements into a larger buffer (1: not 16-byte aligned)."""
     rng = np.random.default_rng(seed)
     plan = dec.chunk_tables(case.info, case.served, window=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
-    out = cuda.to_device(np.full(case.q.shape, SENTINEL, case.out_dtype))
+    size = int(np.prod(case.q.shape))
+    out = cuda.to_device(np.full(size + out_offset, sentinel(case.out_dtype), case.out_dtype))
+    out = out[out_offset:].reshape(case.q.shape)
     q = cuda.to_device(case.q) if q is None else q
     k_slots, v_slots, pages, bits = paged_storage(case, page_size, seed)
     dec.run(q, k_slots, v_slots, cuda.to_device(tables), pages=pages, page_bits=bits,
@@ -156,14 +172,14 @@ def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=P
 def check(case, got):
     """Served rows match the reference; every other row of `out` is untouched."""
     others = np.setdiff1d(np.arange(len(got)), case.owned)
-    assert (got[others] == SENTINEL).all(), "a row no served segment owns was written"
+    assert (got[others] == sentinel(got.dtype)).all(), "a row no served segment owns was written"
     want = reference(case)
     tokens = sorted(want)
-    got_rows = got[tokens].astype(np.float64)
+    got_rows = as_float64(got[tokens])
     want_rows = np.array([want[t] for t in tokens])
     assert np.isfinite(got_rows).all(), "NaN/Inf in a served row"
-    low = np.float16 in (case.q.dtype, case.k_store.dtype, np.dtype(case.out_dtype))
-    tol = 2e-3 if low else 1e-4
+    dtypes = (case.q.dtype, case.k_store.dtype, np.dtype(case.out_dtype))
+    tol = 1e-2 if np.uint16 in dtypes else 2e-3 if np.float16 in dtypes else 1e-4
     err = np.linalg.norm(got_rows - want_rows) / np.linalg.norm(want_rows)
     assert err < tol, f"relative L2 error {err:.2e} >= {tol:.0e}"
 

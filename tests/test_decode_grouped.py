@@ -93,16 +93,30 @@ def test_drafts_of_one_to_four_tokens(group):
 @pytest.mark.parametrize("store, q_dtype, out_dtype", [
     (np.float16, np.float16, np.float16), (np.float16, np.float32, np.float32),
     ("float8_e4m3", np.float16, np.float16), ("float8_e4m3", np.float32, np.float16),
-    ("float8_e5m2", np.float16, np.float32)])
+    ("float8_e5m2", np.float16, np.float32), ("float8_e4m3", np.uint16, np.uint16),
+    ("float8_e5m2", np.uint16, np.float32)])
 def test_storage_query_and_output_dtypes(store, q_dtype, out_dtype):
+    """Up to 16 rows a segment: one warp a block, so 8-bit floats are staged as stored and
+    widened from the fragments (to float16, or to bfloat16 for bfloat16 queries)."""
     rng = np.random.default_rng(5)
     case = make_case(rng, [(2, 75), (1, 4)], group=8, n_kv_heads=1, dtype=store,
                      q_dtype=q_dtype, out_dtype=out_dtype)
     check(case, run(case, tensor_cores=True)[0])
 
 
+@pytest.mark.parametrize("out_dtype", [np.float16, np.float32])
+def test_an_output_not_16_byte_aligned_is_written_a_value_at_a_time(out_dtype):
+    """A one-chunk segment's rows go straight to `out`: where `out` is not 16-byte
+    aligned each value is its own store (the simulator refuses a misaligned wide one)."""
+    rng = np.random.default_rng(6)
+    case = make_case(rng, [(1, 4), (2, 30)], group=8, n_kv_heads=1, out_dtype=out_dtype)
+    check(case, run(case, tensor_cores=True, out_offset=1)[0])
+
+
 @pytest.mark.parametrize("head_dim, dtype", [(32, np.float16), (64, np.float16),
-                                             (128, "float8_e4m3"), (256, np.float16)])
+                                             (128, "float8_e4m3"), (256, np.float16),
+                                             (64, "float8_e5m2"), (96, "float8_e4m3"),
+                                             (256, "float8_e4m3"), (80, "float8_e4m3")])
 def test_head_dims(head_dim, dtype):
     rng = np.random.default_rng(head_dim)
     case = make_case(rng, [(1, 8), (2, 3, True)], group=8, n_kv_heads=1, head_dim=head_dim,

@@ -96,7 +96,7 @@ class DecodeRun:
             return
         key = (q.dtype, q.shape[1], aligned(q, LOAD_BYTES), softcap > 0, sinks.shape[0] > 0,
                q.shape[2], k_store.shape[1], out.dtype, out.shape[2], v_store.shape[2],
-               scale > 0)
+               aligned(out, 16), scale > 0)
         launches = self._launches.get(key)
         if launches is None:
             launches = self._launches[key] = self._bind(q, k_store, v_store, out, *key[:5],
@@ -198,12 +198,14 @@ class DecodeRun:
                 prefill.v_slice(head_dim, v_dim)[1]
             kernel = prefill.prefill_kernel(head_dim, block_rows_, block_keys, mma, capped,
                                             q_copy, None, stored, sunk, True, v_dim,
-                                            prefill.shares_rows(k_store, v_store))
+                                            prefill.shares_rows(k_store, v_store),
+                                            aligned(out, 16))
             warps = 1
         else:
             block_rows_, block_keys = prefill.grouped_tile(group * placed.max_q_len, head_dim)
             kernel = prefill.prefill_kernel(head_dim, block_rows_, block_keys, mma, capped,
-                                            q_copy, None, stored, sunk, True)
+                                            q_copy, None, stored, sunk, True,
+                                            out_aligned=aligned(out, 16))
             warps, slices = block_rows_ // prefill.default_warp_rows(head_dim, block_rows_), 1
         n_row_tiles = -(-group * placed.max_q_len // block_rows_)
         return kernel.bind((self.n_items, n_kv_heads, n_row_tiles * slices), 32 * warps,

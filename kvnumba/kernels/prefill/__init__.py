@@ -66,7 +66,8 @@ class PrefillRun:
     tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse, sinks,
     ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
     out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, V's
-    width in out and in its storage rows, softcap and sinks on or off. The first call of
+    width in out and in its storage rows, out's 16-byte alignment, softcap and sinks on
+    or off. The first call of
     a signature checks what the path serves (`served`, `check_storage`), picks the
     kernel (the wide tile where `is_wide`) and its grid and binds it; later calls pack
     their arrays and scalars only."""
@@ -88,17 +89,18 @@ class PrefillRun:
         mma, stored = served(head_dim, k_store.dtype, q.dtype, out.dtype, v_dim)  # cached
         check_storage(head_dim, v_dim, k_store, v_store)
         key = (q.dtype, q.shape[1], aligned(q, 16), out.dtype, k_store.dtype,
-               k_store.shape[1:], v_dim, v_store.shape[2], softcap > 0, sinks.shape[0] > 0)
+               k_store.shape[1:], v_dim, v_store.shape[2], aligned(out, 16), softcap > 0,
+               sinks.shape[0] > 0)
         launch = self._launches.get(key)
         if launch is None:
             launch = self._launches[key] = self._bind(
                 q, k_store, v_dim, shares_rows(k_store, v_store), mma, stored, key[2],
-                *key[-2:])
+                *key[-3:])
         launch(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows), int(window),
                np.float32(scale), np.float32(softcap))
 
     def _bind(self, q, k_store, v_dim: int, v_in_k: bool, mma: str, stored: str,
-              q_aligned: bool, capped: bool, sunk: bool):
+              q_aligned: bool, out_aligned: bool, capped: bool, sunk: bool):
         head_dim, n_q_heads, n_kv_heads = q.shape[2], q.shape[1], k_store.shape[1]
         group = n_q_heads // n_kv_heads
         q_copy = type_name(q.dtype) == MMA_DTYPES[mma] and q_aligned  # Q in the mma type
@@ -106,12 +108,12 @@ class PrefillRun:
             (block_rows, block_keys), warp_rows, slices = WIDE_TILE, 16, \
                 v_slice(head_dim, v_dim)[1]
             kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
-                                    None, stored, sunk, False, v_dim, v_in_k)
+                                    None, stored, sunk, False, v_dim, v_in_k, out_aligned)
         else:
             block_rows, block_keys, *warp_rows = self.tile or tile_shape(head_dim)
             warp_rows, slices = (warp_rows[0] if warp_rows else None), 1
             kernel = prefill_kernel(head_dim, block_rows, block_keys, mma, capped, q_copy,
-                                    warp_rows, stored, sunk)
+                                    warp_rows, stored, sunk, out_aligned=out_aligned)
         warps = block_rows // (warp_rows or default_warp_rows(head_dim, block_rows))
         n_row_tiles = ceil_div(group * self.max_q_len, block_rows)
         return kernel.bind((n_kv_heads, self.n_segments, n_row_tiles * slices), 32 * warps,

@@ -1,6 +1,8 @@
 """The prefill attention kernel on tensor cores, FlashAttention-2 style, for 16-bit K/V
-storage, or 8-bit float storage converted to a 16-bit type as it is staged
-(`prefill.staging`; `prefill` plans and launches it).
+storage, or 8-bit float storage converted to a 16-bit type as it is staged, or, in a
+one-warp block, staged as stored and widened from the fragments ldmatrix reads (the
+narrow tile, `shape.narrow_staging`). `prefill.staging` stages the tiles, `prefill`
+plans and launches the kernel.
 
 Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
 ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and
@@ -22,7 +24,9 @@ every K and V fragment. Per key tile of `block_keys` keys:
 
 At the end each row's O is divided by its sum, and its log-sum-exp (natural log:
 scale times the running max of unscaled scores, plus the log of the sum) goes to
-`lse` when the caller passes one with rows.
+`lse` when the caller passes one with rows. A lane writes its run of each row's dims
+(2, or a narrow tile's 4) as one store where `out` is 16-byte aligned (`out_aligned`),
+else a value at a time; a chunk's partial rows (`split`) always as runs.
 
 Staging: Q, K and V reach shared memory by cp.async in 16-byte chunks, `lanes`
 consecutive threads per row, so that a warp instruction reads whole 128-byte lines
@@ -101,7 +105,7 @@ from numba import float32, int32, int64, uint16, uint32  # noqa: E402  (after de
 def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str,
                    capped: bool, q_copy: bool = True, warp_rows: int | None = None,
                    stored: str | None = None, sunk: bool = False, split: bool = False,
-                   v_dim: int | None = None, v_in_k: bool = False):
+                   v_dim: int | None = None, v_in_k: bool = False, out_aligned: bool = True):
     """The prefill kernel for one head_dim, tile shape (`warp_rows`: by default
     `default_warp_rows`), 16-bit mma type `storage` over K/V storage holding `stored`
     (default the same type; "e4m3" / "e5m2": 8-bit floats converted while staged), with
@@ -109,17 +113,21 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
     type, 16-byte aligned) or converted value by value; with (`sunk`) or without sinks;
     over whole segments, or (`split`) over the decode path's key chunks (module doc).
     `v_dim`: the wide tile (`shape.WIDE_TILE`) for V of `v_dim` dims, V read from K's
-    staged rows (`v_in_k`: a latent layer) or staged from its own storage."""
-    # split over 8-bit float storage: Q's fragments from shared memory, tile by tile, so
-    # that the widening loads of a one-warp block have the registers
-    q_registers = False if split and stored not in (None, storage) else None
+    staged rows (`v_in_k`: a latent layer) or staged from its own storage. `out_aligned`:
+    `out` is 16-byte aligned, so that a lane's run of an output row is one store."""
     shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored,
-                            q_registers, v_dim)
+                            None, v_dim)
+    if split and not shape.narrow and stored not in (None, storage):
+        # split over 8-bit float storage widened while staged: Q's fragments from shared
+        # memory, tile by tile, so that the widening loads of a one-warp block have the
+        # registers
+        shape = PrefillShape.of(head_dim, block_rows, block_keys, storage, warp_rows, stored,
+                                False, v_dim)
     WIDE, V_IN_K, SLICES, VS, DP = shape.wide, v_in_k, shape.slices, shape.vs, shape.dp
     V_DIM = shape.v_dim or head_dim
     stage_queries, stage_tile = staging_functions(shape, q_copy)
     (scores, softcap_scores, mask, softmax_step, accumulate, store_rows,
-     store_partial) = math_functions(shape, sunk)
+     store_partial, q_fragment) = math_functions(shape, sunk, out_aligned)
     SPLIT = split
     BR, BK, WR, H, PITCH = shape.br, shape.bk, shape.wr, shape.h, shape.pitch
     DK, LANE_ROWS, FRAGMENT = shape.dk, shape.lane_rows, shape.fragment
@@ -130,6 +138,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
                                              shape.key_passes)
     Q_LANES, Q_STEP = shape.q_lanes, shape.q_step
     STORED_BYTES = shape.stored_bytes
+    NARROW, KV_PITCH, KV_VALUES = shape.narrow, shape.kv_pitch, shape.kv_values
 
     @cuda.jit(device=True)
     def tile_of(order, i):
@@ -286,20 +295,21 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         first_q = int32(tid // Q_LANES if tid < Q_STEP * Q_LANES else BR)
         q_d0 = int32(tid % Q_LANES * CHUNK_VALUES)
         first_key = int32(tid // KEY_LANES if tid < KEY_STEP * KEY_LANES else BK)
-        key_d0 = int32(tid % KEY_LANES * CHUNK_VALUES)
+        key_d0 = int32(tid % KEY_LANES * KV_VALUES)            # its first value
+        key_col = int32(tid % KEY_LANES * CHUNK_VALUES)        # .. and tile column
         src = kv_head * head_dim + key_d0       # in slot 0: slots add slot_bytes each
         ring = int32(ring_rows if ring_rows > 0 else FLAT_RING)
         slots = cuda.local.array(KEY_PASSES, int32)     # the thread's keys' slots in a tile
         if WIDE:    # V's slice, from its own storage rows (a latent layer's: K's)
             v_row = v_store.shape[2]
             v_src = kv_head * v_row + key_d0 + v_first
-            v_dst = int32(V_BASE + first_key * PITCH + key_d0 + v_first)
+            v_dst = int32(V_BASE + first_key * KV_PITCH + key_col + v_first)
             v_slot_bytes = uint32(STORED_BYTES * v_store.shape[1] * v_row)
         else:
             v_src = src
-            v_dst = int32(V_BASE + first_key * PITCH + key_d0)
+            v_dst = int32(V_BASE + first_key * KV_PITCH + key_col)
             v_slot_bytes = uint32(0)        # K's slot bytes serve V
-        staging = (int32(K_BASE + first_key * PITCH + key_d0), ptx.bytes_from(k_store, src),
+        staging = (int32(K_BASE + first_key * KV_PITCH + key_col), ptx.bytes_from(k_store, src),
                    v_dst, ptx.bytes_from(v_store, v_src), slots, pages, seq, page_bits,
                    uint32(STORED_BYTES * k_store.shape[1] * head_dim),
                    uint32(uint32(key_lo) % uint32(ring)), ring,
@@ -315,14 +325,22 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         cuda.syncthreads()              # Q and the first K tile are in
         # A-operand lane address: row lane % 16, columns 8 (lane // 16) on (V .trans too)
         a_lane = (lane % 16) * PITCH + (lane // 16) * 8
-        # K^T (B, non-trans): key lane % 8 + 8 (lane // 16), dims 8 (lane // 8 % 2) on
-        k_lane = (lane % 8 + 8 * (lane // 16)) * PITCH + (lane // 8 % 2) * 8
-        q_lane = Q_BASE + (tid // 32) * WR * PITCH + a_lane     # the warp's Q rows
+        if NARROW:      # (`prefill.arithmetic`'s doc)
+            # Q: row g, dims 4t on; K: key lane, the chunk's 16 bytes; V .trans: key
+            # lane % 8 + 8 (lane // 8 % 2), bytes 16 (lane // 16) on
+            q_lane = Q_BASE + (tid // 32) * WR * PITCH + g * PITCH + 4 * t
+            k_lane = lane * KV_PITCH
+            v_lane = (lane % 8 + 8 * (lane // 8 % 2)) * KV_PITCH + (lane // 16) * 8
+        else:
+            q_lane = Q_BASE + (tid // 32) * WR * PITCH + a_lane     # the warp's Q rows
+            # K^T (B, non-trans): key lane % 8 + 8 (lane // 16), dims 8 (lane // 8 % 2) on
+            k_lane = (lane % 8 + 8 * (lane // 16)) * PITCH + (lane // 8 % 2) * 8
+            v_lane = a_lane + (v_first if WIDE else 0)
         qf = cuda.local.array(Q_ALL, uint32)
         if Q_IN_REGISTERS:              # V takes Q's rows after the loop's first barrier
             for h in range(H):
                 for kc in range(DK):
-                    a0, a1, a2, a3 = tensorcore.ldmatrix_x4(tile, q_lane + h * 16 * PITCH + kc * 16)
+                    a0, a1, a2, a3 = q_fragment(tile, q_lane + h * 16 * PITCH + kc * 16)
                     qf[(h * DK + kc) * 4] = a0
                     qf[(h * DK + kc) * 4 + 1] = a1
                     qf[(h * DK + kc) * 4 + 2] = a2
@@ -341,7 +359,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         for i in range(LANE_ROWS):
             m[i] = NEG_INF
         buffers = (tile, qf, qa, s, pf, o, l, m, lo, hi)
-        lanes = (q_lane, k_lane, a_lane + (v_first if WIDE else 0))
+        lanes = (q_lane, k_lane, v_lane)
         scales = (scale * LOG2E, scale, softcap)
         masked_tiles(n_masked, masked_order, buffers, staging, lanes, bounds, scales)
         unmasked_tiles(int32(j2 - j1), unmasked_order, buffers, staging, lanes, bounds, scales)

@@ -46,6 +46,11 @@ WIDE_MAX_HEAD_DIM = MAX_LATENT_DIM
 WIDE_MAX_V_DIM = MAX_HEAD_DIM
 V_SLICE = 256
 WIDE_TILE = (16, 16)
+#: 8-bit float K/V staged as they are stored ("narrow" tiles, `narrow_staging`): 16
+#: values a 16-byte cp.async chunk, rows of padded_head_dim bytes and 16 bytes of padding
+#: (8 rows of an ldmatrix 16 bytes apart in banks), widened to the mma type from the
+#: fragments ldmatrix gives (`prefill.arithmetic`)
+NARROW_CHUNK_VALUES = 16
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -127,6 +132,19 @@ def default_warp_rows(head_dim: int, block_rows: int) -> int:
     registers, and when block_rows allows; else 16."""
     wide = padded_head_dim(head_dim) <= WIDE_WARP_MAX_DIM and block_rows % 32 == 0
     return 32 if wide else 16
+
+
+def narrow_staging(head_dim: int, threads: int, block_keys: int, stored: str,
+                   wide: bool) -> bool:
+    """Whether a block stages its 8-bit float K/V tiles as they are stored (by cp.async,
+    a tile's bytes half a 16-bit one's) and widens the fragments it reads, instead of
+    widening them on their way into shared memory: where one warp reads every fragment
+    once, so that widening after ldmatrix costs what widening while staging does,
+    without the synchronous loads. Standard tiles only, K rows in whole 32-value blocks
+    (a V fragment load covers 32 dims) and key tiles of 32 (a K fragment load covers
+    32 keys)."""
+    return (STORED_BYTES[stored] == 1 and threads == 32 and not wide
+            and head_dim % 32 == 0 and block_keys % 32 == 0)
 
 
 @lru_cache(maxsize=None)
@@ -215,12 +233,23 @@ class PrefillShape:
     slices: int = 1
     v_copies: int = 0
     v_exact: bool = True
+    narrow: bool = False
+    kv_pitch: int = 0
+    kv_values: int = CHUNK_VALUES
 
     @property
     def wide(self) -> bool:
         """The wide tile (`WIDE_TILE`'s doc): V sliced, one key buffer, Q in shared
         memory."""
         return self.v_dim > 0
+
+    @property
+    def o_blocks(self) -> tuple[int, int, int]:
+        """(groups, step, width) of the dims a lane holds in each O row: `groups` runs of
+        `width` consecutive dims, `step` dims apart, from 2t (`width` 2: the n8 tiles'
+        column pairs) or 4t (`width` 4: a narrow tile's O, whose n8 tiles 2b and 2b + 1
+        hold the even and odd dims of block b of 16, see `prefill.arithmetic`)."""
+        return (self.dt // 2, 16, 4) if self.narrow else (self.dt, 8, 2)
 
     @property
     def stored_bytes(self) -> int:
@@ -242,16 +271,25 @@ class PrefillShape:
         threads = 32 * (br // wr)
         vs, slices = v_slice(head_dim, v_dim) if v_dim is not None else (dp, 1)
         kt, dk, dt = bk // 8, dp // 16, vs // 8   # n8 tiles of S, k16 chunks of Q / K^T, n8 of O
+        narrow = narrow_staging(head_dim, threads, bk, stored or storage, v_dim is not None)
+        # K / V rows: 16-bit values (a 16-byte chunk holds 8) or, narrow, the stored bytes
+        kv_values = NARROW_CHUNK_VALUES if narrow else CHUNK_VALUES
+        kv_pitch = dp // 2 + 8 if narrow else pitch
         # per lane and half: Q words, S floats, P words, O floats
         q_words, s_floats, p_words, o_floats = 4 * dk, 4 * kt, 2 * kt, 4 * dt
-        chunks = dp // CHUNK_VALUES     # chunks of a padded row; those from head_dim on: zeros
+        chunks = dp // CHUNK_VALUES     # chunks of a padded Q row; those from head_dim on: zeros
         in_registers = dp <= Q_REGISTERS_MAX_DIM if q_registers is None else q_registers
         q_row, k_row, v_row, rows = shared_layout(head_dim, br, bk, in_registers)
+        q_base, k_base, v_base = q_row * pitch, k_row * pitch, v_row * pitch
+        smem = rows * pitch
         if v_dim is not None:           # one key buffer, K(j) then V(j)
-            q_row, k_row, v_row, rows = 0, br, br, br + bk
+            q_base, k_base, v_base, smem = 0, br * pitch, br * pitch, (br + bk) * pitch
+        if narrow:                      # K, V, then Q in rows of its own
+            k_base, v_base, q_base = 0, bk * kv_pitch, 2 * bk * kv_pitch
+            smem = q_base + br * pitch
         # staging (see staging_layout): thread tid copies chunks tid % lanes + c lanes of
         # rows tid // lanes + p step; the rest of the threads (step lanes < threads) idle
-        key_lanes, key_passes = staging_layout(chunks, threads, bk)
+        key_lanes, key_passes = staging_layout(dp // kv_values, threads, bk)
         key_step = threads // key_lanes
         q_lanes, q_passes = staging_layout(chunks, threads, br)
         q_step = threads // q_lanes
@@ -259,14 +297,15 @@ class PrefillShape:
                    s_floats, p_words, o_floats, lane_rows=2 * h, fragment=4 * h,
                    q_all=h * q_words, s_all=h * s_floats, p_all=h * p_words,
                    o_all=h * o_floats, chunks=chunks, padded=dp > head_dim,
-                   q_in_registers=in_registers, q_base=q_row * pitch,
-                   k_base=k_row * pitch, v_base=v_row * pitch, smem=rows * pitch,
+                   q_in_registers=in_registers, q_base=q_base, k_base=k_base,
+                   v_base=v_base, smem=smem,
                    key_lanes=key_lanes, key_passes=key_passes, key_step=key_step,
-                   key_copies=chunks // key_lanes,
+                   key_copies=dp // kv_values // key_lanes,
                    keys_exact=key_step * key_lanes == threads and key_step * key_passes == bk,
                    q_lanes=q_lanes, q_passes=q_passes, q_step=q_step,
                    q_copies=chunks // q_lanes,
                    q_exact=q_step * q_lanes == threads and q_step * q_passes == br,
                    stored=stored or storage, v_dim=v_dim or 0, vs=vs, slices=slices,
                    v_copies=ceil_div(vs // CHUNK_VALUES, key_lanes),
-                   v_exact=vs // CHUNK_VALUES % key_lanes == 0)
+                   v_exact=vs // CHUNK_VALUES % key_lanes == 0, narrow=narrow,
+                   kv_pitch=kv_pitch, kv_values=kv_values)

@@ -8,7 +8,9 @@ doc tells the layout).
 load, widened exactly to the mma's 16-bit type (e4m3 / e5m2 to float16 pairs by
 `cvt.rn.f16x2`; to bfloat16 through float32, exact too) and stored to shared memory
 as 16 bytes. These loads are synchronous, so a tile's loads do not overlap the math
-as cp.async's do."""
+as cp.async's do. A narrow tile (`shape.narrow_staging`: one warp) stages the stored
+bytes themselves by cp.async, 16 values a chunk, and widens the fragments it reads
+(`widener`)."""
 from __future__ import annotations
 
 from ...device import cuda
@@ -27,6 +29,25 @@ def split_row(row, group):
     return int32(token), int32(uint32(row) - uint32(token) * uint32(group))
 
 
+def widener(shape: PrefillShape):
+    """`widen(u) -> (lo, hi)`: the four 8-bit floats of word `u` (byte 0 lowest) as two
+    pairs of the mma type, exactly (`lo` bytes 0 and 1): to float16 by `cvt.rn.f16x2`,
+    to bfloat16 through float32."""
+    to_f16x4 = fp8.e4m3x4_to_f16x4 if shape.stored == "e4m3" else fp8.e5m2x4_to_f16x4
+    to_f32x4 = fp8.e4m3x4_to_f32 if shape.stored == "e4m3" else fp8.e5m2x4_to_f32
+
+    @cuda.jit(device=True, inline="always")
+    def widen_to_f16(u):
+        return to_f16x4(u)
+
+    @cuda.jit(device=True, inline="always")
+    def widen_to_bf16(u):
+        a, b, c, d = to_f32x4(u)
+        return ptx.f32x2_to_bf16x2(a, b), ptx.f32x2_to_bf16x2(c, d)
+
+    return widen_to_f16 if shape.storage == "float16" else widen_to_bf16
+
+
 def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
     """`(stage_queries, stage_tile)` for one kernel `shape`, Q staged by
     cp.async (`q_copy`: q holds the storage's type, 16-byte aligned) or converted value
@@ -40,20 +61,8 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
     WIDE, VS, V_COPIES, V_EXACT = shape.wide, shape.vs, shape.v_copies, shape.v_exact
     pack = ptx.f32x2_to_f16x2 if shape.storage == "float16" else ptx.f32x2_to_bf16x2
     STORED_BYTES = shape.stored_bytes
-    if STORED_BYTES == 1:
-        to_f16x4 = fp8.e4m3x4_to_f16x4 if shape.stored == "e4m3" else fp8.e5m2x4_to_f16x4
-        to_f32x4 = fp8.e4m3x4_to_f32 if shape.stored == "e4m3" else fp8.e5m2x4_to_f32
-
-        @cuda.jit(device=True, inline="always")
-        def widen_to_f16(u):
-            return to_f16x4(u)
-
-        @cuda.jit(device=True, inline="always")
-        def widen_to_bf16(u):
-            a, b, c, d = to_f32x4(u)
-            return ptx.f32x2_to_bf16x2(a, b), ptx.f32x2_to_bf16x2(c, d)
-
-        widen = widen_to_f16 if shape.storage == "float16" else widen_to_bf16
+    KV_PITCH, KV_VALUES, NARROW = shape.kv_pitch, shape.kv_values, shape.narrow
+    widen = widener(shape) if STORED_BYTES == 1 else None
 
     @cuda.jit(device=True)
     def find_slots(slots, pages, seq, page_bits, row, n_keys, ring, first_key):
@@ -86,23 +95,24 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
             w2, w3 = widen(u1)
         tensorcore.st_shared_v4(tile, index, w0, w1, w2, w3)
 
-    stage_chunk = copy_chunk if STORED_BYTES == 2 else convert_chunk
+    stage_chunk = copy_chunk if STORED_BYTES == 2 or NARROW else convert_chunk
 
     @cuda.jit(device=True)
     def stage_keys(tile, dst, src, slots, slot_bytes, n_keys, first_key, d0):
         """Stage this thread's chunks of a K or V tile (`stage_chunk`): key first_key + p
-        KEY_STEP in pass p, chunks d0 + c KEY_LANES, to tile index `dst` (its first key
-        and chunk) on, from `src` (its head and d0 in slot 0) plus slots[p] times
-        slot_bytes. Keys from n_keys on and padding columns are zero-filled."""
+        KEY_STEP in pass p, chunks of values d0 + c KEY_LANES KV_VALUES, to tile index
+        `dst` (its first key and chunk; a chunk is 8 tile elements) on, from `src` (its
+        head and d0 in slot 0) plus slots[p] times slot_bytes. Keys from n_keys on and
+        padding columns are zero-filled."""
         for p in range(KEY_PASSES):
             key = int32(first_key + p * KEY_STEP)
             if KEYS_EXACT or key < BK:
                 at = ptx.mul_wide_u32(slots[p], slot_bytes)
                 for c in range(KEY_COPIES):
-                    pad = PADDED and d0 + c * KEY_LANES * CHUNK_VALUES >= head_dim
+                    pad = PADDED and d0 + c * KEY_LANES * KV_VALUES >= head_dim
                     stage_chunk(
-                        tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
-                        src, at + uint64(STORED_BYTES * c * KEY_LANES * CHUNK_VALUES),
+                        tile, int32(dst + (p * KEY_STEP * KV_PITCH + c * KEY_LANES * CHUNK_VALUES)),
+                        src, at + uint64(STORED_BYTES * c * KEY_LANES * KV_VALUES),
                         key >= n_keys or pad)
 
     @cuda.jit(device=True)
@@ -118,7 +128,7 @@ def staging_functions(shape: PrefillShape, q_copy: bool) -> tuple:
                     d = d0 + c * KEY_LANES * CHUNK_VALUES
                     if V_EXACT or d < VS:
                         stage_chunk(
-                            tile, int32(dst + (p * KEY_STEP * PITCH + c * KEY_LANES * CHUNK_VALUES)),
+                            tile, int32(dst + (p * KEY_STEP * KV_PITCH + c * KEY_LANES * CHUNK_VALUES)),
                             src, at + uint64(STORED_BYTES * c * KEY_LANES * CHUNK_VALUES),
                             key >= n_keys or d >= v_end)
 
