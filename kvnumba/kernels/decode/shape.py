@@ -192,9 +192,9 @@ class KernelShape(Geometry):
 
 #: the most rows (a layer's group times the step's longest decode segment) the CUDA-core
 #: kernel takes, by bytes of a stored value: where its instructions per key stay under
-#: what the byte rate allows (16-bit storage: 70.3 SASS instructions per key per kv
+#: what the byte rate allows (16-bit storage: 69.4 SASS instructions per key per kv
 #: head at 4 rows against about 130 at d128; 8-bit floats: half the bytes, about 65
-#: allowed, 56.1 at 2 rows but 75.8 at 4). More rows take the tensor cores
+#: allowed, 53.7 at 2 rows but 73.4 at 4). More rows take the tensor cores
 #: (`grouped`), whose cost per key hardly grows with the rows.
 CUDA_CORE_ROWS = {2: 4, 1: 2}
 
