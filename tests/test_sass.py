@@ -475,3 +475,20 @@ def test_the_h200_decode_estimate_is_bound_by_bytes_issue_or_latency():
     assert slow.hbm_fraction < 0.85
     # bytes in flight: 6 blocks of 32 KiB cover the latency; one block of 4 KiB does not
     assert estimate.in_flight(32768, 6) > 1 > estimate.in_flight(4096, 1)
+
+
+def test_the_blocks_an_sm_holds_are_bound_by_shared_memory_registers_or_the_limit():
+    """By hand: 228 KiB of shared memory, 65,536 registers allocated 8 a thread at a
+    time, at most 32 blocks. A one-warp block of 22,784 bytes fits 10 times by shared
+    memory, but at 253 registers (256 allocated, 8,192 a warp) 8 times; 34,816 bytes
+    fit 6 times; 201 registers are allocated as 208; 64 registers and no shared memory
+    to speak of: 32."""
+    from kvnumba.bench.sass import estimate
+    assert estimate.blocks_per_sm(22784, 128, 32) == 10
+    assert estimate.blocks_per_sm(22784, 253, 32) == 8
+    assert estimate.blocks_per_sm(22784, 249, 32) == 8       # 256 allocated as well
+    assert estimate.blocks_per_sm(2048, 200, 32) == 10       # 65,536 // (200 * 32)
+    assert estimate.blocks_per_sm(2048, 201, 32) == 9        # 208 allocated
+    assert estimate.blocks_per_sm(34816, 252, 32) == 6
+    assert estimate.blocks_per_sm(16, 64, 32) == 32
+    assert estimate.blocks_per_sm(1024, 64, 128) == 8        # 65,536 // (64 * 128)

@@ -117,8 +117,9 @@ def tensor_decode_figures(flow: Flow, arguments: dict) -> Figures:
     rows = row_tiles * shape.br
     tflops = estimate.tflops(step, 2 * rows * (shape.head_dim + (shape.v_dim or shape.head_dim)),
                              kv_heads)
-    smem_bytes = 2 * shape.smem
-    blocks = min(estimate.SHARED_PER_SM // smem_bytes, estimate.BLOCKS_PER_SM)
+    blocks = estimate.blocks_per_sm(2 * shape.smem, arguments.get("registers",
+                                                                 estimate.MAX_REGISTERS),
+                                    32 * (shape.br // shape.wr))
     cover = estimate.in_flight((1 if latent else 2) * tile * shape.head_dim * itemsize, blocks)
     notes = [f"unmasked loop at {loop.header:#x}: B = {trip} instructions a {tile}-key tile "
              f"({trip / tile:.1f} per key per warp), {loop.count(is_hmma)} HMMA; masked loop "
@@ -130,8 +131,8 @@ def tensor_decode_figures(flow: Flow, arguments: dict) -> Figures:
              f"{kv_heads} kv heads x {rows} rows): bytes {1e6 * step.bytes_s:.0f} us, issue "
              f"{1e6 * step.issue_s:.0f} us, HMMA {1e6 * step.hmma_s:.0f} us: "
              f"{100 * step.hbm_fraction:.1f}% of HBM bandwidth, {tflops:.0f} TFLOP/s; "
-             f"{blocks} blocks an SM by shared memory keep {cover:.1f}x the bytes in flight "
-             f"the latency needs",
+             f"{blocks} blocks an SM (by shared memory and registers) keep {cover:.1f}x "
+             f"the bytes in flight the latency needs",
              *other_loops(flow, [loop, masked], is_hmma, "HMMA"), *fallback_note(flow)]
     return Figures({"instructions_per_key": per_key,
                     "hmma_percent": 100.0 * loop.count(is_hmma) / trip,

@@ -33,6 +33,11 @@ LATENCY_S = 1.0e-6
 #: shared memory an SM gives its blocks, and the most blocks it holds
 SHARED_PER_SM = 228 * 1024
 BLOCKS_PER_SM = 32
+#: registers of one SM's register file, the most one thread may hold, and the
+#: allocation granule per thread
+REGISTER_FILE = 65536
+MAX_REGISTERS = 255
+REGISTER_GRANULE = 8
 
 
 class Estimate(NamedTuple):
@@ -63,6 +68,14 @@ def decode_step(instructions_per_key: float, hmma_per_key: float, head_dim: int,
     return Estimate(bytes_s=key_heads * planes * head_dim * itemsize / REACHED_BYTES_PER_S,
                     issue_s=key_heads * instructions_per_key / issue_rate,
                     hmma_s=key_heads * hmma_per_key * HMMA_CLOCKS / issue_rate)
+
+
+def blocks_per_sm(shared_bytes: int, registers: int, threads: int) -> int:
+    """Blocks of `threads` threads, `shared_bytes` of shared memory and `registers` a
+    thread (rounded up to the allocation granule) an SM holds at once."""
+    allocated = -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE
+    return min(SHARED_PER_SM // shared_bytes, REGISTER_FILE // (allocated * threads),
+               BLOCKS_PER_SM)
 
 
 def in_flight(bytes_per_block: int, blocks_per_sm: int) -> float:

@@ -21,14 +21,10 @@ keyed by `module:function`):
 from __future__ import annotations
 
 from . import attention as sassattention, model, move as sassmove
+from .estimate import MAX_REGISTERS, REGISTER_FILE, REGISTER_GRANULE
 from .flow import Flow
 from .loops import COUNTED, Figures
 
-#: registers of one SM's register file, the most one thread may hold, and the
-#: allocation granule per thread
-REGISTER_FILE = 65536
-MAX_REGISTERS = 255
-REGISTER_GRANULE = 8
 
 
 def register_cap(bounds) -> int:
@@ -67,12 +63,13 @@ KINDS = {
 
 def kernel_figures(name: str, ptxas: dict, sass: str, bounds, arguments: dict) -> Figures:
     """All figures of kernel `name` (`module:function`, without factory arguments):
-    the common ones, and its kind's (`KINDS`) from the factory's `arguments`."""
+    the common ones, and its kind's (`KINDS`) from the factory's `arguments` and the
+    kernel's registers a thread (`registers`)."""
     functions = model.parse(sass)
     figures = common_figures(ptxas, functions, bounds)
     kind = KINDS.get(name)
     if kind is not None:
-        extra = kind(Flow(functions[0]), arguments)
+        extra = kind(Flow(functions[0]), {**arguments, "registers": ptxas["registers"]})
         figures.values.update(extra.values)
         figures.notes += extra.notes
     return figures
