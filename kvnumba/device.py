@@ -92,10 +92,11 @@ GPU_COUNT = _driver_gpu_count() if KIND == "gpu" else 1
 
 
 #: the interpreter's thread switch interval while simulated kernels run: the simulator
-#: runs each CUDA thread as a Python thread and waits at barriers by polling them, so
-#: the default 5 ms slice makes each barrier cost ~16 ms a block and 1e-4 s spends the
-#: time switching (measured on a 2-core host: a model's decode steps 24 s at 5e-3,
-#: 35 s at 1e-4, 16 s at 1e-3)
+#: runs each CUDA thread as a Python thread and waits at barriers by polling them.
+#: Before its polling loop gave way (`kernels.intrinsics.simpace`) the default 5 ms
+#: slice made each barrier cost ~16 ms a block (a model's decode steps 24 s at 5e-3,
+#: 35 s at 1e-4, 16 s at 1e-3 on a 2-core host); now 1e-3 and 5e-3 run alike and
+#: 2e-4 spends a quarter more time switching
 SIMULATOR_SWITCH_INTERVAL = 1e-3
 
 

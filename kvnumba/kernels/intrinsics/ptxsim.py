@@ -17,6 +17,7 @@ import numpy as np
 from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray, FakeWithinKernelCUDAArray
 
 from ..launch.constants import FP8_FORMATS
+from . import simpace  # noqa: F401  (the simulator's block loop gives way as it polls)
 from .fp8sim import narrow, stored, widen
 from .simwarp import WarpError, exchange
 
