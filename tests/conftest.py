@@ -72,3 +72,13 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "stateful search coverage")
         for what, n in sorted(counts.items()):
             terminalreporter.write_line(f"{n:>9,}  {what}")
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores (two from 4 cores on). A simulated
+    kernel's threads pass the interpreter lock around and leave a core idle about a
+    third of the time, which another worker fills (measured on 2 cores: 31 model and
+    cache tests in 146 s on 2 workers, 105 s on 3, 114 s on 4)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
+    return cores + (2 if cores >= 4 else 1)
