@@ -82,3 +82,17 @@ def pytest_xdist_auto_num_workers(config):
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
     return cores + (2 if cores >= 4 else 1)
+
+
+#: the slowest tests (about a minute each on 2 cores), started first: run last, one of
+#: them would leave its worker finishing alone while the others have nothing left
+SLOW_FIRST = ("test_sass_budgets.py::test_the_regressed_kernels_fail",
+              "test_hf_cli.py::test_generate_self_check_reports_each_run",
+              "test_hf_gemma4.py::test_gemma4_text_is_served_token_for_token",
+              "test_bench.py::test_bench_runs_from_any_directory",
+              "test_hf_tp.py::test_two_ranks_serve_what_one_process_generates")
+
+
+def pytest_collection_modifyitems(items):
+    """The `SLOW_FIRST` tests ahead of the rest, which keep their order."""
+    items.sort(key=lambda item: not any(slow in item.nodeid for slow in SLOW_FIRST))
