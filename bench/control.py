@@ -40,7 +40,7 @@ import kvnumba as kv
 import kvnumba.device as kv_device
 import kvnumba.data.storage as kv_storage
 import kvnumba.data.upload as kv_upload
-from kvnumba.host.positions import SEQ_INFO_FIELDS
+from kvnumba.arith.positions import SEQ_INFO_FIELDS
 
 from .command import section_main
 

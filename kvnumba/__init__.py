@@ -15,10 +15,10 @@ from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigErr
                      RankDivergenceError, RingFloorError, SessionError, ShapeError,
                      SlotStateError, StepProtocolError, UnknownSequenceError)
 from .host.page_accounting import PoolPages
-from .host.positions import Segment
-from .protocol import BatchControl, StepData
-from .host.prefix_keys import page_keys
-from .cache.queries import IndexCounts, PageDemand
+from .arith.positions import Segment
+from .protocol import BatchControl, IndexCounts, StepData
+from .arith.prefix_keys import page_keys
+from .cache.queries import PageDemand
 from .scales import fp8_scales
 from .serving.sessions import PackedStep, PrefixStats, SessionId, SessionTable
 from .cache.sequence_control import SequenceBatchControl

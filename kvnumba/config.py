@@ -1,5 +1,6 @@
 """Cache configuration (contract §3): `CacheConfig` over the layers of `kvnumba.layerspec`
-(`flat()`, `ring()`, `chunked()`, `shared()`, `latent()`).
+(`flat()`, `ring()`, `chunked()`, `shared()`, `latent()`), each answering through its
+kind (`kvnumba.kinds`), and the page groups its layers' pages form (`PageGroup`).
 
 Validation happens at construction; every refusal is a `ConfigError` naming the
 field and the rule it broke.
@@ -16,8 +17,7 @@ import numpy as np
 
 from .args import as_count, describe, is_int
 from .errors import ConfigError
-from .host.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
-from .host.positions import layer_rows, ring_floor
+from .arith.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
 from .layerspec import (FAST_MAX_HEAD_DIM, INT32_MAX, MAX_HEAD_DIM,  # noqa: F401 (re-exported)
                         MAX_LATENT_DIM, LayerShape, LayerSpec, chunked, flat, latent, ring,
                         shared)
@@ -41,15 +41,17 @@ ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
 INITIAL_POSITIONS = 256
 
 
-class LayerKind(NamedTuple):
-    """The layers that share page ids (contract §4): all flat layers (`rows` 0), or the
-    ring layers of one ring size `rows` (R), shared layers left out (they store
-    nothing). `layers`: their indices; `table_pages`: the pages one sequence's page table
-    can list (`CacheConfig.table_pages`); `initial_pages` and `max_pages`: the pool's
-    first and most pages (`CacheConfig.kind_pages`); `position_bytes`: bytes of one
-    position over its layers, K and V (a page id of the kind holds `page_size` times
-    that)."""
+class PageGroup(NamedTuple):
+    """The layers that share page ids (contract §4): every layer paged by position (flat
+    and latent layers, `rows` 0), or the ring layers of one ring size `rows` (R); layers
+    that store nothing are in none. `kind`: the kind of its first layer, which decides
+    what its pages do (`kinds.base.LayerKind`: every member pages alike); `layers`: their
+    indices; `table_pages`: the pages one sequence's page table can list
+    (`CacheConfig.table_pages`); `initial_pages` and `max_pages`: the pool's first and
+    most pages (`CacheConfig.group_pages`); `position_bytes`: bytes of one position over
+    its layers (a page id of the group holds `page_size` times that)."""
 
+    kind: object
     rows: int
     layers: tuple
     table_pages: int
@@ -70,6 +72,38 @@ def _require_int(name: str, value, lo: int, hi: int | None = None, rule: str = "
         bound = f"{lo} <= {name}" + (f" <= {hi}" if hi is not None else "")
         raise ConfigError(f"{name}={value}: requires {rule or bound}")
     return int(value)
+
+
+def _layer_scales(name: str, value, n: int, dtype: str) -> tuple:
+    """`value` (one scale, or one per layer of `n`) as a tuple of float32-exact floats, one
+    per layer: positive, finite, and with a finite float32 reciprocal (the write
+    multiplies by it); anything but 1.0 only for fp8 storage (`dtype`)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]                # a 0-d array: its one number
+    scales = tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,) * n
+    if len(scales) != n:
+        raise ConfigError(f"{name}: {len(scales)} scales for {n} layers: give one "
+                          f"number, or one per layer")
+    out = []
+    for i, scale in enumerate(scales):
+        where = f"{name}[{i}]={describe(scale)}" if isinstance(
+            value, (list, tuple, np.ndarray)) else f"{name}={describe(scale)}"
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(
+                scale, (int, float, np.integer, np.floating)):
+            raise ConfigError(f"{where}: must be a positive finite number")
+        if is_int(scale) and abs(int(scale)) > float(np.finfo(np.float32).max):
+            scale = math.inf if scale > 0 else -math.inf    # past float's range too
+        with np.errstate(over="ignore", divide="ignore"):
+            f32 = np.float32(scale)
+            inverse = np.float32(1) / f32 if f32 > 0 else np.float32(0)
+        if not (np.isfinite(f32) and f32 > 0 and np.isfinite(inverse) and inverse > 0):
+            raise ConfigError(f"{where}: must be positive and finite as a float32, with "
+                              f"a finite reciprocal (the write divides by it)")
+        if f32 != 1 and dtype not in FP8_DTYPES:
+            raise ConfigError(f"{where}: scales apply to fp8 storage ({', '.join(FP8_DTYPES)}) "
+                              f"only; dtype={dtype!r} takes 1.0")
+        out.append(float(f32))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -97,9 +131,9 @@ class CacheConfig:
                   sample K/V); a latent layer's two are one (its V is part of its rows).
                   Any other dtype takes 1.0 only.
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
-    initial_pages: pages each layer kind's pool starts with (None: one sequence's worth,
-                  `kind_pages`); the pool grows by doubling up to `max_pages`.
-    max_pages:    the most pages each layer kind's pool may hold (None: enough for every
+    initial_pages: pages each page group's pool starts with (None: one sequence's worth,
+                  `group_pages`); the pool grows by doubling up to `max_pages`.
+    max_pages:    the most pages each page group's pool may hold (None: enough for every
                   sequence at capacity, so the pool never binds); `initial_pages ==
                   max_pages` is a fixed pool that never moves (`fixed_pool` sizes one
                   from a byte budget). A pool's pages include one scratch page.
@@ -130,16 +164,6 @@ class CacheConfig:
             if not isinstance(spec, LayerSpec):
                 raise ConfigError(f"layers[{i}]={describe(spec)}: must be flat(), "
                                   f"ring(window=...), chunked(size=...) or shared(producer)")
-        for i, spec in enumerate(layers):
-            if spec.stores:
-                continue
-            p = spec.producer
-            if p >= len(layers) or p == i or not layers[p].stores:
-                why = (f"there are {len(layers)} layers" if p >= len(layers) else
-                       "a layer cannot share its own K/V" if p == i else
-                       f"layer {p} is itself {layers[p].describe()}")
-                raise ConfigError(f"layers[{i}]=shared({p}): the producer must be another "
-                                  f"layer that stores K/V ({why})")
         object.__setattr__(self, "layers", layers)
         self._set_int("n_kv_heads", self.n_kv_heads, 1)
         self._set_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
@@ -154,45 +178,11 @@ class CacheConfig:
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"dtype={describe(self.dtype)}: must be one of {sorted(DTYPES)}")
         for name in ("k_scale", "v_scale"):
-            object.__setattr__(self, name, self._layer_scales(name, getattr(self, name)))
+            object.__setattr__(self, name, _layer_scales(name, getattr(self, name),
+                                                         len(layers), self.dtype))
         for i, spec in enumerate(layers):
-            if spec.latent and self.v_scale[i] != self.k_scale[i]:
-                raise ConfigError(f"v_scale[{i}]={self.v_scale[i]}: layer {i} is latent, its "
-                                  f"V the first values of its stored rows, read at their "
-                                  f"k_scale {self.k_scale[i]}; give it the same v_scale")
+            spec.kind.validate(i, self)
         self._check_pages()
-
-    def _layer_scales(self, name: str, value) -> tuple:
-        """`value` (one scale, or one per layer) as a tuple of float32-exact floats, one
-        per layer: positive, finite, and with a finite float32 reciprocal (the write
-        multiplies by it); anything but 1.0 only for fp8 storage."""
-        n = len(self.layers)
-        if isinstance(value, np.ndarray) and value.ndim == 0:
-            value = value[()]                # a 0-d array: its one number
-        scales = tuple(value) if isinstance(value, (list, tuple, np.ndarray)) else (value,) * n
-        if len(scales) != n:
-            raise ConfigError(f"{name}: {len(scales)} scales for {n} layers: give one "
-                              f"number, or one per layer")
-        out = []
-        for i, scale in enumerate(scales):
-            where = f"{name}[{i}]={describe(scale)}" if isinstance(
-                value, (list, tuple, np.ndarray)) else f"{name}={describe(scale)}"
-            if isinstance(scale, (bool, np.bool_)) or not isinstance(
-                    scale, (int, float, np.integer, np.floating)):
-                raise ConfigError(f"{where}: must be a positive finite number")
-            if is_int(scale) and abs(int(scale)) > float(np.finfo(np.float32).max):
-                scale = math.inf if scale > 0 else -math.inf    # past float's range too
-            with np.errstate(over="ignore", divide="ignore"):
-                f32 = np.float32(scale)
-                inverse = np.float32(1) / f32 if f32 > 0 else np.float32(0)
-            if not (np.isfinite(f32) and f32 > 0 and np.isfinite(inverse) and inverse > 0):
-                raise ConfigError(f"{where}: must be positive and finite as a float32, with "
-                                  f"a finite reciprocal (the write divides by it)")
-            if f32 != 1 and self.dtype not in FP8_DTYPES:
-                raise ConfigError(f"{where}: scales apply to fp8 storage ({', '.join(FP8_DTYPES)}) "
-                                  f"only; dtype={self.dtype!r} takes 1.0")
-            out.append(float(f32))
-        return tuple(out)
 
     def _set_int(self, name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
         """Field `name` checked (`_require_int`) and kept as a Python int (a NumPy integer
@@ -215,8 +205,7 @@ class CacheConfig:
             hi = self.max_pages if self.max_pages is not None else slot_bound
             self._set_int("initial_pages", self.initial_pages, 1, hi,
                           rule=f"1 <= initial_pages <= max_pages ({hi})")
-        entries = (self.max_seqs + 1) * sum(self.table_pages(rows) for rows in
-                                            set(self.ring_rows().tolist()))
+        entries = (self.max_seqs + 1) * sum(group.table_pages for group in self.page_groups)
         if entries > INT32_MAX:
             raise ConfigError(f"max_seqs={self.max_seqs}, capacity={self.capacity}, "
                               f"page_size={size}: the page tables would hold {entries} "
@@ -227,6 +216,23 @@ class CacheConfig:
         """The layer whose K/V `layer` reads: its producer for a shared layer, else itself."""
         producer = self.layers[layer].producer
         return layer if producer is None else producer
+
+    @cached_property
+    def kinds(self) -> tuple:
+        """Each layer's kind (`LayerSpec.kind`)."""
+        return tuple(spec.kind for spec in self.layers)
+
+    @cached_property
+    def reads(self) -> tuple:
+        """Per layer, the kind whose K/V it reads, mask and rows included: a shared
+        layer's producer's, any other layer's own."""
+        return tuple(self.kinds[self.source(i)] for i in range(self.n_layers))
+
+    @cached_property
+    def mask_codes(self) -> tuple:
+        """Per layer, its mask as the kernels take it (`masks.key_range`): 0 every key, W
+        a sliding window, -C chunks of C (a shared layer: its producer's)."""
+        return tuple(kind.mask_code for kind in self.reads)
 
     @cached_property
     def layer_shapes(self) -> tuple:
@@ -247,61 +253,71 @@ class CacheConfig:
         return tuple(i for i, spec in enumerate(self.layers) if spec.stores)
 
     def ring_rows(self) -> np.ndarray:
-        """`R` per layer (int64 `[n_layers]`), 0 for a flat layer, a shared layer's its
-        producer's: the one place ring sizes are worked out (`plan.ring_rows`)."""
-        return layer_rows([self.layers[self.source(i)].reach for i in range(self.n_layers)],
-                          self.max_write, self.capacity)
+        """`R` per layer (int64 `[n_layers]`), 0 for a layer paged by position, a shared
+        layer's its producer's (`kinds`: `rows`)."""
+        return np.array([kind.rows(self.max_write, self.capacity) for kind in self.reads],
+                        np.int64)
 
     @cached_property
-    def layer_kinds(self) -> tuple:
-        """The `LayerKind`s of the storing layers, flat layers first, then by ring size."""
+    def page_groups(self) -> tuple:
+        """The `PageGroup`s of the storing layers, the one paged by position first, then
+        the rings by size."""
         members: dict = {}
         rows_of = self.ring_rows().tolist()
         for layer in self.storing_layers:
             members.setdefault(int(rows_of[layer]), []).append(layer)
         itemsize = self.storage_dtype.itemsize
-        return tuple(LayerKind(rows, tuple(layers), self.table_pages(rows),
-                               *self.kind_pages(rows),
-                               sum(self.layer_shapes[i].position_bytes(itemsize)
+        return tuple(PageGroup(self.kinds[layers[0]], rows, tuple(layers),
+                               self.table_pages(rows), *self.group_pages(rows),
+                               sum(self.kinds[i].position_bytes(self.layer_shapes[i], itemsize)
                                    for i in layers))
                      for rows, layers in sorted(members.items()))
 
     def sequence_pages(self, positions: int) -> tuple:
-        """Per layer kind (`layer_kinds` order), the pages one sequence of `positions`
-        positions holds: `ceil(positions / page_size)` on the flat layers, its whole ring
-        (`table_pages`) on a ring kind, claimed with the sequence."""
-        return tuple(kind.table_pages if kind.rows else pages_for(positions, self.page_size)
-                     for kind in self.layer_kinds)
+        """Per page group (`page_groups` order), the pages one sequence of `positions`
+        positions holds (`kinds`: `sequence_pages`)."""
+        return tuple(group.kind.sequence_pages(positions, group.table_pages, self.page_size)
+                     for group in self.page_groups)
 
     @cached_property
     def floor_layers(self) -> tuple:
-        """`(R, C, layer)` per distinct ring kind of mask that can set a floor: its rows,
-        its chunk (0: a sliding window) and its first layer; empty without ring layers."""
+        """`(kind, rows, layer)` per distinct floor among the storing layers (`kinds`:
+        `floor_key`): the kind, its rows and its first layer; empty when every floor is
+        0."""
         found: dict = {}
         rows_of = self.ring_rows().tolist()
         for layer in self.storing_layers:
-            if rows_of[layer]:
-                found.setdefault((int(rows_of[layer]), self.layers[layer].chunk or 0), layer)
-        return tuple((rows, chunk, layer) for (rows, chunk), layer in found.items())
+            kind, rows = self.kinds[layer], int(rows_of[layer])
+            key = kind.floor_key(rows)
+            if key is not None:
+                found.setdefault(key, (kind, rows, layer))
+        return tuple(found.values())
 
     def floor_of(self, high_water: int) -> tuple[int, int]:
-        """`(floor, layer)` of a sequence at `high_water`: the highest of its ring layers'
-        floors (`positions.ring_floor`) and the layer that sets it, or `(0, -1)` without
-        ring layers (contract §5)."""
+        """`(floor, layer)` of a sequence at `high_water`: the highest of its layers'
+        floors (`kinds`: `floor`) and the layer that sets it, or `(0, -1)` when every
+        floor is 0 (contract §5)."""
         floor, layer = 0, -1
-        for rows, chunk, first in self.floor_layers:
-            f = ring_floor(high_water, rows, self.max_write, chunk)
+        for kind, rows, first in self.floor_layers:
+            f = kind.floor(high_water, rows, self.max_write)
             if f > floor or layer < 0:
                 floor, layer = f, first
         return floor, layer
 
+    def resumed_high_water(self, position: int) -> int:
+        """The high-water of a sequence resumed at `position` from the prefix index: the
+        highest its page groups' kinds need (`kinds`: `resumed_high_water`)."""
+        return max((group.kind.resumed_high_water(position, self.max_write)
+                    for group in self.page_groups), default=position)
+
     def table_pages(self, rows: int) -> int:
-        """Pages per sequence of a layer kind: `ceil(capacity / P)` for flat layers (rows
+        """Pages per sequence of a page group: `ceil(capacity / P)` for flat layers (rows
         0), `ceil(R / P)` for ring layers of `R` rows."""
         return pages_for(rows or self.capacity, self.page_size)
 
-    def kind_pages(self, rows: int) -> tuple[int, int]:
-        """`(initial, max)` pages of the pool of one layer kind (rows 0: flat, else R).
+    def group_pages(self, rows: int) -> tuple[int, int]:
+        """`(initial, max)` pages of the pool of one page group (rows 0: paged by
+        position, else a ring of R).
 
         Defaults: initially one sequence's worth (`min(capacity, 256)` positions on a flat
         kind, one ring on a ring kind) plus the scratch page; at most every sequence at its
@@ -378,4 +394,5 @@ class CacheConfig:
         """Bytes of one position of one sequence over the layers that store, K and V (a
         shared layer adds nothing)."""
         itemsize = self.storage_dtype.itemsize
-        return sum(self.layer_shapes[i].position_bytes(itemsize) for i in self.storing_layers)
+        return sum(kind.position_bytes(shape, itemsize)
+                   for kind, shape in zip(self.kinds, self.layer_shapes))

@@ -20,30 +20,30 @@ PACKAGE = Path(__file__).resolve().parent
 #: package) that is a key here gives it; a folder's modules share its layer unless named.
 #: An import goes to a lower layer, or within a folder without a circle.
 LAYERS = {
-    "errors": 0, "host": 0, "layers": 0,
-    "args": 1, "host.pages": 1, "host.positions": 1, "protocol": 1,
-    "host.prefix_keys": 1.5,
-    "layerspec": 1.8, "config": 2,
-    "statemachines": 2,              # installed inside kvnumba; imports no kvnumba module
-    "scales": 2.5,
-    "refusals": 3, "host.slots": 3, "host.page_accounting": 3, "device": 3,
-    "host.prefix_index": 3.5, "host.step": 3.5,
-    "host.declarer": 3.8,
-    "kernels": 4,
-    "data": 5, "reference": 5,
-    "cache": 6,
-    "serving": 12,
-    "__init__": 12.5,                # the public face: `import kvnumba as kv`
+    "errors": 0,
+    "args": 1, "layers": 1,
+    "arith": 2,                      # pure arithmetic: pages, positions, prefix keys
+    "kinds": 3,                      # the layer kinds, one type each
+    "layerspec": 4,
+    "config": 5,
+    "statemachines": 5,              # installed inside kvnumba; imports no kvnumba module
+    "scales": 6, "refusals": 6, "device": 6,
+    "host": 7,
+    "protocol": 8, "kernels": 8,
+    "data": 9, "reference": 9,
+    "cache": 10,
+    "serving": 11,
+    "__init__": 12,                  # the public face: `import kvnumba as kv`
     "demo": 13, "hf": 13, "__main__": 14,
 }
 
 #: the rules beyond the layers, each a test of tests/test_layers.py
 RULES = (
     "no import goes to a higher layer, and there is no import circle;",
-    "`host/` reaches no device: only the foundations below it (`args`, `config`, "
-    "`errors`, `layerspec`, `protocol`, `refusals`, `statemachines`) and itself;",
+    "`host/` reaches no device: only the foundations below it (`args`, `arith`, "
+    "`config`, `errors`, `kinds`, `layerspec`, `refusals`, `statemachines`) and itself;",
     "`kernels/` know storage layouts, page tables and the segment table "
-    "(`host.positions`), nothing of slots or caches;",
+    "(`arith.positions`), nothing of slots or caches;",
     "`serving/` drives any BatchControl through its verbs: it reaches no cache, data "
     "plane, kernel or device.",
 )

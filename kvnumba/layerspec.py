@@ -1,17 +1,18 @@
 """A cache's layers (contract §3, §15, §16): `LayerSpec`, one layer's kind (flat, a
-sliding-window ring, chunked, shared with another layer, or latent) and shape, built by
-`flat()`, `ring()`, `chunked()`, `shared()` and `latent()`; `LayerShape`, what a layer
-stores per position; and the head-dim bounds the kernels are built for.
+sliding-window ring, chunked, shared with another layer, or latent: a `kinds` type, its
+`kind`) and shape, built by `flat()`, `ring()`, `chunked()`, `shared()` and `latent()`;
+and the head-dim bounds the kernels are built for.
 
 Every refusal is a `ConfigError` naming the field and the rule it broke.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from .args import describe, is_int
 from .errors import ConfigError
+from .kinds import Chunked, Flat, Latent, LayerShape, Ring, Shared  # noqa: F401 (LayerShape re-exported)
+from .kinds.ring import RingPages
 
 #: the largest head_dim (K's or V's) a layer may have: the generic attention kernel and
 #: the tensor cores' wide tile serve up to it, the fast paths up to their own bounds
@@ -91,55 +92,39 @@ class LayerSpec:
                               f"the first v_head_dim < head_dim of them (latent(rank, "
                               f"rope_dim))")
 
+        object.__setattr__(self, "_kind", _kind_of(self))
+
+    @property
+    def kind(self):
+        """The layer's kind (`kvnumba.kinds`): `Flat`, `Ring`, `Chunked`, `Shared` or
+        `Latent`, which answers everything the cache asks of the layer."""
+        return self._kind
+
     @property
     def stores(self) -> bool:
         """Whether the layer holds K/V of its own (every kind but `shared`)."""
-        return self.producer is None
+        return self._kind.stores
 
     @property
     def is_ring(self) -> bool:
         """Whether the layer is stored as a ring (sliding-window or chunked)."""
-        return self.reach is not None
-
-    @property
-    def reach(self) -> int | None:
-        """How far back a query reads at most, plus one: W or C (None: flat). A ring's
-        rows follow from it (`positions.ring_rows`)."""
-        return self.window if self.window is not None else self.chunk
-
-    @property
-    def window_code(self) -> int:
-        """The layer's mask as the kernels take it (`masks.key_range`): 0 flat, W for a
-        sliding window, -C for chunks of C."""
-        return self.window if self.window is not None else -(self.chunk or 0)
+        return isinstance(self._kind, RingPages)
 
     def describe(self) -> str:
         """How refusals name it: "flat", "window 4096", "chunks of 8192", "shared with
         layer 3"."""
-        if self.producer is not None:
-            return f"shared with layer {self.producer}"
-        if self.latent:
-            return (f"latent of rank {self.v_head_dim} + {self.head_dim - self.v_head_dim} "
-                    f"rope values")
-        if self.window is not None:
-            return f"window {self.window}"
-        return f"chunks of {self.chunk}" if self.chunk is not None else "flat"
+        return self._kind.describe()
 
 
-class LayerShape(NamedTuple):
-    """A layer's K/V shape: `n_kv_heads` heads of `head_dim` K elements and `v_head_dim`
-    V elements each; `v_in_k`: V is the first `v_head_dim` values of each stored K row (a
-    latent layer), stored nothing of its own."""
-
-    n_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    v_in_k: bool = False
-
-    def position_bytes(self, itemsize: int) -> int:
-        """Bytes of one position of one sequence, K and V, at `itemsize` bytes a value."""
-        stored = self.head_dim if self.v_in_k else self.head_dim + self.v_head_dim
-        return self.n_kv_heads * stored * itemsize
+def _kind_of(spec: LayerSpec):
+    """The `kinds` type of a checked spec's fields."""
+    if spec.producer is not None:
+        return Shared(spec.producer)
+    if spec.latent:
+        return Latent(spec.v_head_dim, spec.head_dim - spec.v_head_dim)
+    if spec.window is not None:
+        return Ring(spec.window)
+    return Chunked(spec.chunk) if spec.chunk is not None else Flat()
 
 
 def flat(*, n_kv_heads: int | None = None, head_dim: int | None = None,

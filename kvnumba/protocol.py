@@ -13,15 +13,24 @@ whether `x` has every member (by name, as runtime protocols do).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:   # names for the annotations only: the face imports no implementation
     import numpy as np
 
-    from .cache.queries import IndexCounts
     from .config import CacheConfig
     from .host.slots import SlotState, StepState
     from .host.step import StepPlan
+
+
+class IndexCounts(NamedTuple):
+    """The prefix index of a cache (`PrefixControl.prefix_counts`): `pages` of positions it
+    indexes now, `pages_evicted` so far (each a page of positions: its page in every page
+    group), and `nbytes_cached`, the bytes of pages only it holds (reclaimable)."""
+
+    pages: int
+    pages_evicted: int
+    nbytes_cached: int
 
 
 @runtime_checkable

@@ -22,16 +22,13 @@ def floor_refusal(verb: str, seq: int, target: int, high_water: int,
     the floor, and the ring layer that sets it (its window or chunk and rows, what it
     still holds)."""
     floor, layer = config.floor_of(high_water)
-    spec = config.layers[layer]
+    kind = config.kinds[layer]
     rows = int(config.ring_rows()[layer])
-    needs = f"[p - {spec.window - 1}, p)" if spec.window is not None else \
-        f"[{spec.chunk} * (p // {spec.chunk}), p)"
-    kind = "ring" if spec.window is not None else "chunked"
     return RingFloorError(f"{verb}: target position {target} is below the floor {floor} of "
-                          f"sequence {seq}: {kind} layer {layer} ({spec.describe()}, {rows} "
-                          f"rows) holds only positions [{high_water - rows}, {high_water}) at "
-                          f"high-water {high_water}, and resuming at p needs {needs}; go "
-                          f"back no further than {floor}")
+                          f"sequence {seq}: {kind.name} layer {layer} ({kind.describe()}, "
+                          f"{rows} rows) holds only positions [{high_water - rows}, "
+                          f"{high_water}) at high-water {high_water}, and resuming at p needs "
+                          f"{kind.resume_needs()}; go back no further than {floor}")
 
 
 def position_refusal(target: str, seq: int, lowest: int, pos: int) -> PositionError:

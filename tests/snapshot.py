@@ -32,7 +32,7 @@ def _pages(cache):
     tables and the patches waiting for the next upload."""
     pages, storage = cache._pool.accounting, cache._pool.storage
     kinds = [(k.table.tobytes(), k.held.tobytes(), k.refs.tobytes(), k.n_free,
-              k.free[:k.n_free].tobytes()) for k in pages.kinds]
+              k.free[:k.n_free].tobytes()) for k in pages.groups]
     return [kinds, storage.device_tables.copy_to_host().tobytes(),
             sorted(pages.pending.items())]
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from kvnumba.device import cuda  # noqa: E402
 from kvnumba.kernels import generic as att  # noqa: E402
 from kvnumba.kernels.workspace import AttentionWorkspace  # noqa: E402
-from kvnumba.host.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
+from kvnumba.arith.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,  # noqa: E402
                                     SEQ_INFO_FIELDS)
 from oracle import FP8, fp8_stored, visible_mask  # noqa: E402
 from paging import page_bits, paged  # noqa: E402

@@ -905,7 +905,7 @@ class CacheMachine(RuleBasedStateMachine):
         far as the model says."""
         pages, index = self.cache._pool.accounting, self.cache._pool.index
         nodes = np.array(list(index.nodes.values()), np.int64)
-        for i, kind in enumerate(pages.kinds):
+        for i, kind in enumerate(pages.groups):
             refs = np.zeros(kind.n_pages, np.int64)
             refs[0] = 1
             for s in range(MAX_SEQS):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba.host.prefix_keys import page_keys
+from kvnumba.arith.prefix_keys import page_keys
 from kvnumba.kernels import decode
 from oracle import dense_attention, floor, ring_rows
 
@@ -260,9 +260,9 @@ def test_a_prefix_hit_at_every_page_boundary_restores_the_chunk_it_reads():
 
 
 def test_chunked_specs_are_checked_and_named():
-    assert kv.chunked(8) == kv.LayerSpec(chunk=8) and kv.chunked(8).window_code == -8
-    assert kv.chunked(8).is_ring and kv.ring(window=8).window_code == 8
-    assert kv.flat().window_code == 0
+    assert kv.chunked(8) == kv.LayerSpec(chunk=8) and kv.chunked(8).kind.mask_code == -8
+    assert kv.chunked(8).is_ring and kv.ring(window=8).kind.mask_code == 8
+    assert kv.flat().kind.mask_code == 0
     for bad in (0, -1, 2.5, True, "8", 2**31):
         with pytest.raises(kv.ConfigError, match="chunk"):
             kv.chunked(bad)
@@ -273,4 +273,4 @@ def test_chunked_specs_are_checked_and_named():
     config = kv.CacheConfig(layers=[kv.chunked(100), kv.ring(window=100), kv.flat()],
                             capacity=4096, max_write=28)
     assert config.ring_rows().tolist() == [127, 127, 0]
-    assert [k.name for k in config.layer_kinds] == ["flat layers", "ring layers of 127 rows"]
+    assert [k.name for k in config.page_groups] == ["flat layers", "ring layers of 127 rows"]

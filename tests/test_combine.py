@@ -16,7 +16,7 @@ import pytest
 from kvnumba.device import cuda
 from kvnumba.kernels.decode import combine as comb
 from kvnumba.kernels import decode as dec
-from kvnumba.host.positions import SEQ, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from kvnumba.arith.positions import SEQ, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 from oracle import bf16_values
 
 SENTINEL = -3.5                 # exact in float16, bfloat16 and float32

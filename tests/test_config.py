@@ -59,11 +59,11 @@ def test_default_pools_start_small_and_never_bind():
                        max_write=20, max_step=40)
     # flat: ceil(min(1000, 256) / 16) = 16 pages + the scratch page; at most 5 sequences
     # of ceil(1000 / 16) = 63 pages, plus the scratch page
-    assert c.table_pages(0) == 63 and c.kind_pages(0) == (17, 5 * 63 + 1)
+    assert c.table_pages(0) == 63 and c.group_pages(0) == (17, 5 * 63 + 1)
     # ring R = 100 + 20 - 1 = 119: ceil(119 / 16) = 8 pages a sequence, and a page for
     # each page of positions the prefix index can hold (the flat bound's 5 * 63)
-    assert c.table_pages(119) == 8 and c.kind_pages(119) == (9, 5 * 8 + 1 + 5 * 63)
-    assert make(initial_pages=3, max_pages=7).kind_pages(0) == (3, 7)
+    assert c.table_pages(119) == 8 and c.group_pages(119) == (9, 5 * 8 + 1 + 5 * 63)
+    assert make(initial_pages=3, max_pages=7).group_pages(0) == (3, 7)
 
 
 def test_max_write_above_capacity_names_the_rule():

@@ -20,7 +20,7 @@ from kvnumba.kernels.decode.trip import RESCALE_SLACK
 from kvnumba.kernels.launch.calling import aligned
 from kvnumba.kernels.masks import key_range
 from kvnumba.kernels.workspace import AttentionWorkspace
-from kvnumba.host.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,
+from kvnumba.arith.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,
                                     SEQ_INFO_FIELDS)
 from oracle import (FP8, bf16_values, dense_attention, fp8_stored, round_nearest_even,
                     seen_positions, visible_mask)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba.host.prefix_keys import page_keys
+from kvnumba.arith.prefix_keys import page_keys
 from oracle import dense_attention
 from snapshot import assert_unchanged, snapshot
 

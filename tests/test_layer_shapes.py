@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba.host.prefix_keys import page_keys
+from kvnumba.arith.prefix_keys import page_keys
 from oracle import dense_attention
 
 HQ = 4
@@ -149,7 +149,7 @@ def test_bytes_count_each_storing_layer_by_its_own_shape():
                             page_size=8)
     per_layer = [2 * (16 + 16), 1 * (32 + 32), 0, 2 * (16 + 8), 2 * (12 + 20), 0]
     assert config.bytes_per_token == 2 * sum(per_layer) == 2 * 240
-    assert [kind.position_bytes for kind in config.layer_kinds] == \
+    assert [kind.position_bytes for kind in config.page_groups] == \
         [2 * (64 + 48), 2 * 64, 2 * 64]
     cache = kv.BatchedSequenceCache(config)
     allocated = [p.allocated for p in cache.pool_pages()]

@@ -6,7 +6,7 @@ import pytest
 
 import kvnumba as kv
 from kvnumba.host.page_accounting import PageAccounting
-from kvnumba.host.pages import pages_for
+from kvnumba.arith.pages import pages_for
 
 P = 8
 
@@ -20,34 +20,35 @@ def config(**kw):
 def check_consistent(pages: PageAccounting):
     """Reference counts are the holdings (the scratch page held once), the free stack is
     exactly the pages nobody holds, each once."""
-    for kind in pages.kinds:
-        counts = np.zeros(kind.n_pages, np.int64)
+    for group in pages.groups:
+        counts = np.zeros(group.n_pages, np.int64)
         for seq in range(pages.n_rows):
-            np.add.at(counts, kind.table[seq, :kind.held[seq]], 1)
-        counts[0] += kind.scratch
-        assert (counts == kind.refs).all(), kind.name
-        free = kind.free[:kind.n_free]
+            np.add.at(counts, group.table[seq, :group.held[seq]], 1)
+        counts[0] += group.scratch
+        assert (counts == group.refs).all(), group.name
+        free = group.free[:group.n_free]
         assert len(set(free.tolist())) == free.size
-        assert set(free.tolist()) == set(np.flatnonzero(kind.refs == 0).tolist())
+        assert set(free.tolist()) == set(np.flatnonzero(group.refs == 0).tolist())
 
 
 def step(pages, pos, seqs, totals):
     """A step's pages, as `prepare_step` takes them; then positions advance. Returns the
-    pages taken, the table patches and the flat kind's row copies (None for none)."""
+    pages taken, the table patches and the flat group's row copies (None for none)."""
     seqs, totals = np.asarray(seqs, np.int64), np.asarray(totals, np.int64)
     needed = pages.step_demand(seqs, totals, pos)
+    assert not any(needed[1:])                    # a ring's pages come with its sequence
     work = pages.claim_step(seqs, totals, pos, needed)
     assert work.shared is None and all(runs is None for runs in work.copies[1:])
     pos[seqs] += totals
-    return needed, work.patches, work.copies[0]
+    return needed[0], work.patches, work.copies[0]
 
 
 def test_a_hand_worked_life_of_pages():
     pages = PageAccounting(config(), n_rows=4, scratch=True)   # 3 slots + the scratch row
-    flat, ring = pages.kinds
+    flat, ring = pages.groups
     assert (flat.table_pages, ring.table_pages, ring.rows) == (8, 1, 8)   # R = 5 + 4 - 1
     pos = np.zeros(4, np.int64)
-    pages.claim_rings(0)                          # the lowest free page: 1 (0 is scratch)
+    pages.claim(0)                                # the lowest free page: 1 (0 is scratch)
     assert ring.table[0, 0] == 1 and pages.pending == {ring.entry(0): 1 * P}
     needed, patches, copies = step(pages, pos, [0], [4])
     needed2, patches2, copies2 = step(pages, pos, [0], [4])
@@ -91,15 +92,15 @@ def test_a_step_past_max_pages_is_refused_naming_the_numbers():
     pages = PageAccounting(config(initial_pages=3, max_pages=3), n_rows=4, scratch=True)
     seqs, totals, pos = np.array([0]), np.array([4]), np.array([16, 0, 0, 0])
     needed = pages.step_demand(seqs, totals, pos)
-    assert needed == 3                            # positions 0..19: 3 pages
+    assert needed == (3, 0)                       # positions 0..19: 3 flat pages
     with pytest.raises(kv.CapacityError, match=r"need 3 new pages of 8 positions, and their "
                                                r"pool has 2 available of max_pages 3"):
-        pages.flat.check_room(needed, "declare_step")
+        pages.check_step_room(needed, "declare_step")
 
 
 def test_growth_keeps_the_held_pages_and_frees_the_new_ones_low_first():
     pages = PageAccounting(config(initial_pages=2), n_rows=4, scratch=True)
-    flat = pages.flat
+    flat = pages.by_position
     pos = np.zeros(4, np.int64)
     step(pages, pos, [0], [4])
     # 2 pages, both held (scratch, sequence 0): doubling, or what is needed past it
@@ -138,7 +139,7 @@ def test_random_verbs_share_exactly_what_the_model_shares():
     cfg = config(layers=[kv.flat()], max_seqs=5, max_write=6, max_step=30, capacity=120,
                  initial_pages=4)
     pages = PageAccounting(cfg, n_rows=6, scratch=True)
-    flat = pages.flat
+    flat = pages.by_position
     model = Model()
     pos = np.zeros(6, np.int64)
     live = set()
@@ -159,7 +160,7 @@ def test_random_verbs_share_exactly_what_the_model_shares():
             seqs, totals = seqs[keep], totals[keep]
             if not seqs.size:
                 continue
-            needed = pages.step_demand(seqs, totals, pos)
+            needed = pages.step_demand(seqs, totals, pos)[0]
             flat.grow(flat.grown(needed))
             for seq, n in zip(seqs.tolist(), totals.tolist()):
                 model.write(seq, int(pos[seq]), n)

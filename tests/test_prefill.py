@@ -16,7 +16,7 @@ from kvnumba.device import cuda
 from kvnumba.kernels import prefill
 from kvnumba.kernels.prefill import shape as prefill_shape
 from kvnumba.kernels.launch.calling import aligned
-from kvnumba.host.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,
+from kvnumba.arith.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START,
                                     SEQ_INFO_FIELDS)
 from oracle import (FP8, bf16_values, dense_attention, fp8_stored, round_nearest_even,
                     seen_positions)

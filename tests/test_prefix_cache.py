@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvnumba as kv
-from kvnumba.host.prefix_keys import page_keys
+from kvnumba.arith.prefix_keys import page_keys
 
 H, HQ, D = 1, 2, 8
 pytestmark = pytest.mark.usefixtures("nan_storage")

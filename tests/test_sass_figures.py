@@ -138,7 +138,7 @@ def test_copy_counts_a_lanes_whole_run_per_vector_of_a_whole_page_run():
     256 * (16 + 7 * 8) / 4096; 256-byte rows, 256 vectors: 64 lanes, 4 trips:
     64 * (16 + 28) / 512 (the longest way through)."""
     from kvnumba.kernels.moves import write
-    from kvnumba.host.pages import DEFAULT_PAGE_SIZE
+    from kvnumba.arith.pages import DEFAULT_PAGE_SIZE
     assert DEFAULT_PAGE_SIZE == 16
     assert write.vector_lanes(2048) == (256, 1) and write.vector_lanes(256) == (64, 4)
     figures = sassmove.copy_figures(flow_of(*MOVE_LIKE), {})

@@ -21,7 +21,7 @@ COMBINE_PARTS = 129
 def decode_chunks() -> list[int]:
     """The keys of each chunk of a one-query segment of DECODE_HISTORY + 1 keys, cut as
     `decode.chunk_tables` cuts it."""
-    from kvnumba.host import positions as fields
+    from kvnumba.arith import positions as fields
     from kvnumba.kernels import decode
     planning = sys.modules[decode.chunk_tables.__module__]     # the work table's field constants
 

@@ -98,7 +98,7 @@ def narrow_figures(flow: Flow, arguments: dict) -> Figures:
 def copy_figures(flow: Flow, arguments: dict) -> Figures:
     """Instructions per vector of a whole page's run of K and V rows, pages of the
     default page size holding token rows of each size in ROWS (P the longest path)."""
-    from kvnumba.host.pages import DEFAULT_PAGE_SIZE
+    from kvnumba.arith.pages import DEFAULT_PAGE_SIZE
 
     values, notes = {}, []
     for name, row_bytes in ROWS:

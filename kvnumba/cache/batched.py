@@ -21,8 +21,7 @@ from ..device import (allocating, announce, check_storage_capability, cuda, devi
                       on_its_device, placed_on)
 from ..errors import CacheFullError, ConfigError
 from ..host.declarer import StepDeclarer
-from ..host.positions import resumed_high_water
-from ..host.prefix_keys import as_keys
+from ..arith.prefix_keys import as_keys
 from ..host.slots import SlotState, SlotTable, state_refusal
 from ..host.step import StepPlan
 from ..refusals import floor_refusal, position_refusal
@@ -80,10 +79,10 @@ class BatchedSequenceCache(CacheQueries):
                               self.stream)
             upload = Upload(upload_entries(config), self.stream)
             self._clone_upload = Upload(CLONE_UPLOAD, self.stream)
-            storage, kinds = self._pool.storage, self._pool.accounting.kinds
-            tables = {kind.rows: storage.kind_tables[i] for i, kind in enumerate(kinds)}
+            storage, groups = self._pool.storage, self._pool.accounting.groups
+            tables = {group.rows: storage.group_tables[i] for i, group in enumerate(groups)}
             rows = config.ring_rows().tolist()
-            codes = [config.layers[config.source(i)].window_code for i in range(config.n_layers)]
+            codes = config.mask_codes
             windows = {code: (r, tables[r]) for code, r in zip(codes, rows)}
             self._routing = Routing(config, self.stream, windows, self._pool.accounting.page_bits)
         self._steps = StepProtocol(
@@ -102,7 +101,7 @@ class BatchedSequenceCache(CacheQueries):
         self._steps.machine.require_idle("seq_new")
         seq = self._lowest_free("seq_new")
         next_state = self._slots.check_one("seq_new", seq)
-        self._pool.claim_rings(seq, "seq_new")
+        self._pool.claim(seq, "seq_new")
         self._slots.apply("seq_new", seq, next_state)
         self._slots.pos[seq] = self._slots.high_water[seq] = 0
         return seq
@@ -196,8 +195,7 @@ class BatchedSequenceCache(CacheQueries):
         self._slots.apply("clone_into", seq, next_state)
         pos = shared * self.config.page_size
         self._slots.pos[seq] = pos
-        self._slots.high_water[seq] = resumed_high_water(pos, self.config.max_write) \
-            if self._pool.accounting.rings else pos
+        self._slots.high_water[seq] = self.config.resumed_high_water(pos)
         return seq
 
     @on_its_device

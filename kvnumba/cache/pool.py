@@ -6,8 +6,8 @@ Every verb that takes pages first checks all its pools can give them (`check_roo
 free pages, by doubling up to `max_pages`, transactionally (the new storage is
 allocated before anything is swapped in), and only then takes the pages. A clone's
 device work is one small upload of its own (its table patches and row runs), one
-patch launch, one device copy of its shared table entries and one copy launch per kind
-that copies: none of it grows with the shared prefix.
+patch launch, one device copy of its shared table entries and one copy launch per page
+group that copies: none of it grows with the shared prefix.
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ class Pool:
         self.accounting = PageAccounting(config, n_rows, scratch)
         self.index = PrefixIndex(self.accounting)
         self.storage = PageStorage(config, n_rows, stream)
-        self._kind_number = {id(kind): i for i, kind in enumerate(self.accounting.kinds)}
-        self._copy_sections = [Sections.copies(i) for i in range(len(self.accounting.kinds))]
+        self._number = {id(group): i for i, group in enumerate(self.accounting.groups)}
+        self._copy_sections = [Sections.copies(i) for i in range(len(self.accounting.groups))]
 
     @property
     def nbytes_held(self) -> int:
@@ -44,42 +44,44 @@ class Pool:
         return self.accounting.cached_bytes()
 
     def reserve(self, demand: list, verb: str, protect=()) -> None:
-        """Make the pages of `demand` (`(KindPages, pages)` pairs) free: free pages first
+        """Make the pages of `demand` (`(GroupPages, pages)` pairs) free: free pages first
         (growing the pool, by doubling, as far as `max_pages` allows), then cached pages
         evicted from the prefix index (never those of the index nodes `protect`).
         `CapacityError`, nothing changed (the index included), when a pool cannot give
         them under `max_pages`, or when growing the storage of one fails (every grown
         storage is allocated before any is put in use, and nothing is evicted before)."""
         index = self.index
-        kept = [(kind, needed, self._kind_number[id(kind)],
-                 index.cached_in(self._kind_number[id(kind)], protect) if len(protect) else 0)
-                for kind, needed in demand]
-        for kind, needed, _, unavailable in kept:
-            kind.check_room(needed, verb, unavailable)
-        growing = [(kind, i, kind.grown(needed))
-                   for kind, needed, i, _ in kept if needed > kind.n_free]
-        fresh = [(kind, n_pages, self.storage.grown(i, n_pages, verb))
-                 for kind, i, n_pages in growing if n_pages > kind.n_pages]
-        for kind, n_pages, group in fresh:
-            self.storage.install(self._kind_number[id(kind)], group)
-            kind.grow(n_pages)
-        for kind, needed, i, _ in kept:
-            if needed > kind.n_free:
-                index.evict(i, needed - kind.n_free, protect)
+        kept = [(group, needed, self._number[id(group)],
+                 index.cached_in(self._number[id(group)], protect) if len(protect) else 0)
+                for group, needed in demand]
+        for group, needed, _, unavailable in kept:
+            group.check_room(needed, verb, unavailable)
+        growing = [(group, i, group.grown(needed))
+                   for group, needed, i, _ in kept if needed > group.n_free]
+        fresh = [(group, i, n_pages, self.storage.grown(i, n_pages, verb))
+                 for group, i, n_pages in growing if n_pages > group.n_pages]
+        for group, i, n_pages, arrays in fresh:
+            self.storage.install(i, arrays)
+            group.grow(n_pages)
+        for group, needed, i, _ in kept:
+            if needed > group.n_free:
+                index.evict(i, needed - group.n_free, protect)
 
     # ------------------------------------------------------------------ verbs
-    def claim_rings(self, seq: int, verb: str) -> None:
-        """Give `seq` its ring pages (`CapacityError`, nothing taken, when a pool cannot)."""
-        self.reserve(self.accounting.ring_demand(), verb)
-        self.accounting.claim_rings(seq)
+    def claim(self, seq: int, verb: str) -> None:
+        """Give `seq` the pages a new sequence holds, its rings (`CapacityError`, nothing
+        taken, when a pool cannot)."""
+        self.reserve(self.accounting.claim_demand(), verb)
+        self.accounting.claim(seq)
 
-    def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray, needed: int,
-                   verb: str) -> PageWork:
-        """Take a declared step's `needed` flat pages (growing the pool first:
-        `CapacityError`, nothing taken, when it cannot); its `PageWork` as
+    def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray,
+                   needed: tuple, verb: str) -> PageWork:
+        """Take a declared step's `needed` pages per group (growing the pools first:
+        `CapacityError`, nothing taken, when they cannot); its `PageWork` as
         `PageAccounting.claim_step` gives it (`stage` and `apply` it with the step)."""
-        if needed:
-            self.reserve([(self.accounting.flat, needed)], verb)
+        if needed is not self.accounting.no_pages:
+            self.reserve([(group, n) for group, n in zip(self.accounting.groups, needed) if n],
+                         verb)
         return self.accounting.claim_step(seqs, totals, pos, needed)
 
     def clone(self, src: int, dst: int, keep: int, upload, verb: str) -> None:
@@ -90,21 +92,21 @@ class Pool:
         self._send(upload, self.accounting.clone(src, dst, keep))
 
     def start(self, seq: int, keys: list, upload, verb: str) -> int:
-        """Give a free `seq` its rings and the indexed pages of `keys` (every one indexed):
-        the flat pages shared, the rows the ring layers read before the match point
-        copied back (`PrefixIndex.share`). A match whose own ring rows the rings would
-        need is shortened until they need none of them; returns the pages shared.
-        `CapacityError`, nothing changed, when a ring pool cannot give the rings even so
-        (as `seq_new`)."""
-        index, demand = self.index, self.accounting.ring_demand()
+        """Give a free `seq` what a new sequence holds and the indexed pages of `keys`
+        (every one indexed), each group as its kind restores them (`PrefixIndex.share`:
+        pages paged by position shared, the rows the ring layers read before the match
+        point copied back). A match whose own pages the new sequence's rings would need
+        is shortened until they need none of them; returns the pages shared.
+        `CapacityError`, nothing changed, when a pool cannot give the rings even so (as
+        `seq_new`)."""
+        index, demand = self.index, self.accounting.claim_demand()
         chain = index.chain(keys)
-        while len(chain) and any(needed > kind.available - index.cached_in(self._kind_number[id(kind)],
-                                                                           chain)
-                                 for kind, needed in demand):
+        while len(chain) and any(needed > group.available - index.cached_in(
+                self._number[id(group)], chain) for group, needed in demand):
             chain = chain[:-1]           # its last node's ring pages go to the rings
         keys = keys[:len(chain)]
         self.reserve(demand, verb, chain)
-        self.accounting.claim_rings(seq)
+        self.accounting.claim(seq)
         copies = index.share(seq, keys) if keys else self.accounting.no_copies
         self._send(upload, PageWork(self.accounting.flush(None), tuple(copies), None))
         return len(keys)
@@ -117,7 +119,7 @@ class Pool:
         index = self.index
         chain, new = index.plan_register(seq, keys, first)
         if new:
-            self.reserve([(kind, len(new)) for i, kind in enumerate(self.accounting.kinds)
+            self.reserve([(group, len(new)) for i, group in enumerate(self.accounting.groups)
                           if index.keeps_rows(i)], verb, chain)
         indexed, copies = index.register(seq, keys, chain, new)
         self._send(upload, PageWork(None, tuple(copies), None))
@@ -134,7 +136,7 @@ class Pool:
 
     def stage(self, upload, work: PageWork) -> None:
         """Write `work`'s table patches and row runs into `upload` as its next sections
-        (`Sections.PATCHES`, `Sections.copies(kind)`)."""
+        (`Sections.PATCHES`, `Sections.copies(group)`)."""
         patches, copies, _ = work
         if patches is not None:
             upload.put(Sections.PATCHES, patches)

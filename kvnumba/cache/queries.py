@@ -14,10 +14,11 @@ import numpy as np
 from ..args import as_id, as_ids
 from ..device import on_its_device
 from ..errors import ConfigError
-from ..host.pages import flashinfer_tables
-from ..host.positions import held_positions
+from ..arith.pages import flashinfer_tables
+from ..arith.positions import held_positions
 from ..host.slots import SlotState, StepState, state_refusal
 from ..host.step import StepPlan
+from ..protocol import IndexCounts
 
 
 class PageDemand(NamedTuple):
@@ -29,16 +30,6 @@ class PageDemand(NamedTuple):
     needed: int
     free: int
 
-
-
-class IndexCounts(NamedTuple):
-    """The prefix index of a cache (`prefix_counts`): `pages` of positions it indexes
-    now, `pages_evicted` so far (each a page of positions: its flat page and its ring
-    rows), and `nbytes_cached`, the bytes of pages only it holds (reclaimable)."""
-
-    pages: int
-    pages_evicted: int
-    nbytes_cached: int
 
 
 class CacheParts(NamedTuple):
@@ -104,10 +95,10 @@ class CacheQueries:
         return self._parts.pool.storage.k[layer], self._parts.pool.storage.v[layer]
 
     def pool_pages(self) -> tuple:
-        """One `PoolPages` per layer kind (flat layers first, then each ring size): its
+        """One `PoolPages` per page group (flat layers first, then each ring size): its
         layers, pages in use (held by sequences), free (under `max_pages`), allocated,
         `max_pages` and cached (held by the prefix index alone)."""
-        return tuple(kind.report() for kind in self._parts.pool.accounting.kinds)
+        return tuple(group.report() for group in self._parts.pool.accounting.groups)
 
     def page_demand(self, seq_ids) -> PageDemand:
         """How many new flat pages `declare_step(seq_ids)` would take and how many the
@@ -115,21 +106,22 @@ class CacheQueries:
         as `declare_step` takes them; ring pages come with `seq_new`, never with a
         step). Changes nothing."""
         ids = as_ids(seq_ids, self._parts.config.max_seqs, "page_demand seq_ids")
-        flat = self._parts.pool.accounting.flat
+        accounting = self._parts.pool.accounting
+        flat = accounting.by_position
         if flat is None or ids.size == 0:
             return PageDemand(0, 0 if flat is None else flat.available)
         counts = np.bincount(ids, minlength=self._parts.config.max_seqs)
         seqs = np.flatnonzero(counts)
-        return PageDemand(self._parts.pool.accounting.step_demand(seqs, counts[seqs], self._parts.slots.pos),
-                          flat.available)
+        needed = accounting.step_demand(seqs, counts[seqs], self._parts.slots.pos)
+        return PageDemand(needed[accounting.groups.index(flat)], flat.available)
 
     def page_table(self, seq: int, layer: int) -> np.ndarray:
         """A host copy of the page ids `seq` holds on `layer`'s kind, in order (int32
         `[pages held]`; flat: position `p` in page `[p // page_size]`; ring: ring slot `s`
         in `[s // page_size]`)."""
         seq = self._live(self._id(seq, "page_table"), "page_table")
-        kind = self._parts.pool.accounting.kind_of[self._parts.data.layer(layer, "page_table")]
-        return kind.table[seq, :kind.held[seq]].copy()
+        group = self._parts.pool.accounting.group_of[self._parts.data.layer(layer, "page_table")]
+        return group.table[seq, :group.held[seq]].copy()
 
     def paged_kv(self, seqs=None) -> tuple:
         """The flat layers' pages of sequences `seqs` in FlashInfer's paged-KV format:
@@ -141,7 +133,7 @@ class CacheQueries:
         each described through the positions the step writes (`pos` + its tokens);
         given (ids), between steps or in a step, each through the positions it holds now.
         """
-        flat = self._parts.pool.accounting.flat
+        flat = self._parts.pool.accounting.by_position
         if flat is None:
             raise ConfigError("paged_kv: the cache has no flat layers (ring layers are "
                               "rings of pages, not FlashInfer's paged format)")

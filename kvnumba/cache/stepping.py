@@ -14,7 +14,7 @@ import numpy as np
 from ..args import as_ids, as_int
 from ..data.upload import Sections
 from ..errors import ShapeError
-from ..host.positions import stage_tables
+from ..arith.positions import stage_tables
 from ..host.slots import StepMachine, StepState
 from ..host.step import OpenStep, StepPlan
 from ..kernels import padding

@@ -32,7 +32,7 @@ _NO_SOFTCAP = np.float32(0.0)
 class DataPath:
     """`write` / `attend` of one cache: its `config`, `device`, `stream`, storage (a
     `storage.PageStorage`), attention paths (`paths.Routing`), and per layer what
-    a launch needs of it: `(ring rows R or 0, mask code (`LayerSpec.window_code`), its
+    a launch needs of it: `(ring rows R or 0, mask code (`CacheConfig.mask_codes`), its
     kind's device page table)`."""
 
     def __init__(self, config: CacheConfig, device: int, stream, storage, paths,

@@ -39,7 +39,7 @@ from ..config import CacheConfig
 from ..kernels import generic, decode, prefill
 from ..kernels.generic import DECODE_MAX_Q_LEN
 from ..kernels.workspace import AttentionWorkspace
-from ..host.positions import POS_START, Q_LEN, SEQ_INFO_FIELDS
+from ..arith.positions import POS_START, Q_LEN, SEQ_INFO_FIELDS
 from .upload import Sections
 
 _max = np.maximum.reduce
@@ -90,13 +90,13 @@ class StepRoutes:
 class Routing:
     """The attention paths of one cache (chosen once from its config) and their workspace.
 
-    `window_tables`: for each distinct layer mask code (`LayerSpec.window_code`: 0 flat,
+    `window_tables`: for each distinct layer mask code (`CacheConfig.mask_codes`: 0 flat,
     W, or -C), its ring rows R (0: flat) and its layer kind's device page table, as the
     pool holds them; `page_bits`: log2 of the page size."""
 
     def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
         dtype, shapes = config.storage_dtype, config.layer_shapes
-        codes = [config.layers[config.source(i)].window_code for i in range(config.n_layers)]
+        codes = config.mask_codes
         #: per layer: whether the tensor cores' wide tile serves it (K past 256, or V
         #: narrower than K: a latent layer's rows), decode and prefill alike
         self.wide = [prefill.is_wide(s.head_dim, s.v_head_dim)
@@ -236,7 +236,7 @@ def upload_entries(config: CacheConfig) -> int:
     per_token = 2 + SEQ_INFO_FIELDS + 1
     chunks = config.max_step + min(config.max_step, config.max_seqs) * \
         -(-config.capacity // decode.CHUNK_KEYS)
-    windows = len({spec.window_code for spec in config.layers})
+    windows = len(set(config.mask_codes))
     return per_token * config.max_step + windows * (decode.WORK_FIELDS * chunks +
                                                    decode.COMBINE_FIELDS * config.max_step)
 

@@ -37,7 +37,7 @@ class Admission:
                               eos_token_id=eos_token_id, n=n, extra_key=extra_key)
         positions = seq.n_prompt + seq.max_new
         for served in self.seating.models:
-            for (rows, bound), pages in zip(served.kinds, served.pages_for(positions, seq.n)):
+            for (rows, bound), pages in zip(served.groups, served.pages_for(positions, seq.n)):
                 if pages > bound:
                     raise CapacityError(
                         f"a prompt of {seq.n_prompt} tokens and max_new_tokens="

@@ -59,7 +59,7 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
     if (sliding_window or None) != window:
         raise ConfigError(f"layer {layer}: the model attends with sliding_window="
                           f"{sliding_window}, the cache's layer has window {window}")
-    if config.layers[layer].latent:
+    if config.kinds[layer].name == "latent":
         if softcap or s_aux is not None or kvnumba_latents is None:
             raise ConfigError(f"layer {layer}: latent attention with a softcap or sinks, or "
                               f"outside a step that keeps its latents")

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..args import as_count, describe, is_int
 from ..errors import CapacityError, ConfigError, ShapeError
-from ..host.prefix_keys import extra_bytes
+from ..arith.prefix_keys import extra_bytes
 from .sampling import Sampling
 
 #: seeds of a request's generator: what `torch.Generator.manual_seed` takes

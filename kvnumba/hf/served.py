@@ -45,28 +45,28 @@ class ServedModel:
         self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
                                   max_session_tokens=config.capacity)
         self.device = next(model.parameters()).device
-        # per layer kind: (its ring rows, 0 for the flat layers; the pages its pool hands
-        # out at most: all it can give while the cache holds nothing)
-        self.kinds = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
+        # per page group: (its ring rows, 0 for the layers paged by position; the pages its
+        # pool hands out at most: all it can give while the cache holds nothing)
+        self.groups = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
 
     def pages_for(self, positions: int, n: int) -> list:
-        """Per layer kind, the most pages `n` sequences of up to `positions` positions
+        """Per page group, the most pages `n` sequences of up to `positions` positions
         hold (no sharing counted: forks may hold fewer)."""
         return [n * pages for pages in self.cache.config.sequence_pages(positions)]
 
     def need(self, request) -> list:
-        """Per layer kind, the most pages `request`'s sequences come to hold."""
+        """Per page group, the most pages `request`'s sequences come to hold."""
         return self.pages_for(request.n_prompt + request.max_new, request.n)
 
     def reserved(self, requests) -> list:
-        """Per layer kind, what `requests` may come to hold together."""
-        return [sum(column) for column in zip([0] * len(self.kinds),
+        """Per page group, what `requests` may come to hold together."""
+        return [sum(column) for column in zip([0] * len(self.groups),
                                               *map(self.need, requests))]
 
     def fits(self, reserved: list, request) -> bool:
         """Whether `request`'s sequences fit the pools beside `reserved` pages."""
         return all(r + n <= bound for r, n, (_, bound) in
-                   zip(reserved, self.need(request), self.kinds))
+                   zip(reserved, self.need(request), self.groups))
 
     def indexed(self, prompt: list, extra: bytes = b"") -> int:
         """Positions of `prompt` its prefix index holds, in whole pages and never all of
@@ -104,7 +104,7 @@ class ServedModel:
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = ATTENTION
-        layers = [i for i, spec in enumerate(self.cache.config.layers) if spec.latent]
+        layers = [i for i, kind in enumerate(self.cache.config.kinds) if kind.name == "latent"]
         try:
             with capturing(self.model, layers) as latents:
                 yield dict(kvnumba_cache=self.cache,

@@ -19,7 +19,7 @@ import numpy as np
 from ..args import as_ids
 from ..config import CacheConfig
 from .page_accounting import PageAccounting
-from .positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS,
+from ..arith.positions import (SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS,
                         decode_segments, frozen, span_offsets)
 from ..refusals import capacity_refusal, owner_refusal, step_refusal, write_refusal
 from .slots import SlotTable
@@ -124,14 +124,14 @@ class StepDeclarer:
                                    self.config)
         return furthest
 
-    def _check_limits(self, n_tokens: int, seqs, totals) -> int:
-        """Refuse more than `max_step` tokens, then new flat pages past `max_pages`;
-        returns the new flat pages the step takes."""
+    def _check_limits(self, n_tokens: int, seqs, totals) -> tuple:
+        """Refuse more than `max_step` tokens, then new pages past a pool's `max_pages`;
+        returns the new pages the step takes per page group."""
         if n_tokens > self.config.max_step:
             raise step_refusal(n_tokens, self.config)
         needed = self.accounting.step_demand(seqs, totals, self.slots.pos)
-        if needed:
-            self.accounting.flat.check_room(needed, "declare_step")
+        if needed is not self.accounting.no_pages:
+            self.accounting.check_step_room(needed, "declare_step")
         return needed
 
     def _block_flags(self, block_ids, span_seqs, span_starts, span_lens) -> np.ndarray | int:

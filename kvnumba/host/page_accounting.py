@@ -1,10 +1,10 @@
 """Host page accounting of a cache's page pools (contract §4): which pages each sequence
 holds, how many sequences hold each page, which pages are free, and which device
-page-table entries must change. NumPy and the compiled passes of `pages` only: nothing
-here touches a device, so every decision is tested without one.
+page-table entries must change. NumPy and the compiled passes of `arith.pages` only:
+nothing here touches a device, so every decision is tested without one.
 
-Layers of one kind (`config.LayerKind`: all flat layers, or the ring layers of one
-ring size R) share page ids. Per kind, `KindPages` keeps
+The layers of one page group (`config.PageGroup`: every layer paged by position, or the
+ring layers of one ring size R) share page ids. Per group, `GroupPages` keeps
 
 * `table [seq rows, table_pages]` (int32): the page ids of each sequence, in position
   order (flat: page `i` holds positions `[i P, (i + 1) P)`; ring: ring slots);
@@ -17,11 +17,14 @@ ring size R) share page ids. Per kind, `KindPages` keeps
   (by at least one sequence).
 
 One row per sequence slot, and with `scratch` one more, the scratch row of padding
-tokens: page 0 of every kind is the scratch page, held forever, and the scratch row's
+tokens: page 0 of every group is the scratch page, held forever, and the scratch row's
 entries all point at it.
 
-The device keeps the same tables as slot bases (page id times page size) in one int32
-buffer, every kind's table at its own offset (`KindPages.table_off`). What the host
+What a verb does to a group's pages is its layers' kind's to say (`kinds.base.LayerKind`:
+pages at claim and per step, a clone's, a rewind's, an abort's): `PageAccounting` loops
+over the groups and asks each group's kind. The device keeps the same tables as slot
+bases (page id times page size) in one int32 buffer, every group's table at its own
+offset (`GroupPages.table_off`). What the host
 changes there is queued in `pending` (flat buffer index -> slot base) until the next
 upload carries it (`PageAccounting.flush`). A sequence's entries past what it holds are
 never read, so releasing pages queues nothing.
@@ -32,14 +35,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..config import CacheConfig, LayerKind
+from ..config import CacheConfig, PageGroup
 from ..errors import CapacityError
-from .pages import claim_step, grown_pages, pages_for, release_each, release_pages, step_demand
+from ..arith.pages import grown_pages, release_pages
 
 
 class PoolPages(NamedTuple):
-    """One layer kind's pool (`BatchedSequenceCache.pool_pages`): `kind` ("flat layers" or
-    "ring layers of R rows"), `rows` (0, or that R), its `layers`, `page_size`, pages
+    """One page group's pool (`BatchedSequenceCache.pool_pages`): `kind` ("flat layers"
+    or "ring layers of R rows"), `rows` (0, or that R), its `layers`, `page_size`, pages
     `in_use` (held by sequences, the scratch page included), `free` (neither held nor
     cached: free now or by growing to `max_pages`), `allocated`, `max_pages`, and
     `cached` (held by the prefix index alone: given out, evicted, when free pages run
@@ -56,20 +59,21 @@ class PoolPages(NamedTuple):
     cached: int = 0
 
 
-class KindPages:
-    """The host pages of one layer kind (module doc): its tables, holdings, reference
-    counts and free stack, its place `table_off` in the device tables, and the `pending`
-    patches it shares with the other kinds of its cache."""
+class GroupPages:
+    """The host pages of one page group (module doc): `group` (its `PageGroup`), `kind`
+    (its layers' kind, which decides what verbs do to its pages), its tables, holdings,
+    reference counts and free stack, its place `table_off` in the device tables, and the
+    `pending` patches it shares with the other groups of its cache."""
 
-    def __init__(self, kind: LayerKind, n_rows: int, scratch: bool, page_size: int,
+    def __init__(self, group: PageGroup, n_rows: int, scratch: bool, page_size: int,
                  table_off: int, pending: dict):
-        self.kind, self.rows, self.layers = kind, kind.rows, kind.layers
-        self.name, self.table_pages, self.max_pages = kind.name, kind.table_pages, kind.max_pages
+        self.group, self.kind, self.rows, self.layers = group, group.kind, group.rows, group.layers
+        self.name, self.table_pages, self.max_pages = group.name, group.table_pages, group.max_pages
         self.page_size, self.table_off, self.pending = page_size, table_off, pending
         self.scratch = int(scratch)        # page 0: the scratch row's every entry
-        self.table = np.zeros((n_rows, kind.table_pages), np.int32)
+        self.table = np.zeros((n_rows, group.table_pages), np.int32)
         self.held = np.zeros(n_rows, np.int32)
-        initial = kind.initial_pages
+        initial = group.initial_pages
         self.refs = np.zeros(initial, np.int32)
         self.refs[:self.scratch] = 1
         self.n_free = initial - self.scratch
@@ -194,7 +198,7 @@ class KindPages:
         self.held[dst] = n
 
     def attach(self, seq: int, pages: np.ndarray) -> None:
-        """`seq` (holding nothing on this kind) holds `pages`, which others hold too
+        """`seq` (holding nothing in this group) holds `pages`, which others hold too
         (reference counts rise; their device-table entries are queued)."""
         self.refs[pages] += 1
         self.hold(seq, pages)
@@ -207,7 +211,7 @@ class KindPages:
 class PageWork(NamedTuple):
     """Device work on the pages, as a value (a step's `claim_step`, a clone's `clone`, a
     prefix match's or registration's): the table patches `[n, 2]`
-    (flat device-table index, slot base) or None; per kind index, the page copies as
+    (flat device-table index, slot base) or None; per group index, the page copies as
     row runs `[m, 3]` int32 (source slot, destination slot, rows: a whole page is
     `(source * page_size, destination * page_size, page_size)`; `kernels.moves.page_copy`)
     or None; and the shared entries to copy on the device, `(from index, to index, count)`
@@ -228,128 +232,109 @@ _work = tuple.__new__
 
 
 class PageAccounting:
-    """The host pages of every layer kind of one cache (`kinds`, flat first; `flat`,
-    `rings`, `kind_of[layer]`), `n_rows` page-table rows (one per sequence slot, and the
-    scratch row when `scratch`), and the device-table patches `pending` for the next
-    upload. The verbs here assume what a caller checked: that the pages exist
-    (`check_room`, then storage grown and `KindPages.grow`) and the ids are valid."""
+    """The host pages of every page group of one cache (`groups`, the one paged by
+    position first; `group_of[layer]`), `n_rows` page-table rows (one per sequence slot,
+    and the scratch row when `scratch`), and the device-table patches `pending` for the
+    next upload. Each verb loops over the groups and asks their kinds. The verbs here
+    assume what a caller checked: that the pages exist (`check_room`, then storage grown
+    and `GroupPages.grow`) and the ids are valid."""
 
     def __init__(self, config: CacheConfig, n_rows: int, scratch: bool):
         self.config, self.n_rows, self.scratch = config, n_rows, scratch
         self.page_size = config.page_size
         self.page_bits = self.page_size.bit_length() - 1
         self.pending: dict = {}
-        self.kinds, self.kind_of = [], [None] * config.n_layers
+        self.groups, self.group_of = [], [None] * config.n_layers
         offset = 0
-        for kind in config.layer_kinds:
-            pages = KindPages(kind, n_rows, scratch, self.page_size, offset, self.pending)
-            offset += n_rows * kind.table_pages
-            self.kinds.append(pages)
-            for layer in kind.layers:
-                self.kind_of[layer] = pages
-        for layer in range(config.n_layers):        # a shared layer: its producer's kind
-            self.kind_of[layer] = self.kind_of[config.source(layer)]
+        for group in config.page_groups:
+            pages = GroupPages(group, n_rows, scratch, self.page_size, offset, self.pending)
+            offset += n_rows * group.table_pages
+            self.groups.append(pages)
+            for layer in group.layers:
+                self.group_of[layer] = pages
+        for layer in range(config.n_layers):        # a shared layer: its producer's group
+            self.group_of[layer] = self.group_of[config.source(layer)]
         self.table_entries = offset          # the device tables' size, int32 entries
-        self.flat = self.kinds[0] if self.kinds[0].rows == 0 else None
-        self.rings = [k for k in self.kinds if k.rows]
-        self.no_copies = (None,) * len(self.kinds)      # a `PageWork` copying no rows
+        #: the group paged by position (flat and latent layers: FlashInfer's paged format,
+        #: the pages a step takes), or None
+        self.by_position = next((g for g in self.groups if not g.rows), None)
+        self.no_copies = (None,) * len(self.groups)     # a `PageWork` copying no rows
+        self.no_pages = (0,) * len(self.groups)         # a step taking no pages
 
     # ------------------------------------------------------------------ what verbs need
-    def ring_demand(self) -> list:
-        """`(kind, pages)` a new sequence takes: its whole ring on every ring kind."""
-        return [(kind, kind.table_pages) for kind in self.rings]
+    def claim_demand(self) -> list:
+        """`(group, pages)` a new sequence takes (`kinds`: `claim_pages`)."""
+        return [(g, n) for g in self.groups if (n := g.kind.claim_pages(g.table_pages))]
 
     def clone_demand(self, keep: int) -> list:
-        """`(kind, pages)` a clone of `keep` positions takes: the flat page that straddles
-        `keep` (copied; those below are shared) and a ring per ring kind."""
-        straddles = self.flat is not None and keep % self.page_size != 0
-        return [(self.flat, 1)] * straddles + self.ring_demand()
+        """`(group, pages)` a clone of `keep` positions takes (`kinds`: `clone_pages`)."""
+        return [(g, n) for g in self.groups
+                if (n := g.kind.clone_pages(keep, self.page_size, g.table_pages))]
 
-    def step_demand(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray) -> int:
-        """New flat pages a step of sequences `seqs` (int64, distinct) writing `totals`
-        tokens from `pos[seq]` takes, copy-on-write pages included; 0 without flat
-        layers."""
-        kind = self.flat
-        if kind is None:
-            return 0
-        return int(step_demand(seqs, totals, pos, kind.held, kind.table, kind.refs,
-                               self.page_size))
+    def step_demand(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray) -> tuple:
+        """Per group, the new pages a step of sequences `seqs` (int64, distinct) writing
+        `totals` tokens from `pos[seq]` takes, copy-on-write pages included (`kinds`:
+        `step_pages`); `no_pages` when it takes none."""
+        needed = tuple(g.kind.step_pages(g, seqs, totals, pos) for g in self.groups)
+        return needed if any(needed) else self.no_pages
+
+    def check_step_room(self, needed: tuple, verb: str) -> None:
+        """Refuse (`CapacityError`) a step whose `needed` pages (`step_demand`) some
+        group's pool cannot give."""
+        for group, n in zip(self.groups, needed):
+            if n:
+                group.check_room(n, verb)
 
     # ------------------------------------------------------------------ sequences
-    def claim_rings(self, seq: int) -> None:
-        """`seq` takes its ring pages on every ring kind."""
-        for kind in self.rings:
-            kind.hold(seq, kind.take(kind.table_pages))
+    def claim(self, seq: int) -> None:
+        """`seq` takes the pages a new sequence holds (`claim_demand`)."""
+        for group, n in self.claim_demand():
+            group.hold(seq, group.take(n))
 
     def release(self, seq: int) -> None:
-        """`seq_rm`: every page of `seq`, on every kind."""
-        for kind in self.kinds:
-            kind.release(seq, 0)
+        """`seq_rm`: every page of `seq`, in every group."""
+        for group in self.groups:
+            group.release(seq, 0)
 
     def rewind(self, seq: int, position: int) -> None:
-        """The flat pages wholly at or past `position` go."""
-        if self.flat is not None:
-            self.flat.release(seq, pages_for(position, self.page_size))
+        """The pages `seq` no longer needs at `position` go (`kinds`: `rewind`)."""
+        for group in self.groups:
+            group.kind.rewind(group, seq, position)
 
     def abort(self, seqs: np.ndarray, pos: np.ndarray) -> None:
-        """An aborted step's sequences (int64, distinct) hold the flat pages of their
-        positions `pos[seq]` again."""
-        kind = self.flat
-        if kind is not None:
-            keeps = pages_for(pos[seqs], self.page_size)
-            kind.n_free = release_each(seqs, keeps, kind.held, kind.table, kind.refs,
-                                       kind.free, kind.n_free)
+        """An aborted step's sequences (int64, distinct) hold the pages of their positions
+        `pos[seq]` again (`kinds`: `abort`)."""
+        for group in self.groups:
+            group.kind.abort(group, seqs, pos)
 
     def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray,
-                   needed: int) -> PageWork:
-        """Take a step's `needed` flat pages (`step_demand`) and give each sequence whose
-        first write lands in a page another sequence holds a fresh page in its place.
-        Returns its `PageWork`: every device-table patch due (the step's and those queued
-        before), and the flat kind's whole-page row runs (source slot, destination slot,
+                   needed: tuple) -> PageWork:
+        """Take a step's `needed` pages (`step_demand`), and give each sequence whose first
+        write lands in a page another sequence holds a fresh page in its place. Returns
+        its `PageWork`: every device-table patch due (the step's and those queued
+        before), and per group the whole-page row runs (source slot, destination slot,
         rows) copy-on-write must run before the step writes."""
-        kind = self.flat
-        if kind is None or needed == 0:
+        if needed is self.no_pages:
             return _work(PageWork, (self.flush(None), self.no_copies, None))
-        kind.n_free, patches, copies = claim_step(
-            seqs, totals, pos, kind.held, kind.table, kind.refs, kind.free, kind.n_free,
-            needed, self.page_size, kind.table_off)
-        if copies is not None and len(copies):
-            return _work(PageWork, (self.flush(patches), (copies,) + self.no_copies[1:], None))
-        return _work(PageWork, (self.flush(patches), self.no_copies, None))
+        patches, copies = None, list(self.no_copies)
+        for i, (group, n) in enumerate(zip(self.groups, needed)):
+            if n:
+                found, copies[i] = group.kind.claim_step(group, seqs, totals, pos, n)
+                patches = found if patches is None else np.concatenate([patches, found])
+        if not any(runs is not None for runs in copies):
+            return _work(PageWork, (self.flush(patches), self.no_copies, None))
+        return _work(PageWork, (self.flush(patches), tuple(copies), None))
 
     def clone(self, src: int, dst: int, keep: int) -> PageWork:
-        """`dst` holds `src`'s first `keep` positions: the flat pages wholly below `keep`
-        shared, the one straddling it and every ring on fresh pages (copies of `src`'s).
-        None of the work grows with `keep`: the shared entries move as one device copy."""
-        copies = []
-        shared = None
-        flat = self.flat
-        if flat is not None:
-            n_shared = keep // self.page_size
-            flat.share(src, dst, n_shared)
-            if n_shared:
-                shared = (flat.entry(src), flat.entry(dst), n_shared)
-            if keep % self.page_size:
-                new = flat.take(1)
-                copies.append(self.page_runs(flat.table[src, n_shared:n_shared + 1], new))
-                flat.hold(dst, new, n_shared)
-            else:
-                copies.append(None)
-        for kind in self.rings:
-            new = kind.take(kind.table_pages)
-            copies.append(self.page_runs(kind.table[src, :kind.table_pages], new))
-            kind.hold(dst, new)
+        """`dst` holds `src`'s first `keep` positions, each group's pages as its kind
+        says (`kinds`: `clone`: shared where they can be, copied where they must). None
+        of the work grows with `keep`: shared entries move as one device copy."""
+        copies, shared = [], None
+        for group in self.groups:
+            runs, entries = group.kind.clone(group, src, dst, keep)
+            copies.append(runs)
+            shared = entries if entries is not None else shared
         return PageWork(self.flush(None), tuple(copies), shared)
-
-    def page_runs(self, sources, destinations) -> np.ndarray:
-        """Row runs `[m, 3]` int32 copying whole pages `sources[i]` to `destinations[i]`:
-        `(source * page_size, destination * page_size, page_size)`."""
-        runs = np.empty((len(sources), 3), np.int32)
-        runs[:, 0] = sources
-        runs[:, 1] = destinations
-        runs[:, :2] *= self.page_size
-        runs[:, 2] = self.page_size
-        return runs
 
     def flush(self, patches) -> np.ndarray | None:
         """The pending patches and `patches` (`[n, 2]`, or None) as one `[n, 2]` int32
@@ -366,17 +351,17 @@ class PageAccounting:
     # ------------------------------------------------------------------ reading
     def slots(self, layer: int, seq: int, rows: np.ndarray) -> np.ndarray:
         """The storage slots of rows `rows` (int64) of `seq` on `layer`."""
-        kind = self.kind_of[layer]
-        return kind.table[seq, rows >> self.page_bits] * self.page_size + \
+        group = self.group_of[layer]
+        return group.table[seq, rows >> self.page_bits] * self.page_size + \
             (rows & (self.page_size - 1))
 
     def held_bytes(self) -> int:
-        """Bytes of the pages live sequences hold: per kind, its pages in use past the
+        """Bytes of the pages live sequences hold: per group, its pages in use past the
         scratch page times a page id's bytes over its layers (a shared page once)."""
-        return sum((kind.in_use - int(self.scratch)) * kind.kind.position_bytes
-                   for kind in self.kinds) * self.page_size
+        return sum((group.in_use - int(self.scratch)) * group.group.position_bytes
+                   for group in self.groups) * self.page_size
 
     def cached_bytes(self) -> int:
         """Bytes of the pages the prefix index alone holds."""
-        return sum(kind.cached * kind.kind.position_bytes for kind in self.kinds) * \
+        return sum(group.cached * group.group.position_bytes for group in self.groups) * \
             self.page_size

@@ -4,22 +4,25 @@ which keys, and which it gives back when pages run short. NumPy only, over a cac
 
 A node is one whole page of positions `[d P, (d + 1) P)` of some registered sequence,
 `d` its depth, found by its key (`prefix_keys`: a chained digest of every token up to
-the page's end and the caller's extra key). It owns one page of every layer kind:
+the page's end and the caller's extra key). It owns a page of every page group, as the
+group's kind says (`kinds.base.LayerKind`: `history`, `kept_rows`, `node_page`,
+`kept_runs`, `restore`):
 
-* flat layers: the sequence's own page, shared (the index holds one reference, as a
-  clone does; a later write into it copies it first);
-* each ring kind (R rows): a page of the index's own holding the node's positions by
-  absolute position (position `p` at row `p % P`), copied out of the sequence's ring when
-  the page was registered. Only the rows a later match can need are copied: the last
-  `min(P, W - 1)` positions of the page (a match at a page boundary `L` needs `[L - W + 1,
-  L)`), or the whole page for a ring no shorter than the cache's capacity (it never
-  wraps, and a resumed sequence reads all of it).
+* the group paged by position (`kinds.flat`): the sequence's own page, shared (the index
+  holds one reference, as a clone does; a later write into it copies it first);
+* each ring group (R rows, `kinds.ring`): a page of the index's own holding the node's
+  positions by absolute position (position `p` at row `p % P`), copied out of the
+  sequence's ring when the page was registered. Only the rows a later match can need are
+  copied: the last `min(P, W - 1)` positions of the page (a match at a page boundary `L`
+  needs `[L - W + 1, L)`), or the whole page for a ring no shorter than the cache's
+  capacity (it never wraps, and a resumed sequence reads all of it).
 
 A page whose only reference is the index's is cached: reclaimable. Pages are taken free
 first (a pool grows as far as its `max_pages` allows); when a pool is short even so,
-cached pages are evicted by node, least recently used first (a node is used when it is registered or matched; all nodes of one call share
-the use), the deepest of equally recent ones before their parents. A node whose page of
-the kind is still held by a sequence frees nothing there and is passed over. Evicting a
+cached pages are evicted by node, least recently used first (a node is used when it is
+registered or matched; all nodes of one call share the use), the deepest of equally
+recent ones before their parents. A node whose page of the group is still held by a
+sequence frees nothing there and is passed over. Evicting a
 node drops its keys' reachability below it too (a match walks keys from the root), but
 not its children's pages: those stay cached until their own turn, and match again if
 the parent is registered again.
@@ -29,7 +32,6 @@ from __future__ import annotations
 import numpy as np
 
 from .page_accounting import PageAccounting
-from .positions import ring_history, ring_runs
 
 #: nodes the index starts with room for (it doubles as needed)
 INITIAL_NODES = 64
@@ -43,20 +45,20 @@ class PrefixIndex:
 
     def __init__(self, accounting: PageAccounting):
         self.accounting = accounting
-        self.kinds = accounting.kinds
+        self.groups = accounting.groups
         config, size = accounting.config, accounting.page_size
         self.page_size = size
-        # per kind: positions before a resume point its layers read (0: flat, all held)
-        self.history = [ring_history(k.rows, config.max_write, config.capacity) if k.rows
-                        else 0 for k in self.kinds]
-        # per kind: rows of each page of positions a node keeps (flat: the shared page)
-        self.kept = [min(size, h) if k.rows else size
-                     for k, h in zip(self.kinds, self.history)]
+        # per group: positions before a resume point its layers read (0: all held)
+        self.history = [g.kind.history(g.rows, config.max_write, config.capacity)
+                        for g in self.groups]
+        # per group: rows of each page of positions a node keeps on a page of its own
+        # (0: it owns none, it shares the sequence's)
+        self.kept = [g.kind.kept_rows(size, h) for g, h in zip(self.groups, self.history)]
         self.nodes: dict[bytes, int] = {}     # key -> node
         self.tick = 0
         self.pages_evicted = 0
-        # per node: its page of each kind (-1: none), last use, depth, key
-        self.node_pages = np.full((0, len(self.kinds)), -1, np.int32)
+        # per node: its page of each group (-1: none), last use, depth, key
+        self.node_pages = np.full((0, len(self.groups)), -1, np.int32)
         self.used = np.zeros(0, np.int64)
         self.depth = np.zeros(0, np.int64)
         self.keys: list = []
@@ -67,7 +69,7 @@ class PrefixIndex:
         """Room for `n` nodes."""
         old = len(self.keys)
         self.node_pages = np.concatenate(
-            [self.node_pages, np.full((n - old, len(self.kinds)), -1, np.int32)])
+            [self.node_pages, np.full((n - old, len(self.groups)), -1, np.int32)])
         self.used = np.concatenate([self.used, np.zeros(n - old, np.int64)])
         self.depth = np.concatenate([self.depth, np.zeros(n - old, np.int64)])
         self.keys += [None] * (n - old)
@@ -95,18 +97,19 @@ class PrefixIndex:
         self.used[nodes] = self.tick
         return self.tick
 
-    def page_of(self, node: int, kind: int) -> int:
-        return int(self.node_pages[node, kind])
+    def page_of(self, node: int, group: int) -> int:
+        return int(self.node_pages[node, group])
 
-    def cached_in(self, kind: int, nodes) -> int:
-        """Cached pages of kind `kind` that `nodes` own (what evicting them would free)."""
-        pages = self.node_pages[np.asarray(nodes, np.int64), kind]
+    def cached_in(self, group: int, nodes) -> int:
+        """Cached pages of group `group` that `nodes` own (what evicting them would
+        free)."""
+        pages = self.node_pages[np.asarray(nodes, np.int64), group]
         pages = pages[pages >= 0]
-        return int(np.count_nonzero(self.kinds[kind].refs[pages] == 1))
+        return int(np.count_nonzero(self.groups[group].refs[pages] == 1))
 
     # ------------------------------------------------------------------ changing
     def add(self, key: bytes, depth: int, pages: list) -> int:
-        """A node for `key` at `depth` owning `pages` (one page id per kind, -1 for none;
+        """A node for `key` at `depth` owning `pages` (one page id per group, -1 for none;
         the index takes one reference of each); returns it."""
         if not self.spare:
             self._grow(2 * len(self.keys))
@@ -117,15 +120,15 @@ class PrefixIndex:
         for i, page in enumerate(pages):
             self.node_pages[node, i] = page
             if page >= 0:
-                self.kinds[i].adopt(page, node)
+                self.groups[i].adopt(page, node)
         return node
 
     def drop(self, node: int) -> None:
         """Forget `node`: the index lets go of its pages (unreferenced ones are free)."""
-        for i, kind in enumerate(self.kinds):
+        for i, group in enumerate(self.groups):
             page = int(self.node_pages[node, i])
             if page >= 0:
-                kind.disown(page)
+                group.disown(page)
         self.node_pages[node] = -1
         del self.nodes[self.keys[node]]
         self.keys[node] = None
@@ -142,13 +145,13 @@ class PrefixIndex:
         """Forget every node; returns how many."""
         return self.forget(list(self.nodes))
 
-    def evict(self, kind: int, count: int, protect=()) -> None:
-        """Free `count` pages of kind `kind` by evicting nodes (module doc: least recently
+    def evict(self, group: int, count: int, protect=()) -> None:
+        """Free `count` pages of group `group` by evicting nodes (module doc: least recently
         used first, deepest first among equals), never one of the nodes `protect`. The
         caller made sure enough are cached."""
         live = np.array(list(self.nodes.values()), np.int64)
-        pages = self.node_pages[live, kind]
-        pool = self.kinds[kind]
+        pages = self.node_pages[live, group]
+        pool = self.groups[group]
         frees = (pages >= 0) & (pool.refs[np.maximum(pages, 0)] == 1) & \
             ~np.isin(live, np.asarray(protect, np.int64))
         candidates = live[frees]
@@ -160,82 +163,75 @@ class PrefixIndex:
     # ------------------------------------------------------------------ sequences
     def first_registrable(self, pos: int, high_water: int) -> int:
         """The first page of positions whose kept rows a sequence at `pos` with
-        `high_water` still holds on every ring kind (its ring keeps `[hw - R, pos)`)."""
-        size, first = self.page_size, 0
-        for kind, kept in zip(self.kinds, self.kept):
-            if kind.rows and kept:
-                lowest = max(0, high_water - kind.rows)
-                first = max(first, -(-(lowest + kept) // size) - 1)
-        return first
+        `high_water` still holds in every group (`kinds`: `first_registrable`; a ring
+        keeps `[hw - R, pos)`)."""
+        return max(g.kind.first_registrable(high_water, g.rows, kept, self.page_size)
+                   for g, kept in zip(self.groups, self.kept))
 
     def keeps_rows(self, i: int) -> bool:
-        """Whether nodes own a page of kind `i` of their own (a ring kind keeping rows)."""
-        return bool(self.kinds[i].rows and self.kept[i])
+        """Whether nodes own a page of group `i` of their own (a ring keeping rows)."""
+        return self.kept[i] > 0
 
     def plan_register(self, seq: int, keys: list, first: int) -> tuple:
         """`(chain, new)` of registering sequence `seq`'s pages of positions `0 ..
         len(keys) - 1` under `keys`: the nodes already indexed among them, and the depths
         of the pages to index, in order: those after the last indexed one that the
         sequence can still give (none below `first`, whose ring rows are gone; none whose
-        flat page the index holds under another key) and the ring pools can give a page
-        for without evicting the chain's own."""
-        nodes, flat = self.nodes, self.accounting.flat
+        page the index holds under another key: `kinds`: `indexed_elsewhere`) and the
+        pools of the groups that keep rows can give a page for without evicting the
+        chain's own."""
+        nodes, groups = self.nodes, self.groups
         chain, new = [], []
         for depth, key in enumerate(keys):
             node = nodes.get(key)
             if node is not None:
                 chain.append(node)
                 continue
-            if depth < first or (flat is not None and flat.owner[flat.table[seq, depth]] >= 0):
+            if depth < first or any(g.kind.indexed_elsewhere(g, seq, depth) for g in groups):
                 break
             new.append(depth)
         budget = len(new)
-        for i, kind in enumerate(self.kinds):
+        for i, group in enumerate(groups):
             if self.keeps_rows(i) and budget:
-                budget = min(budget, kind.available - self.cached_in(i, chain))
+                budget = min(budget, group.available - self.cached_in(i, chain))
         return chain, new[:budget]
 
     def register(self, seq: int, keys: list, chain: list, new: list) -> tuple:
-        """Index the pages `plan_register` planned (the ring pools hold a free page per new
-        node on every kind that keeps rows): the chain's nodes are used now, each new node
-        shares the flat page and takes a ring page per kind. Returns `(leading keys
-        indexed, row runs per kind [m, 3] (ring slot, node slot, rows) or None)`: the ring
-        rows to copy."""
-        size = self.page_size
-        copies = [None] * len(self.kinds)
+        """Index the pages `plan_register` planned (the pools of the groups that keep rows
+        hold a free page per new node): the chain's nodes are used now, each new node
+        owns a page of every group (`kinds`: `node_page`: the sequence's page shared, or
+        one of its own with the kept rows copied in, `kept_runs`). Returns `(leading keys
+        indexed, row runs per group [m, 3] (sequence slot, node slot, rows) or None)`:
+        the rows to copy."""
+        copies = [None] * len(self.groups)
         self.touch(chain)       # a new use, whether or not it touches indexed nodes
-        owned = {}           # kind -> the pages new nodes take of it, in `new`'s order
-        for i, kind in enumerate(self.kinds):
+        owned = [np.full(len(new), -1, np.int32)] * len(self.groups)   # own pages, by group
+        for i, group in enumerate(self.groups):
             if not (self.keeps_rows(i) and new):
                 continue
-            owned[i] = pages = kind.take(len(new), refs=0)   # referenced by their nodes
-            runs = [ring_runs((d + 1) * size - self.kept[i], (d + 1) * size, kind.rows, size,
-                              kind.table[seq], pages[j:j + 1], d) for j, d in enumerate(new)]
-            copies[i] = np.ascontiguousarray(np.concatenate(runs)[:, [1, 0, 2]])
+            owned[i] = pages = group.take(len(new), refs=0)   # referenced by their nodes
+            copies[i] = np.ascontiguousarray(np.concatenate(
+                [group.kind.kept_runs(group, seq, d, int(pages[j]), self.kept[i])
+                 for j, d in enumerate(new)]))
         for j, depth in enumerate(new):
             self.add(keys[depth], depth,
-                     [int(kind.table[seq, depth]) if not kind.rows else
-                      int(owned[i][j]) if i in owned else -1
-                      for i, kind in enumerate(self.kinds)])
+                     [group.kind.node_page(group, seq, depth, int(owned[i][j]))
+                      for i, group in enumerate(self.groups)])
         return self.match(keys), copies
 
     def share(self, seq: int, keys: list) -> list:
-        """Sequence `seq` (holding its rings, nothing else yet) takes the first
-        `len(keys)` pages of positions from the index (every key indexed): it shares
-        their flat pages (queued as table patches), and each ring kind gets back the rows
-        its layers read before the match point. Returns the row runs per kind `[m, 3]`
-        (node slot, ring slot, rows), or None, to copy."""
+        """Sequence `seq` (holding what a new sequence holds, nothing else yet) takes the
+        first `len(keys)` pages of positions from the index (every key indexed), each
+        group as its kind says (`kinds`: `restore`): the pages paged by position shared
+        (queued as table patches), each ring given back the rows its layers read before
+        the match point. Returns the row runs per group `[m, 3]` (node slot, ring slot,
+        rows), or None, to copy."""
         chain = self.chain(keys)
         self.touch(chain)
         size, n = self.page_size, len(keys)
         end = n * size
-        copies = [None] * len(self.kinds)
-        for i, kind in enumerate(self.kinds):
-            pages = self.node_pages[chain, i]
-            if not kind.rows:
-                kind.attach(seq, pages)
-            elif self.kept[i]:
-                start = max(0, end - self.history[i])
-                copies[i] = ring_runs(start, end, kind.rows, size, kind.table[seq],
-                                      pages[start // size:], start // size)
+        copies = [None] * len(self.groups)
+        for i, group in enumerate(self.groups):
+            copies[i] = group.kind.restore(group, seq, self.node_pages[chain, i], end,
+                                           self.history[i], self.kept[i], size)
         return copies

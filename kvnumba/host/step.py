@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .positions import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, Segment
+from ..arith.positions import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, Segment
 
 
 class OpenStep:
@@ -37,7 +37,7 @@ class OpenStep:
                  "routes", "writes", "zero", "kv_shapes", "written", "buffers")
 
     def __init__(self, *, n_tokens: int, seq_info, logit_indices, max_q_len: int,
-                 max_kv_len: int, spans: tuple, seqs, totals, pages_needed: int):
+                 max_kv_len: int, spans: tuple, seqs, totals, pages_needed: tuple):
         self.n_tokens, self.seq_info, self.logit_indices = n_tokens, seq_info, logit_indices
         self.max_q_len, self.max_kv_len, self.spans = max_q_len, max_kv_len, spans
         self.seqs, self.totals, self.pages_needed = seqs, totals, pages_needed
@@ -121,7 +121,7 @@ class StepPlan:
     n_tokens = _read("n_tokens", "Tokens the step declared (no padding).")
     width = _read("width", "The padded width once prepared, else None.")
     seq_info = _read("seq_info", "[n_segments, SEQ_INFO_FIELDS] int32 segment table "
-                                 "(fields: the `kvnumba.host.positions` constants Q_START .. FLAGS).")
+                                 "(fields: the `kvnumba.arith.positions` constants Q_START .. FLAGS).")
     logit_indices = _read("logit_indices", "[n_segments] int64: each segment's last token.")
     max_q_len = _read("max_q_len", "The longest segment (tokens).")
     max_kv_len = _read("max_kv_len", "The furthest position + 1 any segment reaches.")

@@ -535,7 +535,7 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     int32 device page table [seq rows, pages per sequence] of page-aligned slot bases,
     indexed by a segment's `SEQ`; page_bits: log2(page_size). Storage row r of sequence
     `seq` is slot `pages[seq, r >> page_bits] | (r & (page_size - 1))` (`masks.page_slot`).
-    tables: the step's int32 device tables: segment `s`'s fields (`kvnumba.host.positions`) at
+    tables: the step's int32 device tables: segment `s`'s fields (`kvnumba.arith.positions`) at
     `seq_info_off + s * SEQ_INFO_FIELDS`, the served segments' indices at
     `segments_off .. + n_segments`. max_q_len / max_kv_len: largest q_len /
     pos_start + q_len over them.

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from ..device import cuda
 from .intrinsics import ptx
-from ..host.positions import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
+from ..arith.positions import SEQ, FLAG_BLOCK, FLAGS, POS_START, Q_LEN, Q_START, SEQ_INFO_FIELDS
 
 from numba import int32, int64, uint32, uint64  # noqa: E402  (after kvnumba.device chose the target)
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..host.prefix_keys import KeyChain, extra_bytes, token_ids
+from ..arith.prefix_keys import KeyChain, extra_bytes, token_ids
 from ..protocol import BatchControl
 
 

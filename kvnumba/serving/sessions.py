@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..args import SessionId, describe, is_int
 from ..errors import CacheFullError, CapacityError, ConfigError, KVCacheError, SessionError
-from ..host.prefix_keys import extra_bytes, token_ids
+from ..arith.prefix_keys import extra_bytes, token_ids
 from ..protocol import BatchControl, PrefixControl, members_lacking
 from .packing import PackedStep, StepPacker
 from .prefixes import PrefixStats, SessionPrefixes

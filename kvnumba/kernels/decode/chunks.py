@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit, uint64
 
-from ...host.positions import SEQ, POS_START, Q_LEN, Q_START
+from ...arith.positions import SEQ, POS_START, Q_LEN, Q_START
 from ..generic import DECODE_MAX_Q_LEN
 
 # --- the chunk tables (int32), packed by the caller into the step's `tables` -----------

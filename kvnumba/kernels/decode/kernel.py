@@ -67,7 +67,7 @@ import numpy as np
 
 from ...config import INT32_MAX
 from ...device import cuda
-from ...host.positions import FLAG_BLOCK, FLAGS, POS_START, SEQ_INFO_FIELDS
+from ...arith.positions import FLAG_BLOCK, FLAGS, POS_START, SEQ_INFO_FIELDS
 from ..intrinsics import ptx
 from ..launch.constants import LN2, LOG2E, NEG_INF, WARP
 from .chunks import (WORK_SEQ, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_Q_LEN,
