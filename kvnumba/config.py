@@ -37,7 +37,7 @@ FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 #: the host (NumPy) dtype of each storage dtype held as bit patterns, from ml_dtypes
 ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
              "float8_e5m2": "float8_e5m2"}
-#: the default pool's first pages per flat kind hold this many positions of one sequence
+#: the default pool's first pages of the group paged by position hold this many positions of one sequence
 INITIAL_POSITIONS = 256
 
 
@@ -322,8 +322,8 @@ class CacheConfig:
         Defaults: initially one sequence's worth (`min(capacity, 256)` positions on a flat
         kind, one ring on a ring kind) plus the scratch page; at most every sequence at its
         worst (`max_seqs` tables full) plus the scratch page, so the pool never binds
-        (within the int32 slot bound); a ring kind's bound also has a page for each page
-        of positions the prefix index can hold (as many as the flat kind's bound: the
+        (within the int32 slot bound); a ring group's bound also has a page for each page
+        of positions the prefix index can hold (as many as the flat group's bound: the
         ring rows of its entries). A given `initial_pages` past that default bound is
         capped at it (on a ring kind, at the sequences' rings: the index's pages come
         by growth): the pool never needs more."""

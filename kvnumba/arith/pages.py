@@ -9,7 +9,7 @@ slot state or a cache object. A layer kind's pages are described by
 * `refs [n_pages]` (int32): how many sequences hold each page (a clone shares);
 * `free [n_pages]` (int32): a stack of free page ids, `free[:n_free]`.
 
-On a flat kind a sequence at `pos` holds exactly `ceil(pos / P)` pages between steps:
+On a flat page group a sequence at `pos` holds exactly `ceil(pos / P)` pages between steps:
 a step takes the pages its new positions reach, a rewind, an abort and `seq_rm`
 release the pages wholly at or past the position they leave the sequence at.
 """
@@ -32,7 +32,7 @@ def pages_for(positions: int, page_size: int) -> int:
 
 @njit(cache=True)
 def step_demand(seqs, totals, pos, held, table, refs, page_size):
-    """New pages a step takes on one flat kind (exactly what `claim_step` takes): for
+    """New pages a step takes on one flat page group (exactly what `claim_step` takes): for
     each sequence `seqs[i]` writing `totals[i]` tokens from `pos[seq]`, the pages its new
     positions reach past those it holds, plus one when its first write lands in a page
     another sequence still holds (copy-on-write; of several holders writing one page in
@@ -68,7 +68,7 @@ def claim_step(seqs, totals, pos, held, table, refs, free, n_free, needed, page_
     tables, from `table_off`: the entry's new slot base, page id times `page_size`), and
     the page copies to run before the step writes, as row runs `[m, 3]` (source slot,
     destination slot, rows: `(old * page_size, new * page_size, page_size)`,
-    `kernels.copy`)."""
+    `kernels.moves.page_copy`)."""
     width = table.shape[1]
     patches = np.empty((needed, 2), np.int32)
     copies = np.empty((min(needed, seqs.size), 3), np.int32)
@@ -144,7 +144,7 @@ def flashinfer_tables(table: np.ndarray, seqs: np.ndarray, lengths: np.ndarray,
                       page_size: int) -> tuple:
     """`(kv_indptr [n + 1], kv_indices [nnz], kv_last_page_len [n])` (int32), FlashInfer's
     paged-KV description of sequences `seqs` holding `lengths` positions each on one
-    flat kind: sequence `i`'s pages are `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, in
+    flat page group: sequence `i`'s pages are `kv_indices[kv_indptr[i]:kv_indptr[i + 1]]`, in
     position order, its last page holding `kv_last_page_len[i]` positions (0 for an
     empty sequence)."""
     n_pages = (lengths + page_size - 1) // page_size

@@ -82,14 +82,13 @@ class BatchedSequenceCache(CacheQueries):
             storage, groups = self._pool.storage, self._pool.accounting.groups
             tables = {group.rows: storage.group_tables[i] for i, group in enumerate(groups)}
             rows = config.ring_rows().tolist()
-            codes = config.mask_codes
-            windows = {code: (r, tables[r]) for code, r in zip(codes, rows)}
-            self._routing = Routing(config, self.stream, windows, self._pool.accounting.page_bits)
+            masks = {code: (r, tables[r]) for code, r in zip(config.mask_codes, rows)}
+            self._routing = Routing(config, self.stream, masks, self._pool.accounting.page_bits)
         self._steps = StepProtocol(
             config=config, slots=self._slots, pool=self._pool,
             declarer=StepDeclarer(config, self._slots, self._pool.accounting), upload=upload,
             routing=self._routing, pad_col=n if scratch_column else -1, stream=self.stream)
-        geometry = [(r, code, tables[r]) for r, code in zip(rows, codes)]
+        geometry = [(r, code, tables[r]) for r, code in zip(rows, config.mask_codes)]
         data = DataPath(config, self.device, self.stream, storage, self._routing, geometry)
         self._parts = CacheParts(config, self._slots, self._pool, data, self._steps)
 
@@ -176,7 +175,7 @@ class BatchedSequenceCache(CacheQueries):
         shares the matched flat pages (copy-on-write, as a clone), each ring layer gets
         back the positions it reads before the match point `L = m * page_size`, and it is
         COMMITTED at `pos = L` with high-water `L + max_write` when there are ring layers
-        (`positions.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
+        (`CacheConfig.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
         where the sequence's rings would need the match's own ring rows (`pos` says
         where it starts). Refused as `seq_new` (`CacheFullError`, `CapacityError`),
         nothing changed."""
@@ -193,8 +192,7 @@ class BatchedSequenceCache(CacheQueries):
             self._slots.pos[seq] = self._slots.high_water[seq] = 0
             return seq
         self._slots.apply("clone_into", seq, next_state)
-        pos = shared * self.config.page_size
-        self._slots.pos[seq] = pos
+        self._slots.pos[seq] = pos = shared * self.config.page_size
         self._slots.high_water[seq] = self.config.resumed_high_water(pos)
         return seq
 
@@ -216,8 +214,7 @@ class BatchedSequenceCache(CacheQueries):
         keys = as_keys(keys, "prefix_register keys")
         pos = int(self._slots.pos[seq])
         keys = keys[:pos // self.config.page_size]
-        index = self._pool.index
-        first = index.first_registrable(pos, int(self._slots.high_water[seq]))
+        first = self._pool.index.first_registrable(pos, int(self._slots.high_water[seq]))
         return self._pool.register(seq, keys, first, self._clone_upload, "prefix_register")
 
     def prefix_forget(self, keys) -> int:
@@ -303,17 +300,17 @@ class BatchedSequenceCache(CacheQueries):
         q: `[width, n_q_heads, head_dim]`, `n_q_heads` a multiple of `n_kv_heads`;
         float16, float32 or bfloat16 (NumPy as `ml_dtypes.bfloat16`, or PyTorch).
         Returns `out` (`[width, n_q_heads, head_dim]`) if given, else a new array of q's
-        kind and dtype: a tensor on q's device for a PyTorch q, NumPy for NumPy, a
+        type and dtype: a tensor on q's device for a PyTorch q, NumPy for NumPy, a
         device array for a device array. Padding rows are zero. The step must have
         written `layer` first (`write` or `update_and_attend`); `scale` (default
         `1/sqrt(head_dim)`) and `softcap` (None or > 0) must be finite.
 
-        `lse`: None, or a float32 `[width, n_q_heads]` array of q's kinds (NumPy, PyTorch,
+        `lse`: None, or a float32 `[width, n_q_heads]` array of q's types (NumPy, PyTorch,
         device) that receives each row's natural-log log-sum-exp of its final scores
         (scaled, then soft-capped), `-inf` on padding rows: FlashAttention's convention,
         so that attentions over parts of a history can be merged.
 
-        `sinks`: None, or a float32 `[n_q_heads]` array of q's kinds (a NumPy one is copied
+        `sinks`: None, or a float32 `[n_q_heads]` array of q's types (a NumPy one is copied
         to the device each call): head `h`'s logit `sinks[h]` joins every softmax of that
         head as one more term of its denominator, `exp(sinks[h] - max)`, with no value
         (learned attention sinks, as gpt-oss's `s_aux`); `lse` includes it. A cost per
@@ -331,7 +328,7 @@ class BatchedSequenceCache(CacheQueries):
 
     def _lowest_free(self, verb: str) -> int:
         free = np.flatnonzero(self._slots.state == SlotState.FREE)
-        if free.size == 0:
+        if not free.size:
             raise CacheFullError(f"{verb}: all {self.config.max_seqs} sequence slots are in use")
         return int(free[0])
 

@@ -4,7 +4,7 @@ Kernels see one convention: a Numba device array of float16, float32, or (bfloat
 its bit patterns as uint16, since Numba has no bfloat16 type. This module checks what
 callers pass (`check`, `check_out`: `ShapeError` before any launch), turns it into
 that convention without a copy where the data already lives on the device
-(`device_view`), and hands results back in the caller's kind (`Result`): NumPy for
+(`device_view`), and hands results back in the caller's family (`Result`): NumPy for
 NumPy (bfloat16 as `ml_dtypes.bfloat16`), a tensor on q's device for a PyTorch q, a
 device array for a device array.
 
@@ -12,7 +12,7 @@ PyTorch is optional: a tensor is recognised by its type's module, and `torch` is
 imported for a tensor that was passed in.
 
 Every call of the data path passes through here, so what can be known from an array's
-type (which kind it is) or from its dtype object (its name) is worked out once per type
+type (which family it is) or from its dtype object (its name) is worked out once per type
 or dtype and looked up afterwards; on a GPU, a PyTorch CUDA tensor or a foreign
 `__cuda_array_interface__` array reaches the kernels as a `DeviceView` rather than a new
 Numba device array per call.
@@ -30,46 +30,46 @@ from ..kernels.launch.calling import DeviceView, device_pointer
 
 BFLOAT16 = "bfloat16"
 
-#: what an array is, by its type: told once per type (`_kind`)
+#: what an array is, by its type: told once per type (`_family`)
 HOST, TORCH, DEVICE, INTERFACE = "host", "torch", "device", "interface"
-_KINDS: dict = {}
+_FAMILIES: dict = {}
 _DTYPE_NAMES: dict = {}
 
 
-def _kind_of_type(kind: type) -> str | None:
-    if hasattr(kind, "copy_to_host"):               # Numba's device arrays (simulator too,
+def _family_of_type(family: type) -> str | None:
+    if hasattr(family, "copy_to_host"):               # Numba's device arrays (simulator too,
         return DEVICE                               # and its mapped host arrays)
-    if issubclass(kind, np.ndarray):
+    if issubclass(family, np.ndarray):
         return HOST
-    if kind.__module__.split(".")[0] == "torch" and hasattr(kind, "requires_grad"):
+    if family.__module__.split(".")[0] == "torch" and hasattr(family, "requires_grad"):
         return TORCH
-    if hasattr(kind, "__cuda_array_interface__"):   # CuPy, ...
+    if hasattr(family, "__cuda_array_interface__"):   # CuPy, ...
         return INTERFACE
     return None
 
 
-def _kind(array) -> str | None:
+def _family(array) -> str | None:
     """HOST, TORCH, DEVICE, INTERFACE or None, from the array's type (cached), or from the
     instance for a type that sets `__cuda_array_interface__` per object."""
-    kind_type = type(array)
-    kind = _KINDS.get(kind_type, False)
-    if kind is False:
-        kind = _KINDS[kind_type] = _kind_of_type(kind_type)
-    if kind is None and hasattr(array, "__cuda_array_interface__"):
+    family_type = type(array)
+    family = _FAMILIES.get(family_type, False)
+    if family is False:
+        family = _FAMILIES[family_type] = _family_of_type(family_type)
+    if family is None and hasattr(array, "__cuda_array_interface__"):
         return INTERFACE
-    return kind
+    return family
 
 
 def is_torch(array) -> bool:
     """A `torch.Tensor` (told without importing torch)."""
-    return _kind(array) == TORCH
+    return _family(array) == TORCH
 
 
 def on_device(array) -> bool:
     """Already on the device: Numba's arrays (the simulator's too), CuPy arrays, PyTorch CUDA
     tensors, anything with `__cuda_array_interface__`."""
-    kind = _kind(array)
-    return kind == DEVICE or kind == INTERFACE or (kind == TORCH and array.is_cuda)
+    family = _family(array)
+    return family == DEVICE or family == INTERFACE or (family == TORCH and array.is_cuda)
 
 
 def _name_of_dtype(dtype) -> str | None:
@@ -111,17 +111,17 @@ def host_dtype(name: str) -> np.dtype:
 def check(name: str, array, shape: tuple | None, dtypes, device: int = 0) -> None:
     """Refuse (`ShapeError`) a non-array, a tensor that requires grad, an array on a
     device other than the host and CUDA device `device` (`array_device`), or an array of
-    the wrong rank, shape or dtype. `shape=None` checks only the kind, device and dtype."""
-    kind = _kind(array)
-    if kind is None:
+    the wrong rank, shape or dtype. `shape=None` checks only the family, device and dtype."""
+    family = _family(array)
+    if family is None:
         raise ShapeError(f"{name}: expected a NumPy, PyTorch or device array"
                          f"{'' if shape is None else f' of shape {tuple(shape)}'} "
                          f"and dtype in {list(dtypes)}, got {type(array).__name__}")
-    if kind == TORCH and array.requires_grad:
+    if family == TORCH and array.requires_grad:
         raise ShapeError(f"{name}: the tensor requires grad; the cache is not "
                          f"differentiable: pass {name}.detach()")
-    if kind != HOST:
-        where = array_device(array, kind)
+    if family != HOST:
+        where = array_device(array, family)
         if where is not None and where != device:
             raise ShapeError(f"{name}: the array is on {_device_name(where)}, the cache on "
                              f"cuda:{device}; pass a host array or one on cuda:{device} "
@@ -148,15 +148,15 @@ def memory_span(array) -> tuple:
     """`(memory, first byte, end byte)` of the bytes an array's elements occupy (strides
     taken into account), `memory` naming where ("host", or "cuda" with its device), for
     telling whether two arrays overlap; `(memory, 0, 0)` for an array of no elements."""
-    kind = _kind(array)
-    if kind == HOST:
+    family = _family(array)
+    if family == HOST:
         pointer, strides, itemsize = array.ctypes.data, array.strides, array.itemsize
         memory = "host"
-    elif kind == TORCH:
+    elif family == TORCH:
         itemsize = array.element_size()
         pointer, strides = array.data_ptr(), [s * itemsize for s in array.stride()]
         memory = "host" if array.device.type == "cpu" else str(array.device)
-    elif kind == DEVICE:       # Numba's (the simulator's too): the pointer kept on the array
+    elif family == DEVICE:       # Numba's (the simulator's too): the pointer kept on the array
         pointer, strides, itemsize = device_pointer(array), array.strides, array.dtype.itemsize
         memory = "cuda"
     else:
@@ -180,7 +180,7 @@ def overlap(a, b) -> bool:
     return memory_a == memory_b and first_a < end_b and first_b < end_a
 
 
-def array_device(array, kind: str):
+def array_device(array, family: str):
     """Where a non-NumPy array lives, as far as can be told: a CUDA device id (int), a
     non-CUDA device's name (str: a PyTorch "meta", "mps", ... tensor), or None for the
     host or an unknown (assumed current) device.
@@ -190,7 +190,7 @@ def array_device(array, kind: str):
     `Device`) or `index` (a `torch.device`). On a machine with several GPUs, an array
     that names none is asked of the driver (the device its pointer belongs to).
     """
-    if kind == TORCH:
+    if family == TORCH:
         where = array.device
         if where.type == "cpu":
             return None
@@ -222,7 +222,7 @@ def _torch_current_device() -> int:
 def _pointer_device(array) -> int | None:
     """The ordinal of the device a device array's memory belongs to (the driver's answer),
     or None where it does not say."""
-    if _kind(array) == DEVICE:
+    if _family(array) == DEVICE:
         return pointer_device(device_pointer(array))
     return pointer_device(array.__cuda_array_interface__["data"][0])
 
@@ -241,12 +241,12 @@ def host_view(array) -> np.ndarray:
 def device_view(array, stream=0):
     """A device array of `array` in the kernels' convention: zero-copy for data on the
     device, one upload for host data."""
-    kind = _kind(array)
-    if kind == DEVICE:                           # a Numba device array (or the simulator's)
+    family = _family(array)
+    if family == DEVICE:                           # a Numba device array (or the simulator's)
         return array
-    if kind == TORCH and array.is_cuda:
+    if family == TORCH and array.is_cuda:
         return _torch_view(array)
-    if kind == INTERFACE:                        # CuPy, ...: the CUDA array interface
+    if family == INTERFACE:                        # CuPy, ...: the CUDA array interface
         return _interface_view(array)
     return cuda.to_device(np.ascontiguousarray(host_view(array)), stream=stream)
 
@@ -294,7 +294,7 @@ class Result:
 
     `Result(q, out, shape, stream)`: `device` is the device array the kernels write;
     `value()` returns `out` itself when one was given (a host `out` filled from the
-    device), else a new array of q's kind and dtype: a tensor on q's device for PyTorch,
+    device), else a new array of q's family and dtype: a tensor on q's device for PyTorch,
     NumPy for NumPy, the device array for device arrays.
     """
 

@@ -31,9 +31,9 @@ _NO_SOFTCAP = np.float32(0.0)
 
 class DataPath:
     """`write` / `attend` of one cache: its `config`, `device`, `stream`, storage (a
-    `storage.PageStorage`), attention paths (`paths.Routing`), and per layer what
+    `storage.PageStorage`), attention paths (`routing.Routing`), and per layer what
     a launch needs of it: `(ring rows R or 0, mask code (`CacheConfig.mask_codes`), its
-    kind's device page table)`."""
+    page group's device page table)`."""
 
     def __init__(self, config: CacheConfig, device: int, stream, storage, paths,
                  layer_geometry: list):

@@ -9,9 +9,9 @@ segment's output never depends on what shares its step:
 
 * decode: `kernels.decode` (16-byte loads, key chunks of `decode.CHUNK_KEYS`; a
   segment of many rows on tensor cores) where it serves the layer, else
-  `kernels.attention` split-K in chunks of the same length;
+  `kernels.generic` split-K in chunks of the same length;
 * prefill: `kernels.prefill` (tensor cores: 16-bit or 8-bit float storage, scale > 0)
-  where it serves the layer, else `kernels.attention` (CUDA cores, exact for float32).
+  where it serves the layer, else `kernels.generic` (CUDA cores, exact for float32).
 
 Which path serves a layer follows from its storage dtype and shape (contract §15): the
 fast paths take layers whose K and V are one width, a head_dim they are built for
@@ -210,7 +210,7 @@ class Routing:
     def run(self, routes: StepRoutes, layer: int, q, k_store, v_store, out, lse, sinks, *,
             ring_rows, window, pages, scale, softcap) -> None:
         """Launch the step's paths for one layer (`layer`; `k_store`, `v_store`: its slot
-        storage, `pages`: its kind's device page table): each writes its segments' rows
+        storage, `pages`: its page group's device page table): each writes its segments' rows
         of `out`, and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it
         has no rows (`launch.no_output()`), each q head's sink in its softmax unless
         `sinks` (float32 `[n_q_heads]`) has no elements (`sinks.no_sinks()`)."""

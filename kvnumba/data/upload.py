@@ -15,8 +15,8 @@ step's sections, in order:
   table then its combine table (`kernels.decode.chunks_into` writes them in place);
 * `decode list`, `prefill list`: the segments of a group on a path that takes a list;
 * `patches` `[n, 2]`: device page-table patches (flat index, slot base);
-* `copies <K>` `[m, 3]`: layer kind K's row copies (copy-on-write in a step, on the flat
-  kind), as row runs (source slot, destination slot, rows; `kernels.moves.page_copy`).
+* `copies <G>` `[m, 3]`: page group G's row copies (copy-on-write in a step, on the flat
+  group), as row runs (source slot, destination slot, rows; `kernels.moves.page_copy`).
 
 A clone's, a prefix match's and a registration's uploads hold patches and copies only.
 
@@ -52,9 +52,9 @@ class Sections:
         return f"decode {window}"
 
     @staticmethod
-    def copies(kind: int) -> str:
-        """Layer kind `kind`'s row copies."""
-        return f"copies {kind}"
+    def copies(group: int) -> str:
+        """Page group `group`'s row copies."""
+        return f"copies {group}"
 
 
 class Section(NamedTuple):

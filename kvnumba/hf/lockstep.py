@@ -209,7 +209,7 @@ for _spec in TABLE_VERBS.values():
 def tables_digest(served) -> str:
     """A digest of `served`'s cache and session tables: every sequence slot's state,
     position, high-water and floor and, for a live one, its page table on each layer
-    kind; the sessions with their sequences and positions; each pool's counts and the
+    page group; the sessions with their sequences and positions; each pool's counts and the
     prefix index's."""
     cache, table = served.cache, served.table
     digest = hashlib.blake2b(digest_size=16)

@@ -10,7 +10,7 @@ table), a block owner in more or fewer than one span, a sequence writing more th
 new flat pages than the pool can give. A refused declaration changes nothing.
 
 A decode step (every token a span of its own sequence) takes a compiled pass of its
-own (`plan.decode_segments`), with no span arithmetic.
+own (`arith.positions.decode_segments`), with no span arithmetic.
 """
 from __future__ import annotations
 

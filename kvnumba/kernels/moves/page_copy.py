@@ -2,7 +2,7 @@
 16-byte vectors: the device side of a clone (the page holding its fork point, ring
 pages), of copy-on-write, and of any copy of rows that are not whole pages.
 
-A storage group holds the K and V of the layers of one kind as one array `[n_layers, 2,
+A storage array holds the K and V of the layers of one page group and shape as one array `[n_layers, 2,
 n_pages, page_size, n_kv_heads, head_dim]`. Seen as slots (`slot = page * page_size +
 row`), plane `layer * 2 + (0: K, 1: V)` is `[n_pages * page_size, n_kv_heads,
 head_dim]`, and a row of it (all heads of one slot) is `n_kv_heads * head_dim`
