@@ -214,8 +214,7 @@ class CacheConfig:
 
     def source(self, layer: int) -> int:
         """The layer whose K/V `layer` reads: its producer for a shared layer, else itself."""
-        producer = self.layers[layer].producer
-        return layer if producer is None else producer
+        return self.layers[layer].kind.source(layer)
 
     @cached_property
     def kinds(self) -> tuple:
@@ -244,7 +243,7 @@ class CacheConfig:
             heads = self.n_kv_heads if spec.n_kv_heads is None else spec.n_kv_heads
             dim = self.head_dim if spec.head_dim is None else spec.head_dim
             shapes.append(LayerShape(heads, dim, dim if spec.v_head_dim is None else
-                                     spec.v_head_dim, spec.latent))
+                                     spec.v_head_dim, spec.kind.v_in_k))
         return tuple(shapes)
 
     @property

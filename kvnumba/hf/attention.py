@@ -55,7 +55,7 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
     refuse_arguments(layer, is_causal=is_causal, output_attentions=output_attentions,
                      dropout=dropout, others=others)
     config = kvnumba_cache.config
-    window = config.layers[config.source(layer)].window
+    window = config.reads[layer].window
     if (sliding_window or None) != window:
         raise ConfigError(f"layer {layer}: the model attends with sliding_window="
                           f"{sliding_window}, the cache's layer has window {window}")

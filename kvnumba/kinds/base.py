@@ -31,7 +31,10 @@ class LayerKind(Protocol):
 
     Naming and masks:
       `name`: the kind's one word ("flat", "latent", "ring", "chunked", "shared").
-      `stores`: whether the layer holds K/V of its own.
+      `stores`: whether the layer holds K/V of its own; `v_in_k`: whether its V is read
+      from its K rows (a latent layer); `window`: its sliding window W, or None.
+      `source(layer)`: the layer whose K/V it reads (itself, or a shared layer's
+      producer).
       `describe()`: how refusals name the layer ("window 4096", "shared with layer 3").
       `mask_code`: the kernels' key mask (0 every key, W a sliding window, -C chunks).
       `validate(layer, config)`: refuse (`ConfigError`) a config the kind cannot serve.
@@ -72,6 +75,10 @@ class LayerKind(Protocol):
 
     name: str
     stores: bool
+    v_in_k: bool
+    window: int | None
+
+    def source(self, layer: int) -> int: ...
 
     def describe(self) -> str: ...
 
@@ -133,6 +140,11 @@ class KVRows:
     planes and no per-sequence bytes (`base.LayerKind`)."""
 
     stores = True
+    v_in_k = False
+    window = None
+
+    def source(self, layer: int) -> int:
+        return layer
 
     def validate(self, layer: int, config) -> None:
         """Every config serves such a layer."""

@@ -19,6 +19,7 @@ class Latent(Flat):
     rank: int
     rope_dim: int
     name = "latent"
+    v_in_k = True
 
     def describe(self) -> str:
         return f"latent of rank {self.rank} + {self.rope_dim} rope values"

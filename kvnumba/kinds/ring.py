@@ -24,6 +24,14 @@ class RingPages(KVRows):
     reach: int
     chunk: int
 
+    def describe(self) -> str:
+        return f"chunks of {self.chunk}" if self.chunk else f"window {self.reach}"
+
+    @property
+    def mask_code(self) -> int:
+        """W for a sliding window, -C for chunks of C."""
+        return -self.chunk if self.chunk else self.reach
+
     # ------------------------------------------------------------------ pages
     def rows(self, max_write: int, capacity: int) -> int:
         return ring_rows(self.reach, max_write, capacity)
@@ -68,7 +76,8 @@ class RingPages(KVRows):
 
     def resume_needs(self) -> str:
         """The positions resuming at p reads, as a floor's refusal states them."""
-        raise NotImplementedError
+        c = self.chunk
+        return f"[{c} * (p // {c}), p)" if c else f"[p - {self.reach - 1}, p)"
 
     # ------------------------------------------------------------------ prefix index
     def history(self, rows: int, max_write: int, capacity: int) -> int:
@@ -119,16 +128,6 @@ class Ring(RingPages):
     def reach(self) -> int:
         return self.window
 
-    def describe(self) -> str:
-        return f"window {self.window}"
-
-    def resume_needs(self) -> str:
-        return f"[p - {self.window - 1}, p)"
-
-    @property
-    def mask_code(self) -> int:
-        return self.window
-
 
 @dataclass(frozen=True)
 class Chunked(RingPages):
@@ -145,13 +144,3 @@ class Chunked(RingPages):
     @property
     def chunk(self) -> int:
         return self.size
-
-    def describe(self) -> str:
-        return f"chunks of {self.size}"
-
-    def resume_needs(self) -> str:
-        return f"[{self.size} * (p // {self.size}), p)"
-
-    @property
-    def mask_code(self) -> int:
-        return -self.size

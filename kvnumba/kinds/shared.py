@@ -17,6 +17,9 @@ class Shared:
     name = "shared"
     stores = False
 
+    def source(self, layer: int) -> int:
+        return self.producer
+
     def describe(self) -> str:
         return f"shared with layer {self.producer}"
 
