@@ -318,13 +318,13 @@ class CacheConfig:
         """`(initial, max)` pages of the pool of one page group (rows 0: paged by
         position, else a ring of R).
 
-        Defaults: initially one sequence's worth (`min(capacity, 256)` positions on a flat
-        kind, one ring on a ring kind) plus the scratch page; at most every sequence at its
+        Defaults: initially one sequence's worth (`min(capacity, 256)` positions on the flat
+        group, one ring on a ring group) plus the scratch page; at most every sequence at its
         worst (`max_seqs` tables full) plus the scratch page, so the pool never binds
         (within the int32 slot bound); a ring group's bound also has a page for each page
         of positions the prefix index can hold (as many as the flat group's bound: the
         ring rows of its entries). A given `initial_pages` past that default bound is
-        capped at it (on a ring kind, at the sequences' rings: the index's pages come
+        capped at it (on a ring group, at the sequences' rings: the index's pages come
         by growth): the pool never needs more."""
         table_pages = self.table_pages(rows)
         bound = INT32_MAX // self.page_size
@@ -340,7 +340,7 @@ class CacheConfig:
 
     def fixed_pool(self, nbytes: int) -> "CacheConfig":
         """This config with a fixed pool (`initial_pages == max_pages`) of as many pages per
-        layer kind as fit `nbytes` bytes: each page id is a page in every layer, `page_size
+        page group as fit `nbytes` bytes: each page id is a page in every layer, `page_size
         x bytes_per_token` bytes, so `n = nbytes // (page_size x bytes_per_token)`."""
         per_page = self.page_size * self.bytes_per_token
         n = as_count(nbytes, "fixed_pool nbytes", 0) // per_page

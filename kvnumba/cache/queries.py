@@ -116,7 +116,7 @@ class CacheQueries:
         return PageDemand(needed[accounting.groups.index(flat)], flat.available)
 
     def page_table(self, seq: int, layer: int) -> np.ndarray:
-        """A host copy of the page ids `seq` holds on `layer`'s kind, in order (int32
+        """A host copy of the page ids `seq` holds in `layer`'s page group, in order (int32
         `[pages held]`; flat: position `p` in page `[p // page_size]`; ring: ring slot `s`
         in `[s // page_size]`)."""
         seq = self._live(self._id(seq, "page_table"), "page_table")

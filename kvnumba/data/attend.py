@@ -156,7 +156,7 @@ class DataPath:
 
     def _check_q(self, step, layer, q) -> tuple:
         """q's shape `[width, n_q_heads, head_dim]` on `layer` (its shape), or `ShapeError`
-        (kind and dtype first, then the rank, the heads and the shape)."""
+        (array family and dtype first, then the rank, the heads and the shape)."""
         check("q", q, None, IO_DTYPES, self.device)
         shape = tuple(q.shape)
         if len(shape) != 3:

@@ -91,7 +91,7 @@ class Routing:
     """The attention paths of one cache (chosen once from its config) and their workspace.
 
     `window_tables`: for each distinct layer mask code (`CacheConfig.mask_codes`: 0 flat,
-    W, or -C), its ring rows R (0: flat) and its layer kind's device page table, as the
+    W, or -C), its ring rows R (0: flat) and its page group's device page table, as the
     pool holds them; `page_bits`: log2 of the page size."""
 
     def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
