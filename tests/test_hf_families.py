@@ -1,0 +1,45 @@
+"""Families whose layers differ from the common `[batch, T, hidden]` decoder: tiny random
+models built from `transformers`' own configs, each served token for token against its
+own `generate()` (float32 storage, greedy, the probe on) or refused at construction
+with a `ConfigError` naming what kvnumba does not compute."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvnumba as kv  # noqa: E402
+from hfmodels import built, generated, kvhf  # noqa: E402
+from kvnumba.hf.probe import joined  # noqa: E402
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=64)
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+
+
+def served_as_generated(model, new=3):
+    """Greedy tokens through an engine (probe on) equal `generate()`'s; the engine."""
+    want = generated(model, PROMPT, new)
+    engine = kvhf.Engine(model, max_seqs=1, capacity=24, dtype="float32")
+    assert engine.generate([PROMPT], max_new_tokens=new) == [want]
+    return engine
+
+
+def test_gemma3n_text_layers_of_four_altup_streams_pass_the_probe_and_are_served():
+    """Gemma 3n's decoder layers return `[4, batch, T, hidden]` (AltUp streams): the probe
+    joins kvnumba's two steps along the token dimension and compares every stream; the
+    second layer reads the first's K/V (`num_kv_shared_layers`)."""
+    model = built("gemma3n_text", SHAPE, num_kv_shared_layers=1, sliding_window=4,
+                  vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+                  laurel_rank=4)
+    engine = served_as_generated(model)
+    assert engine.target.cache.config.layers == (kv.ring(4), kv.shared(0))
+
+
+def test_a_layer_output_the_probe_cannot_join_is_refused_naming_its_shapes():
+    steps = (torch.zeros(1, 6, 8), torch.zeros(2, 1, 8))
+    with pytest.raises(kv.ConfigError, match=r"layer 3's output cannot be compared.*"
+                                             r"\[1, 6, 8\].*\[2, 1, 8\].*\[1, 7, 8\]"):
+        joined("m", 3, steps, torch.zeros(1, 7, 8))
+    assert joined("m", 0, (torch.zeros(4, 1, 6, 8), torch.ones(4, 1, 1, 8)),
+                  torch.zeros(4, 1, 7, 8))[:, :, 6].eq(1).all()
