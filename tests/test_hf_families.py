@@ -43,3 +43,25 @@ def test_a_layer_output_the_probe_cannot_join_is_refused_naming_its_shapes():
         joined("m", 3, steps, torch.zeros(1, 7, 8))
     assert joined("m", 0, (torch.zeros(4, 1, 6, 8), torch.ones(4, 1, 1, 8)),
                   torch.zeros(4, 1, 7, 8))[:, :, 6].eq(1).all()
+
+
+def test_laguna_query_heads_varying_by_layer_are_read_from_its_modules():
+    """Laguna's `num_attention_heads_per_layer` (4 then 8 query heads over 2 kv heads):
+    each layer's kv heads are its module's query heads over its kv groups, not the
+    config's global head count over them (layer 1 would hold 1 kv head of its 2)."""
+    model = built("laguna", SHAPE, num_attention_heads_per_layer=[4, 8], num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"])
+    engine = served_as_generated(model)
+    assert [shape.n_kv_heads for shape in engine.target.cache.config.layer_shapes] == [2, 2]
+
+
+def test_a_model_with_no_query_head_count_is_refused_naming_it():
+    """Neither its config nor its attention modules give `num_attention_heads`: a
+    `ConfigError` at construction, not a `TypeError` from the arithmetic on it."""
+    model = built("llama", SHAPE)
+    object.__setattr__(model.config, "num_attention_heads", None)   # past its validation
+    with pytest.raises(kv.ConfigError, match="layer 0's query head count is None "
+                                             r"\(num_attention_heads"):
+        kvhf.Engine(model, max_seqs=1, capacity=24, dtype="float32")
