@@ -65,3 +65,18 @@ def test_a_model_with_no_query_head_count_is_refused_naming_it():
     with pytest.raises(kv.ConfigError, match="layer 0's query head count is None "
                                              r"\(num_attention_heads"):
         kvhf.Engine(model, max_seqs=1, capacity=24, dtype="float32")
+
+
+def test_longcat_flash_latents_are_kept_with_the_modules_scale():
+    """LongCat-Flash multiplies its latent by `mla_scale_kv_lora` after `kv_a_layernorm`:
+    the latents kept are the scaled ones (unscaled, the probe refuses layer 0, off by a
+    third of its largest value). One decoder layer of two latent attention sublayers."""
+    shape = {name: value for name, value in SHAPE.items()
+             if name not in ("head_dim", "num_key_value_heads")}
+    model = built("longcat_flash", shape, num_key_value_heads=4, n_routed_experts=4,
+                  moe_topk=2, zero_expert_num=2, expert_ffn_hidden_size=16, kv_lora_rank=8,
+                  q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                  qk_head_dim=16, head_dim=8)
+    assert model.model.layers[0].self_attn[0].mla_scale_kv_lora == 2.0
+    engine = served_as_generated(model)
+    assert [spec.latent for spec in engine.target.cache.config.layers] == [True, True]
