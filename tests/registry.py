@@ -36,6 +36,25 @@ SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_lay
 #: head layout (no kv-head count or head dim of ours)
 LOOSE = {name: value for name, value in SHAPE.items()
          if name not in ("num_key_value_heads", "head_dim")}
+#: an encoder-decoder config's decoder (its causal-LM class is the decoder alone) takes
+#: the same shape: `num_hidden_layers` names its encoder's layers (`attribute_map`)
+DECODER = dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64)
+#: fields an architecture needs besides `SHAPE` to be built tiny and coherent: Gemma 3n's
+#: shared layers fewer than its two and its per-layer embeddings small; LongCat-Flash's
+#: one decoder layer (two latent attention sublayers: `num_hidden_layers` is twice
+#: `num_layers`, not a field of its config), its latent and experts small (its rotary
+#: head dim is `head_dim`)
+FIELDS = {
+    "gemma3n_text": dict(num_kv_shared_layers=1, vocab_size_per_layer_input=64,
+                         hidden_size_per_layer_input=8, laurel_rank=4),
+    "longcat_flash": dict(num_layers=1, num_key_value_heads=4, n_routed_experts=4, moe_topk=2,
+                          zero_expert_num=2, expert_ffn_hidden_size=16, kv_lora_rank=8,
+                          q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=16,
+                          v_head_dim=8, qk_head_dim=24),
+}
+#: special token ids a config gives past the tiny vocabulary (Phi-3's pad 32000) become
+#: these (the embedding's padding row must lie inside it)
+TOKEN_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
 NEW_TOKENS = 3
 #: the short list CI sweeps: chunked and sliding layers and latent attention (MiniCPM3)
@@ -64,6 +83,14 @@ def known_fields(model_type: str, shape: dict) -> dict:
     return {name: value for name, value in shape.items() if name in names}
 
 
+def in_vocabulary(config) -> None:
+    """`config`'s special token ids past its vocabulary set to `TOKEN_IDS`'."""
+    for name, inside in TOKEN_IDS.items():
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= config.vocab_size:
+            setattr(config, name, inside)
+
+
 def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:200]
@@ -87,9 +114,12 @@ def sweep_one(model_type: str) -> dict:
     def build(shape):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = AutoConfig.for_model(model_type, **known_fields(model_type, shape))
+            fields = known_fields(model_type, {**shape, **DECODER})
+            config = AutoConfig.for_model(model_type, **{**fields,
+                                                         **FIELDS.get(model_type, {})})
             if config.get_text_config() is not config:      # a composite: its text part too
                 config = AutoConfig.for_model(model_type, **shape, text_config=shape)
+            in_vocabulary(config.get_text_config())
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config).float().eval()
             ids = torch.tensor([PROMPT])

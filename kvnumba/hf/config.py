@@ -67,33 +67,42 @@ def layer_value(config, name: str, layer: int):
 
 
 def module_shapes(model) -> dict:
-    """Decoder layer index -> `(head_dim, kv groups, v_head_dim)` as its attention module
-    holds them (`head_dim`, `num_key_value_groups`, `v_head_dim`; None where the module
-    has no such attribute): the modules are what the attention interface hands kvnumba,
-    so they rule where the config says otherwise (MiMo-V2-Flash's sliding layers hold
-    twice the config's kv heads, and its V heads are narrower than K's). The first
-    module of each index counts."""
+    """Decoder layer index -> `(head_dim, kv groups, v_head_dim, query heads)` as its
+    attention module holds them (`head_dim`, `num_key_value_groups`, `v_head_dim`,
+    `num_heads` or `num_attention_heads`; None where the module has no such attribute):
+    the modules are what the attention interface hands kvnumba, so they rule where the
+    config says otherwise (MiMo-V2-Flash's sliding layers hold twice the config's kv
+    heads, and its V heads are narrower than K's; Laguna's query heads vary by layer,
+    `num_attention_heads_per_layer`). The first module of each index counts."""
     found: dict = {}
     for module in model.modules():
         layer, head_dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
         if is_int(layer) and is_int(head_dim) and int(layer) not in found:
-            groups = getattr(module, "num_key_value_groups", None)
-            v_head_dim = getattr(module, "v_head_dim", None)
-            found[int(layer)] = (int(head_dim), int(groups) if is_int(groups) else None,
-                                 int(v_head_dim) if is_int(v_head_dim) else None)
+            groups, v_head_dim, heads, attention_heads = (
+                getattr(module, name, None) for name in
+                ("num_key_value_groups", "v_head_dim", "num_heads", "num_attention_heads"))
+            heads = heads if is_int(heads) else attention_heads
+            found[int(layer)] = (int(head_dim),) + tuple(
+                int(value) if is_int(value) else None for value in (groups, v_head_dim, heads))
     return found
 
 
 def layer_shapes(config, ranks: int, modules: dict | None = None) -> list:
     """`(kv heads, head_dim, v_head_dim)` of each decoder layer on one of `ranks` ranks:
-    what its attention module holds (`module_shapes`), else the config's
-    `num_key_value_heads` and `head_dim` (else `hidden_size // num_attention_heads`),
-    read per layer where the config holds them per layer; the kv heads are this rank's
+    what its attention module holds (`module_shapes`: its query heads over its kv groups),
+    else the config's `num_attention_heads`, `num_key_value_heads` and `head_dim` (else
+    `hidden_size // num_attention_heads`), read per layer where the config holds them per
+    layer (`ConfigError` where no query head count is given); the kv heads are this rank's
     share (`kv_heads_per_rank`), V as wide as K unless the module says otherwise."""
     shapes = []
     for layer in range(config.num_hidden_layers):
-        heads = layer_value(config, "num_attention_heads", layer)
-        head_dim, groups, v_head_dim = (modules or {}).get(layer, (None, None, None))
+        head_dim, groups, v_head_dim, heads = (modules or {}).get(layer, (None,) * 4)
+        heads = heads or layer_value(config, "num_attention_heads", layer)
+        if not is_int(heads) or heads < 1:
+            raise ConfigError(f"{config.model_type}: layer {layer}'s query head count is "
+                              f"{heads!r} (num_attention_heads, neither its attention module "
+                              f"nor its config gives a positive count); kvnumba needs it "
+                              f"to lay out the layer's kv heads")
         head_dim = head_dim or layer_value(config, "head_dim", layer) or \
             config.hidden_size // heads
         kv_heads = heads // groups if groups else \

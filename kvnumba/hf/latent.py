@@ -8,7 +8,8 @@ head), then expands per head `k_nope = W_UK c` and `v = W_UV c` (`kv_b_proj`) be
 calls the attention interface. kvnumba keeps the latent instead: the cache's layer is
 `kv.latent(rank, rope_dim)`, one row `[c, k_rot]` per token. During a step a forward
 hook on `kv_a_layernorm` (installed by `capturing` for the step, removed after) keeps
-`c`; the attention call brings `k_rot` (the last `qk_rope_head_dim` values of its keys,
+`c` (times the module's scale of its latent, where it has one: `LATENT_SCALES`); the
+attention call brings `k_rot` (the last `qk_rope_head_dim` values of its keys,
 copied there unchanged) and the queries. The call then attends in absorbed form:
 `q_nope · k_nope = (W_UK^T q_nope) · c`, so the query `[W_UK^T q_nope, q_rot]` over the
 rows gives each head's scores exactly, and its output over the latents times `W_UV`
@@ -25,6 +26,20 @@ from __future__ import annotations
 import contextlib
 
 from ..errors import ConfigError
+
+
+#: the attributes by which a module scales its latent after `kv_a_layernorm` (LongCat-Flash,
+#: dots.llm3), a number the hook multiplies the kept latent by
+LATENT_SCALES = ("mla_scale_kv_lora", "kv_lora_scale")
+
+
+def latent_scale(module):
+    """The number `module` multiplies its normed latent by (`LATENT_SCALES`), or None."""
+    for name in LATENT_SCALES:
+        value = getattr(module, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def latent_modules(model) -> dict:
@@ -61,14 +76,15 @@ def refuse_modules(model, model_type: str) -> None:
 def capturing(model, layers: list):
     """Inside the block, each latent module of `layers` (indices) keeps its step's
     latents: yields a dict that a forward hook on its `kv_a_layernorm` fills, layer ->
-    `[1, T, rank]`; the hooks are removed after."""
+    `[1, T, rank]` (times the module's `latent_scale`); the hooks are removed after."""
     latents: dict = {}
     modules = latent_modules(model)
     handles = []
     try:
         for layer in layers:
-            def keep(_module, _inputs, output, layer=layer):
-                latents[layer] = output
+            def keep(_module, _inputs, output, layer=layer,
+                     scale=latent_scale(modules[layer])):
+                latents[layer] = output if scale is None else output * scale
             handles.append(modules[layer].kv_a_layernorm.register_forward_hook(keep))
         yield latents
     finally:

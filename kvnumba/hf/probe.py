@@ -4,7 +4,9 @@ probe runs it through its own attention and through kvnumba and compares them.
 The probe feeds `PROMPT_TOKENS` prompt tokens and then one decode token: once through the
 model as it is (its own attention implementation, no kvnumba, one forward over all the
 tokens), and once through a kvnumba cache of its own (one sequence; a prompt step, then a
-decode step), each run's hidden states after every decoder layer kept. Where the two
+decode step), each run's hidden states after every decoder layer kept (in whatever shape
+a layer returns them; kvnumba's two steps joined along their token dimension, `joined`:
+a layer output they cannot be compared in is refused, naming its shapes). Where the two
 differ beyond the storage dtype's tolerance (`TOLERANCE`, relative to the layer's largest
 value), the model is refused with a `ConfigError` naming the first decoder layer that
 differs and by how much; a probe step that raises refuses it too, naming the error. The
@@ -60,8 +62,9 @@ def verify(model, config) -> None:
                           f"{type(exc).__name__}: {exc}") from exc
     tolerance = max(TOLERANCE[config.dtype],
                     TOLERANCE.get(str(model.dtype).removeprefix("torch."), 0.0))
-    for layer, (a, b) in enumerate(zip(served[1:], own[1:])):
-        expected = b[0].double()
+    for layer, (steps, b) in enumerate(zip(served[1:], own[1:])):
+        a = joined(text.model_type, layer, steps, b)
+        expected = b.double()
         difference = float((a.double() - expected).abs().max())
         scale = max(float(expected.abs().max()), 1e-30)
         if not difference <= tolerance * scale:
@@ -73,10 +76,33 @@ def verify(model, config) -> None:
                 f"not; pass verify=False to serve it anyway")
 
 
+def joined(model_type: str, layer: int, steps: tuple, own):
+    """Decoder layer `layer`'s output over the probe's tokens through kvnumba: its prompt
+    step's and decode step's outputs (`steps`) joined along their token dimension, the
+    one dimension where they differ (a layer may return more than `[batch, T, hidden]`:
+    Gemma 3n's are `[streams, batch, T, hidden]`). `ConfigError` naming the shapes where
+    no such dimension joins them into the shape of the model's own output `own`."""
+    import torch
+    prompt, last = steps
+    shapes = [tuple(getattr(x, "shape", ())) for x in (prompt, last, own)]
+    if all(isinstance(x, torch.Tensor) for x in (prompt, last, own)) and \
+            len({len(shape) for shape in shapes}) == 1:
+        differ = [d for d, (p, q) in enumerate(zip(shapes[0], shapes[1])) if p != q]
+        if len(differ) == 1:
+            made = torch.cat([prompt, last], dim=differ[0])
+            if made.shape == own.shape:
+                return made
+    raise ConfigError(f"{model_type}: decoder layer {layer}'s output cannot be compared with "
+                      f"the model's own: shapes {list(shapes[0])} (prompt step) and "
+                      f"{list(shapes[1])} (decode step) through kvnumba do not join along one "
+                      f"token dimension into its own {list(shapes[2])}; pass verify=False to "
+                      f"serve it unchecked")
+
+
 def kvnumba_hidden(model, config, tokens: list) -> tuple:
-    """The model's hidden states `[1, len(tokens), hidden]` per layer (embeddings first)
-    over `tokens` through a cache of `config`'s layers and storage sized for them: the
-    prompt in one step, the last token in a decode step."""
+    """The model's hidden states per layer (embeddings first) over `tokens` through a
+    cache of `config`'s layers and storage sized for them, as `(prompt step's, decode
+    step's)` pairs: the prompt in one step, the last token in a decode step."""
     import torch
     small = replace(config, max_seqs=1, capacity=len(tokens), max_write=len(tokens),
                     max_step=len(tokens), initial_pages=None, max_pages=None)
@@ -91,4 +117,4 @@ def kvnumba_hidden(model, config, tokens: list) -> tuple:
                          output_hidden_states=True, **step).hidden_states
     prompt = run_inputs(served.table, [(sid, 0, tokens[:-1])], forward)
     last = run_inputs(served.table, [(sid, len(tokens) - 1, tokens[-1:])], forward)
-    return tuple(torch.cat([a, b], dim=1) for a, b in zip(prompt, last))
+    return tuple(zip(prompt, last))
