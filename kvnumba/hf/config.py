@@ -44,9 +44,9 @@ def unsupported(config) -> str | None:
     if shared_layers and shared_layers >= config.num_hidden_layers:
         return (f"layers that all attend over K/V from outside the model "
                 f"(num_kv_shared_layers={shared_layers} of {config.num_hidden_layers})")
-    for kind in set(getattr(config, "layer_types", None) or ()):
-        if kind not in LAYER_TYPES:
-            return f"{kind!r} layers"
+    for layer_type in set(getattr(config, "layer_types", None) or ()):
+        if layer_type not in LAYER_TYPES:
+            return f"{layer_type!r} layers"
     return None
 
 
@@ -119,17 +119,17 @@ def producers(config) -> list:
     n_shared = getattr(config, "num_kv_shared_layers", 0) or 0
     if not n_shared:
         return [None] * config.num_hidden_layers
-    kinds = list(getattr(config, "layer_types", None) or
+    layer_types = list(getattr(config, "layer_types", None) or
                  ["full_attention"] * config.num_hidden_layers)
     first = config.num_hidden_layers - n_shared
     found = []
-    for layer, kind in enumerate(kinds):
+    for layer, layer_type in enumerate(layer_types):
         if layer < first:
             found.append(None)
             continue
-        earlier = [i for i in range(first) if kinds[i] == kind]
+        earlier = [i for i in range(first) if layer_types[i] == layer_type]
         if not earlier:
-            raise ConfigError(f"{config.model_type}: layer {layer} ({kind}) shares K/V, and "
+            raise ConfigError(f"{config.model_type}: layer {layer} ({layer_type}) shares K/V, and "
                               f"no earlier layer of its type stores any")
         found.append(earlier[-1])
     return found
@@ -143,26 +143,28 @@ def layer_specs(config, shapes: list | None = None) -> list:
     layer's; a layer that reads another's K/V is `shared` with it (`producers`)."""
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
-    kinds = getattr(config, "layer_types", None)
-    if kinds is None:
-        kinds = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
-    if len(kinds) != config.num_hidden_layers:
-        raise ConfigError(f"{config.model_type}: layer_types lists {len(kinds)} layers, the "
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window else "full_attention"] * \
+            config.num_hidden_layers
+    if len(layer_types) != config.num_hidden_layers:
+        raise ConfigError(f"{config.model_type}: layer_types lists {len(layer_types)} layers, "
+                          f"the "
                           f"model has {config.num_hidden_layers}")
-    if "sliding_attention" in kinds and not window:
+    if "sliding_attention" in layer_types and not window:
         raise ConfigError(f"{config.model_type}: sliding_attention layers without a "
                           f"sliding_window")
-    if "chunked_attention" in kinds and not chunk:
+    if "chunked_attention" in layer_types and not chunk:
         raise ConfigError(f"{config.model_type}: chunked_attention layers without an "
                           f"attention_chunk_size")
     made = {"full_attention": flat, "sliding_attention": lambda **s: ring(int(window), **s),
             "chunked_attention": lambda **s: chunked(int(chunk), **s)}
     specs = []
-    for layer, (kind, producer) in enumerate(zip(kinds, producers(config))):
+    for layer, (layer_type, producer) in enumerate(zip(layer_types, producers(config))):
         if producer is not None:
             specs.append(shared(producer))
             continue
-        specs.append(made[kind](**_own_shape(shapes, layer)))
+        specs.append(made[layer_type](**_own_shape(shapes, layer)))
     return specs
 
 
@@ -183,10 +185,10 @@ def latent_specs(model, config, ranks: int) -> list:
     latent whole and attends its share of the query heads. `ConfigError` for layers
     other than full attention, heads its ranks cannot share, or a module kvnumba cannot
     serve (`latent.refuse_modules`)."""
-    kinds = set(getattr(config, "layer_types", None) or ("full_attention",))
-    if kinds != {"full_attention"}:
+    layer_types = set(getattr(config, "layer_types", None) or ("full_attention",))
+    if layer_types != {"full_attention"}:
         raise ConfigError(f"{config.model_type}: latent attention over "
-                          f"{sorted(kinds - {'full_attention'})} layers; kvnumba serves "
+                          f"{sorted(layer_types - {'full_attention'})} layers; kvnumba serves "
                           f"latent layers of full attention")
     heads = config.num_attention_heads
     if heads % ranks:
