@@ -149,8 +149,7 @@ def layer_specs(config, shapes: list | None = None) -> list:
             config.num_hidden_layers
     if len(layer_types) != config.num_hidden_layers:
         raise ConfigError(f"{config.model_type}: layer_types lists {len(layer_types)} layers, "
-                          f"the "
-                          f"model has {config.num_hidden_layers}")
+                          f"the model has {config.num_hidden_layers}")
     if "sliding_attention" in layer_types and not window:
         raise ConfigError(f"{config.model_type}: sliding_attention layers without a "
                           f"sliding_window")
