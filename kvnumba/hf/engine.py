@@ -122,7 +122,8 @@ class Engine:
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
-                 draft_len: int = 4, kv_bytes: int | None = None, prefix_cache: bool = True,
+                 draft_len: int = speculative.DRAFT_LEN, kv_bytes: int | None = None,
+                 prefix_cache: bool = True,
                  check_ranks: bool = False, verify: bool = True, **cache_options):
         for name, value in (("prefix_cache", prefix_cache), ("check_ranks", check_ranks),
                             ("verify", verify)):
