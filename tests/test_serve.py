@@ -132,11 +132,240 @@ def get(url, path):
     return status, text
 
 
-def test_smoke(served, client, saved):
+def words(seed, count=5):
+    """`count` distinct-looking words of the vocabulary (no special ones), as a prompt."""
+    import random
+    pick = random.Random(seed)
+    return " ".join(WORDS[pick.randrange(7, len(WORDS))] for _ in range(count))
+
+
+def streamed(chunks, chat):
+    """The texts of a stream's choices joined, their finish reasons, and its usage."""
+    texts, reasons, usage = {}, {}, None
+    for chunk in chunks:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            piece = choice.delta.content if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + (piece or "")
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, usage
+
+
+def test_chat_and_completions_streamed_or_not_are_generates_text(saved, client):
     ids = chat_ids(saved)
     expected, count = reference(saved, ids)
+    assert expected.count(" ") >= 2          # a few words (no early eos)
     out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=NEW,
                                          temperature=0)
     assert out.choices[0].message.content == expected
-    assert out.usage.completion_tokens == count
-    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].finish_reason == ("length" if count == NEW else "stop")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), count)
+    texts, reasons, usage = streamed(client.chat.completions.create(
+        model=NAME, messages=MESSAGES, max_tokens=NEW, temperature=0, stream=True,
+        stream_options={"include_usage": True}), chat=True)
+    assert texts == {0: expected} and reasons == {0: out.choices[0].finish_reason}
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), count)
+
+    prompt_ids = saved[2](PROMPT)["input_ids"]
+    expected, count = reference(saved, prompt_ids, 4)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=4, temperature=0)
+    assert out.choices[0].text == expected and out.usage.completion_tokens == count
+    texts, _, usage = streamed(client.completions.create(
+        model=NAME, prompt=prompt_ids, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True}), chat=False)
+    assert texts == {0: expected} and usage.prompt_tokens == len(prompt_ids)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(saved, served, client):
+    messages = [{"role": "system", "content": words(1, 20)}, MESSAGES[1]]
+    ids = chat_ids(saved, messages)
+    page = served[1].engine.config.page_size
+    expected, _ = reference(saved, ids, 2)
+    cached = []
+    for _ in range(2):
+        out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2,
+                                             temperature=0)
+        assert out.choices[0].message.content == expected
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
+    assert len(ids) > page and cached[1] == (len(ids) - 1) // page * page
+
+
+def test_n_choices_stop_strings_and_seeds(saved, client):
+    prompt = words(2)
+    expected, _ = reference(saved, saved[2](prompt)["input_ids"])
+    out = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW,
+                                    temperature=0, n=2)
+    assert [c.text for c in out.choices] == [expected, expected]
+    assert out.usage.completion_tokens == 2 * NEW
+
+    third = expected.split(" ")[2]
+    stop = " " + third
+    cut = expected[:expected.index(stop)]
+    for stream in (False, True):
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW,
+                                           temperature=0, stop=[stop, "zz zz"], stream=stream)
+        if stream:
+            texts, reasons, _ = streamed(answer, chat=False)
+        else:
+            texts = {0: answer.choices[0].text}
+            reasons = {0: answer.choices[0].finish_reason}
+        assert texts == {0: cut} and reasons == {0: "stop"}
+
+    def sampled(seed):
+        out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=NEW,
+                                             temperature=1.0, seed=seed, n=2)
+        return [c.message.content for c in out.choices]
+    first = sampled(7)
+    assert sampled(7) == first
+
+
+def test_concurrent_streams_are_each_exact(saved, served):
+    """16 clients streaming at once over 8 sequences: half wait, every text exact."""
+    clients = 16
+    prompts = [words(100 + i, 3 + i % 4) for i in range(clients)]
+    expected = [reference(saved, saved[2](p)["input_ids"], 4)[0] for p in prompts]
+
+    async def one(api, prompt):
+        stream = await api.completions.create(model=NAME, prompt=prompt, max_tokens=4,
+                                              temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=served[0] + "/v1", api_key="none",
+                                      max_retries=0) as api:
+            return await asyncio.gather(*(one(api, p) for p in prompts))
+    assert asyncio.run(all_of_them()) == expected
+
+
+def open_stream(url, body):
+    """A raw streaming request whose first event has arrived: (socket, that event)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=300)
+    data = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: " + str(len(data)).encode() +
+                 b"\r\n\r\n" + data)
+    seen = b""
+    while b"data: " not in seen or not seen.rstrip().endswith(b"}"):
+        got = sock.recv(65536)
+        assert got, seen
+        seen += got
+    return sock, seen
+
+
+def wait_idle(server):
+    """Until the server holds no request (the engine loop has taken every cancel)."""
+    deadline = time.monotonic() + 300
+    while server.holding or server.loop.snapshot.running or server.loop.snapshot.waiting:
+        assert time.monotonic() < deadline, "the server did not free its requests"
+        time.sleep(0.05)
+
+
+def metrics(url):
+    status, text = get(url, "/metrics")
+    assert status == 200
+    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
+            for family in parser.text_string_to_metric_families(text)
+            for s in family.samples}
+
+
+def test_a_client_leaving_mid_stream_frees_its_sequence(saved, served, client):
+    url, server = served
+    before = metrics(url)
+    sock, first = open_stream(url, dict(model=NAME, prompt=words(3), max_tokens=40,
+                                        temperature=0))
+    assert b'"text"' in first and b"[DONE]" not in first
+    sock.close()
+    wait_idle(server)
+    after = metrics(url)
+    assert after["kvnumba_cache_pages[held]"] == before["kvnumba_cache_pages[held]"]
+    assert after["kvnumba_requests_running"] == 0
+    generated = after["kvnumba_generation_tokens_total"] - \
+        before["kvnumba_generation_tokens_total"]
+    assert 1 <= generated < 40                 # cancelled before it finished
+    expected, _ = reference(saved, saved[2](PROMPT)["input_ids"], 3)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert out.choices[0].text == expected
+
+
+BAD = [
+    (b"{not json", None, "not valid JSON"),
+    (b"[1, 2]", None, "JSON object"),
+    ({"model": NAME, "prompt": "ba", "colour": 3}, "colour", "unknown field"),
+    ({"model": NAME, "prompt": "ba", "temperature": -1}, "temperature", "at least 0"),
+    ({"model": NAME, "prompt": "ba", "top_p": 0}, "top_p", "above 0"),
+    ({"model": NAME, "prompt": "ba", "n": MAX_SEQS + 1}, "n", f"at most {MAX_SEQS}"),
+    ({"model": NAME, "prompt": "ba", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"model": NAME, "prompt": "ba", "max_tokens": CAPACITY}, "max_tokens",
+     f"at most {CAPACITY - 1}"),
+    ({"model": NAME, "prompt": " ".join(["ba"] * CAPACITY)}, "prompt", "shorten"),
+    ({"model": NAME, "prompt": [1, 99]}, "prompt", "outside the vocabulary"),
+    ({"model": NAME, "prompt": "ba", "stop": ""}, "stop", "non-empty"),
+    ({"model": NAME, "prompt": "ba", "seed": "x"}, "seed", "whole number"),
+    ({"model": NAME, "prompt": "ba", "presence_penalty": 1}, "presence_penalty",
+     "leave it out"),
+    ({"model": NAME, "prompt": "ba", "stream_options": {"include_usage": True}},
+     "stream_options", "stream=true"),
+    ({"prompt": "ba"}, "model", "/v1/models"),
+]
+
+
+def test_malformed_requests_are_400_naming_the_field_and_serving_goes_on(saved, served,
+                                                                        client):
+    url = served[0]
+    for body, param, words_ in BAD:
+        status, answer = post(url, "/v1/completions", body, raw=isinstance(body, bytes))
+        assert status == 400, (body, answer)
+        error = answer["error"]
+        assert error["param"] == param and words_ in error["message"], (body, error)
+        assert error["type"] == "invalid_request_error"
+    status, answer = post(url, "/v1/chat/completions",
+                          {"model": NAME, "messages": [{"role": "robot", "content": "x"}]})
+    assert status == 400 and answer["error"]["param"] == "messages[0].role"
+    status, answer = post(url, "/v1/completions", {"model": "other", "prompt": "ba"})
+    assert status == 404 and answer["error"]["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.completions.create(model=NAME, prompt="ba", max_tokens=CAPACITY)
+    assert raised.value.param == "max_tokens"
+    expected, _ = reference(saved, saved[2](PROMPT)["input_ids"], 3)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert out.choices[0].text == expected
+
+
+def test_a_full_server_answers_429_and_serves_once_free(saved, served, client):
+    url, server = served
+    server.max_waiting = 0
+    try:
+        sock, _ = open_stream(url, dict(model=NAME, prompt=words(4), max_tokens=40,
+                                        temperature=1.0, n=MAX_SEQS))
+        status, answer = post(url, "/v1/completions", {"model": NAME, "prompt": "ba"})
+        assert status == 429 and answer["error"]["code"] == "queue_full"
+        assert f"limit of {MAX_SEQS}" in answer["error"]["message"]
+        assert "--max-waiting" in answer["error"]["message"]
+        sock.close()
+        wait_idle(server)
+    finally:
+        server.max_waiting = 64
+    expected, _ = reference(saved, saved[2](PROMPT)["input_ids"], 3)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert out.choices[0].text == expected
+
+
+def test_metrics_models_and_health(saved, served, client):
+    url, server = served
+    before = metrics(url)
+    out = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    after = metrics(url)
+    assert after["kvnumba_generation_tokens_total"] - \
+        before["kvnumba_generation_tokens_total"] == out.usage.completion_tokens
+    assert after["kvnumba_step_seconds_count"] > before["kvnumba_step_seconds_count"]
+    assert after["kvnumba_requests_running"] == after["kvnumba_requests_waiting"] == 0
+    pages = [after[f"kvnumba_cache_pages[{s}]"] for s in ("held", "cached", "free")]
+    total = sum(p.max_pages for p in server.engine.target.cache.pool_pages())
+    assert sum(pages) == total and pages[0] >= 1
+    stats = server.engine.stats
+    assert after["kvnumba_prefix_cache_hit_rate"] == pytest.approx(stats.hit_rate)
+    assert after["kvnumba_draft_acceptance_rate"] == 0.0
+    assert [m.id for m in client.models.list()] == [NAME]
+    assert get(url, "/health") == (200, '{"status":"ok"}')
