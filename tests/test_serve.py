@@ -199,7 +199,7 @@ def test_n_choices_stop_strings_and_seeds(saved, client):
     assert [c.text for c in out.choices] == [expected, expected]
     assert out.usage.completion_tokens == 2 * NEW
 
-    third = expected.split(" ")[2]
+    third = expected.split(" ")[2]      # stop at the third word, streamed or not
     stop = " " + third
     cut = expected[:expected.index(stop)]
     for stream in (False, True):
@@ -213,7 +213,7 @@ def test_n_choices_stop_strings_and_seeds(saved, client):
         assert texts == {0: cut} and reasons == {0: "stop"}
 
     def sampled(seed):
-        out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=NEW,
+        out = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=3,
                                              temperature=1.0, seed=seed, n=2)
         return [c.message.content for c in out.choices]
     first = sampled(7)
@@ -224,10 +224,10 @@ def test_concurrent_streams_are_each_exact(saved, served):
     """16 clients streaming at once over 8 sequences: half wait, every text exact."""
     clients = 16
     prompts = [words(100 + i, 3 + i % 4) for i in range(clients)]
-    expected = [reference(saved, saved[2](p)["input_ids"], 4)[0] for p in prompts]
+    expected = [reference(saved, saved[2](p)["input_ids"], 2)[0] for p in prompts]
 
     async def one(api, prompt):
-        stream = await api.completions.create(model=NAME, prompt=prompt, max_tokens=4,
+        stream = await api.completions.create(model=NAME, prompt=prompt, max_tokens=2,
                                               temperature=0, stream=True)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
@@ -369,3 +369,52 @@ def test_metrics_models_and_health(saved, served, client):
     assert after["kvnumba_draft_acceptance_rate"] == 0.0
     assert [m.id for m in client.models.list()] == [NAME]
     assert get(url, "/health") == (200, '{"status":"ok"}')
+
+
+def test_the_command_line_serves_until_sigterm_and_stops_cleanly(saved, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvnumba", "serve", "--model", str(saved[0]), "--port",
+         str(port), "--max-seqs", "2", "--capacity", "32", "--no-verify"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if get(f"http://127.0.0.1:{port}", "/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        expected, _ = reference(saved, saved[2](PROMPT)["input_ids"], 2)
+        status, answer = post(url, "/v1/completions", {"model": NAME, "prompt": PROMPT,
+                                                       "max_tokens": 2, "temperature": 0})
+        assert status == 200 and answer["choices"][0]["text"] == expected
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0 and "Traceback" not in err, err
+
+
+def test_a_command_line_mistake_is_one_line_and_exit_status_2(tmp_path):
+    from kvnumba.__main__ import main
+    import contextlib
+    import io
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert err.getvalue().count("\n") == 1 and "no such directory" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
+    assert "a port number from 0 to 65535" in err.getvalue()

@@ -9,6 +9,8 @@ the server: it stops taking connections, ends the streams in flight (after
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -99,6 +101,23 @@ def load_server(model: str, *, name: str | None = None, draft: str | None = None
                   max_waiting=max_waiting)
 
 
+def stopping(base):
+    """`uvicorn.Server` (`base`) whose SIGINT and SIGTERM stop it and end the process with
+    exit status 0 (a second signal stops at once), rather than raise the signal again
+    once stopped."""
+    class Stopping(base):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            wanted = (signal.SIGINT, signal.SIGTERM)
+            before = {sig: signal.signal(sig, self.handle_exit) for sig in wanted}
+            try:
+                yield
+            finally:
+                for sig, handler in before.items():
+                    signal.signal(sig, handler)
+    return Stopping
+
+
 def main(argv=None) -> int:
     """`python -m kvnumba serve [options]`: serve until SIGINT / SIGTERM; exit status 0,
     or 2 on a user error (one line on stderr)."""
@@ -123,9 +142,9 @@ def main(argv=None) -> int:
             print(f"{PROG}: serving {server.name!r} on http://{args.host}:{args.port}/v1 "
                   f"(max_seqs {args.max_seqs}, capacity {args.capacity})", file=sys.stderr,
                   flush=True)
-            uvicorn.Server(uvicorn.Config(server.app, host=args.host, port=args.port,
-                                          log_level="info",
-                                          timeout_graceful_shutdown=args.graceful_s)).run()
+            stopping(uvicorn.Server)(uvicorn.Config(
+                server.app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=args.graceful_s)).run()
         return 0
     except (UsageError, KVCacheError, OSError) as exc:
         print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
