@@ -1,10 +1,11 @@
-"""`python -m kvnumba demo|generate [options]`: see `kvnumba.demo` and `kvnumba.hf.cli`
-(`python -m kvnumba demo --help`, `python -m kvnumba generate --help`)."""
+"""`python -m kvnumba demo|generate|serve [options]`: see `kvnumba.demo`,
+`kvnumba.hf.cli` and `kvnumba.serve.cli` (`python -m kvnumba demo --help`, `python -m
+kvnumba generate --help`, `python -m kvnumba serve --help`)."""
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: python -m kvnumba {demo,generate} [--help] [options]
+USAGE = """usage: python -m kvnumba {demo,generate,serve} [--help] [options]
 
 commands:
   demo      serve several sessions of a small decoder through the cache, checked token
@@ -12,7 +13,10 @@ commands:
   generate  serve a transformers model through kvnumba.hf.Engine; without --model, a
             self-check: a small random Llama served with continuous batching, sampled
             forks and a partly accepted draft, each checked against a reference without
-            kvnumba (needs kvnumba[hf]; python -m kvnumba generate --help)"""
+            kvnumba (needs kvnumba[hf]; python -m kvnumba generate --help)
+  serve     serve a local transformers model directory over OpenAI's API (completions
+            and chat completions, streamed or not; needs kvnumba[serve]; python -m
+            kvnumba serve --help)"""
 
 
 def main(argv=None) -> int:
@@ -26,6 +30,9 @@ def main(argv=None) -> int:
     if argv[0] == "generate":
         from .hf.cli import main as generate_main
         return generate_main(argv[1:])
+    if argv[0] == "serve":
+        from .serve.cli import main as serve_main
+        return serve_main(argv[1:])
     print(f"python -m kvnumba: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

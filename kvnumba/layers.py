@@ -34,7 +34,9 @@ LAYERS = {
     "cache": 10,
     "serving": 11,
     "__init__": 12,                  # the public face: `import kvnumba as kv`
-    "demo": 13, "hf": 13, "__main__": 14,
+    "demo": 13, "hf": 13,
+    "serve": 14,                     # the OpenAI-compatible server over hf's engine
+    "__main__": 15,
 }
 
 #: the rules beyond the layers, each a test of tests/test_layers.py

@@ -244,3 +244,18 @@ def test_prefix_bench_runs_and_reports_at_a_tiny_scale():
     text = prefix.report(result)
     assert text.startswith(prefix.HEADER) and "host µs per page" in text
     json.dumps(result)                                   # goes into the JSON record
+
+
+@pytest.mark.skipif(not kv_device.SIMULATOR, reason="on a GPU the host bench compiles nothing")
+def test_the_host_section_alone_without_its_libraries_says_what_to_install(monkeypatch,
+                                                                           capsys):
+    """`python -m kvnumba.bench.host` without NVRTC / libNVVM: one line naming the `sass`
+    extra and exit status 2, no traceback."""
+    from cuda import pathfinder
+
+    hide_compiler_libraries(monkeypatch, pathfinder.DynamicLibNotFoundError(
+        'Failure finding "libnvrtc.so.13 or libnvrtc.so.12": No such file'))
+    assert host.main(["--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'kvnumba[sass]'" in err[0] and \
+        err[0].startswith("python -m kvnumba.bench.host: data path host time: skipped")

@@ -13,6 +13,6 @@ serving loop on top: continuous batching, forks (`n > 1`) and speculative decodi
 """
 from .attention import ATTENTION, register
 from .config import cache_config
-from .engine import Engine
+from .engine import Engine, Update, Usage
 
-__all__ = ["ATTENTION", "Engine", "cache_config", "register"]
+__all__ = ["ATTENTION", "Engine", "Update", "Usage", "cache_config", "register"]

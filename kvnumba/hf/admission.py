@@ -78,6 +78,7 @@ class Admission:
             reserved = [[a + b for a, b in zip(r, served.need(seq))]
                         for served, r in zip(models, reserved)]
             self.seating.open(seq)
+            seq.cached = seq.fed
             roster.running.append(roster.waiting.popleft())
             self.counts.prompt_tokens += seq.n_prompt
             self.counts.cached_tokens += seq.fed

@@ -30,6 +30,7 @@ from pathlib import Path
 from .. import device
 from ..config import DTYPES
 from ..errors import KVCacheError
+from .speculative import DRAFT_LEN
 from .sharding import launched_rank, launched_ranks, split_loading
 
 PROG = "python -m kvnumba generate"
@@ -129,8 +130,9 @@ def parser() -> Parser:
     p.add_argument("--draft", metavar="DIR",
                    help="a draft model directory with the model's vocabulary "
                         "(speculative decoding); its acceptance rate is printed")
-    p.add_argument("--draft-len", type=count, default=3, metavar="K",
-                   help="draft tokens proposed per step (default 3)")
+    p.add_argument("--draft-len", type=count, default=DRAFT_LEN, metavar="K",
+                   help=f"draft tokens proposed per step (default {DRAFT_LEN}, as "
+                        f"Engine's)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt in full (default: prompt prefixes another "
                         "request computed are reused; the hit rate is printed)")

@@ -62,6 +62,28 @@ class EngineStats(NamedTuple):
     pages_evicted: int
 
 
+class Usage(NamedTuple):
+    """One request's tokens (`Update.usage`): `prompt_tokens`, `completion_tokens`
+    generated so far (over its `n` sequences) and `cached_tokens`, the prompt tokens the
+    prefix index served at its admission."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Update(NamedTuple):
+    """What one step gave one request (`Engine.stream_step`): its id `rid`, `tokens`
+    (one list per sequence of the request, in order: the tokens each gained in the step,
+    possibly none), `done` (every sequence finished: the request left the engine) and
+    its `usage` so far."""
+
+    rid: int
+    tokens: list
+    done: bool
+    usage: Usage
+
+
 class Engine:
     """Serve `model` (a `transformers` causal LM whose attention goes through its
     AttentionInterface) through a kvnumba cache.
@@ -100,7 +122,8 @@ class Engine:
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
-                 draft_len: int = 4, kv_bytes: int | None = None, prefix_cache: bool = True,
+                 draft_len: int = speculative.DRAFT_LEN, kv_bytes: int | None = None,
+                 prefix_cache: bool = True,
                  check_ranks: bool = False, verify: bool = True, **cache_options):
         for name, value in (("prefix_cache", prefix_cache), ("check_ranks", check_ranks),
                             ("verify", verify)):
@@ -137,6 +160,9 @@ class Engine:
                      config=self.config)
         self._admission = Admission(vocab=self.vocab, **parts)
         self._stepper = Stepper(draft_len=self.draft_len, **parts)
+        # per queued request: its sequences (shared with them) and the tokens of each
+        # that `stream_step` has reported
+        self._streams: dict = {}
 
     # ------------------------------------------------------------------ requests
     @property
@@ -232,7 +258,30 @@ class Engine:
         if self._following:
             self.lockstep.busy = True
             return self._admission.draw_id()
-        return self._admission.queue(seq)
+        rid = self._admission.queue(seq)
+        self._streams[rid] = (seq.group, [0] * seq.n)
+        return rid
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued and not yet admitted (rank 0's; 0 on the other ranks)."""
+        return len(self._roster.waiting)
+
+    @property
+    def running(self) -> int:
+        """Requests admitted and not yet finished (rank 0's; 0 on the other ranks)."""
+        return len({seq.rid for seq in self._roster.running})
+
+    def usage(self, rid: int) -> Usage | None:
+        """Request `rid`'s `Usage` so far (None once it finished, was cancelled or failed,
+        and for an unknown id)."""
+        stream = self._streams.get(rid)
+        return None if stream is None else self._usage(stream[0])
+
+    @staticmethod
+    def _usage(group: list) -> Usage:
+        first = group[0]
+        return Usage(first.n_prompt, sum(len(s.new) for s in group), first.cached)
 
     def cancel(self, rid: int) -> bool:
         """End request `rid` now, between steps: a waiting request leaves the queue, a
@@ -242,9 +291,38 @@ class Engine:
         other than 0 of a split model: nothing (rank 0's cancel is replayed here)."""
         if self._following:
             return False
+        self._streams.pop(rid, None)
         return bool(end(self._roster, self._seating, {rid}))
 
     # ------------------------------------------------------------------ the loop
+    def stream_step(self) -> list:
+        """Run one engine step (as `step`); returns an `Update` of each request that gained
+        tokens or finished in it: the tokens each of its sequences gained since the last
+        `stream_step` (with `step()` calls between, what those steps gave too), whether it
+        finished, and its `Usage`. A request's updates, joined, are `step()`'s tokens of
+        it. Tokens once reported stand: a sequence is cut at eos or `max_new_tokens`
+        before its tokens are reported. A step that raises raises here too (as `step`).
+        On a rank other than 0 of a split model: an update of each request rank 0
+        finished, all its tokens, and no usage."""
+        if self._following:
+            return [Update(rid, tokens if tokens and isinstance(tokens[0], list) else [tokens],
+                           True, None) for rid, tokens in self.step()]
+        finished = {rid for rid, _ in self._advance()}
+        updates = []
+        for rid, (group, reported) in list(self._streams.items()):
+            gained = []
+            for i, seq in enumerate(group):
+                new = seq.new
+                gained.append(new[reported[i]:])
+                reported[i] = len(new)
+            gained += [[] for _ in range(len(reported) - len(gained))]
+            done = rid in finished
+            if done:
+                del self._streams[rid]
+            if done or any(gained):
+                updates.append(Update(rid, gained, done, self._usage(group)))
+        return updates
+
     def step(self) -> list:
         """Run one engine step; returns `(request id, tokens)` of the requests that
         finished in it. On a rank other than 0 of a split model: take part in rank 0's
@@ -261,12 +339,22 @@ class Engine:
             finished, counters = self.lockstep.follow_step(self._admission.last_id)
             self.counts.set(counters)
             return finished
+        finished = self._advance()
+        for rid, _ in finished:
+            self._streams.pop(rid, None)
+        return finished
+
+    def _advance(self) -> list:
+        """`step()` on rank 0 (or in one process), the finished requests' streams kept for
+        `stream_step` to report their last tokens."""
         failure = None
         try:
             finished = self._step()
         except BaseException as exc:
             failure, finished = exc, []
             fail_step(exc, self._roster, self._seating)
+            held = {s.rid for s in [*self._roster.waiting, *self._roster.running]}
+            self._streams = {rid: v for rid, v in self._streams.items() if rid in held}
         if self.lockstep:
             self.lockstep.end_step(finished, self.busy, self.counts.values(),
                                    self._admission.last_id, failure=failure)

@@ -46,6 +46,7 @@ class Sequence:
     generator: object = None
     seats: list = field(default_factory=list)
     extra: bytes = b""      # the prefix index's extra key of its pages
+    cached: int = 0         # prompt positions the prefix index served at admission
     done: bool = False
     group: list = field(default_factory=list)   # the request's sequences, in order (shared)
 

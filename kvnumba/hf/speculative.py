@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from .seating import DRAFT
 
+#: draft tokens proposed per step unless told otherwise (`Engine`'s `draft_len`, the
+#: command lines' `--draft-len`)
+DRAFT_LEN = 4
+
 
 def propose(draft, schedule: list) -> dict:
     """Run `draft` (the served draft model) for the step's `schedule` (`(sequence, tokens to
