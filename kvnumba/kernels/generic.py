@@ -28,7 +28,7 @@ ring's wrap alike.
 
 Every query's visible keys form one interval `[lo, hi)` (see `masks.key_range`), and
 these intervals only move forward with the token, so a row tile needs exactly the
-keys `[lo(first row), hi(last row))`: tiles outside the causal / window mask are
+keys `[lo(first row), hi(last row))`: tiles outside the causal / window / chunk mask are
 never loaded.
 
 Two paths, named by the caller (`kvnumba.data.routing` passes the group's; by default chosen
@@ -172,7 +172,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
     @cuda.jit
     def attention(q, k_store, v_store, pages, page_bits, tables, seq_info_off, segments_off,
                   out, lse, sinks, part_acc, part_ml, n_row_tiles, n_splits, chunk, group,
-                  ring_rows, window, scale, softcap):
+                  ring_rows, mask_code, scale, softcap):
         tid = cuda.threadIdx.x
         width, n_heads, head_dim = q.shape
         v_head_dim = out.shape[2]
@@ -192,9 +192,9 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
         n_rows = min(BR, group * q_len - first_row)
         if n_rows <= 0:
             return
-        span_lo, _hi = key_range(div32(first_row, group), q_len, pos_start, block, window)
+        span_lo, _hi = key_range(div32(first_row, group), q_len, pos_start, block, mask_code)
         _lo, span_hi = key_range(div32(first_row + n_rows - 1, group), q_len, pos_start,
-                                 block, window)
+                                 block, mask_code)
         key_lo = span_lo + split * chunk
         key_hi = min(span_hi, key_lo + chunk)
         if key_lo >= key_hi:
@@ -217,7 +217,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
                 q_tile[r, d] = ptx.to_f32(q[q_start + token, kv_head * group + member,
                                             d]) * scale
         if tid < n_rows:
-            lo, hi = key_range(div32(first_row + tid, group), q_len, pos_start, block, window)
+            lo, hi = key_range(div32(first_row + tid, group), q_len, pos_start, block, mask_code)
             row_lo[tid] = lo
             row_hi[tid] = hi
         run_max = NEG_INF                # this thread's row (tid < n_rows): running max, sum
@@ -343,7 +343,7 @@ def _attention_kernel(dpad: int, block_rows: int, block_keys: int, key_lanes: in
 
 @cuda.jit
 def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, lse, sinks,
-                    max_q_len, group, block_rows, chunk, window):
+                    max_q_len, group, block_rows, chunk, mask_code):
     """Merge split-K partials of one query token (all heads): log-sum-exp weighted sum,
     each head's sink joined when `sinks` has elements, and each row's log-sum-exp into
     `lse` when it has rows.
@@ -358,14 +358,14 @@ def _combine_kernel(tables, seq_info_off, segments_off, part_acc, part_ml, out, 
         return
     token = q_start + i
     width, n_heads, head_dim = out.shape        # head_dim: V's (the partials' stride)
-    lo, hi = key_range(i, q_len, pos_start, block, window)
+    lo, hi = key_range(i, q_len, pos_start, block, mask_code)
     # the threads stride over this token's (head, dim) elements
     head, d = divmod32(cuda.threadIdx.x, head_dim)
     skip_heads, skip_dims = divmod32(COMBINE_THREADS, head_dim)
     while head < n_heads:
         _, member = divmod32(head, group)                      # head % group
         first_row = div32(i * group + member, block_rows) * block_rows
-        span_lo, _hi = key_range(div32(first_row, group), q_len, pos_start, block, window)
+        span_lo, _hi = key_range(div32(first_row, group), q_len, pos_start, block, mask_code)
         split_first = div32(lo - span_lo, chunk)
         split_last = div32(hi - 1 - span_lo, chunk)
         best = NEG_INF
@@ -392,7 +392,7 @@ _combine = Specialised(_combine_kernel)
 
 
 def launch_shape(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, head_dim,
-                 window, path=None, kv_chunk=None, v_head_dim=None):
+                 mask_code, path=None, kv_chunk=None, v_head_dim=None):
     """Host-side launch geometry: a dict with path, tiles, grid and split-K chunking.
 
     `path`: None (auto: "decode" when `max_q_len <= DECODE_MAX_Q_LEN`), "decode" or
@@ -412,9 +412,9 @@ def launch_shape(*, n_segments, max_q_len, max_kv_len, n_q_heads, n_kv_heads, he
         tiles = PREFILL_TILES[dpad]
     block_rows, block_keys, key_lanes, threads = tiles
     n_row_tiles = ceil_div(group * max_q_len, block_rows)
-    # longest key range of one row tile: the whole history, or what the window leaves
+    # longest key range of one row tile: the whole history, or what a window of W leaves
     # (a chunk of C reads back at most C - 1 positions, as a window of C)
-    span = max_kv_len if window == 0 else min(max_kv_len, abs(window) + max_q_len - 1)
+    span = max_kv_len if mask_code == 0 else min(max_kv_len, abs(mask_code) + max_q_len - 1)
     span = max(span, 1)
     if kv_chunk is not None:
         chunk = int(kv_chunk)
@@ -439,8 +439,8 @@ class GenericRun:
     the step's tables (where the segment table and the group's list are), the group's
     size, longest segment and furthest key, its path and split-K chunk, `page_bits`, the
     workspace and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse,
-    sinks, ring_rows, window, scale, softcap)`, once per layer) looks its signature up (q's and
-    out's dtypes and heads, the storage's dtype, K's and V's slot shapes, the window): the
+    sinks, ring_rows, mask_code, scale, softcap)`, once per layer) looks its signature up (q's and
+    out's dtypes and heads, the storage's dtype, K's and V's slot shapes, the mask code): the
     first call of a signature works out the launch shape (`launch_shape`, from K's
     head_dim and V's v_head_dim), sizes the partials (`n_splits * width * n_q_heads *
     v_head_dim` floats) and binds the kernel (and the combine where the shape splits);
@@ -457,7 +457,7 @@ class GenericRun:
         self.stream = stream
         self._launches = {}     # (attention launch, combine launch or None) by signature
 
-    def __call__(self, q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale,
+    def __call__(self, q, k_store, v_store, pages, out, lse, sinks, ring_rows, mask_code, scale,
                  softcap) -> None:
         if self.n_segments == 0:
             return
@@ -466,17 +466,17 @@ class GenericRun:
             raise ValueError(f"q [{width}, {n_q_heads}, {head_dim}]: the attention kernels "
                              f"take at most {MAX_QUERY_ROWS} (token, head) rows")
         key = (q.dtype, q.shape, out.dtype, k_store.dtype, k_store.shape[1:],
-               v_store.shape[1:], window)
+               v_store.shape[1:], mask_code)
         launches = self._launches.get(key)
         if launches is None:
-            launches = self._launches[key] = self._bind(q, k_store, v_store, out, window)
+            launches = self._launches[key] = self._bind(q, k_store, v_store, out, mask_code)
         attention, merge = launches
         attention(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows),
                   np.float32(scale), np.float32(softcap))
         if merge is not None:
             merge(out, lse, sinks)
 
-    def _bind(self, q, k_store, v_store, out, window: int) -> tuple:
+    def _bind(self, q, k_store, v_store, out, mask_code: int) -> tuple:
         width, n_q_heads, head_dim = q.shape
         n_kv_heads, v_head_dim = k_store.shape[1], out.shape[2]
         assert n_q_heads % n_kv_heads == 0
@@ -485,7 +485,7 @@ class GenericRun:
         assert v_store.shape[1] == n_kv_heads and v_store.shape[2] >= v_head_dim
         shape = launch_shape(n_segments=self.n_segments, max_q_len=self.max_q_len,
                            max_kv_len=self.max_kv_len, n_q_heads=n_q_heads,
-                           n_kv_heads=n_kv_heads, head_dim=head_dim, window=window,
+                           n_kv_heads=n_kv_heads, head_dim=head_dim, mask_code=mask_code,
                            path=self.path, kv_chunk=self.kv_chunk, v_head_dim=v_head_dim)
         n_splits, stream = shape["n_splits"], self.stream
         if n_splits > 1:
@@ -501,14 +501,14 @@ class GenericRun:
             int(self.page_bits), self.tables, int(self.seq_info_off), int(self.segments_off),
             PER_CALL, PER_CALL, PER_CALL, part_acc, part_ml, shape["n_row_tiles"], n_splits,
             shape["chunk"],
-            shape["group"], PER_CALL, int(window), PER_CALL, PER_CALL)
+            shape["group"], PER_CALL, int(mask_code), PER_CALL, PER_CALL)
         merge = None
         if n_splits > 1:
             merge = _combine.bind(
                 self.n_segments * self.max_q_len, COMBINE_THREADS, stream, self.tables,
                 int(self.seq_info_off), int(self.segments_off), part_acc, part_ml, PER_CALL,
                 PER_CALL, PER_CALL, self.max_q_len, shape["group"], shape["block_rows"], shape["chunk"],
-                int(window))
+                int(mask_code))
         return attention, merge
 
 
@@ -523,7 +523,7 @@ def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, max_kv
 
 
 def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, segments_off,
-           n_segments, max_q_len, max_kv_len, ring_rows, window, scale, softcap, workspace,
+           n_segments, max_q_len, max_kv_len, ring_rows, mask_code, scale, softcap, workspace,
            lse=None, sinks=None, stream=0, path=None, kv_chunk=None):
     """Attention of the served segments' queries over their own sequences' keys, into `out`.
 
@@ -539,7 +539,7 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
     `seq_info_off + s * SEQ_INFO_FIELDS`, the served segments' indices at
     `segments_off .. + n_segments`. max_q_len / max_kv_len: largest q_len /
     pos_start + q_len over them.
-    ring_rows: 0 (flat) or R (position p in row p % R). window: the mask code
+    ring_rows: 0 (flat) or R (position p in row p % R). mask_code: the layer's mask code
     (`masks.key_range`: 0 none, W a sliding window, -C chunks of C).
     softcap: 0.0 = off. lse: None, or a float32 `[width, n_q_heads]` device array that
     receives each served row's natural-log log-sum-exp of its (scaled, capped) scores.
@@ -554,6 +554,6 @@ def attend(q, k_store, v_store, tables, out, *, pages, page_bits, seq_info_off, 
             page_bits=page_bits, workspace=workspace, path=path, kv_chunk=kv_chunk,
             stream=stream)(q, k_store, v_store, pages, out,
                            no_output() if lse is None else lse,
-                           no_sinks() if sinks is None else sinks, ring_rows, window, scale,
+                           no_sinks() if sinks is None else sinks, ring_rows, mask_code, scale,
                            softcap)
     return out

@@ -193,7 +193,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
     @cuda.jit(**LAUNCH_BOUNDS)
     def decode(q, k_store, v_store, tables, pages, out, lse, sinks, part_acc, part_ml,
                seq_info_off,
-               work_off, max_q_len, group, row_group_bits, ring_rows, window, page_bits, scale,
+               work_off, max_q_len, group, row_group_bits, ring_rows, mask_code, page_bits, scale,
                softcap, most_rows):
         tid = int32(cuda.threadIdx.x)
         warp = tid >> 5
@@ -293,7 +293,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         run_sum = cuda.local.array(HELD, float32)
         for j in range(HELD):
             i = ptx.shfl_idx(index, own + j)
-            lo, hi = key_range(min(i, q_len - 1), q_len, pos_start, in_block, window)
+            lo, hi = key_range(min(i, q_len - 1), q_len, pos_start, in_block, mask_code)
             lo = max(lo, key_lo)
             hi = min(hi, key_hi)
             held_lo[j] = int32(lo - key_lo + lead)
