@@ -17,6 +17,7 @@ import numpy as np
 from ...device import cuda
 from ..intrinsics import ptx
 from ..launch.constants import LOG2E, NEG_INF
+from ..softmax import rescaling
 from .shape import UNROLL, KernelShape
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device)
@@ -188,8 +189,8 @@ def trip_functions(shape: KernelShape, widen, capped: bool) -> tuple:
             ref = run_max[j]
             alpha[j] = ONE
             if best > ref + float32(RESCALE_SLACK):
-                alpha[j] = ptx.exp2_approx(ref - best)
-                ref = best
+                moved, ref = rescaling(ref, best, ONE)
+                alpha[j] = moved
             total = run_sum[j] * alpha[j]
             for u in range(UNROLL):
                 score[u, j] = ptx.exp2_approx(score[u, j] - ref)
