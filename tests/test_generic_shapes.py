@@ -69,7 +69,7 @@ def test_tile_shapes_meet_the_kernels_asserts_and_fit_static_shared_memory():
             floats = ((block_rows + block_keys) * (dpad + 1)
                       + block_rows * (block_keys + 1) + 4 * block_rows)   # + per-row state
             assert floats <= SHARED_LIMIT, f"{dpad} {tiles}: {floats} floats"
-            att._attention_kernel(dpad, *tiles, att.V_SLICES.get(dpad))  # its own asserts
+            att.attention_kernel(dpad, *tiles, att.V_SLICES.get(dpad))  # its own asserts
     for head_dim, v_head_dim, dpad in [(16, 8, 16), (8, 24, 32), (12, None, 16),
                                        (40, 300, 512), (512, 64, 512), (257, 1, 512)]:
         for path in ("decode", "prefill"):

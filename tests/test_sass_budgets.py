@@ -153,7 +153,7 @@ def test_a_generic_tile_of_more_accumulators_fails_every_kernels_local_memory_bu
     thread (`MAX_OWN` raised past 32), which ptxas keeps in local memory."""
     from kvnumba.kernels import generic
     monkeypatch.setattr(generic, "MAX_OWN", 64)
-    kernel = generic._attention_kernel.__wrapped__(512, 8, 8, 8, 64).dispatcher
+    kernel = generic.attention_kernel.__wrapped__(512, 8, 8, 8, 64).dispatcher
     values = figures_of(kernel.py_func, None, "generic d512 float16")
     assert {"local_accesses", "stack_bytes"} <= set(exceeded("generic d512 float16", values))
 

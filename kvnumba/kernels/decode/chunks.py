@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, uint64
 
 from ...arith.positions import SEQ, POS_START, Q_LEN, Q_START
-from ..generic import DECODE_MAX_Q_LEN
+from ..generic.shape import DECODE_MAX_Q_LEN
 
 # --- the chunk tables (int32), packed by the caller into the step's `tables` -----------
 #: work table: one row per (segment, key chunk); it carries the segment fields the
