@@ -269,8 +269,8 @@ def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, 
     """The prepared half of `run`: the merge of one step's split segments into outputs of
     `n_q_heads` q heads and `head_dim`, bound to its tables and partials (the kernel,
     grid and block worked out once); `launch(out, lse, sinks)` merges into `out` (and
-    `lse`, unless it has no rows: `launch.no_output()`; with the heads' `sinks` unless it
-    has no elements: `sinks.no_sinks()`). None when there is nothing to merge."""
+    `lse`, unless it has no rows: `launch.calling.no_output()`; with the heads' `sinks`
+    unless it has no elements: `sinks.no_sinks()`). None when there is nothing to merge."""
     if n_combine <= 0:
         return None
     if n_q_heads > MAX_GRID_Z or max_q_len > MAX_GRID_Y:

@@ -21,8 +21,8 @@ from numba import float32  # noqa: E402  (after kvnumba.device chose the target)
 def _combine(tables, seq_info_off, segments_off, part_acc, part_ml, out, lse, sinks,
              max_q_len, group, block_rows, chunk, mask_code):
     """Merge split-K partials of one query token (all heads), split by split in order
-    (`softmax.merge` of natural-log states), each head's sink joined when `sinks` has elements, and each row's log-sum-exp into
-    `lse` when it has rows.
+    (`softmax.merge` of natural-log states), each head's sink joined when `sinks` has
+    elements, and each row's log-sum-exp into `lse` when it has rows.
 
     Row tile and split geometry must match the attention launch that wrote them; `part_acc`
     is `[n_splits, width, n_heads, v_head_dim]` flat, v_head_dim out's (V's) width.

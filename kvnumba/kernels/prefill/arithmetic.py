@@ -220,8 +220,8 @@ def math_functions(shape: PrefillShape, sunk: bool = False, out_aligned: bool = 
         with scaling, and `exp(scale s - scale m) = exp2(s scale_log2 - m scale_log2)`
         is one FFMA and one `ex2.approx.ftz`: `softmax.rescaling`), per half h (rows a =
         2h, b = 2h + 1 of the lane): new running maxima m (quad-wide), P packed into pf, O
-        and the row sums l rescaled. Once the maxima settle alpha is exactly 1 (exp2 of 0) and most tiles
-        skip the rescale."""
+        and the row sums l rescaled. Once the maxima settle alpha is exactly 1 (exp2 of
+        0) and most tiles skip the rescale."""
         for h in range(H):
             x_a = NEG_INF
             x_b = NEG_INF

@@ -4,12 +4,12 @@ one-warp block, staged as stored and widened from the fragments ldmatrix reads (
 narrow tile, `shape.narrow_staging`). `prefill.staging` stages the tiles, `prefill`
 plans and launches the kernel.
 
-Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
-ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and
-accumulation), for segments long enough to fill tensor-core tiles; scale > 0.
+Same semantics as the generic kernel (`generic.kernel`: visible keys from
+`masks.key_range`, position p of a ring layer in row p % ring_rows, scale then optional
+softcap, float32 softmax and accumulation), for segments long enough to fill tensor-core tiles; scale > 0.
 
 A block takes `block_rows` query *rows* of one segment and one kv head, packed GQA
-as in `attention`: row `r` of the segment is (token `r // group`, q head
+as in `generic.kernel`: row `r` of the segment is (token `r // group`, q head
 `kv_head * group + r % group`), so each K/V tile serves the whole group. Each warp owns
 16 or 32 consecutive rows (`default_warp_rows`): one or two m16 "halves" that share
 every K and V fragment. Per key tile of `block_keys` keys:
@@ -214,9 +214,10 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
                 segments_off, n_row_tiles, group, ring_rows, mask_code, scale, softcap,
                 part_acc, part_ml, max_q_len, least_rows):
         """`run`'s launch: pages and page_bits follow the slot storage they address, as
-        in `attention`'s kernel; grid (kv heads, served segments, row tiles). `split`:
-        grid (work items, kv heads, row tiles), `segments_off` the work table's offset,
-        `part_acc`, `part_ml` and `max_q_len` the partials' (`decode.combine`), and
+        in the generic kernel (`generic.kernel`); grid (kv heads, served segments, row
+        tiles). `split`: grid (work items, kv heads, row tiles), `segments_off` the work
+        table's offset, `part_acc`, `part_ml` and `max_q_len` the partials'
+        (`decode.combine`), and
         only the items of segments of more than `least_rows` rows (group times q_len:
         `decode.shape.grouped`; the CUDA-core kernel serves the others); else those
         four are unused."""
