@@ -17,7 +17,6 @@ import numpy as np
 from ...device import cuda
 from ..intrinsics import ptx
 from ..launch.constants import LOG2E, NEG_INF
-from ..softmax import rescaling
 from .shape import UNROLL, KernelShape
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device)
@@ -185,12 +184,14 @@ def trip_functions(shape: KernelShape, widen, capped: bool) -> tuple:
                 score[u, j] = s
                 best = max(best, s)
             # the reference max moves only when a score passes it by RESCALE_SLACK
-            # (also at the row's first visible key: the reference is NO_KEY until then)
+            # (also at the row's first visible key: the reference is NO_KEY until then).
+            # Not `softmax.rescaling`: the reference is never -inf, and that guard would
+            # add two instructions to the trip's hot path
             ref = run_max[j]
             alpha[j] = ONE
             if best > ref + float32(RESCALE_SLACK):
-                moved, ref = rescaling(ref, best, ONE)
-                alpha[j] = moved
+                alpha[j] = ptx.exp2_approx(ref - best)
+                ref = best
             total = run_sum[j] * alpha[j]
             for u in range(UNROLL):
                 score[u, j] = ptx.exp2_approx(score[u, j] - ref)
