@@ -161,7 +161,7 @@ def run(case, workspace=None, served=None, **kw):
     att.attend(cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(tables), out,
                **paging, **offsets,
                max_q_len=case.max_q_len, max_kv_len=case.max_kv_len,
-               ring_rows=case.ring_rows, window=case.window, scale=case.scale,
+               ring_rows=case.ring_rows, mask_code=case.window, scale=case.scale,
                softcap=case.softcap, workspace=workspace or AttentionWorkspace(), **kw)
     cuda.synchronize()
     return out.copy_to_host()
@@ -188,7 +188,7 @@ def plan_path(case, **kw):
     return att.launch_shape(n_segments=len(case.segments), max_q_len=case.max_q_len,
                            max_kv_len=case.max_kv_len, n_q_heads=case.q.shape[1],
                            n_kv_heads=case.n_kv_heads, head_dim=case.q.shape[2],
-                           v_head_dim=case.v_head_dim, window=case.window, **kw)
+                           v_head_dim=case.v_head_dim, mask_code=case.window, **kw)
 
 
 DECODE = segs_of((1, 0), (1, 16), (1, 39))
@@ -295,7 +295,7 @@ def test_q_with_more_rows_than_32_bit_indices_take_is_refused_before_any_launch(
     with pytest.raises(ValueError, match=r"at most 2147483647 \(token, head\) rows"):
         att.attend(q, store, store, None, q, pages=Shaped(1, 1), page_bits=4, seq_info_off=0,
                    segments_off=0, n_segments=1, max_q_len=1, max_kv_len=1, ring_rows=0,
-                   window=0, scale=1.0, softcap=0.0, workspace=None)
+                   mask_code=0, scale=1.0, softcap=0.0, workspace=None)
 
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
@@ -379,7 +379,7 @@ def test_workspace_reused_without_allocation(monkeypatch):
     monkeypatch.setattr(cuda, "to_device", refuse)
     for kv_chunk in (8, None):
         att.attend(*args, out, **paging, **offsets, max_q_len=1, max_kv_len=case.max_kv_len,
-                   ring_rows=0, window=0, scale=case.scale, softcap=0.0, workspace=ws,
+                   ring_rows=0, mask_code=0, scale=case.scale, softcap=0.0, workspace=ws,
                    kv_chunk=kv_chunk)
         monkeypatch.undo()
         check(case, out.copy_to_host())
@@ -405,7 +405,7 @@ def test_only_the_served_segments_rows_are_written(path):
 
 
 def test_launch_shape_threshold_and_splits():
-    kw = dict(n_q_heads=32, n_kv_heads=8, head_dim=128, window=0)
+    kw = dict(n_q_heads=32, n_kv_heads=8, head_dim=128, mask_code=0)
     long_decode = att.launch_shape(n_segments=8, max_q_len=1, max_kv_len=32768, **kw)
     assert long_decode["path"] == "decode" and long_decode["n_splits"] > 1
     assert long_decode["chunk"] % long_decode["block_keys"] == 0
@@ -417,7 +417,7 @@ def test_launch_shape_threshold_and_splits():
     over = att.launch_shape(n_segments=1, max_q_len=att.DECODE_MAX_Q_LEN + 1, max_kv_len=99, **kw)
     assert at["path"] == "decode" and over["path"] == "prefill" and over["n_splits"] == 1
     windowed = att.launch_shape(n_segments=1, max_q_len=1, max_kv_len=1 << 20,
-                               **dict(kw, window=512))
+                               **dict(kw, mask_code=512))
     assert windowed["n_splits"] * windowed["chunk"] >= 512
     assert windowed["chunk"] * (windowed["n_splits"] - 1) < 512
     assert att.head_dim_bucket(257) == att.head_dim_bucket(512) == 512

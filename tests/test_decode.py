@@ -152,7 +152,7 @@ def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=P
     tests' own), the tensor-core one (True) or the rule's choice (None). `out_offset`:
     out starts that many elements into a larger buffer (1: not 16-byte aligned)."""
     rng = np.random.default_rng(seed)
-    plan = dec.chunk_tables(case.info, case.served, window=case.window, chunk=chunk)
+    plan = dec.chunk_tables(case.info, case.served, mask_code=case.window, chunk=chunk)
     tables, offsets = pack_tables(rng, case, plan)
     size = int(np.prod(case.q.shape))
     out = cuda.to_device(np.full(size + out_offset, sentinel(case.out_dtype), case.out_dtype))
@@ -163,7 +163,7 @@ def run(case, *, chunk=dec.KEY_TILE, workspace=None, seed=0, q=None, page_size=P
             **offsets, n_items=plan.n_items, n_combine=plan.n_combine, n_parts=plan.n_parts,
             max_q_len=plan.max_q_len, min_q_len=plan.min_q_len, out=out,
             workspace=workspace or AttentionWorkspace(),
-            ring_rows=case.ring_rows, window=case.window, scale=case.scale,
+            ring_rows=case.ring_rows, mask_code=case.window, scale=case.scale,
             softcap=case.softcap, tensor_cores=tensor_cores)
     cuda.synchronize()
     return out.copy_to_host(), plan
@@ -286,7 +286,7 @@ def test_plan_balances_a_skewed_batch():
     kv_lens = np.geomspace(32, 32768, 64).astype(int)
     info = table_of([(1, n - 1) for n in kv_lens])
     segments = np.arange(64)
-    plan = dec.chunk_tables(info, segments, window=0)
+    plan = dec.chunk_tables(info, segments, mask_code=0)
     check_plan(plan, info, segments, 0, dec.CHUNK_KEYS)
     lengths = plan.work[:, dec.WORK_KEY_HI] - plan.work[:, dec.WORK_KEY_LO]
     assert lengths.max() < dec.CHUNK_KEYS + dec.CHUNK_KEYS // 2
@@ -297,7 +297,7 @@ def test_a_remainder_under_half_a_chunk_joins_the_last_chunk():
     """4096 keys of history and one query: 15 chunks of 256 keys and a last one of 257,
     not a 17th chunk of one key."""
     info = table_of([(1, 4096)])
-    chunks = chunks_of(dec.chunk_tables(info, [0], window=0), 0)
+    chunks = chunks_of(dec.chunk_tables(info, [0], mask_code=0), 0)
     assert chunks == [(256 * c, 256 * (c + 1)) for c in range(15)] + [(3840, 4097)]
 
 
@@ -309,7 +309,7 @@ def test_chunk_lengths_follow_the_segment_alone(keys, lengths):
     """Hand-computed cuts at the nominal 256-key chunk, alone and beside other segments."""
     info = table_of([(1, keys - 1), (1, 5000), (3, 40, True)])
     for segments in ([0], [2, 0, 1]):
-        assert chunk_lengths(dec.chunk_tables(info, segments, window=0), 0) == lengths
+        assert chunk_lengths(dec.chunk_tables(info, segments, mask_code=0), 0) == lengths
     assert dec.chunk_count(keys) == len(lengths)
 
 
@@ -321,26 +321,26 @@ def test_plan_tiles_every_key_range_exactly(window):
     info = table_of(rows)
     segments = rng.permutation(40)[:30]
     for chunk in (dec.KEY_TILE, 2 * dec.KEY_TILE, dec.CHUNK_KEYS, 2048):
-        check_plan(dec.chunk_tables(info, segments, window=window, chunk=chunk), info, segments,
+        check_plan(dec.chunk_tables(info, segments, mask_code=window, chunk=chunk), info, segments,
                    window, chunk)
 
 
 def test_a_segments_chunks_do_not_depend_on_the_rest_of_the_step():
     info = table_of([(1, 5000), (2, 10), (4, 700, True), (1, 90000)])
-    alone = dec.chunk_tables(info, [0], window=0)
-    together = dec.chunk_tables(info, [3, 1, 0, 2], window=0)
+    alone = dec.chunk_tables(info, [0], mask_code=0)
+    together = dec.chunk_tables(info, [3, 1, 0, 2], mask_code=0)
     assert chunks_of(alone, 0) == chunks_of(together, 0)
     assert len(chunks_of(together, 1)) == 1 and together.chunk == alone.chunk
 
 
 def test_plan_of_nothing_and_refusals():
     info = table_of([(1, 9), (5, 0)])
-    empty = dec.chunk_tables(info, [], window=0)
+    empty = dec.chunk_tables(info, [], mask_code=0)
     assert empty.n_items == empty.n_combine == empty.n_parts == 0
     with pytest.raises(ValueError, match="queries"):
-        dec.chunk_tables(info, [0, 1], window=0)
+        dec.chunk_tables(info, [0, 1], mask_code=0)
     with pytest.raises(ValueError, match="power of two"):
-        dec.chunk_tables(info, [0], window=0, chunk=3 * dec.KEY_TILE)
+        dec.chunk_tables(info, [0], mask_code=0, chunk=3 * dec.KEY_TILE)
 
 
 @cuda.jit
@@ -573,7 +573,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
     workspace = AttentionWorkspace()
     check(case, run(case, workspace=workspace)[0])
     buffers = workspace.part_acc, workspace.part_ml
-    plan = dec.chunk_tables(case.info, case.served[:1], window=0, chunk=dec.KEY_TILE)
+    plan = dec.chunk_tables(case.info, case.served[:1], mask_code=0, chunk=dec.KEY_TILE)
     tables, offsets = pack_tables(rng, case, plan)
     k_slots, v_slots, pages, bits = paged_storage(case)
     q, tables = cuda.to_device(case.q), cuda.to_device(tables)
@@ -585,7 +585,7 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
     monkeypatch.setattr(cuda, "to_device", refuse)
     dec.run(q, k_slots, v_slots, tables, pages=pages, page_bits=bits, **offsets,
             n_items=plan.n_items, n_combine=plan.n_combine, n_parts=plan.n_parts,
-            max_q_len=plan.max_q_len, out=out, workspace=workspace, ring_rows=0, window=0,
+            max_q_len=plan.max_q_len, out=out, workspace=workspace, ring_rows=0, mask_code=0,
             scale=case.scale, softcap=0.0)
     monkeypatch.undo()
     assert workspace.part_acc is buffers[0] and workspace.part_ml is buffers[1]
@@ -599,13 +599,13 @@ def test_warm_workspace_allocates_nothing(monkeypatch):
 def test_nothing_to_serve_launches_nothing():
     rng = np.random.default_rng(7)
     case = make_case(rng, [(1, 4)])
-    plan = dec.chunk_tables(case.info, [], window=0)
+    plan = dec.chunk_tables(case.info, [], mask_code=0)
     out = cuda.to_device(np.full(case.q.shape, SENTINEL, np.float16))
     k_slots, v_slots, pages, bits = paged_storage(case)
     dec.run(cuda.to_device(case.q), k_slots, v_slots, cuda.to_device(case.info.reshape(-1)),
             pages=pages, page_bits=bits, seq_info_off=0, work_off=0, n_items=0, combine_off=0,
             n_combine=0, n_parts=0, max_q_len=plan.max_q_len, out=out,
-            workspace=AttentionWorkspace(), ring_rows=0, window=0, scale=1.0, softcap=0.0)
+            workspace=AttentionWorkspace(), ring_rows=0, mask_code=0, scale=1.0, softcap=0.0)
     assert (out.copy_to_host() == SENTINEL).all()
 
 
@@ -613,7 +613,7 @@ def refused_run(q, k_store, v_store, pages, bits):
     """`dec.run` of one work item on host arrays, for storage refused before any launch."""
     dec.run(q, k_store, v_store, np.zeros(16, np.int32), pages=pages, page_bits=bits,
             seq_info_off=0, work_off=0, n_items=1, combine_off=0, n_combine=0, n_parts=0,
-            max_q_len=1, out=q.copy(), workspace=None, ring_rows=0, window=0, scale=1.0,
+            max_q_len=1, out=q.copy(), workspace=None, ring_rows=0, mask_code=0, scale=1.0,
             softcap=0.0)
 
 

@@ -166,7 +166,7 @@ def test_attention_launch_is_repeatable_on_the_device():
         out = cuda.device_array((2, 2, 4), np.float32)
         attention.attend(q, k, k, tables, out, pages=pages, page_bits=3, seq_info_off=0,
                          segments_off=5, n_segments=1,
-                         max_q_len=2, max_kv_len=2, ring_rows=0, window=0, scale=0.5,
+                         max_q_len=2, max_kv_len=2, ring_rows=0, mask_code=0, scale=0.5,
                          softcap=0.0, workspace=ws)
         runs.append(out.copy_to_host())
     for r in runs[1:]:

@@ -69,13 +69,13 @@ def test_tile_shapes_meet_the_kernels_asserts_and_fit_static_shared_memory():
             floats = ((block_rows + block_keys) * (dpad + 1)
                       + block_rows * (block_keys + 1) + 4 * block_rows)   # + per-row state
             assert floats <= SHARED_LIMIT, f"{dpad} {tiles}: {floats} floats"
-            att._attention_kernel(dpad, *tiles, att.V_SLICES.get(dpad))  # its own asserts
+            att.attention_kernel(dpad, *tiles, att.V_SLICES.get(dpad))  # its own asserts
     for head_dim, v_head_dim, dpad in [(16, 8, 16), (8, 24, 32), (12, None, 16),
                                        (40, 300, 512), (512, 64, 512), (257, 1, 512)]:
         for path in ("decode", "prefill"):
             plan = att.launch_shape(n_segments=1, max_q_len=1, max_kv_len=9, n_q_heads=2,
                                     n_kv_heads=1, head_dim=head_dim, v_head_dim=v_head_dim,
-                                    window=0, path=path)
+                                    mask_code=0, path=path)
             assert plan["dpad"] == dpad
             tiles = (plan["block_rows"], plan["block_keys"], plan["key_lanes"],
                      plan["threads"])
@@ -83,7 +83,7 @@ def test_tile_shapes_meet_the_kernels_asserts_and_fit_static_shared_memory():
                              else (att.PREFILL_TILES[dpad],))
     with pytest.raises(ValueError, match="at most 576"):
         att.launch_shape(n_segments=1, max_q_len=1, max_kv_len=9, n_q_heads=2, n_kv_heads=1,
-                         head_dim=64, v_head_dim=577, window=0)
+                         head_dim=64, v_head_dim=577, mask_code=0)
 
 
 # ---------------------------------------------------------------- V of its own width
@@ -199,7 +199,7 @@ def test_a_latent_row_is_k_and_its_first_values_are_v(path, kv_chunk):
     (k_slots, _, _), paging = device_storage(case)
     att.attend(cuda.to_device(case.q), k_slots, k_slots, cuda.to_device(tables), out,
                **paging, **offsets, max_q_len=case.max_q_len, max_kv_len=case.max_kv_len,
-               ring_rows=case.ring_rows, window=case.window, scale=case.scale,
+               ring_rows=case.ring_rows, mask_code=case.window, scale=case.scale,
                softcap=case.softcap, workspace=AttentionWorkspace(), path=path,
                kv_chunk=kv_chunk)
     check(case, out.copy_to_host())

@@ -126,13 +126,13 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
     assert (staged[2 * width:2 * width + info.size] == info.ravel()).all()
     routes = cache._steps.step.routes
     assert routes.decode_chunks[0].n_items > 6 * len(info)     # the flat layer's long keys
-    for window, placed in routes.decode_chunks.items():
-        want = decode.chunk_tables(info, np.arange(len(info)), window=window)
+    for mask_code, placed in routes.decode_chunks.items():
+        want = decode.chunk_tables(info, np.arange(len(info)), mask_code=mask_code)
         assert placed.n_items == want.n_items and placed.n_combine == want.n_combine
         work = staged[placed.work_off:placed.work_off + want.work.size]
         combine = staged[placed.combine_off:placed.combine_off + want.combine.size]
         assert (work == want.work.ravel()).all() and (combine == want.combine.ravel()).all()
-        run = routes.decode_runs[window]
+        run = routes.decode_runs[mask_code]
         assert run.tables is cache._steps.upload.device and run.seq_info_off == 2 * width
     cache.abort_step()
 

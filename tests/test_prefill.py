@@ -138,7 +138,7 @@ def run(c, tile=SMALL, served_order=None, q=None):
                 cuda.to_device(tables), pages=cuda.to_device(c.pages),
                 page_bits=c.page_bits, seq_info_off=c.seq_info_off,
                 segments_off=c.segments_off, n_segments=len(c.served),
-                max_q_len=c.max_q_len, out=out, ring_rows=c.ring_rows, window=c.window,
+                max_q_len=c.max_q_len, out=out, ring_rows=c.ring_rows, mask_code=c.window,
                 scale=c.scale, softcap=c.softcap, tile=tile)
     cuda.synchronize()
     return out.copy_to_host()
@@ -231,7 +231,7 @@ def test_run_refuses_what_it_cannot_serve_before_any_launch(head_dim, storage, q
     with pytest.raises(ValueError, match=message):
         prefill.run(q, store, store, np.zeros(8, np.int32), pages=np.zeros((1, 1), np.int32),
                     page_bits=3, seq_info_off=0, segments_off=5, n_segments=1, max_q_len=4,
-                    out=np.zeros((4, 2, head_dim), np.float16), ring_rows=0, window=0,
+                    out=np.zeros((4, 2, head_dim), np.float16), ring_rows=0, mask_code=0,
                     scale=1.0, softcap=0.0)
 
 
@@ -245,7 +245,7 @@ def test_run_refuses_storage_other_than_slots_of_its_head_dim_before_any_launch(
         prefill.run(q, np.zeros(k_shape, np.float16), np.zeros(v_shape, np.float16),
                     np.zeros(8, np.int32), pages=np.zeros((1, 1), np.int32), page_bits=3,
                     seq_info_off=0, segments_off=5, n_segments=1, max_q_len=4,
-                    out=np.zeros((4, 2, 16), np.float16), ring_rows=0, window=0, scale=1.0,
+                    out=np.zeros((4, 2, 16), np.float16), ring_rows=0, mask_code=0, scale=1.0,
                     softcap=0.0)
 
 

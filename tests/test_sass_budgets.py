@@ -151,9 +151,9 @@ def test_a_generic_tile_of_more_accumulators_fails_every_kernels_local_memory_bu
         monkeypatch, figures_of):
     """The generic kernel at head dim 512 on 8 rows of 2 warps: 64 output elements a
     thread (`MAX_OWN` raised past 32), which ptxas keeps in local memory."""
-    from kvnumba.kernels import generic
-    monkeypatch.setattr(generic, "MAX_OWN", 64)
-    kernel = generic._attention_kernel.__wrapped__(512, 8, 8, 8, 64).dispatcher
+    from kvnumba.kernels.generic import kernel as generic_kernel
+    monkeypatch.setattr(generic_kernel, "MAX_OWN", 64)
+    kernel = generic_kernel.attention_kernel.__wrapped__(512, 8, 8, 8, 64).dispatcher
     values = figures_of(kernel.py_func, None, "generic d512 float16")
     assert {"local_accesses", "stack_bytes"} <= set(exceeded("generic d512 float16", values))
 

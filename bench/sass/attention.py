@@ -28,7 +28,7 @@ def decode_chunks() -> list[int]:
     seq_info = np.zeros((1, fields.SEQ_INFO_FIELDS), np.int32)
     seq_info[0, [fields.Q_START, fields.Q_LEN, fields.SEQ, fields.POS_START, fields.FLAGS]] = \
         (0, 1, 0, DECODE_HISTORY, 0)
-    work = decode.chunk_tables(seq_info, [0], window=0).work
+    work = decode.chunk_tables(seq_info, [0], mask_code=0).work
     return [int(n) for n in work[:, planning.WORK_KEY_HI] - work[:, planning.WORK_KEY_LO]]
 
 

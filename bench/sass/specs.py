@@ -99,7 +99,7 @@ def _narrow_signature(t: str) -> str:
 
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
-_GENERIC = "kvnumba.kernels.generic:_attention_kernel"
+_GENERIC = "kvnumba.kernels.generic.kernel:attention_kernel"
 
 
 def _tensor_cores(head_dim: int, block_keys: int, storage: str, stored: str | None = None,

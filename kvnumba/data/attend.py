@@ -200,11 +200,11 @@ class DataPath:
         lse_device = no_output() if row_lse is None else row_lse.device
         if step.zero is not None:
             step.zero(result.device, lse_device)
-        ring_rows, window, pages = self.layer_geometry[layer]
+        ring_rows, mask_code, pages = self.layer_geometry[layer]
         self.paths.run(step.routes, layer, device_view(q, stream), self.storage.k_slots[layer],
                        self.storage.v_slots[layer], result.device, lse_device,
                        no_sinks() if sinks is None else device_view(sinks, stream),
-                       ring_rows=ring_rows, window=window, pages=pages, scale=scale,
+                       ring_rows=ring_rows, mask_code=mask_code, pages=pages, scale=scale,
                        softcap=softcap)
         if self._scaled:
             scale_out(result.device, self._v_scale[layer], stream)

@@ -23,9 +23,9 @@ storage, V wider than K) takes the generic kernel. A step whose
 layers take both paths of a group stages both (the decode plans and the segment list).
 
 `Routing.route` writes the step's sections into its upload (`upload.Upload`): for
-the fast decode path one work / combine table per distinct layer window (the window
+the fast decode path one work / combine table per distinct layer mask code (the code
 decides which keys a chunk covers), for the others their segment lists; and it makes
-each path's run for the step (`decode.DecodeRun` per window, `prefill.PrefillRun`,
+each path's run for the step (`decode.DecodeRun` per mask code, `prefill.PrefillRun`,
 `attention.GenericRun`), so `run` launches with nothing left to plan: a layer adds only
 its own arrays and scalars.
 """
@@ -60,7 +60,7 @@ _NONE = Group(0, 0, 0)
 
 class StepRoutes:
     """A prepared step's routing (`Routing.route`): the two groups and each path's
-    run for the step: the fast decode path's `decode.DecodeRun` by layer window
+    run for the step: the fast decode path's `decode.DecodeRun` by layer mask code
     (`decode_runs`, with their placed plans `decode_chunks`) or the generic decode run,
     and the prefill group's tensor-core run with its generic fallback (float32 storage,
     or a layer whose scale is not positive)."""
@@ -80,8 +80,8 @@ class StepRoutes:
         (widths and addresses) launch the same grids, so a CUDA graph of one replays the
         other (the positions and sequences it reads are the upload's contents)."""
         d, p = self.decode, self.prefill
-        decode_key = tuple((window, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
-                           for window, f in sorted(self.decode_chunks.items()))
+        decode_key = tuple((code, f.n_items, f.n_combine, f.n_parts, f.max_q_len)
+                           for code, f in sorted(self.decode_chunks.items()))
         if self.decode_generic is not None or not self.decode_chunks:
             decode_key += ((d.n, d.max_q_len, -(-d.max_kv_len // decode.CHUNK_KEYS)),)
         return decode_key, (p.n, p.max_q_len)
@@ -90,11 +90,11 @@ class StepRoutes:
 class Routing:
     """The attention paths of one cache (chosen once from its config) and their workspace.
 
-    `window_tables`: for each distinct layer mask code (`CacheConfig.mask_codes`: 0 flat,
+    `mask_tables`: for each distinct layer mask code (`CacheConfig.mask_codes`: 0 flat,
     W, or -C), its ring rows R (0: flat) and its page group's device page table, as the
     pool holds them; `page_bits`: log2 of the page size."""
 
-    def __init__(self, config: CacheConfig, stream, window_tables: dict, page_bits: int):
+    def __init__(self, config: CacheConfig, stream, mask_tables: dict, page_bits: int):
         dtype, shapes = config.storage_dtype, config.layer_shapes
         codes = config.mask_codes
         #: per layer: whether the tensor cores' wide tile serves it (K past 256, or V
@@ -112,16 +112,15 @@ class Routing:
         # not positive (the tensor cores' softmax needs one)
         self._decode_generic = not all(self.decode_fast) or any(self.wide)
         self._prefill_fast = any(self.prefill_fast)
-        self.window_tables = window_tables
-        self.windows = sorted(window_tables)
-        fast_windows = sorted({code for code, fast in zip(codes, self.decode_fast) if fast})
-        self._decode_sections = [(window, Sections.decode(window)) for window in fast_windows]
+        self.mask_tables = mask_tables
+        fast_codes = sorted({code for code, fast in zip(codes, self.decode_fast) if fast})
+        self._decode_sections = [(code, Sections.decode(code)) for code in fast_codes]
         self.page_bits = page_bits
         self.stream = stream
         self.workspace = AttentionWorkspace()
         self._ramp = np.arange(0, dtype=np.int32)    # every segment's index, grown on demand
         self._all_last = self._ramp
-        self._runs = {}       # the last step's decode runs, by window
+        self._runs = {}       # the last step's decode runs, by mask code
 
     # ------------------------------------------------------------------ host, per step
     def route(self, seq_info: np.ndarray, max_q_len: int, max_kv_len: int, upload) -> StepRoutes:
@@ -141,10 +140,10 @@ class Routing:
             decode_segs = np.flatnonzero(is_decode).astype(np.int32)
             prefill_segs = np.flatnonzero(~is_decode).astype(np.int32)
             routes = StepRoutes(_group(seq_info, decode_segs), _group(seq_info, prefill_segs))
-        if routes.decode.n:           # a work list per fast window, a list for the generic
-            for window, name in self._decode_sections:
-                routes.decode_chunks[window] = placed = decode.chunks_into(
-                    seq_info, decode_segs, window=window, staging=upload, at=upload.end)
+        if routes.decode.n:           # a work list per fast mask code, a list for the generic
+            for mask_code, name in self._decode_sections:
+                routes.decode_chunks[mask_code] = placed = decode.chunks_into(
+                    seq_info, decode_segs, mask_code=mask_code, staging=upload, at=upload.end)
                 upload.mark(name, placed.combine_off + placed.n_combine * decode.COMBINE_FIELDS)
             if self._decode_generic:
                 upload.put(Sections.DECODE_LIST, decode_segs)
@@ -191,24 +190,24 @@ class Routing:
         return found
 
     def _decode_runs(self, chunks: dict, tables, info_at: int) -> dict:
-        """A `decode.DecodeRun` per window of the step's placed `chunks`. One the last step
+        """A `decode.DecodeRun` per mask code of the step's placed `chunks`. One the last step
         made for the same tables, placed alike, is taken again, with the launches it has
         bound (a steady decode loop binds them once)."""
         runs = self._runs
-        for window, found in chunks.items():
-            run = runs.get(window)
+        for mask_code, found in chunks.items():
+            run = runs.get(mask_code)
             if run is None or run.tables is not tables or run.seq_info_off != info_at or \
                     run.placed != found:
-                rows, pages = self.window_tables[window]
-                runs[window] = decode.DecodeRun(
+                rows, pages = self.mask_tables[mask_code]
+                runs[mask_code] = decode.DecodeRun(
                     tables, seq_info_off=info_at, placed=found, workspace=self.workspace,
-                    ring_rows=rows, window=window, pages=pages, page_bits=self.page_bits,
+                    ring_rows=rows, mask_code=mask_code, pages=pages, page_bits=self.page_bits,
                     stream=self.stream)
         return runs.copy()
 
     # ------------------------------------------------------------------ device, per layer
     def run(self, routes: StepRoutes, layer: int, q, k_store, v_store, out, lse, sinks, *,
-            ring_rows, window, pages, scale, softcap) -> None:
+            ring_rows, mask_code, pages, scale, softcap) -> None:
         """Launch the step's paths for one layer (`layer`; `k_store`, `v_store`: its slot
         storage, `pages`: its page group's device page table): each writes its segments' rows
         of `out`, and of `lse` (float32 `[width, n_q_heads]`) their log-sum-exps unless it
@@ -216,28 +215,28 @@ class Routing:
         `sinks` (float32 `[n_q_heads]`) has no elements (`sinks.no_sinks()`)."""
         if routes.decode.n:
             if self.decode_fast[layer] and (scale > 0 or not self.wide[layer]):
-                routes.decode_runs[window](q, k_store, v_store, out, lse, sinks, scale,
+                routes.decode_runs[mask_code](q, k_store, v_store, out, lse, sinks, scale,
                                            softcap)
             else:
                 routes.decode_generic(q, k_store, v_store, pages, out, lse, sinks, ring_rows,
-                                      window, scale, softcap)
+                                      mask_code, scale, softcap)
         if not routes.prefill.n:
             return
         run = routes.prefill_fast if self.prefill_fast[layer] and scale > 0 else \
             routes.prefill_generic
-        run(q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale, softcap)
+        run(q, k_store, v_store, pages, out, lse, sinks, ring_rows, mask_code, scale, softcap)
 
 
 def upload_entries(config: CacheConfig) -> int:
     """int32 entries the upload of a usual step takes: per token its sequence and position,
-    a segment (at most one per token) and its place in a path's list; per layer window a
+    a segment (at most one per token) and its place in a path's list; per layer mask code a
     decode plan of one chunk per segment plus the chunks of `max_seqs` sequences at
     capacity. A step that needs more grows the buffers (`upload.Upload.reserve`)."""
     per_token = 2 + SEQ_INFO_FIELDS + 1
     chunks = config.max_step + min(config.max_step, config.max_seqs) * \
         -(-config.capacity // decode.CHUNK_KEYS)
-    windows = len(set(config.mask_codes))
-    return per_token * config.max_step + windows * (decode.WORK_FIELDS * chunks +
+    n_codes = len(set(config.mask_codes))
+    return per_token * config.max_step + n_codes * (decode.WORK_FIELDS * chunks +
                                                    decode.COMBINE_FIELDS * config.max_step)
 
 

@@ -53,12 +53,12 @@ def key_range_of(chunks: bool):
     (`chunks` True) or for flat and sliding-window layers only (`chunks` False: the
     chunk's division is not compiled in, and a chunk code reads as flat)."""
     @cuda.jit(device=True)
-    def key_range(i, q_len, pos_start, block, window):
+    def key_range(i, q_len, pos_start, block, mask_code):
         """`[lo, hi)`: the keys query `i` of a segment sees (one interval, moving forward
         with `i`).
 
-        `window` is the layer's mask code (`LayerSpec.window_code`): 0 none, W > 0 a
-        sliding window, -C chunks of C positions.
+        `mask_code` is the layer's mask code (`CacheConfig.mask_codes`): 0 none, W > 0 a
+        sliding window of W positions, -C chunks of C positions.
         Causal: `lo(p) <= j <= p`, with `lo(p) = 0` without a window; `max(0, p - W + 1)`
         for a sliding window (FlashAttention's `window_size=(W - 1, 0)`, Hugging Face's
         `sliding_window=W`); `C * (p // C)` for chunks (the query's own chunk: Hugging
@@ -68,10 +68,10 @@ def key_range_of(chunks: bool):
         """
         p = pos_start + i
         lo = 0
-        if window > 0:
-            lo = max(0, p - window + 1)
-        elif chunks and window < 0:
-            lo = p - int64(uint32(p) % uint32(-window))
+        if mask_code > 0:
+            lo = max(0, p - mask_code + 1)
+        elif chunks and mask_code < 0:
+            lo = p - int64(uint32(p) % uint32(-mask_code))
         if block:
             return min(lo, pos_start), pos_start + q_len
         return lo, p + 1

@@ -33,8 +33,8 @@ _zero = Specialised(_zero_rows)
 
 def prepare(width: int, first_token: int, stream=0):
     """The prepared half of `zero_rows` for outputs of `width` rows: the launch bound once per
-    step (`launch(out, lse)`, `lse` of no rows for none: `launch.no_output()`), or None
-    when there is nothing to zero."""
+    step (`launch(out, lse)`, `lse` of no rows for none: `launch.calling.no_output()`), or
+    None when there is nothing to zero."""
     n_rows = width - first_token
     if n_rows <= 0:
         return None

@@ -16,7 +16,11 @@ from functools import lru_cache
 import numpy as np
 
 from ..device import cuda
-from .intrinsics import ptx
+from .softmax import merge
+
+from numba import float32  # noqa: E402  (after kvnumba.device chose the target)
+
+ONE = float32(1.0)
 
 
 @cuda.jit(device=True, inline="always")
@@ -27,9 +31,8 @@ def with_sink(best, total, sink):
     row's unnormalised accumulator scales by `weight = 2**(best - best')` (so its output
     is `acc * weight / total'`, its log-sum-exp `ln 2 * (best' + log2 total')`). Base 2
     throughout: natural-log states convert with `LOG2E` in and `LN2` out."""
-    new = max(best, sink)
-    weight = ptx.exp2_approx(best - new)
-    return new, weight, total * weight + ptx.exp2_approx(sink - new)
+    new, total, weight, _ = merge(best, total, sink, ONE, ONE)
+    return new, weight, total
 
 
 @lru_cache(maxsize=None)

@@ -8,7 +8,7 @@ chip's bandwidth with few instructions per key. This module is the path's host f
 * `chunk_tables` / `chunks_into` (from `decode.chunks`): each served segment's key range cut into
   chunks of `CHUNK_KEYS` keys, one work item each, and the combine table of the
   segments cut into several;
-* `prepare` (a `DecodeRun`, once per step and layer window) and `run` (per layer):
+* `prepare` (a `DecodeRun`, once per step and mask code) and `run` (per layer):
   the launch bound once per signature, then only each layer's arrays and scalars;
 * `supports` / `block_rows` (from `decode.shape`): what the path serves, rows per
   block.
@@ -62,9 +62,9 @@ def check_storage(head_dim: int, k_store, v_store, v_dim: int | None = None) -> 
 
 
 class DecodeRun:
-    """The decode launches of one step for the layers of one window (`prepare`): the
-    step's tables (their device buffer, where the segment table sits in it, the window's
-    placed chunk tables: `PlacedChunks`), the window's ring rows, its layer kind's page table
+    """The decode launches of one step for the layers of one mask code (`prepare`): the
+    step's tables (their device buffer, where the segment table sits in it, the mask code's
+    placed chunk tables: `PlacedChunks`), the layers' ring rows, its layer kind's page table
     (`pages`, int32 `[n_seq_rows, pages_per_seq]` on the device, and `page_bits`) and
     the stream fixed.
 
@@ -73,7 +73,7 @@ class DecodeRun:
     a float32 `[n_q_heads]` device array, or `sinks.no_sinks()`) looks its
     signature up: q's dtype, q heads and 16-byte alignment, softcap and sinks on or off,
     the layer's head_dim, kv heads and V's width, in out and in its storage rows (layers
-    of one window may differ in shape; a latent layer's V rows are K's). The
+    of one mask code may differ in shape; a latent layer's V rows are K's). The
     first call of a signature checks the storage (`check_storage`), works out the block
     rows, row groups and grid, sizes the partials, picks the kernel variant and binds it
     and the combine (`combine.prepare`); later calls pack their arrays and scalars only.
@@ -82,10 +82,10 @@ class DecodeRun:
     """
 
     def __init__(self, tables, *, seq_info_off: int, placed: PlacedChunks, workspace,
-                 ring_rows: int, window: int, pages, page_bits: int, stream=0,
+                 ring_rows: int, mask_code: int, pages, page_bits: int, stream=0,
                  tensor_cores: bool | None = None):
         self.tables, self.seq_info_off, self.placed = tables, seq_info_off, placed
-        self.workspace, self.ring_rows, self.window = workspace, ring_rows, window
+        self.workspace, self.ring_rows, self.mask_code = workspace, ring_rows, mask_code
         self.pages, self.page_bits, self.stream = pages, page_bits, stream
         self.tensor_cores = tensor_cores
         self.n_items = placed.n_items
@@ -143,12 +143,12 @@ class DecodeRun:
             # so the kernel splits its block index with a shift
             row_group_bits = (-(-cuda_rows // rows) - 1).bit_length()
             kernel = decode_kernel(head_dim, storage.name, rows, bool(capped),
-                                   np.dtype(dtype).name, vectors, bool(sunk), self.window < 0)
+                                   np.dtype(dtype).name, vectors, bool(sunk), self.mask_code < 0)
             decodes.append(kernel.bind(
                 (self.n_items << row_group_bits, n_kv_heads), THREADS, self.stream, PER_CALL,
                 PER_CALL, PER_CALL, self.tables, self.pages, PER_CALL, PER_CALL, PER_CALL,
                 part_acc, part_ml, seq_info_off, placed.work_off, max_q_len, group,
-                row_group_bits, self.ring_rows, self.window, self.page_bits, PER_CALL,
+                row_group_bits, self.ring_rows, self.mask_code, self.page_bits, PER_CALL,
                 PER_CALL, most))
         if group * max_q_len > most:
             decodes.append(self._bind_grouped(q, k_store, v_store, out, group, bool(capped),
@@ -213,19 +213,19 @@ class DecodeRun:
                            PER_CALL, PER_CALL, PER_CALL, self.pages, int(self.page_bits),
                            self.tables, PER_CALL, PER_CALL, PER_CALL, int(self.seq_info_off),
                            int(placed.work_off), n_row_tiles, group, int(self.ring_rows),
-                           int(self.window), PER_CALL, PER_CALL, part_acc, part_ml,
+                           int(self.mask_code), PER_CALL, PER_CALL, part_acc, part_ml,
                            int(placed.max_q_len), int(most))
 
 
 def prepare(tables, *, seq_info_off, work_off, n_items, combine_off, n_combine, n_parts,
-            max_q_len, workspace, ring_rows, window, pages, page_bits, stream=0,
+            max_q_len, workspace, ring_rows, mask_code, pages, page_bits, stream=0,
             tensor_cores=None, min_q_len=1) -> DecodeRun:
-    """The prepared half of `run`: what a step fixes for its layers of one window, once
+    """The prepared half of `run`: what a step fixes for its layers of one mask code, once
     (`DecodeRun`); the arguments are `run`'s."""
     placed = PlacedChunks(int(work_off), int(n_items), int(combine_off), int(n_combine),
                           int(n_parts), int(max_q_len), int(min_q_len))
     return DecodeRun(tables, seq_info_off=int(seq_info_off), placed=placed,
-                     workspace=workspace, ring_rows=int(ring_rows), window=int(window),
+                     workspace=workspace, ring_rows=int(ring_rows), mask_code=int(mask_code),
                      pages=pages, page_bits=int(page_bits), stream=stream,
                      tensor_cores=tensor_cores)
 
@@ -254,8 +254,8 @@ def run(q, k_store, v_store, tables, *, pages=None, page_bits=None, out, scale, 
     `step`: the step's `seq_info_off`, `work_off`, `n_items`, `combine_off`,
     `n_combine`, `n_parts`, `max_q_len` and `min_q_len` (the chunk tables'; `min_q_len`
     1 unless given), the `workspace`, `ring_rows`
-    (0: flat, or R) and `window` (the mask code: 0, W or -C), as `prepare` takes them with `pages` and
-    `page_bits`; or `planned`, what `prepare` returned for this step and window (a cache
+    (0: flat, or R) and `mask_code` (the layer's mask code: 0, W or -C), as `prepare` takes them with `pages` and
+    `page_bits`; or `planned`, what `prepare` returned for this step and mask code (a cache
     plans once per step, and its layers pass their own storage only: `pages` and
     `page_bits` are the chunk tables' then). `step` may also hold `tensor_cores`: None
     (the rule, `shape.grouped`: a segment of more rows, group times its queries, than

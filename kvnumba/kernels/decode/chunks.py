@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit, uint64
 
 from ...arith.positions import SEQ, POS_START, Q_LEN, Q_START
-from ..generic import DECODE_MAX_Q_LEN
+from ..generic.shape import DECODE_MAX_Q_LEN
 
 # --- the chunk tables (int32), packed by the caller into the step's `tables` -----------
 #: work table: one row per (segment, key chunk); it carries the segment fields the
@@ -76,13 +76,13 @@ def chunk_count(keys, chunk=CHUNK_KEYS):
     return max(1, (keys + chunk // 2) // chunk)
 
 
-def chunk_tables(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) -> ChunkTables:
+def chunk_tables(seq_info, segments, *, mask_code: int, chunk: int = CHUNK_KEYS) -> ChunkTables:
     """Cut the served segments' key ranges into chunks of `chunk` keys (host only, one
     compiled pass).
 
     seq_info: host [n_segments, SEQ_INFO_FIELDS] int32 segment table; segments: the
     indices of the segments this path serves (each `Q_LEN <= DECODE_MAX_Q_LEN`).
-    window: the layer's mask code (`masks.key_range`: 0 none, W, or -C). chunk: the nominal chunk, a power of two and a
+    mask_code: the layer's mask code (`masks.key_range`: 0 none, W, or -C). chunk: the nominal chunk, a power of two and a
     multiple of KEY_TILE.
 
     A segment's chunks are `chunk` keys each but the last, which also takes a
@@ -96,7 +96,7 @@ def chunk_tables(seq_info, segments, *, window: int, chunk: int = CHUNK_KEYS) ->
     bits = _chunk_bits(chunk)
     segments = np.asarray(segments, np.int32).reshape(-1)
     work, combine, n_parts, shortest, longest = _cut(np.asarray(seq_info, np.int32),
-                                                     segments, window, bits)
+                                                     segments, mask_code, bits)
     _check_queries(shortest, longest)
     return ChunkTables(work, combine, n_parts, chunk, longest, shortest)
 
@@ -116,7 +116,7 @@ class PlacedChunks(NamedTuple):
     min_q_len: int = 1
 
 
-def chunks_into(seq_info, segments, *, window: int, staging, at: int,
+def chunks_into(seq_info, segments, *, mask_code: int, staging, at: int,
               chunk: int = CHUNK_KEYS) -> PlacedChunks:
     """`chunk_tables`, its work and combine tables written straight into the host buffer of
     `staging` (a `Staging`) from entry `at`, back to back (one compiled call; the buffer
@@ -124,11 +124,11 @@ def chunks_into(seq_info, segments, *, window: int, staging, at: int,
     int32 arrays, as `chunk_tables` takes them."""
     bits = _CHUNK_BITS if chunk == CHUNK_KEYS else _chunk_bits(chunk)
     n_items, n_split, n_parts, shortest, longest = _cut_into(
-        seq_info, segments, window, bits, staging.host, at)
+        seq_info, segments, mask_code, bits, staging.host, at)
     if n_parts < 0:             # no room: grow, keeping what the step wrote before `at`
         staging.reserve(at + n_items * WORK_FIELDS + n_split * COMBINE_FIELDS, at)
         n_items, n_split, n_parts, shortest, longest = _cut_into(
-            seq_info, segments, window, bits, staging.host, at)
+            seq_info, segments, mask_code, bits, staging.host, at)
     _check_queries(shortest, longest)
     combine_off = at + n_items * WORK_FIELDS
     return PlacedChunks(at, n_items, combine_off, n_split, n_parts, longest, shortest)
@@ -152,16 +152,16 @@ def _check_queries(shortest: int, longest: int) -> None:
 
 
 @njit(cache=True)
-def _key_span(seq_info, seg, window):
+def _key_span(seq_info, seg, mask_code):
     """`(lo, hi)`: the keys any query of segment `seg` sees. Its queries' intervals move
     forward (`masks.key_range`), so their union runs from the first query's lo (a
     draft block's too: its lo never passes pos_start) to pos_start + q_len."""
     pos_start = seq_info[seg, POS_START]
     lo = 0
-    if window > 0:
-        lo = max(pos_start - (window - 1), 0)
-    elif window < 0:
-        lo = pos_start - pos_start % -window
+    if mask_code > 0:
+        lo = max(pos_start - (mask_code - 1), 0)
+    elif mask_code < 0:
+        lo = pos_start - pos_start % -mask_code
     return lo, pos_start + seq_info[seg, Q_LEN]
 
 
@@ -173,7 +173,7 @@ def _chunks(keys, half, bits):
 
 
 @njit(cache=True)
-def _count(seq_info, segments, window, half, bits):
+def _count(seq_info, segments, mask_code, half, bits):
     """`(n_items, n_split, shortest, longest)`: the work rows and split segments of the
     cut into chunks of `1 << bits` keys, and the shortest and longest segment (1 and 0
     when there are none)."""
@@ -185,7 +185,7 @@ def _count(seq_info, segments, window, half, bits):
         q_len = seq_info[seg, Q_LEN]
         shortest = min(shortest, q_len)
         longest = max(longest, q_len)
-        lo, hi = _key_span(seq_info, seg, window)
+        lo, hi = _key_span(seq_info, seg, mask_code)
         chunks = _chunks(hi - lo, half, bits)
         n_items += chunks
         n_split += chunks > 1
@@ -193,7 +193,7 @@ def _count(seq_info, segments, window, half, bits):
 
 
 @njit(cache=True)
-def _fill(seq_info, segments, window, bits, out, work_at, combine_at):
+def _fill(seq_info, segments, mask_code, bits, out, work_at, combine_at):
     """Write the work rows (from `out[work_at]`) and combine rows (from `out[combine_at]`,
     see the module constants) of the cut `_count` sized, flat row-major; returns the
     partial slots used.
@@ -208,7 +208,7 @@ def _fill(seq_info, segments, window, bits, out, work_at, combine_at):
     split = uint64(combine_at)
     part = 0
     for seg in segments:
-        lo, hi = _key_span(seq_info, seg, window)
+        lo, hi = _key_span(seq_info, seg, mask_code)
         chunks = _chunks(hi - lo, half, bits)
         seq, q_start, q_len = seq_info[seg, SEQ], seq_info[seg, Q_START], seq_info[seg, Q_LEN]
         if chunks == 1:
@@ -250,31 +250,31 @@ _COMBINE_SEG, _COMBINE_PART, _COMBINE_PARTS, _COMBINE_FIELDS = map(
 
 
 @njit(cache=True)
-def _cut(seq_info, segments, window, bits):
+def _cut(seq_info, segments, mask_code, bits):
     """The work and combine tables for nominal chunks of `1 << bits` keys, the partial
     slots used, and the shortest and longest segment (1 and 0 when there are none).
 
     Compiled passes over the segments (count, then fill): a step's chunk tables cost a few µs
     of host time however many segments it has.
     """
-    n_items, n_split, shortest, longest = _count(seq_info, segments, window,
+    n_items, n_split, shortest, longest = _count(seq_info, segments, mask_code,
                                                  (1 << bits) >> 1, bits)
     middle = n_items * WORK_FIELDS
     tables = np.empty(middle + n_split * COMBINE_FIELDS, np.int32)
-    n_parts = _fill(seq_info, segments, window, bits, tables, 0, middle)
+    n_parts = _fill(seq_info, segments, mask_code, bits, tables, 0, middle)
     return (tables[:middle].reshape((n_items, WORK_FIELDS)),
             tables[middle:].reshape((n_split, COMBINE_FIELDS)), n_parts, shortest, longest)
 
 
 @njit(cache=True)
-def _cut_into(seq_info, segments, window, bits, out, at):
+def _cut_into(seq_info, segments, mask_code, bits, out, at):
     """`_cut` into the flat int32 buffer `out`, the work rows from entry `at` and the
     combine rows right after them; `(n_items, n_split, n_parts, shortest, longest)`,
     n_parts -1 (nothing written) when they do not fit."""
-    n_items, n_split, shortest, longest = _count(seq_info, segments, window,
+    n_items, n_split, shortest, longest = _count(seq_info, segments, mask_code,
                                                  (1 << bits) >> 1, bits)
     middle = at + n_items * WORK_FIELDS
     if middle + n_split * COMBINE_FIELDS > out.size:
         return n_items, n_split, -1, shortest, longest
-    n_parts = _fill(seq_info, segments, window, bits, out, at, middle)
+    n_parts = _fill(seq_info, segments, mask_code, bits, out, at, middle)
     return n_items, n_split, n_parts, shortest, longest

@@ -59,6 +59,7 @@ from ..intrinsics import ptx
 from ..launch.constants import LN2, LOG2E, NEG_INF, WARP
 from ..launch.calling import PER_CALL, Specialised, no_output
 from ..sinks import no_sinks, with_sink
+from ..softmax import merge, rescaling
 from .chunks import COMBINE_FIELDS, COMBINE_PART, COMBINE_PARTS, COMBINE_SEG
 from ..masks import read_segment
 
@@ -82,6 +83,7 @@ VEC = 4
 MAX_GRID_Y = MAX_GRID_Z = 65535
 
 ZERO = float32(0.0)
+ONE = float32(1.0)
 
 assert PART_GROUPS & (PART_GROUPS - 1) == 0 and UNROLL & (UNROLL - 1) == 0
 
@@ -137,12 +139,9 @@ def _combine_kernel(head_dim: int):
     @cuda.jit(device=True, inline="always")
     def _fold(run_m, run_s, a0, a1, a2, a3, m, s, b0, b1, b2, b3):
         """Merge state (m, s, b) into (run_m, run_s, a): base-2 log-sum-exp."""
-        best = max(run_m, m)
-        base = best if best != NEG_INF else ZERO
-        wa = ptx.exp2_approx(run_m - base)
-        wb = ptx.exp2_approx(m - base)
-        return (best, run_s * wa + s * wb, a0 * wa + b0 * wb, a1 * wa + b1 * wb,
-                a2 * wa + b2 * wb, a3 * wa + b3 * wb)
+        best, total, wa, wb = merge(run_m, run_s, m, s, ONE)
+        return (best, total, a0 * wa + b0 * wb, a1 * wa + b1 * wb, a2 * wa + b2 * wb,
+                a3 * wa + b3 * wb)
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (THREADS, 1)}))
     def combine(tables, part_acc, part_ml, out, lse, sinks, seq_info_off, combine_off,
@@ -205,15 +204,14 @@ def _combine_kernel(head_dim: int):
             best = run_m
             for u in range(UNROLL):
                 best = max(best, m[u])
-            base = best if best != NEG_INF else ZERO
-            alpha = ptx.exp2_approx(run_m - base)        # 0 while nothing is seen yet
+            alpha, _ = rescaling(run_m, best, ONE)       # 0 while nothing is seen yet
             run_s *= alpha
             a0 *= alpha
             a1 *= alpha
             a2 *= alpha
             a3 *= alpha
             for u in range(UNROLL):
-                weight = ptx.exp2_approx(m[u] - base)
+                weight, _ = rescaling(m[u], best, ONE)
                 run_s += weight * s[u]
                 a0 += weight * w[u, 0]
                 a1 += weight * w[u, 1]
@@ -250,11 +248,10 @@ def _combine_kernel(head_dim: int):
             best = NEG_INF
             for j in range(SLOTS):
                 best = max(best, slot_m[j])
-            base = best if best != NEG_INF else ZERO
             total = ZERO
             value = ZERO
             for j in range(SLOTS):
-                weight = ptx.exp2_approx(slot_m[j] - base)
+                weight, _ = rescaling(slot_m[j], best, ONE)
                 total += weight * slot_s[j]
                 value += weight * slot_acc[j, tid]
             if sunk:
@@ -272,8 +269,8 @@ def prepare(tables, part_acc, part_ml, *, seq_info_off, combine_off, n_combine, 
     """The prepared half of `run`: the merge of one step's split segments into outputs of
     `n_q_heads` q heads and `head_dim`, bound to its tables and partials (the kernel,
     grid and block worked out once); `launch(out, lse, sinks)` merges into `out` (and
-    `lse`, unless it has no rows: `launch.no_output()`; with the heads' `sinks` unless it
-    has no elements: `sinks.no_sinks()`). None when there is nothing to merge."""
+    `lse`, unless it has no rows: `launch.calling.no_output()`; with the heads' `sinks`
+    unless it has no elements: `sinks.no_sinks()`). None when there is nothing to merge."""
     if n_combine <= 0:
         return None
     if n_q_heads > MAX_GRID_Z or max_q_len > MAX_GRID_Y:

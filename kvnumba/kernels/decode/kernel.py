@@ -73,11 +73,12 @@ from ..launch.constants import LN2, LOG2E, NEG_INF, WARP
 from .chunks import (WORK_SEQ, WORK_FIELDS, WORK_KEY_HI, WORK_KEY_LO, WORK_PART, WORK_Q_LEN,
                      WORK_Q_START, WORK_SEG)
 from .shape import LAUNCH_BOUNDS, THREADS, UNROLL, KernelShape
-from .trip import NO_KEY, ZERO, trip_functions
+from .trip import NO_KEY, ONE, ZERO, trip_functions
 from ..intrinsics.words import WIDEN, query_loader
 from ..launch.calling import Specialised
 from ..masks import key_range_of
 from ..sinks import with_sink
+from ..softmax import rescaling
 
 from numba import float32, int32, uint32, uint64  # noqa: E402  (after kvnumba.device)
 
@@ -186,14 +187,15 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
             best = max(best, slot_ml[0, r, s])
         total = ZERO
         for s in range(SLOTS):
-            weights[s] = ptx.exp2_approx(slot_ml[0, r, s] - best)
-            total += weights[s] * slot_ml[1, r, s]
+            weight, _ = rescaling(slot_ml[0, r, s], best, ONE)
+            weights[s] = weight
+            total += weight * slot_ml[1, r, s]
         return best, total
 
     @cuda.jit(**LAUNCH_BOUNDS)
     def decode(q, k_store, v_store, tables, pages, out, lse, sinks, part_acc, part_ml,
                seq_info_off,
-               work_off, max_q_len, group, row_group_bits, ring_rows, window, page_bits, scale,
+               work_off, max_q_len, group, row_group_bits, ring_rows, mask_code, page_bits, scale,
                softcap, most_rows):
         tid = int32(cuda.threadIdx.x)
         warp = tid >> 5
@@ -293,7 +295,7 @@ def decode_kernel(head_dim: int, storage: str, rows: int, capped: bool,
         run_sum = cuda.local.array(HELD, float32)
         for j in range(HELD):
             i = ptx.shfl_idx(index, own + j)
-            lo, hi = key_range(min(i, q_len - 1), q_len, pos_start, in_block, window)
+            lo, hi = key_range(min(i, q_len - 1), q_len, pos_start, in_block, mask_code)
             lo = max(lo, key_lo)
             hi = min(hi, key_hi)
             held_lo[j] = int32(lo - key_lo + lead)

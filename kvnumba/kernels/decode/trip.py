@@ -184,7 +184,9 @@ def trip_functions(shape: KernelShape, widen, capped: bool) -> tuple:
                 score[u, j] = s
                 best = max(best, s)
             # the reference max moves only when a score passes it by RESCALE_SLACK
-            # (also at the row's first visible key: the reference is NO_KEY until then)
+            # (also at the row's first visible key: the reference is NO_KEY until then).
+            # Not `softmax.rescaling`: the reference is never -inf, and that guard would
+            # add two instructions to the trip's hot path
             ref = run_max[j]
             alpha[j] = ONE
             if best > ref + float32(RESCALE_SLACK):

@@ -62,7 +62,7 @@ ADDRESS_BITS = {GLOBAL: 64, SHARED: 32}
 
 def state_address(context, builder, sig, args, space, at=0):
     """Address of flat element `args[at + 1]` of array `args[at]` in a PTX state space:
-    64-bit global, or 32-bit shared window (what `ldmatrix` / `cp.async` take).
+    64-bit global, or 32-bit shared-space address (what `ldmatrix` / `cp.async` take).
 
     LLVM turns the cast into `cvta.to.global` / `cvta.to.shared`, or drops it where it
     can see where the pointer came from (a shared array).
@@ -103,7 +103,7 @@ def check_numbers(name, *values):
 
 
 def shared_address32(context, builder, array_type, array, index_type, index):
-    """The 32-bit shared-window address of flat element `index` of a shared array, as
+    """The 32-bit shared-space address of flat element `index` of a shared array, as
     its base plus a 32-bit offset: the base is the same value for every index, so that
     ptxas may fold constant offsets into the instruction's address."""
     data = context.make_array(array_type)(context, builder, value=array).data

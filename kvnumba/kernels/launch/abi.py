@@ -93,7 +93,7 @@ def describe(array) -> tuple:
 
     A Numba device array never changes its pointer or shape, so its description is kept
     on it (later launches read it back in one attribute lookup); an array that carries
-    one from the start (`launch.DeviceView`) is taken at its word; any other is read from
+    one from the start (`launch.calling.DeviceView`) is taken at its word; any other is read from
     its `__cuda_array_interface__` and typed as Numba types it, at every launch.
     """
     found = getattr(array, ARGUMENT, None)

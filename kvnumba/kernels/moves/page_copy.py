@@ -20,7 +20,7 @@ no item needs a division. A block row has the lanes of a whole page's vectors
 (`write.vector_lanes`), so a run of fewer rows leaves some idle; a run's last vector
 (`_last_vector`) follows its rows. The element-wise path's items are (plane, run),
 taken in a grid stride that steps both indices without a division (`masks.step_on`),
-each with the lanes of a page's elements (`launch.run_block`). A row that is not a
+each with the lanes of a page's elements (`launch.calling.run_block`). A row that is not a
 whole number of vectors (1-byte elements with an odd `n_kv_heads * head_dim`, float32
 with `n_kv_heads * head_dim` not a multiple of 4, ...), a page of more than
 `write.WIDE_RUN_BYTES`, or a group not on a 16-byte boundary is copied element by

@@ -64,7 +64,7 @@ class PrefillRun:
     """The prefill launches of one step (`prepare`): the step's tables (where the segment
     table and the served list are), how many segments, the longest, `page_bits`, the
     tile and the stream fixed. A call (`run(q, k_store, v_store, pages, out, lse, sinks,
-    ring_rows, window, scale, softcap)`, once per layer) looks its signature up: q's and
+    ring_rows, mask_code, scale, softcap)`, once per layer) looks its signature up: q's and
     out's dtypes and heads, q's 16-byte alignment, the storage's dtype and heads, V's
     width in out and in its storage rows, out's 16-byte alignment, softcap and sinks on
     or off. The first call of
@@ -79,7 +79,7 @@ class PrefillRun:
         self.stream, self.tile = stream, tile
         self._launches = {}
 
-    def __call__(self, q, k_store, v_store, pages, out, lse, sinks, ring_rows, window, scale,
+    def __call__(self, q, k_store, v_store, pages, out, lse, sinks, ring_rows, mask_code, scale,
                  softcap) -> None:
         if self.n_segments == 0 or self.max_q_len == 0:
             return
@@ -96,7 +96,7 @@ class PrefillRun:
             launch = self._launches[key] = self._bind(
                 q, k_store, v_dim, shares_rows(k_store, v_store), mma, stored, key[2],
                 *key[-3:])
-        launch(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows), int(window),
+        launch(q, k_store, v_store, pages, out, lse, sinks, int(ring_rows), int(mask_code),
                np.float32(scale), np.float32(softcap))
 
     def _bind(self, q, k_store, v_dim: int, v_in_k: bool, mma: str, stored: str,
@@ -146,7 +146,7 @@ def prepare(tables, *, seq_info_off, segments_off, n_segments, max_q_len, page_b
 
 
 def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments_off,
-        n_segments, max_q_len, out, ring_rows, window, scale, softcap, lse=None, sinks=None,
+        n_segments, max_q_len, out, ring_rows, mask_code, scale, softcap, lse=None, sinks=None,
         stream=0, tile=None):
     """Attention of the listed segments' queries over their own sequence's keys, into `out`.
 
@@ -165,7 +165,7 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     up to its keys' last (flat) or all ring_rows rows (ring). tables: flat int32 device
     array; segment `s`, field `F` at `seq_info_off + s * SEQ_INFO_FIELDS + F`; the
     segments served are `tables[segments_off + i]`, `i < n_segments`, none longer than
-    `max_q_len`. ring_rows: 0 (flat) or R; window: the mask code (`masks.key_range`: 0, W or -C); softcap 0.0 = off.
+    `max_q_len`. ring_rows: 0 (flat) or R; mask_code: the layer's mask code (`masks.key_range`: 0, W or -C); softcap 0.0 = off.
     lse: None, or a float32 `[width, n_q_heads]` device array that receives each listed
     row's natural-log log-sum-exp of its (scaled, capped) scores. sinks: None, or a
     float32 `[n_q_heads]` device array: each q head's logit joins its rows' softmax
@@ -177,6 +177,6 @@ def run(q, k_store, v_store, tables, *, pages, page_bits, seq_info_off, segments
     prepare(tables, seq_info_off=seq_info_off, segments_off=segments_off,
             n_segments=n_segments, max_q_len=max_q_len, page_bits=page_bits, stream=stream,
             tile=tile)(q, k_store, v_store, pages, out, no_output() if lse is None else lse,
-                       no_sinks() if sinks is None else sinks, ring_rows, window, scale,
+                       no_sinks() if sinks is None else sinks, ring_rows, mask_code, scale,
                        softcap)
     return out

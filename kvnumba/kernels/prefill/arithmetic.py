@@ -27,6 +27,7 @@ from ...device import cuda
 from ..intrinsics import ptx, tensorcore
 from ..launch.constants import LN2, LOG2E, NEG_INF
 from ..sinks import with_sink
+from ..softmax import rescaling
 from .shape import ONES, PrefillShape
 from .staging import split_row, widener
 
@@ -206,14 +207,6 @@ def math_functions(shape: PrefillShape, sunk: bool = False, out_aligned: bool = 
                         s[h * S_FLOATS + 4 * n + i] = NEG_INF
 
     @cuda.jit(device=True)
-    def rescaling(m, new, scale_log2):
-        """(alpha, base) of a row whose running max goes from m to new (unscaled scores):
-        the factor for what it summed so far, and what exp2's argument subtracts. A row
-        with no visible key yet has new == -inf: it subtracts 0, and exp2(-inf) = 0."""
-        settled = new if new != NEG_INF else float32(0.0)
-        return ptx.exp2_approx((m - settled) * scale_log2), settled * scale_log2
-
-    @cuda.jit(device=True)
     def rescale(acc, i, alpha_a, alpha_b):
         """Scale the accumulator registers acc[i .. i + 4] (rows a, a, b, b)."""
         acc[i] *= alpha_a
@@ -225,10 +218,10 @@ def math_functions(shape: PrefillShape, sunk: bool = False, out_aligned: bool = 
     def softmax_step(s, pf, o, l, m, scale_log2):
         """Online softmax over one tile's unscaled scores (scale > 0: the max commutes
         with scaling, and `exp(scale s - scale m) = exp2(s scale_log2 - m scale_log2)`
-        is one FFMA and one `ex2.approx.ftz`), per half h (rows a = 2h, b = 2h + 1 of the
-        lane): new running maxima m (quad-wide), P packed into pf, O and the row sums l
-        rescaled. Once the maxima settle alpha is exactly 1 (exp2 of 0) and most tiles
-        skip the rescale."""
+        is one FFMA and one `ex2.approx.ftz`: `softmax.rescaling`), per half h (rows a =
+        2h, b = 2h + 1 of the lane): new running maxima m (quad-wide), P packed into pf, O
+        and the row sums l rescaled. Once the maxima settle alpha is exactly 1 (exp2 of
+        0) and most tiles skip the rescale."""
         for h in range(H):
             x_a = NEG_INF
             x_b = NEG_INF

@@ -4,12 +4,12 @@ one-warp block, staged as stored and widened from the fragments ldmatrix reads (
 narrow tile, `shape.narrow_staging`). `prefill.staging` stages the tiles, `prefill`
 plans and launches the kernel.
 
-Same semantics as `attention` (visible keys from `masks.key_range`, position p of a
-ring layer in row p % ring_rows, scale then optional softcap, float32 softmax and
-accumulation), for segments long enough to fill tensor-core tiles; scale > 0.
+Same semantics as the generic kernel (`generic.kernel`: visible keys from
+`masks.key_range`, position p of a ring layer in row p % ring_rows, scale then optional
+softcap, float32 softmax and accumulation), for segments long enough to fill tensor-core tiles; scale > 0.
 
 A block takes `block_rows` query *rows* of one segment and one kv head, packed GQA
-as in `attention`: row `r` of the segment is (token `r // group`, q head
+as in `generic.kernel`: row `r` of the segment is (token `r // group`, q head
 `kv_head * group + r % group`), so each K/V tile serves the whole group. Each warp owns
 16 or 32 consecutive rows (`default_warp_rows`): one or two m16 "halves" that share
 every K and V fragment. Per key tile of `block_keys` keys:
@@ -201,22 +201,23 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
     unmasked_tiles = key_tiles(False)
 
     @cuda.jit(device=True, inline="always")
-    def seen(i, q_len, pos_start, block, win, chunk_lo, chunk_hi):
+    def seen(i, q_len, pos_start, block, code, chunk_lo, chunk_hi):
         """The keys query `i` of a segment sees (`key_range`), inside the block's chunk
         [chunk_lo, chunk_hi) when the kernel is `split` (then perhaps none: lo >= hi)."""
-        lo, hi = key_range(i, q_len, pos_start, block, win)
+        lo, hi = key_range(i, q_len, pos_start, block, code)
         if SPLIT:
             return max(lo, chunk_lo), min(hi, chunk_hi)
         return lo, hi
 
     @cuda.jit
     def prefill(q, k_store, v_store, pages, page_bits, tables, out, lse, sinks, seq_info_off,
-                segments_off, n_row_tiles, group, ring_rows, window, scale, softcap,
+                segments_off, n_row_tiles, group, ring_rows, mask_code, scale, softcap,
                 part_acc, part_ml, max_q_len, least_rows):
         """`run`'s launch: pages and page_bits follow the slot storage they address, as
-        in `attention`'s kernel; grid (kv heads, served segments, row tiles). `split`:
-        grid (work items, kv heads, row tiles), `segments_off` the work table's offset,
-        `part_acc`, `part_ml` and `max_q_len` the partials' (`decode.combine`), and
+        in the generic kernel (`generic.kernel`); grid (kv heads, served segments, row
+        tiles). `split`: grid (work items, kv heads, row tiles), `segments_off` the work
+        table's offset, `part_acc`, `part_ml` and `max_q_len` the partials'
+        (`decode.combine`), and
         only the items of segments of more than `least_rows` rows (group times q_len:
         `decode.shape.grouped`; the CUDA-core kernel serves the others); else those
         four are unused."""
@@ -254,11 +255,11 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         # Integers are int32 from here (registers, 32-bit arithmetic). The block loads keys
         # [key_lo, key_hi), the union of its rows' intervals (inside its chunk when split),
         # in tiles j = 0 .. n_tiles.
-        win = int32(window)
-        key_lo, hi_block = seen(split_row(first_row, group)[0], q_len, pos_start, block, win,
+        code = int32(mask_code)
+        key_lo, hi_block = seen(split_row(first_row, group)[0], q_len, pos_start, block, code,
                                 chunk_lo, chunk_hi)
         lo_block, key_hi = seen(split_row(first_row + n_rows - 1, group)[0], q_len,
-                                pos_start, block, win, chunk_lo, chunk_hi)
+                                pos_start, block, code, chunk_lo, chunk_hi)
         key_lo = int32(key_lo)
         n_tiles = int32((key_hi - key_lo + BK - 1) // BK)
         if SPLIT:
@@ -275,9 +276,9 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         warp_row = int32(first_row + WR * (tid // 32))
         warp_end = int32(min(warp_row + WR, first_row + n_rows))
         lo_first, hi_first = seen(split_row(warp_row, group)[0], q_len, pos_start, block,
-                                  win, chunk_lo, chunk_hi)
+                                  code, chunk_lo, chunk_hi)
         lo_last, hi_last = seen(split_row(warp_end - 1, group)[0], q_len, pos_start, block,
-                                win, chunk_lo, chunk_hi)
+                                code, chunk_lo, chunk_hi)
         bounds = (int32((lo_first - key_lo) // BK),
                   int32((hi_last - key_lo + BK - 1) // BK if warp_row < warp_end else 0),
                   int32((lo_last - key_lo + BK - 1) // BK), int32((hi_first - key_lo) // BK))
@@ -287,7 +288,7 @@ def prefill_kernel(head_dim: int, block_rows: int, block_keys: int, storage: str
         hi = cuda.local.array(LANE_ROWS, int32)
         for r in range(LANE_ROWS):
             lo_r, hi_r = seen(split_row(min(warp_row + g + 8 * r, n_end - 1), group)[0],
-                              q_len, pos_start, block, win, chunk_lo, chunk_hi)
+                              q_len, pos_start, block, code, chunk_lo, chunk_hi)
             lo[r] = int32(lo_r - key_lo - 2 * t)
             hi[r] = int32(hi_r - key_lo - 2 * t)
 
