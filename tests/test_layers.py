@@ -86,3 +86,16 @@ def test_kernels_know_no_cache():
 def test_the_faces_over_a_control_import_no_cache(module):
     reached = {plane(name) for name in reach(module)}
     assert not reached & {"cache", "data", "kernels", "device"}, reached
+
+
+def test_no_module_over_500_lines_no_class_over_300():
+    import ast
+
+    from kvnumba.layers import PACKAGE
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        assert source.count("\n") <= 500, f"{path.relative_to(PACKAGE)}: over 500 lines"
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                assert lines <= 300, f"{path.relative_to(PACKAGE)}: {node.name}, {lines} lines"
