@@ -9,7 +9,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from typing import NamedTuple
 
 log = logging.getLogger("kvnumba.serve")
 
@@ -36,22 +36,21 @@ class Ticket:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
-@dataclass
-class Snapshot:
+class Snapshot(NamedTuple):
     """What `/metrics` reports, taken by the engine thread between steps: requests
     `running` and `waiting`, the model cache's pages `held` (by sequences), `cached`
     (by the prefix index alone) and `free`, the prefix cache's prompt tokens and hits,
     the draft tokens proposed and accepted."""
 
-    running: int = 0
-    waiting: int = 0
-    held: int = 0
-    cached: int = 0
-    free: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    proposed: int = 0
-    accepted: int = 0
+    running: int
+    waiting: int
+    held: int
+    cached: int
+    free: int
+    prompt_tokens: int
+    cached_tokens: int
+    proposed: int
+    accepted: int
 
 
 class EngineLoop:
@@ -64,7 +63,7 @@ class EngineLoop:
         self.engine = engine
         self.on_step = on_step
         self.inbox: queue.Queue = queue.Queue()
-        self.snapshot = Snapshot()
+        self.snapshot = Snapshot(*(0,) * len(Snapshot._fields))
         self.tickets: dict = {}         # rid -> Ticket, the engine thread's own
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="kvnumba-engine", daemon=True)
