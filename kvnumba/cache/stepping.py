@@ -43,8 +43,15 @@ class StepProtocol:
                       (shape.n_kv_heads * shape.head_dim, shape.n_kv_heads * shape.v_head_dim)
                       for spec, shape in zip(config.layers, config.layer_shapes)]
         self._storing = np.array([spec.stores for spec in config.layers])
+        # what each step starts from, worked out once: the layers counted as written
+        # before any write (the shared ones; `OpenStep.prepare` copies it), and whether
+        # every layer stores (then a commit checks `written` whole, without a mask)
+        self._unwritten = ~self._storing
+        self._all_store = bool(self._storing.all())
+        self._kv_shapes = (None, None)      # the last step's width and its `kv_shapes`
         self._writes = {}     # the last prepared step's K/V writes (`write.WriteRun`) by run
         self._layer_writes = ()     # and by layer
+        self._writes_for = (None, None)     # the width and tables they were made for
 
     def declare(self, seq_ids, blocks) -> StepPlan:
         next_state = self.machine.check("declare", "declare_step")
@@ -78,14 +85,10 @@ class StepProtocol:
         upload.send()
         pool.apply(upload, work)
         writes = self._layer_writes_for(width, upload.device)
-        kv_shapes = [None if runs is None else
-                     ((width, shape.n_kv_heads, shape.head_dim),
-                      None if shape.v_in_k else (width, shape.n_kv_heads, shape.v_head_dim))
-                     for runs, shape in zip(self._runs, config.layer_shapes)]
         step.prepare(width=width, pad_col=self.pad_col, tokens=tokens, upload=upload,
                      routes=routes, writes=writes,
                      zero=padding.prepare(width, step.n_tokens, self.stream),
-                     kv_shapes=kv_shapes, written=~self._storing,
+                     kv_shapes=self._kv_shapes_for(width), written=self._unwritten,
                      buffers=(pool.storage, upload, self.routing.workspace))
         self.machine.apply("prepare", next_state)
         return self.plan
@@ -93,7 +96,7 @@ class StepProtocol:
     def commit(self) -> None:
         next_state = self.machine.check("commit", "commit_step")
         step = self.step
-        written = step.written[self._storing]
+        written = step.written if self._all_store else step.written[self._storing]
         if 0 < np.count_nonzero(written) < written.size:
             raise half_written_refusal(step.written, self._storing)
         self.slots.advance("commit", step.seqs, step.totals)
@@ -114,6 +117,9 @@ class StepProtocol:
         """Per layer the write launches of a step of `width` tokens staged in `tables`
         (`write.WriteRun`s: one for K and V, or K's then V's where their widths differ;
         None for a shared layer), the last step's taken again where they fit."""
+        made_width, made_tables = self._writes_for
+        if width == made_width and tables is made_tables and self._layer_writes:
+            return self._layer_writes     # a steady loop's steps: the last step's, as they are
         found = self._writes
         if any(run.width != width or run.tables is not tables for run in found.values()):
             found.clear()
@@ -129,7 +135,21 @@ class StepProtocol:
             None if runs is None else
             (found[runs[0]],) if runs[0] == runs[1] else (found[runs[0]], found[runs[1]])
             for runs in self._runs)
+        self._writes_for = (width, tables)
         return self._layer_writes
+
+    def _kv_shapes_for(self, width: int) -> list:
+        """Per layer the shapes of its K and V inputs in a step of `width` tokens (None for
+        a shared layer, V's None for a latent layer); the last step's list when its width
+        was the same (read only: `OpenStep.kv_shapes`)."""
+        made_width, shapes = self._kv_shapes
+        if width != made_width:
+            shapes = [None if runs is None else
+                      ((width, shape.n_kv_heads, shape.head_dim),
+                       None if shape.v_in_k else (width, shape.n_kv_heads, shape.v_head_dim))
+                      for runs, shape in zip(self._runs, self.config.layer_shapes)]
+            self._kv_shapes = (width, shapes)
+        return shapes
 
     def check_declarable(self, seqs: np.ndarray) -> None:
         """What `declare` would raise first for `seqs` (valid ids, int64): an open step,

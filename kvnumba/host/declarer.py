@@ -74,11 +74,12 @@ class StepDeclarer:
         if block_ids is not None:
             seq_info[:, FLAGS] = flags
         self.slots.declare(ids)
-        # the logit rows are the tokens: a view of the read-only ramp
-        return OpenStep(n_tokens=n_tokens, seq_info=frozen(seq_info),
-                        logit_indices=self._arange[:n_tokens], max_q_len=1,
-                        max_kv_len=max_kv_len, spans=(ids, ones), seqs=ids, totals=ones,
-                        pages_needed=needed)
+        # the logit rows are the tokens: a view of the read-only ramp. `OpenStep`'s fields
+        # in order (n_tokens, seq_info, logit_indices, max_q_len, max_kv_len, spans, seqs,
+        # totals, pages_needed), passed by position: a class called with keywords builds
+        # a dict of them first, once a step
+        return OpenStep(n_tokens, frozen(seq_info), self._arange[:n_tokens], 1, max_kv_len,
+                        (ids, ones), ids, ones, needed)
 
     def _declare_spans(self, ids, block_ids) -> OpenStep:
         """Any step: its spans (maximal runs of one id) and their refusals."""
@@ -104,11 +105,9 @@ class StepDeclarer:
         seq_info[:, POS_START] = pos_start
         seq_info[:, FLAGS] = flags
         self.slots.declare(seqs)
-        return OpenStep(n_tokens=n_tokens, seq_info=frozen(seq_info),
-                        logit_indices=frozen(span_starts + span_lens - 1),
-                        max_q_len=int(_max(span_lens)), max_kv_len=max_kv_len,
-                        spans=(span_seqs, span_lens), seqs=seqs, totals=totals,
-                        pages_needed=needed)
+        return OpenStep(n_tokens, frozen(seq_info), frozen(span_starts + span_lens - 1),
+                        int(_max(span_lens)), max_kv_len, (span_seqs, span_lens), seqs, totals,
+                        needed)    # by position, as in `_declare_tokens`
 
     def _check_totals(self, seqs, totals) -> int:
         """Refuse a sequence writing more than max_write tokens, or reaching past capacity;

@@ -275,7 +275,12 @@ class PageAccounting:
         """Per group, the new pages a step of sequences `seqs` (int64, distinct) writing
         `totals` tokens from `pos[seq]` takes, copy-on-write pages included (`kinds`:
         `step_pages`); `no_pages` when it takes none."""
-        needed = tuple(g.kind.step_pages(g, seqs, totals, pos) for g in self.groups)
+        groups = self.groups
+        if len(groups) == 1:          # one group (a config of one layer kind): no generator
+            group = groups[0]
+            n = group.kind.step_pages(group, seqs, totals, pos)
+            return (n,) if n else self.no_pages
+        needed = tuple(g.kind.step_pages(g, seqs, totals, pos) for g in groups)
         return needed if any(needed) else self.no_pages
 
     def check_step_room(self, needed: tuple, verb: str) -> None:
@@ -316,12 +321,13 @@ class PageAccounting:
         rows) copy-on-write must run before the step writes."""
         if needed is self.no_pages:
             return _work(PageWork, (self.flush(None), self.no_copies, None))
-        patches, copies = None, list(self.no_copies)
+        patches, copies, copied = None, list(self.no_copies), False
         for i, (group, n) in enumerate(zip(self.groups, needed)):
             if n:
                 found, copies[i] = group.kind.claim_step(group, seqs, totals, pos, n)
                 patches = found if patches is None else np.concatenate([patches, found])
-        if not any(runs is not None for runs in copies):
+                copied = copied or copies[i] is not None
+        if not copied:
             return _work(PageWork, (self.flush(patches), self.no_copies, None))
         return _work(PageWork, (self.flush(patches), tuple(copies), None))
 

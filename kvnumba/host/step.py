@@ -36,7 +36,7 @@ class OpenStep:
                  "seqs", "totals", "pages_needed", "width", "pad_col", "tokens", "upload",
                  "routes", "writes", "zero", "kv_shapes", "written", "buffers")
 
-    def __init__(self, *, n_tokens: int, seq_info, logit_indices, max_q_len: int,
+    def __init__(self, n_tokens: int, seq_info, logit_indices, max_q_len: int,
                  max_kv_len: int, spans: tuple, seqs, totals, pages_needed: tuple):
         self.n_tokens, self.seq_info, self.logit_indices = n_tokens, seq_info, logit_indices
         self.max_q_len, self.max_kv_len, self.spans = max_q_len, max_kv_len, spans
