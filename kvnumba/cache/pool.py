@@ -79,10 +79,13 @@ class Pool:
         """Take a declared step's `needed` pages per group (growing the pools first:
         `CapacityError`, nothing taken, when they cannot); its `PageWork` as
         `PageAccounting.claim_step` gives it (`stage` and `apply` it with the step)."""
-        if needed is not self.accounting.no_pages:
-            self.reserve([(group, n) for group, n in zip(self.accounting.groups, needed) if n],
-                         verb)
-        return self.accounting.claim_step(seqs, totals, pos, needed)
+        accounting = self.accounting
+        if needed is not accounting.no_pages:
+            short = [(group, needed[i]) for i, group in accounting.stepping
+                     if needed[i] > group.n_free]      # the others have them free now
+            if short:
+                self.reserve(short, verb)
+        return accounting.claim_step(seqs, totals, pos, needed)
 
     def clone(self, src: int, dst: int, keep: int, upload, verb: str) -> None:
         """The pages and device work of `seq_clone` (module doc), through `upload` (an

@@ -48,10 +48,10 @@ class StepProtocol:
         # every layer stores (then a commit checks `written` whole, without a mask)
         self._unwritten = ~self._storing
         self._all_store = bool(self._storing.all())
-        self._kv_shapes = (None, None)      # the last step's width and its `kv_shapes`
         self._writes = {}     # the last prepared step's K/V writes (`write.WriteRun`) by run
-        self._layer_writes = ()     # and by layer
-        self._writes_for = (None, None)     # the width and tables they were made for
+        #: what the last prepared step's layers took: its width and tables, and per layer
+        #: its writes (`_layer_writes`) and the shapes of its K and V (`_kv_shapes`)
+        self._made = (None, None, (), None)
 
     def declare(self, seq_ids, blocks) -> StepPlan:
         next_state = self.machine.check("declare", "declare_step")
@@ -80,16 +80,20 @@ class StepProtocol:
         upload.mark(Sections.TOKENS, 2 * width)
         upload.mark(Sections.SEGMENTS, int(end))
         routes = self.routing.route(info, step.max_q_len, step.max_kv_len, upload)
-        pool.stage(upload, work)
+        if work is not pool.accounting.no_work:
+            pool.stage(upload, work)
         self.routing.bind(routes, upload)
         upload.send()
-        pool.apply(upload, work)
-        writes = self._layer_writes_for(width, upload.device)
-        step.prepare(width=width, pad_col=self.pad_col, tokens=tokens, upload=upload,
-                     routes=routes, writes=writes,
-                     zero=padding.prepare(width, step.n_tokens, self.stream),
-                     kv_shapes=self._kv_shapes_for(width), written=self._unwritten,
-                     buffers=(pool.storage, upload, self.routing.workspace))
+        if work is not pool.accounting.no_work:
+            pool.apply(upload, work)
+        made = self._made
+        if made[0] != width or made[1] is not upload.device:    # else a steady loop's step
+            made = self._made = (width, upload.device, self._layer_writes(width, upload.device),
+                                 self._kv_shapes(width))
+        step.prepare(width, self.pad_col, tokens, upload, routes, made[2],     # by position,
+                     padding.prepare(width, step.n_tokens, self.stream),   # `OpenStep.prepare`'s
+                     made[3], self._unwritten,                             # order
+                     (pool.storage, upload, self.routing.workspace))
         self.machine.apply("prepare", next_state)
         return self.plan
 
@@ -113,43 +117,31 @@ class StepProtocol:
             self.pool.accounting.abort(seqs, slots.pos)
         self._close(next_state, "abort")
 
-    def _layer_writes_for(self, width: int, tables) -> tuple:
+    def _layer_writes(self, width: int, tables) -> tuple:
         """Per layer the write launches of a step of `width` tokens staged in `tables`
         (`write.WriteRun`s: one for K and V, or K's then V's where their widths differ;
-        None for a shared layer), the last step's taken again where they fit."""
-        made_width, made_tables = self._writes_for
-        if width == made_width and tables is made_tables and self._layer_writes:
-            return self._layer_writes     # a steady loop's steps: the last step's, as they are
+        None for a shared layer)."""
         found = self._writes
         if any(run.width != width or run.tables is not tables for run in found.values()):
             found.clear()
-        if found and self._layer_writes:
-            return self._layer_writes
         config = self.config
         for runs in self._runs:
             for run in runs or ():
                 if run not in found:
                     found[run] = write.prepare(tables, width, run, config.storage_dtype,
                                                self.pool.accounting.page_bits, self.stream)
-        self._layer_writes = tuple(
+        return tuple(
             None if runs is None else
             (found[runs[0]],) if runs[0] == runs[1] else (found[runs[0]], found[runs[1]])
             for runs in self._runs)
-        self._writes_for = (width, tables)
-        return self._layer_writes
 
-    def _kv_shapes_for(self, width: int) -> list:
+    def _kv_shapes(self, width: int) -> list:
         """Per layer the shapes of its K and V inputs in a step of `width` tokens (None for
-        a shared layer, V's None for a latent layer); the last step's list when its width
-        was the same (read only: `OpenStep.kv_shapes`)."""
-        made_width, shapes = self._kv_shapes
-        if width != made_width:
-            shapes = [None if runs is None else
-                      ((width, shape.n_kv_heads, shape.head_dim),
-                       None if shape.v_in_k else (width, shape.n_kv_heads, shape.v_head_dim))
-                      for runs, shape in zip(self._runs, self.config.layer_shapes)]
-            self._kv_shapes = (width, shapes)
-        return shapes
+        a shared layer, V's None for a latent layer; read only: `OpenStep.kv_shapes`)."""
+        return [None if runs is None else
+                ((width, shape.n_kv_heads, shape.head_dim),
+                 None if shape.v_in_k else (width, shape.n_kv_heads, shape.v_head_dim))
+                for runs, shape in zip(self._runs, self.config.layer_shapes)]
 
     def check_declarable(self, seqs: np.ndarray) -> None:
         """What `declare` would raise first for `seqs` (valid ids, int64): an open step,

@@ -259,7 +259,11 @@ class PageAccounting:
         #: the pages a step takes), or None
         self.by_position = next((g for g in self.groups if not g.rows), None)
         self.no_copies = (None,) * len(self.groups)     # a `PageWork` copying no rows
+        self.no_work = PageWork(None, self.no_copies, None)     # and doing nothing at all
         self.no_pages = (0,) * len(self.groups)         # a step taking no pages
+        #: `(index, group)` of the groups whose pages follow positions (`kinds`:
+        #: `pages_by_step`): the only ones a step, a rewind or an abort changes
+        self.stepping = tuple((i, g) for i, g in enumerate(self.groups) if g.kind.pages_by_step)
 
     # ------------------------------------------------------------------ what verbs need
     def claim_demand(self) -> list:
@@ -275,20 +279,21 @@ class PageAccounting:
         """Per group, the new pages a step of sequences `seqs` (int64, distinct) writing
         `totals` tokens from `pos[seq]` takes, copy-on-write pages included (`kinds`:
         `step_pages`); `no_pages` when it takes none."""
-        groups = self.groups
-        if len(groups) == 1:          # one group (a config of one layer kind): no generator
-            group = groups[0]
+        found = None
+        for i, group in self.stepping:
             n = group.kind.step_pages(group, seqs, totals, pos)
-            return (n,) if n else self.no_pages
-        needed = tuple(g.kind.step_pages(g, seqs, totals, pos) for g in groups)
-        return needed if any(needed) else self.no_pages
+            if n:
+                if found is None:
+                    found = list(self.no_pages)
+                found[i] = n
+        return self.no_pages if found is None else tuple(found)
 
     def check_step_room(self, needed: tuple, verb: str) -> None:
         """Refuse (`CapacityError`) a step whose `needed` pages (`step_demand`) some
         group's pool cannot give."""
-        for group, n in zip(self.groups, needed):
-            if n:
-                group.check_room(n, verb)
+        for i, group in self.stepping:
+            if needed[i]:
+                group.check_room(needed[i], verb)
 
     # ------------------------------------------------------------------ sequences
     def claim(self, seq: int) -> None:
@@ -303,13 +308,13 @@ class PageAccounting:
 
     def rewind(self, seq: int, position: int) -> None:
         """The pages `seq` no longer needs at `position` go (`kinds`: `rewind`)."""
-        for group in self.groups:
+        for _, group in self.stepping:
             group.kind.rewind(group, seq, position)
 
     def abort(self, seqs: np.ndarray, pos: np.ndarray) -> None:
         """An aborted step's sequences (int64, distinct) hold the pages of their positions
         `pos[seq]` again (`kinds`: `abort`)."""
-        for group in self.groups:
+        for _, group in self.stepping:
             group.kind.abort(group, seqs, pos)
 
     def claim_step(self, seqs: np.ndarray, totals: np.ndarray, pos: np.ndarray,
@@ -320,11 +325,12 @@ class PageAccounting:
         before), and per group the whole-page row runs (source slot, destination slot,
         rows) copy-on-write must run before the step writes."""
         if needed is self.no_pages:
-            return _work(PageWork, (self.flush(None), self.no_copies, None))
+            return _work(PageWork, (self.flush(None), self.no_copies, None)) if self.pending \
+                else self.no_work
         patches, copies, copied = None, list(self.no_copies), False
-        for i, (group, n) in enumerate(zip(self.groups, needed)):
-            if n:
-                found, copies[i] = group.kind.claim_step(group, seqs, totals, pos, n)
+        for i, group in self.stepping:
+            if needed[i]:
+                found, copies[i] = group.kind.claim_step(group, seqs, totals, pos, needed[i])
                 patches = found if patches is None else np.concatenate([patches, found])
                 copied = copied or copies[i] is not None
         if not copied:

@@ -44,11 +44,12 @@ class OpenStep:
         self.width = self.pad_col = self.tokens = self.upload = self.routes = None
         self.writes = self.zero = self.kv_shapes = self.written = self.buffers = None
 
-    def prepare(self, *, width: int, pad_col: int, tokens: np.ndarray, upload, routes,
+    def prepare(self, width: int, pad_col: int, tokens: np.ndarray, upload, routes,
                 writes, zero, kv_shapes: list, written: np.ndarray, buffers: tuple) -> None:
-        """What `prepare_step` staged (see the class doc); `written`: the layers counted
-        as written before any write (the shared ones; copied); `buffers`: the objects
-        whose `addresses()` say where the buffers the launches read are (storage,
+        """What `prepare_step` staged (see the class doc), by position (once a step:
+        keywords would build a dict per call); `written`: the layers counted as written
+        before any write (the shared ones; copied); `buffers`: the objects whose
+        `addresses()` say where the buffers the launches read are (storage,
         workspace)."""
         self.width, self.pad_col, self.tokens, self.upload = width, pad_col, tokens, upload
         self.routes, self.writes, self.zero, self.kv_shapes = routes, writes, zero, kv_shapes

@@ -48,10 +48,11 @@ class LayerKind(Protocol):
       `claim_pages(table_pages)`: pages a sequence takes when claimed.
       `sequence_pages(positions, table_pages, page_size)`: pages a sequence of
       `positions` positions holds.
-      `step_pages(group, seqs, totals, pos)`: new pages a step takes.
-      `claim_step(group, seqs, totals, pos, needed)`: take them; `(patches, row runs)`.
       `clone_pages(keep, page_size, table_pages)`: fresh pages a clone takes.
       `clone(group, src, dst, keep)`: a clone's pages; `(row runs, shared entries)`.
+      `pages_by_step`: whether its pages follow positions; such a kind also answers
+      `step_pages(group, seqs, totals, pos)`: new pages a step takes;
+      `claim_step(group, seqs, totals, pos, needed)`: take them, `(patches, row runs)`;
       `rewind(group, seq, position)` / `abort(group, seqs, pos)`: pages let go.
     Floors:
       `floor(high_water, rows, max_write)`: the lowest position a sequence resumes at.
@@ -98,6 +99,8 @@ class LayerKind(Protocol):
     def claim_pages(self, table_pages: int) -> int: ...
 
     def sequence_pages(self, positions: int, table_pages: int, page_size: int) -> int: ...
+
+    pages_by_step: bool
 
     def step_pages(self, group, seqs: np.ndarray, totals: np.ndarray,
                    pos: np.ndarray) -> int: ...

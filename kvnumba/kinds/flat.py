@@ -22,6 +22,7 @@ class Flat(KVRows):
     """A flat layer (`kv.flat()`); the protocol's methods are `base.LayerKind`'s."""
 
     name = "flat"
+    pages_by_step = True
 
     def describe(self) -> str:
         return "flat"

@@ -23,6 +23,7 @@ class RingPages(KVRows):
 
     reach: int
     chunk: int
+    pages_by_step = False
 
     def describe(self) -> str:
         return f"chunks of {self.chunk}" if self.chunk else f"window {self.reach}"
@@ -42,12 +43,6 @@ class RingPages(KVRows):
     def sequence_pages(self, positions: int, table_pages: int, page_size: int) -> int:
         return table_pages
 
-    def step_pages(self, group, seqs, totals, pos) -> int:
-        return 0
-
-    def claim_step(self, group, seqs, totals, pos, needed: int) -> tuple:
-        return None, None
-
     def clone_pages(self, keep: int, page_size: int, table_pages: int) -> int:
         return table_pages
 
@@ -57,12 +52,6 @@ class RingPages(KVRows):
         runs = page_runs(group.table[src, :group.table_pages], new, group.page_size)
         group.hold(dst, new)
         return runs, None
-
-    def rewind(self, group, seq: int, position: int) -> None:
-        """A ring keeps its pages."""
-
-    def abort(self, group, seqs, pos) -> None:
-        """A ring keeps its pages."""
 
     # ------------------------------------------------------------------ floors
     def floor(self, high_water, rows: int, max_write: int):
