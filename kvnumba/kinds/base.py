@@ -70,8 +70,12 @@ class LayerKind(Protocol):
       `node_page(group, seq, depth, own)`: the page a new node owns of the group.
       `kept_runs(group, seq, depth, own, kept)`: row runs copying a registered page's
       kept rows onto the node's own page `own` (None: it owns none of its own).
-      `restore(group, seq, pages, first, end, history, kept, page_size)`: a hit's
-      pages held or rows to copy back.
+      `restore(group, seq, pages, end, history, kept, page_size)`: a hit's pages held,
+      or the rows to copy back.
+
+    A kind that stores nothing (`shared`) answers the naming, bytes and storage
+    questions only: it is in no page group, and its mask, rows and floor are those of
+    the layer it reads.
     """
 
     name: str
