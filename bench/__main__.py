@@ -1,5 +1,6 @@
 """Run kvnumba's benchmarks: the control plane, the data path's host time, memory, prefix
-reuse, the kernels, the Hugging Face engine, and a JSON record.
+reuse, the kernels, the Hugging Face engine, the OpenAI-compatible server, and a JSON
+record.
 
     python -m kvnumba.bench [--quick | --smoke] [--results DIR]      (or: kvnumba-bench ...)
 
@@ -9,7 +10,8 @@ recorded, which compiles the kernels: it needs NVRTC and libNVVM, `pip install
 'kvnumba[sass]'`); the kernel bench needs a CUDA GPU (`--smoke` runs its cases at toy
 sizes, on the simulator too), with PyTorch (`kvnumba[torch]`) for its SDPA /
 FlashAttention peers; the Hugging Face engine against `model.generate()` needs PyTorch
-with CUDA and transformers (`kvnumba[hf]`). A section whose libraries are not installed
+with CUDA and transformers (`kvnumba[hf]`); the server under load (`bench.serve`) needs
+`kvnumba[serve]` and runs anywhere (on the simulator at toy sizes only). A section whose libraries are not installed
 is skipped with one line naming them and the extra that installs them. Every figure goes to
 `DIR/<date>-<device>.json` (default `./bench-results`, under the current directory).
 """
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import kvnumba.device as kv_device
 
-from . import control, engine, host, memory, prefix
+from . import control, engine, host, memory, prefix, serve
 from .kernels import run as kernels
 from .kernels.sizes import add_size_arguments, device_name, sizes_for
 from .prerequisites import MissingTool, missing_packages
@@ -84,6 +86,7 @@ SECTIONS = (
     Section("prefix", lambda args: prefix.run(quick=_quick(args)), prefix.report),
     Section("kernels", lambda args: kernels.run(sizes_for(args)), kernels.report),
     Section("engine", _run_engine, engine.report),
+    Section("serve", lambda args: serve.run(quick=_quick(args)), serve.report),
 )
 
 

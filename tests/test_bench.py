@@ -110,6 +110,8 @@ def test_bench_runs_from_any_directory_and_writes_where_it_is_told(tmp_path):
         assert rows and all("error" not in r for r in rows), (key, rows)
     assert figures["host"]["rows"] and "data path host time" in proc.stdout
     assert "skewed 3 seqs, ring 4" in proc.stdout and "targets" in proc.stdout
+    served = figures["serve"]              # the server did the direct calls' work, greedy
+    assert served["requests"] >= 2 and served["served_tokens"] == served["direct_tokens"] > 0
     assert not (Path(control.__file__).parent / "results").exists()
 
 
