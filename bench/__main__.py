@@ -7,7 +7,7 @@ record.
 What runs where: the control-plane, memory and prefix-reuse benches run anywhere; the
 host-time bench too (without a GPU, in `KVNUMBA_DEVICE=compile` mode with the launches
 recorded, which compiles the kernels: it needs NVRTC and libNVVM, `pip install
-'kvnumba[sass]'`); the kernel bench needs a CUDA GPU (`--smoke` runs its cases at toy
+-e '.[sass]'`); the kernel bench needs a CUDA GPU (`--smoke` runs its cases at toy
 sizes, on the simulator too), with PyTorch (`kvnumba[torch]`) for its SDPA /
 FlashAttention peers; the Hugging Face engine against `model.generate()` needs PyTorch
 with CUDA and transformers (`kvnumba[hf]`); the server under load (`bench.serve`) needs

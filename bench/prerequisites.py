@@ -16,7 +16,7 @@ class MissingTool(Exception):
     """A section cannot run here: `missing` is not installed; `extra` installs it."""
 
     def __init__(self, section: str, missing: str, extra: str, brings: str):
-        super().__init__(f"{section}: skipped, {missing}; pip install 'kvnumba[{extra}]' "
+        super().__init__(f"{section}: skipped, {missing}; pip install -e '.[{extra}]' "
                          f"installs {brings}")
         self.section = section
         self.missing = missing

@@ -379,8 +379,8 @@ class CacheConfig:
             return self.storage_dtype
         if importlib.util.find_spec("ml_dtypes") is None:
             raise ConfigError(f"dtype={self.dtype!r}: NumPy host arrays of {self.dtype} need "
-                              f"the ml_dtypes package: pip install 'kvnumba[bf16]' (or "
-                              f"ml_dtypes)")
+                              f"the ml_dtypes package: pip install -e '.[bf16]' in a "
+                              f"kvnumba checkout (or pip install ml_dtypes)")
         import ml_dtypes
         return np.dtype(getattr(ml_dtypes, ML_DTYPES[self.dtype]))
 

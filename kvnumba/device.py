@@ -319,7 +319,7 @@ def torch_stream():
         import torch
     except ImportError:
         raise DeviceError("torch_stream: PyTorch is not installed (pip install "
-                          "'kvnumba[torch]')") from None
+                          "-e '.[torch]' in a kvnumba checkout)") from None
     if SIMULATOR or not torch.cuda.is_available():
         raise DeviceError(f"torch_stream: needs a CUDA GPU and PyTorch built with CUDA "
                           f"(kvnumba runs on the {KIND}, torch.cuda.is_available() is "

@@ -143,10 +143,10 @@ def test_sections_without_their_libraries_are_skipped_naming_the_extra(monkeypat
     assert bench_main.main(["--smoke", "--results", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     host_line = ("data path host time: skipped, the CUDA compiler libraries are not found "
-                 "(libnvrtc.so.13 or libnvrtc.so.12); pip install 'kvnumba[sass]' installs "
+                 "(libnvrtc.so.13 or libnvrtc.so.12); pip install -e '.[sass]' installs "
                  "NVRTC and libNVVM")
     engine_line = ("engine vs model.generate(): skipped, torch is not installed; pip install "
-                   "'kvnumba[hf]' installs PyTorch and transformers")
+                   "-e '.[hf]' installs PyTorch and transformers")
     assert host_line in lines and engine_line in lines
     (record,) = tmp_path.glob("*.json")
     figures = json.loads(record.read_text())
@@ -171,7 +171,7 @@ def test_kernel_cases_in_bfloat16_are_left_out_without_ml_dtypes(monkeypatch, ca
     sizes, missing = kernels.without_missing_packages(kernels.SMOKE)
     assert sizes.dtypes == ("float16",) and missing["bfloat16"]["extra"] == "bf16"
     assert ("kernel cases in bfloat16: skipped, ml_dtypes is not installed; pip install "
-            "'kvnumba[bf16]' installs ml_dtypes") in capsys.readouterr().out.splitlines()
+            "-e '.[bf16]' installs ml_dtypes") in capsys.readouterr().out.splitlines()
 
 
 #: the prefix-reuse bench at a scale its counts can be worked out by hand: pages of 16,
@@ -259,5 +259,5 @@ def test_the_host_section_alone_without_its_libraries_says_what_to_install(monke
         'Failure finding "libnvrtc.so.13 or libnvrtc.so.12": No such file'))
     assert host.main(["--quick"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "'kvnumba[sass]'" in err[0] and \
+    assert len(err) == 1 and "-e '.[sass]'" in err[0] and \
         err[0].startswith("python -m kvnumba.bench.host: data path host time: skipped")

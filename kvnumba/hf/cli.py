@@ -345,8 +345,8 @@ def _main(argv) -> int:
         missing = [name for name in needed if find_spec(name) is None]
         if missing:
             raise UsageError(f"needs the hf extra ({' and '.join(missing)} not installed): "
-                             f"python -m pip install 'kvnumba[hf]' (in a checkout: python "
-                             f"-m pip install -e '.[hf]')")
+                             f"python -m pip install -e '.[hf]' in a "
+                             f"kvnumba checkout")
         check(args)
         if not sys.stderr.isatty():     # transformers' loading bars would log \r frames
             import transformers
