@@ -99,6 +99,24 @@ def test_the_probe_refuses_an_attention_kvnumba_does_not_compute():
     assert len(engine.generate([PROMPTS[1]], max_new_tokens=3)[0]) == 3
 
 
+def test_a_model_whose_own_forward_raises_is_refused_naming_it():
+    """The probe runs the model on its own first: an error of the model itself is a
+    `ConfigError` naming the model type, its own forward and the error's first line,
+    chained to it."""
+    model = tiny("llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied\nsecond line")
+    model.forward = broken
+    with pytest.raises(kv.ConfigError, match=r"llama: the model's own forward failed .*"
+                                             r"RuntimeError: mat1 and mat2 shapes cannot be "
+                                             r"multiplied\).*model\(input_ids\).*"
+                                             r"verify=False does not help") as caught:
+        kvhf.Engine(model, max_seqs=1, capacity=16, dtype="float32")
+    assert "second line" not in str(caught.value)
+    assert isinstance(caught.value.__cause__, RuntimeError)
+
+
 #: BERT's shape: no kv-head count or head dim of its own (hidden_size / heads)
 BERT = {name: value for name, value in SMALL.items()
         if name not in ("num_key_value_heads", "head_dim")}

@@ -9,7 +9,8 @@ a layer returns them; kvnumba's two steps joined along their token dimension, `j
 a layer output they cannot be compared in is refused, naming its shapes). Where the two
 differ beyond the storage dtype's tolerance (`TOLERANCE`, relative to the layer's largest
 value), the model is refused with a `ConfigError` naming the first decoder layer that
-differs and by how much; a probe step that raises refuses it too, naming the error. The
+differs and by how much; a probe step that raises refuses it too, naming the error, and so does the model's own forward
+raising (the model itself fails: `verify=False` would not help). The
 engine's own caches are not touched.
 
 Cost: two forwards of `PROMPT_TOKENS + 1` tokens (one of them in two kvnumba steps) per
@@ -50,8 +51,18 @@ def verify(model, config) -> None:
     tokens = probe_tokens(text.vocab_size)
     device = next(model.parameters()).device
     ids = torch.as_tensor([tokens], device=device)
-    with torch.inference_mode():
-        own = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+    try:
+        with torch.inference_mode():
+            own = model(input_ids=ids, use_cache=False,
+                        output_hidden_states=True).hidden_states
+    except Exception as exc:                # noqa: BLE001  (any failure of the model itself)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(f"{text.model_type}: the model's own forward failed during the "
+                          f"construction probe, before kvnumba ran it ({type(exc).__name__}: "
+                          f"{first}): check that the model runs on its own, "
+                          f"model(input_ids) with a [1, {len(tokens)}] tensor of token ids; "
+                          f"verify=False does not help, serving runs the same "
+                          f"forward") from exc
     try:
         served = kvnumba_hidden(model, config, tokens)
     except KVCacheError as exc:
