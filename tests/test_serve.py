@@ -418,3 +418,14 @@ def test_a_command_line_mistake_is_one_line_and_exit_status_2(tmp_path):
     with contextlib.redirect_stderr(err):
         assert main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
     assert "a port number from 0 to 65535" in err.getvalue()
+
+
+def test_serving_under_torchrun_is_refused_naming_it(tmp_path, monkeypatch):
+    from kvnumba.__main__ import main
+    import contextlib
+    import io
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["serve", "--model", str(tmp_path)]) == 2
+    assert err.getvalue().count("\n") == 1 and "one of 2 ranks (torchrun)" in err.getvalue()

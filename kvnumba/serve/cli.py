@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 from importlib.util import find_spec
@@ -123,6 +124,12 @@ def main(argv=None) -> int:
     or 2 on a user error (one line on stderr)."""
     try:
         args = parser().parse_args(argv)
+        ranks = os.environ.get("WORLD_SIZE", "1")
+        if ranks != "1":
+            raise UsageError(f"started as one of {ranks} ranks (torchrun): a model split over "
+                             f"ranks is not served over HTTP; run one process (python -m "
+                             f"kvnumba serve), or torchrun ... -m kvnumba generate for a "
+                             f"split model")
         missing = [name for name in ("torch", "transformers", "starlette", "uvicorn",
                                      "prometheus_client") if find_spec(name) is None]
         if missing:
