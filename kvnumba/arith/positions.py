@@ -56,14 +56,6 @@ def ring_rows(window: int, max_write: int, capacity: int) -> int:
     return min(capacity, window + max_write - 1)
 
 
-def layer_rows(reaches, max_write: int, capacity: int) -> np.ndarray:
-    """`R` per layer, 0 for a flat layer (row of `p` is `p`). `reaches[i]` is None (flat)
-    or how far back the layer's queries read, plus one: its window W or its chunk C
-    (a chunk's first query reads back as far as a window's: `C - 1` positions)."""
-    return np.array([0 if w is None else ring_rows(w, max_write, capacity) for w in reaches],
-                    dtype=np.int64)
-
-
 def ring_floor(high_water, rows: int, max_write: int, chunk: int = 0):
     """Lowest position a sequence can resume at on one ring layer of `rows` rows.
 
