@@ -1,0 +1,352 @@
+"""A state layer's gated delta rule: each sequence's recurrent state advanced over its
+step's tokens, with an input log to rebuild any state from a base (`run`).
+
+Storage, one column per sequence slot plus a scratch column (`cols`), float32 but the
+marks:
+
+* `state [cols, H, Dk, Dv]`: the live state, after consuming positions `[0, live)`;
+* `base [cols, H, Dk, Dv]`: a base state after `[0, bp)` (`bp == 0`: the zero state,
+  never read);
+* the input log, a ring of `Rl` rows by position (`p % Rl`, `masks.storage_row`):
+  `log_k [cols, Rl, H, Dk]` (k as the recurrence used it: l2-normalised when asked),
+  `log_v [cols, Rl, H, Dv]`, `log_g [cols, Rl, H, Dk]` (the log-decay; a per-head gate
+  uses entry 0) and `log_b [cols, Rl, H]` (beta);
+* `marks [cols, 2]` int32: `(live, bp)`.
+
+The recurrence of one head, `S [Dk, Dv]`, per token: `S <- diag(exp(g)) S` (per head:
+`exp(g) S`); with beta, `u = S^T k`, `S <- S + beta k (v - u)^T`; without, `S <- S + k
+v^T`; `o = scale S^T q` (q and k first l2-normalised, `x * rsqrt(sum(x^2) + 1e-6)`, when
+`qk_l2norm`). Column `j` of `S` evolves alone given `k`, `g`, beta, `v[j]`: thread `j`
+of a block holds `S[:, j]` (`Dk` floats, a local array of `DK_CAPS`' next size) and
+reads `q`, `k` and the decays from shared memory, with no reduction across threads.
+
+The work plan (`arith.state_runs`): `runs [n_runs, 4]` int32 `(col, floor, lo, hi)`,
+`order [n_segments]` int32, `seq_info [n_segments, SEQ_INFO_FIELDS]` int32 (all 2-D /
+1-D device arrays as built there). Block `(blockIdx.x, blockIdx.y)` = (run, head); its
+sequence's positions run from `p0` (its first segment's POS_START) to `end` (its last
+segment's end), its segments `order[lo:hi]` taking them in turn. `_plan` says where the
+block starts (`start`) and from which state:
+
+* `p0 == 0`: the zero state; the base becomes position 0;
+* `floor - bp > advance_after`: the base advances: from the base (zero if `bp == 0`) at
+  `bp`, replaying log rows up to `floor`, where it stores the state to `base` (`bp =
+  floor`); then on from the live state if `live == p0`, else replaying on to `p0`;
+* else `live == p0`: the live state;
+* else (a rewind): the base, replayed from `bp` to `p0`.
+
+Each position `pos` of `[start, end)` loads its inputs into shared memory, from the log
+row (`pos < p0`, `_logged`) or from the step's inputs (`_taken`: the token of its
+segment, normalised, written to the log row), then takes one `_step`: one call site for
+replayed and new tokens, so a replayed state is bit-identical to the one computed
+directly. Afterwards each thread stores its column of `state`. The marks of the run,
+`(end, new bp)`, are written by a second launch (`_set_marks`): the blocks of a
+sequence's other heads read them until the first launch ends.
+
+Output rows of tokens in no segment (padding) are not written by `_run`; `run(...,
+n_tokens=...)` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
+
+The caller guarantees: `Rl >= 3 * M`, `M = advance_after` the most tokens a sequence
+writes in one step; `bp <= floor <= p0`; the log holds every position a rewind replays
+(`[bp, p0)`); `Dk, Dv <= 256`; each sequence at most one run. Index ranges: positions,
+rows, tokens and columns are int32; array offsets are Numba's 64-bit indexing.
+"""
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+
+from ...arith.positions import POS_START, Q_LEN, Q_START
+from ...arith.state_runs import RUN_COL, RUN_FLOOR, RUN_HI, RUN_LO
+from ...device import cuda
+from ..intrinsics import ptx
+from ..launch.calling import Specialised, ceil_div, no_output
+from ..masks import storage_row
+from ..padding import zero_rows
+
+from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
+
+#: the local / shared array sizes a kernel is compiled for: the smallest >= Dk
+DK_CAPS = (16, 32, 64, 128, 256)
+MAX_DV = 256
+WARP = 32
+MARK_THREADS = 128
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
+EPS = np.float32(1e-6)
+#: where a block's state starts (`_plan`)
+FROM_ZERO, FROM_BASE, FROM_STATE = 0, 1, 2
+
+
+@cuda.jit(device=True)
+def _plan(marks, runs, order, seq_info, run, advance_after):
+    """`(col, live, p0, end, start, source, advance, floor, new_bp)` of run `run` (module
+    doc): the block starts at position `start` from the state `source` names
+    (`FROM_ZERO`, `FROM_BASE`, `FROM_STATE`), storing it to `base` at `floor` on the way
+    when `advance`."""
+    col, floor = runs[run, RUN_COL], runs[run, RUN_FLOOR]
+    first, last = order[runs[run, RUN_LO]], order[runs[run, RUN_HI] - 1]
+    live, bp = marks[col, 0], marks[col, 1]
+    p0 = seq_info[first, POS_START]
+    end = int32(seq_info[last, POS_START] + seq_info[last, Q_LEN])
+    advance = False
+    start, new_bp, source = bp, bp, FROM_BASE
+    if p0 == 0:
+        start, new_bp, source = int32(0), int32(0), FROM_ZERO
+    elif floor - bp > advance_after:
+        new_bp, advance = floor, True
+    elif live == p0:
+        start, source = p0, FROM_STATE
+    if source == FROM_BASE and bp == 0:
+        source = FROM_ZERO
+    return col, live, p0, end, start, source, advance, floor, new_bp
+
+
+@cuda.jit(device=True)
+def _decay(x):
+    """`exp(x)` in float32: a logged gate and a new one decay alike."""
+    return float32(math.exp(x))
+
+
+@cuda.jit(device=True)
+def _rnorm(x_s, dk):
+    """`rsqrt(sum(x^2) + 1e-6)` over `x_s[:dk]`, summed in order (every thread alike)."""
+    acc = ZERO
+    for i in range(dk):
+        acc = float32(acc + float32(x_s[i] * x_s[i]))
+    return float32(ONE / float32(math.sqrt(float32(acc + EPS))))
+
+
+@cuda.jit(device=True)
+def _load(s, src, col, h, j, dk):
+    for i in range(dk):
+        s[i] = src[col, h, i, j]
+
+
+@cuda.jit(device=True)
+def _store(s, dst, col, h, j, dk):
+    for i in range(dk):
+        dst[col, h, i, j] = s[i]
+
+
+@cuda.jit(device=True)
+def _clear(s, dk):
+    for i in range(dk):
+        s[i] = ZERO
+
+
+@cuda.jit(device=True)
+def _step(s, q_s, k_s, d_s, dk, per_channel, has_beta, vj, b, want):
+    """One token of the recurrence on this thread's column `s` (module doc): decay,
+    delta-rule (or plain) update, and, when `want`, `S^T q` (unscaled)."""
+    u = ZERO
+    if per_channel:
+        for i in range(dk):
+            x = float32(s[i] * d_s[i])
+            s[i] = x
+            u = float32(u + float32(x * k_s[i]))
+    else:
+        d = d_s[0]
+        for i in range(dk):
+            x = float32(s[i] * d)
+            s[i] = x
+            u = float32(u + float32(x * k_s[i]))
+    w = float32(b * float32(vj - u)) if has_beta else vj
+    o = ZERO
+    for i in range(dk):
+        x = float32(s[i] + float32(k_s[i] * w))
+        s[i] = x
+        if want:
+            o = float32(o + float32(x * q_s[i]))
+    return o
+
+
+@cuda.jit(device=True)
+def _logged(log_k, log_v, log_g, log_b, col, row, h, k_s, d_s, dk, per_channel, mine):
+    """A replayed position's inputs: its log row's k and decays into shared memory
+    (threads strided over `Dk`); returns `(v[j], beta)`."""
+    j = cuda.threadIdx.x
+    for i in range(j, dk, cuda.blockDim.x):
+        k_s[i] = log_k[col, row, h, i]
+    if per_channel:
+        for i in range(j, dk, cuda.blockDim.x):
+            d_s[i] = _decay(log_g[col, row, h, i])
+    elif j == 0:
+        d_s[0] = _decay(log_g[col, row, h, 0])
+    vj = log_v[col, row, h, j] if mine else ZERO
+    return vj, log_b[col, row, h]
+
+
+@cuda.jit(device=True)
+def _gate_head(g, t, h, i):
+    """Token `t`'s gate of head `h` from a per-head `g [width, H]`."""
+    return ptx.to_f32(g[t, h])
+
+
+@cuda.jit(device=True)
+def _gate_channel(g, t, h, i):
+    """Token `t`'s gate of key channel `i` of head `h` from `g [width, H, Dk]`."""
+    return ptx.to_f32(g[t, h, i])
+
+
+def _kernels(dk_cap: int, per_channel: bool):
+    """The step kernel for `Dk <= dk_cap` and a gate `[width, H, Dk]` (`per_channel`) or
+    `[width, H]`."""
+
+    gate = _gate_channel if per_channel else _gate_head
+
+    @cuda.jit(device=True)
+    def taken(log_k, log_v, log_g, log_b, q, k, v, g, beta, col, row, h, token, q_s, k_s,
+              d_s, dk, qk_l2norm, has_beta, mine):
+        """A new token's inputs: q, k (normalised) and decays into shared memory, k, v, g
+        and beta into the log row; returns `(v[j], beta)`."""
+        j, step = cuda.threadIdx.x, cuda.blockDim.x
+        for i in range(j, dk, step):
+            q_s[i] = ptx.to_f32(q[token, h, i])
+            k_s[i] = ptx.to_f32(k[token, h, i])
+        if qk_l2norm:
+            cuda.syncthreads()
+            rq, rk = _rnorm(q_s, dk), _rnorm(k_s, dk)
+            cuda.syncthreads()
+            for i in range(j, dk, step):
+                q_s[i] = float32(q_s[i] * rq)
+                k_s[i] = float32(k_s[i] * rk)
+        for i in range(j, dk, step):
+            log_k[col, row, h, i] = k_s[i]
+        if per_channel:
+            for i in range(j, dk, step):
+                x = gate(g, token, h, i)
+                log_g[col, row, h, i] = x
+                d_s[i] = _decay(x)
+        elif j == 0:
+            x = gate(g, token, h, 0)
+            log_g[col, row, h, 0] = x
+            d_s[0] = _decay(x)
+        vj = ZERO
+        if mine:
+            vj = ptx.to_f32(v[token, h, j])
+            log_v[col, row, h, j] = vj
+        b = ptx.to_f32(beta[token, h]) if has_beta else ONE
+        if j == 0:
+            log_b[col, row, h] = b
+        return vj, b
+
+    @cuda.jit
+    def step_kernel(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out,
+                    runs, order, seq_info, scale, qk_l2norm, has_beta, advance_after):
+        """Block (run, head): the sequence's positions `[start, end)` (module doc)."""
+        run, h, j = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        dk, dv, log_rows = state.shape[2], state.shape[3], log_k.shape[1]
+        mine = j < dv
+        q_s = cuda.shared.array(dk_cap, float32)
+        k_s = cuda.shared.array(dk_cap, float32)
+        d_s = cuda.shared.array(dk_cap, float32)
+        s = cuda.local.array(dk_cap, float32)
+        col, live, p0, end, start, source, advance, floor, new_bp = _plan(
+            marks, runs, order, seq_info, run, advance_after)
+        if mine:
+            if source == FROM_STATE:
+                _load(s, state, col, h, j, dk)
+            elif source == FROM_BASE:
+                _load(s, base, col, h, j, dk)
+            else:
+                _clear(s, dk)
+        seg, offset, token = runs[run, RUN_LO], int32(0), int32(0)
+        pos = start
+        while pos < end:
+            if advance and pos == floor:
+                advance = False
+                if mine:
+                    _store(s, base, col, h, j, dk)
+                if live == p0:
+                    pos = p0
+                    if mine:
+                        _load(s, state, col, h, j, dk)
+            row = storage_row(pos, log_rows)
+            want = pos >= p0
+            if want:
+                segment = order[seg]
+                while offset >= seq_info[segment, Q_LEN]:
+                    seg += 1
+                    offset = int32(0)
+                    segment = order[seg]
+                token = int32(seq_info[segment, Q_START] + offset)
+                offset += 1
+                vj, b = taken(log_k, log_v, log_g, log_b, q, k, v, g, beta, col, row, h,
+                              token, q_s, k_s, d_s, dk, qk_l2norm, has_beta, mine)
+            else:
+                vj, b = _logged(log_k, log_v, log_g, log_b, col, row, h, k_s, d_s, dk,
+                                per_channel, mine)
+            cuda.syncthreads()
+            if mine:
+                o = _step(s, q_s, k_s, d_s, dk, per_channel, has_beta, vj, b, want)
+                if want:
+                    out[token, h, j] = ptx.from_f32(float32(o * scale), out)
+            cuda.syncthreads()
+            pos += 1
+        if mine:
+            _store(s, state, col, h, j, dk)
+
+    return Specialised(step_kernel)
+
+
+_kernel = lru_cache(maxsize=None)(_kernels)
+
+
+@cuda.jit
+def _set_marks(marks, runs, order, seq_info, n_runs, advance_after):
+    """Thread `run` sets its sequence's marks to `(end, new bp)` (`_plan`)."""
+    run = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if run < n_runs:
+        col, _, _, end, _, _, _, _, new_bp = _plan(marks, runs, order, seq_info, run,
+                                                   advance_after)
+        marks[col, 0] = end
+        marks[col, 1] = new_bp
+
+
+_marks = Specialised(_set_marks)
+
+
+def dk_cap(dk: int) -> int:
+    """The smallest of `DK_CAPS` holding `dk` keys."""
+    for cap in DK_CAPS:
+        if dk <= cap:
+            return cap
+    raise ValueError(f"delta rule: Dk {dk} > {DK_CAPS[-1]}")
+
+
+def block_threads(dv: int) -> int:
+    """Threads of a block: one per value channel, rounded up to whole warps."""
+    if dv > MAX_DV:
+        raise ValueError(f"delta rule: Dv {dv} > {MAX_DV}")
+    return max(WARP, ceil_div(dv, WARP) * WARP)
+
+
+def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, runs, order,
+        seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
+        n_tokens=None) -> None:
+    """Advance the state of each of the `n_runs` runs over its segments (module doc):
+    two launches, the step (grid `(n_runs, H)`, `block_threads(Dv)` threads) and the
+    marks; a third zeroes `out[n_tokens:]` when `n_tokens` is given.
+
+    `q, k [width, H, Dk]`, `v [width, H, Dv]`, `g [width, H]` (per head) or `[width, H,
+    Dk]`, `beta [width, H]` or None (`S += k v^T`; a layer must use one rule for all its
+    steps, since replay takes it from this call), each float16, float32 or bfloat16 as
+    uint16 bits; `out [width, H, Dv]` of those. `runs`, `order`, `seq_info`: int32
+    device arrays as `arith.state_runs` and the segment table lay them out; `scale`
+    float32."""
+    n_runs = int(n_runs)
+    if n_runs > 0:
+        n_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
+        per_channel = len(g.shape) == 3
+        launch = _kernel(dk_cap(dk), per_channel)
+        has_beta = beta is not None
+        launch((n_runs, n_heads), block_threads(dv), stream, state, base, log_k, log_v,
+               log_g, log_b, marks, q, k, v, g, beta if has_beta else no_output(), out, runs,
+               order, seq_info, np.float32(scale), bool(qk_l2norm), has_beta,
+               int(advance_after))
+        _marks(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream, marks, runs, order,
+               seq_info, n_runs, int(advance_after))
+    if n_tokens is not None:
+        zero_rows(out, int(n_tokens), stream)
