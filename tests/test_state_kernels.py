@@ -24,7 +24,7 @@ COLS = 6                      # 5 sequence columns and the scratch column
 SCRATCH = COLS - 1
 KERNEL_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 #: tolerance of an output or state, relative to the largest reference value, by dtype
-TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
 def quantize(values, name):
@@ -250,8 +250,7 @@ class DeltaLayer:
             mine = [(p, t) for (c, p), t in token_of.items() if c == col]
             close(got[[t for _, t in mine]], ref_out[[p for p, _ in mine]], self.out_name,
                   f"out of column {col}")
-            close(state[col], ref_state, "float32" if self.in_name == "float32" else
-                  self.in_name, f"state of column {col}")
+            close(state[col], ref_state, "float32", f"state of column {col}")
             assert tuple(marks[col]) == (len(self.history[col]), self.bp[col])
             if self.bp[col] > 0:
                 close(base[col], self.reference(col, self.bp[col])[1], "float32",
@@ -357,3 +356,46 @@ def test_state_runs_group_spans_by_sequence_in_first_appearance_order():
     assert runs.dtype == order.dtype == np.int32
     empty_runs, empty_order = state_runs(np.zeros((0, SEQ_INFO_FIELDS), np.int32), [])
     assert empty_runs.shape == (0, 4) and empty_order.shape == (0,)
+
+
+@pytest.mark.parametrize("seed", [11, 12])
+def test_delta_rule_random_schedules(seed):
+    """Steps of up to three sequences of continuations, rewinds, restarts, floors that
+    advance the base or not, one or two spans a sequence and padding, and column
+    copies, each checked against the references. Floors are a ring's, about `hw - M`
+    (`hw` the furthest position written, plus one), so every position a replay reads is
+    in the log (`Rl = 3 M`), and a rewind goes back at most to the floor."""
+    rng = np.random.default_rng(seed)
+    most, log_rows = 4, 12
+    layer = DeltaLayer(rng, most=most, has_beta=bool(seed % 2), per_channel=True,
+                       l2norm=True, **FAST)
+    live = np.zeros(COLS, np.int64)
+    furthest = np.full(COLS, -1)                 # furthest position written since a restart
+    floors = np.zeros(COLS, np.int32)
+    for _ in range(14):
+        if rng.random() < 0.15:
+            src, dst = rng.choice(COLS - 1, 2, replace=False)
+            layer.copy_column(src, dst)
+            live[dst], furthest[dst], floors[dst] = live[src], furthest[src], floors[src]
+        spans = []
+        for col in rng.choice(COLS - 1, int(rng.integers(1, 4)), replace=False):
+            col = int(col)
+            p0, bp = live[col], layer.bp[col]
+            if live[col] == 0 or rng.random() < 0.1:
+                p0 = 0                                   # a restart
+            else:                                        # a floor as a ring's, about hw - M
+                floor = int(np.clip(furthest[col] + 1 - most - rng.integers(0, 2), bp, p0))
+                if rng.random() < 0.4:
+                    p0 = int(rng.integers(max(floor, 1), live[col] + 1))  # a rewind
+                floors[col] = floor
+                if floor - bp > most or p0 != live[col]:  # it replays from the base
+                    assert bp + log_rows > furthest[col], "the schedule keeps the log"
+            n = int(rng.integers(1, most + 1))
+            cut = int(rng.integers(1, n + 1))
+            spans += [(col, p0, cut)] + ([(col, p0 + cut, n - cut)] if n > cut else [])
+            live[col] = p0 + n
+            furthest[col] = p0 + n - 1 if p0 == 0 else max(furthest[col], p0 + n - 1)
+        order = rng.permutation(len(spans))      # sequences interleave; spans keep order
+        spans = sorted(spans, key=lambda sp: (order[[i for i, s in enumerate(spans)
+                                                     if s[0] == sp[0]][0]], sp[1]))
+        layer.step(spans, n_pad=int(rng.integers(0, 3)), floors=floors)
