@@ -43,7 +43,9 @@ class RefOps:
             past = self.history.setdefault(seq, [])
             past.append(x[t].detach().double())
             p = len(past) - 1
-            acc = torch.zeros(C, dtype=torch.float64) if bias is None else bias.detach().double().clone()
+            acc = torch.zeros(C, dtype=torch.float64)
+            if bias is not None:
+                acc = acc + bias.detach().double()
             for j in range(K):
                 src = p - K + 1 + j
                 if src >= 0:

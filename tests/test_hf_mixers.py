@@ -151,18 +151,26 @@ def test_one_sequence_in_chunks_continues_from_the_ops_state(family, cuts):
 
 
 def test_packed_sequences_each_equal_the_sequence_alone(family):
-    """Two steps of two sequences packed on one token axis (A then B, then B then A, as
-    a step orders them): each sequence's outputs equal its own one-shot output."""
+    """Three steps of two sequences packed on one token axis, in the orders a step puts
+    them (A then B, B then A, then one token each as in decode): each sequence's outputs
+    equal its own one-shot output."""
     _, model = family
     torch.manual_seed(3)
-    a = torch.randn(11, model.config.hidden_size)
-    b = torch.randn(7, model.config.hidden_size)
+    a = torch.randn(12, model.config.hidden_size)
+    b = torch.randn(8, model.config.hidden_size)
+    steps = [[(0, a, 0, 6), (1, b, 0, 2)], [(1, b, 2, 7), (0, a, 6, 11)],
+             [(0, a, 11, 12), (1, b, 7, 8)]]
     for module in mixer_modules(model):
         ops = RefOps()
-        first = ours(module, torch.cat([a[:6], b[:2]]), ops.seqs([0] * 6 + [1] * 2))
-        second = ours(module, torch.cat([b[2:], a[6:]]), ops.seqs([1] * 5 + [0] * 5))
-        assert_close(torch.cat([first[:6], second[5:]]), hf_out(module, a))
-        assert_close(torch.cat([first[6:], second[:5]]), hf_out(module, b))
+        outs = {0: [], 1: []}
+        for step in steps:
+            hidden = torch.cat([x[lo:hi] for _, x, lo, hi in step])
+            ops.seqs([seq for seq, _, lo, hi in step for _ in range(lo, hi)])
+            out = ours(module, hidden, ops).split([hi - lo for _, _, lo, hi in step])
+            for (seq, *_), part in zip(step, out):
+                outs[seq].append(part)
+        assert_close(torch.cat(outs[0]), hf_out(module, a))
+        assert_close(torch.cat(outs[1]), hf_out(module, b))
 
 
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():
@@ -193,3 +201,26 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."
                                          f"modeling_{homes[prefix]}")
         assert isinstance(getattr(module, name), type), name
+
+
+@pytest.mark.parametrize("model_type,fields,cls", [
+    ("qwen3_5", GDN, "Qwen3_5GatedDeltaNet"),
+    ("qwen3_5_moe", {**GDN, **MOE}, "Qwen3_5MoeGatedDeltaNet"),
+])
+def test_the_multimodal_qwen3_5_configs_build_the_text_mixers(model_type, fields, cls):
+    """`qwen3_5` / `qwen3_5_moe` (a text and a vision config) build their text model's
+    mixers, computed as the text variants'."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                  out_hidden_size=32, patch_size=4, temporal_patch_size=1,
+                  num_position_embeddings=16)
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config={**COMMON, **fields}, vision_config=vision,
+        image_token_id=90, video_token_id=91, vision_start_token_id=92,
+        vision_end_token_id=93)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    modules = mixer_modules(model)
+    assert [type(m).__name__ for m in modules] == [cls] * 3
+    redraw(modules[0])
+    hidden = torch.randn(9, 32)
+    assert_close(ours(modules[0], hidden, RefOps()), hf_out(modules[0], hidden))
