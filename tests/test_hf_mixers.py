@@ -127,6 +127,25 @@ def test_each_family_is_built_with_its_mixers_and_their_state_shapes(family):
         assert mixers.state_shape(module) == state
 
 
+def test_the_mixer_layers_are_the_layers_whose_type_is_not_attention(family):
+    _, model = family
+    kinds = model.config.layer_types
+    layers = mixers.mixer_layers(model)
+    assert sorted(layers) == [i for i, kind in enumerate(kinds) if "attention" not in kind
+                              or kind == "linear_attention"]
+    assert list(layers.values()) == mixer_modules(model)
+
+
+def test_a_packed_row_of_the_decoder_layers_shape_is_taken(family):
+    _, model = family
+    module = mixer_modules(model)[0]
+    hidden = torch.randn(1, 5, model.config.hidden_size)
+    assert_close(ours(module, hidden, RefOps()), hf_out(module, hidden[0])[None])
+    with pytest.raises(kv.ConfigError, match=r"hidden states of 2 rows; a packed step is "
+                                             r"one row \[1, T, hidden\]"):
+        ours(module, hidden.expand(2, 5, -1), RefOps())
+
+
 def test_one_sequence_in_one_shot_equals_the_module(family):
     name, model = family
     torch.manual_seed(1)
@@ -171,6 +190,29 @@ def test_packed_sequences_each_equal_the_sequence_alone(family):
                 outs[seq].append(part)
         assert_close(torch.cat(outs[0]), hf_out(module, a))
         assert_close(torch.cat(outs[1]), hf_out(module, b))
+
+
+#: parameters `transformers` keeps in float32 in a bfloat16 model (as it loads them)
+FLOAT32_KEPT = {"bailing": ("conv1d.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
+                "kimi": ("forget_gate.dt_bias",)}
+
+
+def test_a_bfloat16_mixer_returns_bfloat16_as_close_to_the_module_as_bfloat16_allows(family):
+    """Bailing keeps its conv weight and decay parameters in float32 in a bfloat16 model,
+    Kimi its decay bias: the conv runs on a bfloat16 input with a float32 weight, and the
+    output is bfloat16, within bfloat16 rounding of the module's own."""
+    name, model = family
+    module = mixer_modules(built(name))[0].to(torch.bfloat16)
+    kept = FLOAT32_KEPT.get(name.split("_")[0], ())
+    for key, p in module.named_parameters():
+        if key in kept:
+            p.data = p.data.float()
+    assert sum(p.dtype == torch.float32 for p in module.parameters()) == len(kept)
+    torch.manual_seed(4)
+    hidden = torch.randn(10, model.config.hidden_size).bfloat16()
+    got, want = ours(module, hidden, RefOps()), hf_out(module, hidden)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
 
 
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():

@@ -41,8 +41,21 @@ class Mixer(NamedTuple):
 def forward(module, hidden, ops):
     """`out [T, hidden]`: mixer `module`'s output for the packed step's `hidden [T,
     hidden]`, its convolution and recurrence run by `ops` (a `ConfigError` naming the
-    class if kvnumba does not compute it)."""
-    return mixer(module).forward(module, hidden, ops)
+    class if kvnumba does not compute it). `hidden [1, T, hidden]`, as a decoder layer
+    hands its mixer the packed row, gives `out [1, T, hidden]`."""
+    run = mixer(module).forward
+    if hidden.dim() == 3:
+        if hidden.shape[0] != 1:
+            raise ConfigError(f"{type(module).__name__}: hidden states of {hidden.shape[0]} "
+                              f"rows; a packed step is one row [1, T, hidden]")
+        return run(module, hidden[0], ops)[None]
+    return run(module, hidden, ops)
+
+
+def mixer_layers(model) -> dict:
+    """`{layer index: mixer module}` of every module of `model` that `MIXERS` computes,
+    by the module's `layer_idx`."""
+    return {m.layer_idx: m for m in model.modules() if type(m).__name__ in MIXERS}
 
 
 def state_shape(module):
