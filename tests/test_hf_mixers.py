@@ -1,0 +1,268 @@
+"""`kvnumba.hf.mixers`: each hybrid family's mixer computed through the state ops equals
+the `transformers` module's own output. Tiny random models built from `transformers`'
+own configs (float32, eval), the ops the float64 token-by-token reference of
+`mixerref.py`: one shot, split into chunks (the state carried between calls), and packed
+with another sequence (each sequence's output as alone)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from mixerref import RefOps  # noqa: E402
+
+import kvnumba as kv  # noqa: E402
+from kvnumba.hf import mixers  # noqa: E402
+
+SPECIAL = dict(vocab_size=96, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+COMMON = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, **SPECIAL)
+LINEAR4 = ["linear_attention"] * 3 + ["full_attention"]
+#: Hk=2 key heads of 8 serving Hv=4 value heads of 16 (grouped value heads)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+           linear_value_head_dim=16, linear_conv_kernel_dim=4, head_dim=8,
+           num_hidden_layers=4, layer_types=LINEAR4)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+           shared_expert_intermediate_size=16)
+MLA = dict(num_hidden_layers=4, layer_types=LINEAR4, num_key_value_heads=4,
+           kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+           num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+#: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
+FAMILIES = {
+    "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
+    "qwen3_5_text": (GDN, "Qwen3_5GatedDeltaNet", ((96, 4), (4, 8, 16))),
+    "qwen3_5_moe_text": ({**GDN, **MOE}, "Qwen3_5MoeGatedDeltaNet", ((96, 4), (4, 8, 16))),
+    "olmo_hybrid": ({**GDN, "head_dim": None}, "OlmoHybridGatedDeltaNet",
+                    ((96, 4), (4, 8, 16))),
+    "olmo_hybrid-posbeta": ({**GDN, "head_dim": None, "linear_allow_neg_eigval": False},
+                            "OlmoHybridGatedDeltaNet", ((96, 4), (4, 8, 16))),
+    "kimi_linear": ({**MLA, "linear_head_dim": 8, "linear_num_heads": 4,
+                     "linear_conv_kernel_dim": 4}, "KimiLinearDeltaAttention",
+                    ((96, 4), (4, 8, 8))),
+    "bailing_hybrid": ({**MLA, "head_dim": 8, "short_conv_kernel_size": 4, "n_group": 1,
+                        "topk_group": 1, "first_k_dense_replace": 1},
+                       "BailingHybridDeltaAttention", ((96, 4), (4, 8, 8))),
+    "bailing_hybrid-softplus": ({**MLA, "head_dim": 8, "short_conv_kernel_size": 4,
+                                 "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+                                 "kda_safe_gate": False},
+                                "BailingHybridDeltaAttention", ((96, 4), (4, 8, 8))),
+    "lfm2": (dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"]),
+             "Lfm2ShortConv", ((32, 3), None)),
+    "lfm2-bias": (dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                       conv_bias=True), "Lfm2ShortConv", ((32, 3), None)),
+    "lfm2_moe": (dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                      num_dense_layers=1), "Lfm2MoeShortConv", ((32, 3), None)),
+    "lfm3": (dict(num_hidden_layers=4, sliding_window=4,
+                  layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
+             "Lfm3ShortConv", ((32, 7), None)),
+}
+TOL = 2e-5
+
+
+def built(family, seed=0):
+    """The tiny float32 model of `family` (eval), its mixer modules' weights redrawn so
+    that every part of them moves the output by O(1)."""
+    fields, _, _ = FAMILIES[family]
+    model_type = family.split("-")[0]
+    config = transformers.AutoConfig.for_model(
+        model_type, **{**COMMON, **{k: v for k, v in fields.items() if v is not None}})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    for module in mixer_modules(model):
+        redraw(module)
+    return model
+
+
+def mixer_modules(model):
+    return [m for m in model.modules() if type(m).__name__ in mixers.MIXERS]
+
+
+@torch.no_grad()
+def redraw(module):
+    for name, p in module.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            p.copy_(torch.empty_like(p).uniform_(1, 8).log())
+        elif leaf == "dt_bias":
+            p.copy_(torch.randn_like(p) * 0.5)
+        elif "norm" in name:
+            p.copy_(1 + 0.3 * torch.randn_like(p))
+        elif p.dim() == 1:          # biases
+            p.copy_(0.3 * torch.randn_like(p))
+        elif p.dim() == 3:          # depthwise conv weights [C, 1, K]
+            p.copy_(torch.randn_like(p) * 0.6)
+        else:                       # projections [out, in]
+            p.copy_(torch.randn_like(p) / p.shape[1] ** 0.5)
+
+
+def hf_out(module, hidden):
+    """The module's own output for one sequence (batch 1, no cache)."""
+    with torch.no_grad():
+        return module(hidden[None])[0]
+
+
+def ours(module, hidden, ops):
+    with torch.no_grad():
+        return mixers.forward(module, hidden, ops)
+
+
+def assert_close(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err <= TOL * max(1.0, want.abs().max().item()), err
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request):
+    return request.param, built(request.param)
+
+
+def test_each_family_is_built_with_its_mixers_and_their_state_shapes(family):
+    name, model = family
+    _, cls, state = FAMILIES[name]
+    modules = mixer_modules(model)
+    assert len(modules) == 2 if name.startswith("lfm") else len(modules) == 3
+    for module in modules:
+        assert type(module).__name__ == cls
+        assert mixers.state_shape(module) == state
+
+
+def test_the_mixer_layers_are_the_layers_whose_type_is_not_attention(family):
+    _, model = family
+    kinds = model.config.layer_types
+    layers = mixers.mixer_layers(model)
+    assert sorted(layers) == [i for i, kind in enumerate(kinds) if "attention" not in kind
+                              or kind == "linear_attention"]
+    assert list(layers.values()) == mixer_modules(model)
+
+
+def test_a_packed_row_of_the_decoder_layers_shape_is_taken(family):
+    _, model = family
+    module = mixer_modules(model)[0]
+    hidden = torch.randn(1, 5, model.config.hidden_size)
+    assert_close(ours(module, hidden, RefOps()), hf_out(module, hidden[0])[None])
+    with pytest.raises(kv.ConfigError, match=r"hidden states of 2 rows; a packed step is "
+                                             r"one row \[1, T, hidden\]"):
+        ours(module, hidden.expand(2, 5, -1), RefOps())
+
+
+def test_one_sequence_in_one_shot_equals_the_module(family):
+    name, model = family
+    torch.manual_seed(1)
+    for module in mixer_modules(model):
+        hidden = torch.randn(70, model.config.hidden_size)   # past HF's 64-token chunk
+        ops = RefOps()
+        assert_close(ours(module, hidden, ops), hf_out(module, hidden))
+        assert ops.calls == {"conv": 1,
+                             "delta_rule": 0 if name.startswith("lfm") else 1}
+
+
+@pytest.mark.parametrize("cuts", [(5,), (1, 2, 3, 11), (9, 10)])
+def test_one_sequence_in_chunks_continues_from_the_ops_state(family, cuts):
+    _, model = family
+    torch.manual_seed(2)
+    hidden = torch.randn(13, model.config.hidden_size)
+    for module in mixer_modules(model):
+        ops = RefOps()
+        bounds = [0, *cuts, len(hidden)]
+        got = torch.cat([ours(module, hidden[a:b], ops) for a, b in zip(bounds, bounds[1:])])
+        assert_close(got, hf_out(module, hidden))
+
+
+def test_packed_sequences_each_equal_the_sequence_alone(family):
+    """Three steps of two sequences packed on one token axis, in the orders a step puts
+    them (A then B, B then A, then one token each as in decode): each sequence's outputs
+    equal its own one-shot output."""
+    _, model = family
+    torch.manual_seed(3)
+    a = torch.randn(12, model.config.hidden_size)
+    b = torch.randn(8, model.config.hidden_size)
+    steps = [[(0, a, 0, 6), (1, b, 0, 2)], [(1, b, 2, 7), (0, a, 6, 11)],
+             [(0, a, 11, 12), (1, b, 7, 8)]]
+    for module in mixer_modules(model):
+        ops = RefOps()
+        outs = {0: [], 1: []}
+        for step in steps:
+            hidden = torch.cat([x[lo:hi] for _, x, lo, hi in step])
+            ops.seqs([seq for seq, _, lo, hi in step for _ in range(lo, hi)])
+            out = ours(module, hidden, ops).split([hi - lo for _, _, lo, hi in step])
+            for (seq, *_), part in zip(step, out):
+                outs[seq].append(part)
+        assert_close(torch.cat(outs[0]), hf_out(module, a))
+        assert_close(torch.cat(outs[1]), hf_out(module, b))
+
+
+#: parameters `transformers` keeps in float32 in a bfloat16 model (as it loads them)
+FLOAT32_KEPT = {"bailing": ("conv1d.weight", "forget_gate.A_log", "forget_gate.dt_bias"),
+                "kimi": ("forget_gate.dt_bias",)}
+
+
+def test_a_bfloat16_mixer_returns_bfloat16_as_close_to_the_module_as_bfloat16_allows(family):
+    """Bailing keeps its conv weight and decay parameters in float32 in a bfloat16 model,
+    Kimi its decay bias: the conv runs on a bfloat16 input with a float32 weight, and the
+    output is bfloat16, within bfloat16 rounding of the module's own."""
+    name, model = family
+    module = mixer_modules(built(name))[0].to(torch.bfloat16)
+    kept = FLOAT32_KEPT.get(name.split("_")[0], ())
+    for key, p in module.named_parameters():
+        if key in kept:
+            p.data = p.data.float()
+    assert sum(p.dtype == torch.float32 for p in module.parameters()) == len(kept)
+    torch.manual_seed(4)
+    hidden = torch.randn(10, model.config.hidden_size).bfloat16()
+    got, want = ours(module, hidden, RefOps()), hf_out(module, hidden)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
+
+
+def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():
+    with pytest.raises(kv.ConfigError, match=r"Linear: a mixer kvnumba does not compute"):
+        mixers.forward(torch.nn.Linear(2, 2), torch.zeros(1, 2), RefOps())
+    with pytest.raises(kv.ConfigError, match=r"Linear: a mixer kvnumba does not compute"):
+        mixers.state_shape(torch.nn.Linear(2, 2))
+
+
+def test_a_conv_activation_the_op_does_not_compute_is_refused():
+    model = built("qwen3_5_text")
+    module = mixer_modules(model)[0]
+    module.activation = "gelu"
+    with pytest.raises(kv.ConfigError, match=r"Qwen3_5GatedDeltaNet: its convolution's "
+                                             r"activation 'gelu' is not computed"):
+        ours(module, torch.zeros(3, 32), RefOps())
+
+
+def test_every_mixer_class_is_one_the_installed_transformers_defines():
+    """`MIXERS` names real classes (a renamed class would never be matched)."""
+    import importlib
+    homes = {"Qwen3Next": "qwen3_next", "Qwen3_5Moe": "qwen3_5_moe", "Qwen3_5": "qwen3_5",
+             "OlmoHybrid": "olmo_hybrid", "KimiLinear": "kimi_linear",
+             "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
+             "Lfm3": "lfm3"}
+    for name in mixers.MIXERS:
+        prefix = next(p for p in homes if name.startswith(p))
+        module = importlib.import_module(f"transformers.models.{homes[prefix]}."
+                                         f"modeling_{homes[prefix]}")
+        assert isinstance(getattr(module, name), type), name
+
+
+@pytest.mark.parametrize("model_type,fields,cls", [
+    ("qwen3_5", GDN, "Qwen3_5GatedDeltaNet"),
+    ("qwen3_5_moe", {**GDN, **MOE}, "Qwen3_5MoeGatedDeltaNet"),
+])
+def test_the_multimodal_qwen3_5_configs_build_the_text_mixers(model_type, fields, cls):
+    """`qwen3_5` / `qwen3_5_moe` (a text and a vision config) build their text model's
+    mixers, computed as the text variants'."""
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
+                  out_hidden_size=32, patch_size=4, temporal_patch_size=1,
+                  num_position_embeddings=16)
+    config = transformers.AutoConfig.for_model(
+        model_type, text_config={**COMMON, **fields}, vision_config=vision,
+        image_token_id=90, video_token_id=91, vision_start_token_id=92,
+        vision_end_token_id=93)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    modules = mixer_modules(model)
+    assert [type(m).__name__ for m in modules] == [cls] * 3
+    redraw(modules[0])
+    hidden = torch.randn(9, 32)
+    assert_close(ours(modules[0], hidden, RefOps()), hf_out(modules[0], hidden))
