@@ -43,7 +43,7 @@ _mount_checkout_folders()
 from . import device  # noqa: E402  (first of kvnumba's: chooses GPU or simulator before numba.cuda)
 from .device import DeviceError, torch_stream
 from .cache.batched import BatchedSequenceCache
-from .config import CacheConfig, LayerShape, LayerSpec, chunked, flat, latent, ring, shared
+from .config import CacheConfig, LayerShape, LayerSpec, chunked, flat, latent, ring, shared, state
 from .serving.driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
@@ -72,5 +72,6 @@ __all__ = [
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "chunked", "device",
     "flat",
-    "fp8_scales", "latent", "page_keys", "ring", "run_inputs", "run_step", "shared", "torch_stream",
+    "fp8_scales", "latent", "page_keys", "ring", "run_inputs", "run_step", "shared", "state",
+    "torch_stream",
 ]

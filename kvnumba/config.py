@@ -1,5 +1,6 @@
 """Cache configuration (contract §3): `CacheConfig` over the layers of `kvnumba.layerspec`
-(`flat()`, `ring()`, `chunked()`, `shared()`, `latent()`), each answering through its
+(`flat()`, `ring()`, `chunked()`, `shared()`, `latent()`, `state()`), each answering
+through its
 kind (`kvnumba.kinds`), and the page groups its layers' pages form (`PageGroup`).
 
 Validation happens at construction; every refusal is a `ConfigError` naming the
@@ -20,7 +21,7 @@ from .errors import ConfigError
 from .arith.pages import DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE, MIN_PAGE_SIZE, pages_for
 from .layerspec import (FAST_MAX_HEAD_DIM, INT32_MAX, MAX_HEAD_DIM,  # noqa: F401 (re-exported)
                         MAX_LATENT_DIM, LayerShape, LayerSpec, chunked, flat, latent, ring,
-                        shared)
+                        shared, state)
 
 #: storage dtypes, by name: the dtype of the device arrays. Numba has no bfloat16 or
 #: 8-bit float types, so those arrays hold bit patterns, each format in its own integer
@@ -37,6 +38,8 @@ FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 #: the host (NumPy) dtype of each storage dtype held as bit patterns, from ml_dtypes
 ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
              "float8_e5m2": "float8_e5m2"}
+#: the dtypes a state layer's recurrent state may be kept in
+STATE_DTYPES = ("float32",)
 #: the default pool's first pages of the group paged by position hold this many positions of one sequence
 INITIAL_POSITIONS = 256
 
@@ -106,6 +109,30 @@ def _layer_scales(name: str, value, n: int, dtype: str) -> tuple:
     return tuple(out)
 
 
+def _check_pages(config: "CacheConfig") -> None:
+    """`page_size`, `max_pages` and `initial_pages` of a config being built, and its page
+    tables' size."""
+    size = config._set_int("page_size", config.page_size, MIN_PAGE_SIZE, MAX_PAGE_SIZE)
+    if size & (size - 1):
+        raise ConfigError(f"page_size={size}: requires a power of two from "
+                          f"{MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}")
+    slot_bound = INT32_MAX // size      # a pool's slots are int32 in the kernels
+    if config.max_pages is not None:
+        config._set_int("max_pages", config.max_pages, 1, slot_bound,
+                      rule=f"1 <= max_pages <= {slot_bound} (max_pages x page_size "
+                           f"{size} slots must stay int32)")
+    if config.initial_pages is not None:
+        hi = config.max_pages if config.max_pages is not None else slot_bound
+        config._set_int("initial_pages", config.initial_pages, 1, hi,
+                      rule=f"1 <= initial_pages <= max_pages ({hi})")
+    entries = (config.max_seqs + 1) * sum(group.table_pages for group in config.page_groups)
+    if entries > INT32_MAX:
+        raise ConfigError(f"max_seqs={config.max_seqs}, capacity={config.capacity}, "
+                          f"page_size={size}: the page tables would hold {entries} "
+                          f"entries, more than {INT32_MAX} (their indices are int32): "
+                          f"use larger pages or fewer sequences per cache")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Shape and limits of a cache.
@@ -133,6 +160,7 @@ class CacheConfig:
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
     initial_pages: pages each page group's pool starts with (None: one sequence's worth,
                   `group_pages`); the pool grows by doubling up to `max_pages`.
+    state_dtype:  the dtype of state layers' recurrent states (`state()`): "float32".
     max_pages:    the most pages each page group's pool may hold (None: enough for every
                   sequence at capacity, so the pool never binds); `initial_pages ==
                   max_pages` is a fixed pool that never moves (`fixed_pool` sizes one
@@ -152,6 +180,7 @@ class CacheConfig:
     page_size: int = DEFAULT_PAGE_SIZE
     initial_pages: int | None = None
     max_pages: int | None = None
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         if not isinstance(self.layers, (list, tuple)):
@@ -182,7 +211,18 @@ class CacheConfig:
                                                          len(layers), self.dtype))
         for i, spec in enumerate(layers):
             spec.kind.validate(i, self)
-        self._check_pages()
+        self._check_states()
+        _check_pages(self)
+
+    def _check_states(self) -> None:
+        """State layers' dtype, and at least one layer that attends beside them."""
+        if self.state_dtype not in STATE_DTYPES:
+            raise ConfigError(f"state_dtype={describe(self.state_dtype)}: state layers keep "
+                              f"their recurrent state in {', '.join(STATE_DTYPES)}")
+        if self.state_layers and len(self.state_layers) == len(self.layers):
+            raise ConfigError(f"layers: all {len(self.layers)} layers are state layers; a "
+                              f"cache needs at least one attention layer (flat(), ring(...), "
+                              f"chunked(...) or latent(...)) beside them")
 
     def _set_int(self, name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
         """Field `name` checked (`_require_int`) and kept as a Python int (a NumPy integer
@@ -190,27 +230,6 @@ class CacheConfig:
         value = _require_int(name, value, lo, hi, rule)
         object.__setattr__(self, name, value)
         return value
-
-    def _check_pages(self) -> None:
-        size = self._set_int("page_size", self.page_size, MIN_PAGE_SIZE, MAX_PAGE_SIZE)
-        if size & (size - 1):
-            raise ConfigError(f"page_size={size}: requires a power of two from "
-                              f"{MIN_PAGE_SIZE} to {MAX_PAGE_SIZE}")
-        slot_bound = INT32_MAX // size      # a pool's slots are int32 in the kernels
-        if self.max_pages is not None:
-            self._set_int("max_pages", self.max_pages, 1, slot_bound,
-                          rule=f"1 <= max_pages <= {slot_bound} (max_pages x page_size "
-                               f"{size} slots must stay int32)")
-        if self.initial_pages is not None:
-            hi = self.max_pages if self.max_pages is not None else slot_bound
-            self._set_int("initial_pages", self.initial_pages, 1, hi,
-                          rule=f"1 <= initial_pages <= max_pages ({hi})")
-        entries = (self.max_seqs + 1) * sum(group.table_pages for group in self.page_groups)
-        if entries > INT32_MAX:
-            raise ConfigError(f"max_seqs={self.max_seqs}, capacity={self.capacity}, "
-                              f"page_size={size}: the page tables would hold {entries} "
-                              f"entries, more than {INT32_MAX} (their indices are int32): "
-                              f"use larger pages or fewer sequences per cache")
 
     def source(self, layer: int) -> int:
         """The layer whose K/V `layer` reads: its producer for a shared layer, else itself."""
@@ -246,6 +265,11 @@ class CacheConfig:
                                      spec.v_head_dim, spec.kind.v_in_k))
         return tuple(shapes)
 
+    @cached_property
+    def state_layers(self) -> tuple:
+        """The indices of the state layers (`state()`), in order."""
+        return tuple(i for i, spec in enumerate(self.layers) if spec.keeps_state)
+
     @property
     def storing_layers(self) -> tuple:
         """The indices of the layers that hold K/V of their own (all but shared ones)."""
@@ -280,12 +304,12 @@ class CacheConfig:
 
     @cached_property
     def floor_layers(self) -> tuple:
-        """`(kind, rows, layer)` per distinct floor among the storing layers (`kinds`:
-        `floor_key`): the kind, its rows and its first layer; empty when every floor is
-        0."""
+        """`(kind, rows, layer)` per distinct floor among the storing and state layers
+        (`kinds`: `floor_key`): the kind, its rows and its first layer; empty when every
+        floor is 0."""
         found: dict = {}
         rows_of = self.ring_rows().tolist()
-        for layer in self.storing_layers:
+        for layer in sorted(self.storing_layers + self.state_layers):
             kind, rows = self.kinds[layer], int(rows_of[layer])
             key = kind.floor_key(rows)
             if key is not None:
@@ -389,9 +413,18 @@ class CacheConfig:
         return len(self.layers)
 
     @property
+    def bytes_per_sequence(self) -> int:
+        """Bytes one sequence holds on the state layers whatever its length (contract §17:
+        each layer's conv window ring, live and base states and input log; `kinds.state`):
+        what a sequence slot costs beside `bytes_per_token` per position."""
+        itemsize = self.storage_dtype.itemsize
+        return sum(self.kinds[i].sequence_bytes(itemsize, self.max_write, self.capacity)
+                   for i in self.state_layers)
+
+    @property
     def bytes_per_token(self) -> int:
         """Bytes of one position of one sequence over the layers that store, K and V (a
-        shared layer adds nothing)."""
+        shared or state layer adds nothing: `bytes_per_sequence`)."""
         itemsize = self.storage_dtype.itemsize
         return sum(kind.position_bytes(shape, itemsize)
                    for kind, shape in zip(self.kinds, self.layer_shapes))

@@ -1,6 +1,7 @@
 """A cache's layers (contract §3, §15, §16): `LayerSpec`, one layer's kind (flat, a
-sliding-window ring, chunked, shared with another layer, or latent: a `kinds` type, its
-`kind`) and shape, built by `flat()`, `ring()`, `chunked()`, `shared()` and `latent()`;
+sliding-window ring, chunked, shared with another layer, latent, or a mixer's state: a
+`kinds` type, its `kind`) and shape, built by `flat()`, `ring()`, `chunked()`,
+`shared()`, `latent()` and `state()`;
 and the head-dim bounds the kernels are built for.
 
 Every refusal is a `ConfigError` naming the field and the rule it broke.
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from .args import describe, is_int
 from .errors import ConfigError
-from .kinds import Chunked, Flat, Latent, LayerShape, Ring, Shared  # noqa: F401 (LayerShape re-exported)
+from .kinds import Chunked, Flat, Latent, LayerShape, Ring, Shared, State  # noqa: F401 (LayerShape re-exported)
 from .kinds.ring import RingPages
 
 #: the largest head_dim (K's or V's) a layer may have: the generic attention kernel and
@@ -24,6 +25,11 @@ MAX_LATENT_DIM = 576
 #: the largest head_dim the standard decode and tensor-core tiles are built for (a wider
 #: layer takes the wide tile, or the generic kernel)
 FAST_MAX_HEAD_DIM = 256
+#: the widest key or value head a state layer's recurrent state may have (the
+#: recurrence kernels keep a state column of k_dim per thread)
+MAX_STATE_DIM = 256
+#: the widest convolution a state layer keeps the window of
+MAX_CONV_WIDTH = 64
 #: positions, token indices, storage slots and page-table entries travel to the kernels
 #: as int32
 INT32_MAX = 2**31 - 1
@@ -34,7 +40,8 @@ class LayerSpec:
     sliding-window ring of `window` positions, a chunked ring whose queries see their own
     chunk of `chunk` positions, or a layer that reads layer `producer`'s K/V and stores
     nothing (contract §15); `latent`: a layer of one stored row per position whose first
-    `v_head_dim` values are its V (contract §16, `latent()`).
+    `v_head_dim` values are its V (contract §16, `latent()`); `conv` / `recurrent`: a
+    state layer (contract §17, `state()`), which sets nothing else.
 
     `n_kv_heads`, `head_dim`, `v_head_dim`: the layer's own shape (None: the config's
     `n_kv_heads` and `head_dim`; `v_head_dim` defaults to the layer's `head_dim`). A
@@ -55,6 +62,8 @@ class LayerSpec:
     v_head_dim: int | None = None
     producer: int | None = None
     latent: bool = False
+    conv: tuple | None = None
+    recurrent: tuple | None = None
 
     def __post_init__(self):
         if not isinstance(self.latent, bool):
@@ -92,7 +101,32 @@ class LayerSpec:
                               f"the first v_head_dim < head_dim of them (latent(rank, "
                               f"rope_dim))")
 
+        if self.conv is not None or self.recurrent is not None:
+            self._check_state()
         object.__setattr__(self, "_kind", _kind_of(self))
+
+    def _check_state(self) -> None:
+        """A state layer's parts: `conv` `(channels, width)`, `recurrent` `(heads, k_dim,
+        v_dim)` (ints >= 1, head dims at most `MAX_STATE_DIM`), and no other field."""
+        for name, fields, highs in (("conv", ("channels", "width"), (INT32_MAX, MAX_CONV_WIDTH)),
+                                    ("recurrent", ("heads", "k_dim", "v_dim"),
+                                     (INT32_MAX, MAX_STATE_DIM, MAX_STATE_DIM))):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, (tuple, list)) or len(value) != len(fields) or not all(
+                    is_int(x) and 1 <= x <= hi for x, hi in zip(value, highs)):
+                rule = ", ".join(f"{f} in [1, {hi}]" for f, hi in zip(fields, highs))
+                raise ConfigError(f"state({name}={describe(value)}): {name} must be None or "
+                                  f"({', '.join(fields)}) with {rule}")
+            object.__setattr__(self, name, tuple(int(x) for x in value))
+        given = [f"{name}={getattr(self, name)}" for name in
+                 ("window", "chunk", "n_kv_heads", "head_dim", "v_head_dim", "producer")
+                 if getattr(self, name) is not None] + (["latent=True"] if self.latent else [])
+        if given:
+            raise ConfigError(f"LayerSpec(conv={self.conv}, recurrent={self.recurrent}, "
+                              f"{', '.join(given)}): a state layer keeps a mixer's state and "
+                              f"nothing else; build it with state(conv=..., recurrent=...)")
 
     @property
     def kind(self):
@@ -104,6 +138,11 @@ class LayerSpec:
     def stores(self) -> bool:
         """Whether the layer holds K/V of its own (every kind but `shared`)."""
         return self._kind.stores
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether the layer keeps a mixer's state per sequence (`state()`)."""
+        return self._kind.keeps_state
 
     @property
     def is_ring(self) -> bool:
@@ -118,6 +157,8 @@ class LayerSpec:
 
 def _kind_of(spec: LayerSpec):
     """The `kinds` type of a checked spec's fields."""
+    if spec.conv is not None or spec.recurrent is not None:
+        return State(spec.conv, spec.recurrent)
     if spec.producer is not None:
         return Shared(spec.producer)
     if spec.latent:
@@ -187,3 +228,18 @@ def latent(rank: int, rope_dim: int) -> LayerSpec:
     return LayerSpec(n_kv_heads=1, head_dim=int(rank) + int(rope_dim), v_head_dim=int(rank),
                      latent=True)
 
+
+
+def state(*, conv=None, recurrent=None) -> LayerSpec:
+    """A state layer (contract §17): a hybrid model's mixer, keeping per sequence the window
+    of a depthwise causal convolution over `channels` inputs of `width` taps (`conv=(channels,
+    width)`: its inputs, kept in the cache's storage dtype) and/or a gated-delta-rule
+    recurrent state of `heads` heads, each a float32 `[k_dim, v_dim]` matrix (`recurrent=(heads,
+    k_dim, v_dim)`). At least one part. Its data path is `conv` and `delta_rule`, not
+    `write` / `attend`; it takes no pages, and rewinds and clones restore its state exactly
+    down to the floor of a ring of window 1 (`kinds.state`)."""
+    if conv is None and recurrent is None:
+        raise ConfigError("state(conv=None, recurrent=None): a state layer keeps a conv "
+                          "window (conv=(channels, width)), a recurrent state "
+                          "(recurrent=(heads, k_dim, v_dim)), or both")
+    return LayerSpec(conv=conv, recurrent=recurrent)

@@ -79,6 +79,16 @@ def half_written_refusal(written: np.ndarray, storing: np.ndarray) -> StepProtoc
                              f"to discard the step")
 
 
+def unrun_state_refusal(ran: np.ndarray, absent: np.ndarray) -> StepProtocolError:
+    """A `commit_step` of a step that ran some layers and left a state layer's part unrun
+    (`ran`, bool `[n_layers, 2]`: conv, recurrent; `absent`: the parts layers lack)."""
+    missing = [f"{'conv' if part == 0 else 'delta_rule'}({layer})"
+               for layer, part in zip(*np.nonzero(~ran & ~absent))]
+    return StepProtocolError(f"commit_step: the step ran other layers but not "
+                             f"{', '.join(missing)}; run every state layer's parts before "
+                             f"commit_step(), or abort_step() to discard the step")
+
+
 def unprepared_refusal(verb: str, state) -> StepProtocolError:
     """Data moving outside a prepared step (`state`: the step's `StepState`)."""
     return StepProtocolError(f"{verb}: the step is {state.name}; data moves only inside a "

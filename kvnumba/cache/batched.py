@@ -16,17 +16,18 @@ from ..args import as_int
 from ..config import CacheConfig
 from ..data.attend import DataPath
 from ..data.routing import Routing, upload_entries
+from ..data.state_path import StatePath
 from ..data.upload import Upload
 from ..device import (allocating, announce, check_storage_capability, cuda, device_id,
                       on_its_device, placed_on)
 from ..errors import CacheFullError, ConfigError
 from ..host.declarer import StepDeclarer
-from ..arith.prefix_keys import as_keys
 from ..host.slots import SlotState, SlotTable, state_refusal
 from ..host.step import StepPlan
 from ..refusals import floor_refusal, position_refusal
 from ..statemachines import CLONE_SOURCE_STATES
 from .pool import Pool
+from .prefix_verbs import PrefixVerbs
 from .queries import CacheParts, CacheQueries
 from .stepping import StepProtocol
 
@@ -36,7 +37,7 @@ _CLONE_SOURCES = tuple(SlotState[s.upper()] for s in CLONE_SOURCE_STATES)
 CLONE_UPLOAD = 4096
 
 
-class BatchedSequenceCache(CacheQueries):
+class BatchedSequenceCache(CacheQueries, PrefixVerbs):
     """A KV cache whose sequences share every layer's page pool, each through its page
     tables.
 
@@ -82,15 +83,19 @@ class BatchedSequenceCache(CacheQueries):
             storage, groups = self._pool.storage, self._pool.accounting.groups
             tables = {group.rows: storage.group_tables[i] for i, group in enumerate(groups)}
             rows = config.ring_rows().tolist()
-            masks = {code: (r, tables[r]) for code, r in zip(config.mask_codes, rows)}
+            attending = [not kind.keeps_state for kind in config.kinds]
+            masks = {code: (r, tables[r]) for code, r, a in
+                     zip(config.mask_codes, rows, attending) if a}
             self._routing = Routing(config, self.stream, masks, self._pool.accounting.page_bits)
         self._steps = StepProtocol(
             config=config, slots=self._slots, pool=self._pool,
             declarer=StepDeclarer(config, self._slots, self._pool.accounting), upload=upload,
             routing=self._routing, pad_col=n if scratch_column else -1, stream=self.stream)
-        geometry = [(r, code, tables[r]) for r, code in zip(rows, config.mask_codes)]
+        geometry = [(r, code, tables[r]) if a else None
+                    for r, code, a in zip(rows, config.mask_codes, attending)]
         data = DataPath(config, self.device, self.stream, storage, self._routing, geometry)
-        self._parts = CacheParts(config, self._slots, self._pool, data, self._steps)
+        states = StatePath(config, self.device, self.stream, self._pool.states)
+        self._parts = CacheParts(config, self._slots, self._pool, data, self._steps, states)
 
     # ------------------------------------------------------------------ sequence verbs
     @on_its_device
@@ -161,72 +166,6 @@ class BatchedSequenceCache(CacheQueries):
         self._pool.accounting.rewind(seq, position)
         self._slots.apply("rewind", seq, next_state)
         self._slots.pos[seq] = position
-
-    # ------------------------------------------------------------------ prefix index
-    def prefix_match(self, keys) -> int:
-        """How many leading page keys of `keys` (`prefix_keys.page_keys`) the prefix index
-        holds: the pages `seq_from_prefix(keys)` would share. Changes nothing."""
-        return self._pool.index.match(as_keys(keys, "prefix_match keys"))
-
-    @on_its_device
-    def seq_from_prefix(self, keys) -> int:
-        """Claim the lowest free slot holding the longest indexed prefix of `keys`: `m =
-        prefix_match(keys)` pages. With `m = 0` it is `seq_new`. Otherwise the sequence
-        shares the matched flat pages (copy-on-write, as a clone), each ring layer gets
-        back the positions it reads before the match point `L = m * page_size`, and it is
-        COMMITTED at `pos = L` with high-water `L + max_write` when there are ring layers
-        (`CacheConfig.resumed_high_water`: its floor is `L`), else `L`. A match is shortened
-        where the sequence's rings would need the match's own ring rows (`pos` says
-        where it starts). Refused as `seq_new` (`CacheFullError`, `CapacityError`),
-        nothing changed."""
-        self._steps.machine.require_idle("seq_from_prefix")
-        keys = as_keys(keys, "seq_from_prefix keys")
-        keys = keys[:self._pool.index.match(keys)]
-        if not keys:
-            return self.seq_new()
-        seq = self._lowest_free("seq_from_prefix")
-        next_state = self._slots.check_one("clone_into", seq)
-        shared = self._pool.start(seq, keys, self._clone_upload, "seq_from_prefix")
-        if not shared:                 # shortened to nothing: a fresh sequence
-            self._slots.apply("seq_new", seq, self._slots.check_one("seq_new", seq))
-            self._slots.pos[seq] = self._slots.high_water[seq] = 0
-            return seq
-        self._slots.apply("clone_into", seq, next_state)
-        self._slots.pos[seq] = pos = shared * self.config.page_size
-        self._slots.high_water[seq] = self.config.resumed_high_water(pos)
-        return seq
-
-    @on_its_device
-    def prefix_register(self, seq: int, keys) -> int:
-        """Index sequence `seq`'s committed pages of positions under `keys` (`keys[i]`:
-        the key of positions `[i P, (i + 1) P)`, `prefix_keys.page_keys` of the tokens it
-        holds; at most `pos // page_size` of them are used). Pages already indexed are
-        marked used; a new one shares its flat page with the index and copies the rows a
-        later match needs out of each ring. A ring keeps those rows only while its
-        window covers them: register after each `commit_step` (a page whose rows the
-        ring has overwritten, and every page after it, stays out), and before a
-        rewind. Ring pages for the index come from free or cached pages (the least
-        recently used nodes are evicted, never this chain's); registration stops where
-        none is left (a ring pool may grow for them, as for any verb: `CapacityError`,
-        nothing changed, when that growth fails). Returns the leading keys now indexed."""
-        self._steps.machine.require_idle("prefix_register")
-        seq = self._live(self._id(seq, "prefix_register"), "prefix_register")
-        keys = as_keys(keys, "prefix_register keys")
-        pos = int(self._slots.pos[seq])
-        keys = keys[:pos // self.config.page_size]
-        first = self._pool.index.first_registrable(pos, int(self._slots.high_water[seq]))
-        return self._pool.register(seq, keys, first, self._clone_upload, "prefix_register")
-
-    def prefix_forget(self, keys) -> int:
-        """Drop the index entries of `keys` (their pages go back to the sequences holding
-        them, or free); returns how many were indexed."""
-        self._steps.machine.require_idle("prefix_forget")
-        return self._pool.index.forget(as_keys(keys, "prefix_forget keys"))
-
-    def prefix_clear(self) -> int:
-        """Drop every index entry; returns how many there were."""
-        self._steps.machine.require_idle("prefix_clear")
-        return self._pool.index.clear()
 
     # ------------------------------------------------------------------ step protocol
     def declare_step(self, seq_ids, *, blocks=()) -> StepPlan:
@@ -325,6 +264,31 @@ class BatchedSequenceCache(CacheQueries):
         `softcap`, `lse`, `sinks`): every argument of both halves is checked before anything is
         written."""
         return self._parts.data.update_and_attend(self._steps.prepared("write"), layer, q, k, v, kw)
+
+    @on_its_device
+    def conv(self, layer: int, x, weight, bias=None, *, activation=None):
+        """The depthwise causal convolution of state layer `layer` (contract §17) over the
+        prepared step: `x [width, channels]`, `weight [channels, conv_width]`, `bias
+        [channels]` or None; `y_t = act(bias + sum_j weight[:, j] * x[p - conv_width + 1 +
+        j])` over each sequence's own inputs (its window, then the step's tokens; zeros
+        before position 0), `activation` None or "silu". Float32 arithmetic; the window
+        keeps the inputs in the storage dtype. Returns `y [width, channels]` of x's
+        family and dtype, padding rows zero. Runs once per layer per step."""
+        return self._parts.states.conv(self._steps.prepared("conv"), layer, x, weight, bias,
+                                       activation)
+
+    @on_its_device
+    def delta_rule(self, layer: int, q, k, v, g, beta, *, scale=None, qk_l2norm=False):
+        """The gated delta rule of state layer `layer` (contract §17) over the prepared
+        step: `q, k [width, heads, k_dim]`, `v [width, heads, v_dim]`, `g` a log-decay
+        `[width, heads]` or `[width, heads, k_dim]`, `beta [width, heads]` or None (decay
+        only: `S <- diag(exp(g)) S + k v^T`). Per token and head: with `qk_l2norm`, q and k
+        become `x * rsqrt(sum(x**2) + 1e-6)`; `S <- diag(exp(g)) S`; `S <- S + beta * k (v -
+        S^T k)^T`; `o = scale * S^T q` (default scale `k_dim ** -0.5`), every segment from
+        its sequence's state, which it advances, in float32. Returns `o [width, heads,
+        v_dim]` of q's family and dtype, padding rows zero. Runs once per layer per step."""
+        return self._parts.states.delta_rule(self._steps.prepared("delta_rule"), layer, q, k,
+                                             v, g, beta, scale, qk_l2norm)
 
     def _lowest_free(self, verb: str) -> int:
         free = np.flatnonzero(self._slots.state == SlotState.FREE)

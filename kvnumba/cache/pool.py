@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import CacheConfig
+from ..data.state_storage import StateStorage
 from ..data.storage import PageStorage
 from ..data.upload import Sections
 from ..host.page_accounting import PageAccounting, PageWork
@@ -23,13 +24,15 @@ from ..host.prefix_index import PrefixIndex
 class Pool:
     """`pages`: the host accounting (`PageAccounting`); `storage`: the device storage
     (`PageStorage`), with `n_rows` page-table rows (one per sequence slot, plus the
-    scratch row when `scratch`) and launches on `stream`."""
+    scratch row when `scratch`) and launches on `stream`; `states`: the state layers'
+    columns (`StateStorage`, `n_rows` of them)."""
 
     def __init__(self, config: CacheConfig, n_rows: int, scratch: bool, stream=0):
         self.config = config
         self.accounting = PageAccounting(config, n_rows, scratch)
         self.index = PrefixIndex(self.accounting)
         self.storage = PageStorage(config, n_rows, stream)
+        self.states = StateStorage(config, n_rows, stream)
         self._number = {id(group): i for i, group in enumerate(self.accounting.groups)}
         self._copy_sections = [Sections.copies(i) for i in range(len(self.accounting.groups))]
 
@@ -93,6 +96,7 @@ class Pool:
         cannot give the clone's pages."""
         self.reserve(self.accounting.clone_demand(keep), verb)
         self._send(upload, self.accounting.clone(src, dst, keep))
+        self.states.copy_column(src, dst)
 
     def start(self, seq: int, keys: list, upload, verb: str) -> int:
         """Give a free `seq` what a new sequence holds and the indexed pages of `keys`

@@ -34,14 +34,15 @@ class PageDemand(NamedTuple):
 
 class CacheParts(NamedTuple):
     """What the queries read of a cache: its `config`, `slots` (`SlotTable`), `pool`
-    (`Pool`), `data` (`DataPath`: layer ids and geometry) and `steps` (`StepProtocol`:
-    the step machine, the open step)."""
+    (`Pool`), `data` (`DataPath`: layer ids and geometry), `steps` (`StepProtocol`:
+    the step machine, the open step) and `states` (`StatePath`: the state layers' ops)."""
 
     config: object
     slots: object
     pool: object
     data: object
     steps: object
+    states: object
 
 
 class CacheQueries:
@@ -69,6 +70,12 @@ class CacheQueries:
     def nbytes(self) -> int:
         """Bytes of K/V storage allocated over all layers (every pool's pages)."""
         return self._parts.pool.storage.nbytes
+
+    @property
+    def nbytes_state(self) -> int:
+        """Bytes of the state layers' columns allocated (contract §17: every sequence slot
+        and the scratch column, `config.bytes_per_sequence` each), apart from pages."""
+        return self._parts.pool.states.nbytes
 
     @property
     def nbytes_held(self) -> int:

@@ -14,12 +14,14 @@ import numpy as np
 from ..args import as_ids, as_int
 from ..data.upload import Sections
 from ..errors import ShapeError
-from ..arith.positions import stage_tables
+from ..arith.positions import SEQ_INFO_FIELDS, ring_floor, stage_tables
+from ..arith.state_runs import RUN_FIELDS, state_runs
 from ..host.slots import StepMachine, StepState
 from ..host.step import OpenStep, StepPlan
 from ..kernels import padding
 from ..kernels.moves import write
-from ..refusals import half_written_refusal, unprepared_refusal, width_refusal
+from ..refusals import half_written_refusal, unprepared_refusal, unrun_state_refusal, \
+    width_refusal
 
 
 class StepProtocol:
@@ -48,6 +50,14 @@ class StepProtocol:
         # every layer stores (then a commit checks `written` whole, without a mask)
         self._unwritten = ~self._storing
         self._all_store = bool(self._storing.all())
+        # per layer and state part (conv, recurrent) whether a step starts with it run:
+        # every part but the state layers' own
+        self._unran = np.ones((config.n_layers, 2), bool)
+        for layer in config.state_layers:
+            kind = config.kinds[layer]
+            self._unran[layer] = kind.conv is None, kind.recurrent is None
+        self._states = bool(config.state_layers)
+        self._state_rows = min(config.capacity, config.max_write)
         self._writes = {}     # the last prepared step's K/V writes (`write.WriteRun`) by run
         #: what the last prepared step's layers took: its width and tables, and per layer
         #: its writes (`_layer_writes`) and the shapes of its K and V (`_kv_shapes`)
@@ -80,6 +90,8 @@ class StepProtocol:
         upload.mark(Sections.TOKENS, 2 * width)
         upload.mark(Sections.SEGMENTS, int(end))
         routes = self.routing.route(info, step.max_q_len, step.max_kv_len, upload)
+        if self._states:
+            n_runs = self._stage_state_plan(info, upload)
         if work is not pool.accounting.no_work:
             pool.stage(upload, work)
         self.routing.bind(routes, upload)
@@ -94,6 +106,14 @@ class StepProtocol:
                      padding.prepare(width, step.n_tokens, self.stream),   # `OpenStep.prepare`'s
                      made[3], self._unwritten,                             # order
                      (pool.storage, upload, self.routing.workspace))
+        if self._states:
+            step.ran = self._unran.copy()
+            device, section = upload.device, upload.section
+            runs, order, segments = (device[at.offset:at.offset + at.size] for at in (
+                section(Sections.STATE_RUNS), section(Sections.STATE_ORDER),
+                section(Sections.SEGMENTS)))
+            step.state_plan = (runs.reshape(n_runs, RUN_FIELDS), order,
+                               segments.reshape(-1, SEQ_INFO_FIELDS), n_runs)
         self.machine.apply("prepare", next_state)
         return self.plan
 
@@ -103,6 +123,11 @@ class StepProtocol:
         written = step.written if self._all_store else step.written[self._storing]
         if 0 < np.count_nonzero(written) < written.size:
             raise half_written_refusal(step.written, self._storing)
+        if self._states and (written.any() or step.ran[~self._unran].any()):
+            if not step.ran.all():
+                raise unrun_state_refusal(step.ran, self._unran)
+            if not written.all():
+                raise half_written_refusal(step.written, self._storing)
         self.slots.advance("commit", step.seqs, step.totals)
         self._close(next_state, "commit")
 
@@ -116,6 +141,15 @@ class StepProtocol:
             hw[seqs] = np.maximum(hw[seqs], slots.pos[seqs] + step.totals)
             self.pool.accounting.abort(seqs, slots.pos)
         self._close(next_state, "abort")
+
+    def _stage_state_plan(self, info: np.ndarray, upload) -> int:
+        """Put the step's recurrence plan (`arith.state_runs`, each sequence's floor as
+        the state layers see it) into `upload`; returns its runs."""
+        floors = ring_floor(self.slots.high_water, self._state_rows, self.config.max_write)
+        runs, order = state_runs(info, floors)
+        upload.put(Sections.STATE_RUNS, runs)
+        upload.put(Sections.STATE_ORDER, order)
+        return len(runs)
 
     def _layer_writes(self, width: int, tables) -> tuple:
         """Per layer the write launches of a step of `width` tokens staged in `tables`

@@ -87,13 +87,18 @@ class DataPath:
     def layer(self, layer, verb: str) -> int:
         """`layer` as an int index in `[0, n_layers)`, or `ShapeError`."""
         n_layers = len(self.layer_geometry)
-        if type(layer) is int and 0 <= layer < n_layers:    # the usual call: nothing to convert
+        if type(layer) is int and 0 <= layer < n_layers and \
+                self.layer_geometry[layer] is not None:    # the usual call: nothing to convert
             return layer
         if not is_int(layer):
             raise ShapeError(f"{verb}: layer must be an int index in [0, {n_layers}), got "
                              f"{describe(layer)}")
         if not 0 <= layer < n_layers:
             raise ShapeError(f"{verb}: layer {int(layer)} is outside [0, {n_layers})")
+        if self.layer_geometry[layer] is None:
+            raise ShapeError(f"{verb}: layer {int(layer)} is a state layer "
+                             f"({self.config.kinds[layer].describe()}): it attends not; its "
+                             f"data path is conv / delta_rule")
         return int(layer)
 
     def _write_args(self, step, layer, k, v) -> int:

@@ -109,11 +109,14 @@ class Routing:
                                       prefill.supports(s.head_dim, dtype))
                              for s, wide in zip(shapes, self.wide)]
         # the generic decode: layers no fast path serves, and wide layers whose scale is
-        # not positive (the tensor cores' softmax needs one)
-        self._decode_generic = not all(self.decode_fast) or any(self.wide)
-        self._prefill_fast = any(self.prefill_fast)
+        # not positive (the tensor cores' softmax needs one); state layers attend not
+        attending = [not kind.keeps_state for kind in config.kinds]
+        self._decode_generic = any(a and (not fast or wide) for a, fast, wide in
+                                   zip(attending, self.decode_fast, self.wide))
+        self._prefill_fast = any(a and fast for a, fast in zip(attending, self.prefill_fast))
         self.mask_tables = mask_tables
-        fast_codes = sorted({code for code, fast in zip(codes, self.decode_fast) if fast})
+        fast_codes = sorted({code for code, fast, a in zip(codes, self.decode_fast, attending)
+                             if fast and a})
         self._decode_sections = [(code, Sections.decode(code)) for code in fast_codes]
         self.page_bits = page_bits
         self.stream = stream

@@ -14,6 +14,8 @@ step's sections, in order:
 * `decode <W>` for each layer window W of a decode group on the fast path: its work
   table then its combine table (`kernels.decode.chunks_into` writes them in place);
 * `decode list`, `prefill list`: the segments of a group on a path that takes a list;
+* `state runs` `[n_runs, 4]`, `state order` `[n_segments]`: with state layers, the
+  recurrence plan (`arith.state_runs`);
 * `patches` `[n, 2]`: device page-table patches (flat index, slot base);
 * `copies <G>` `[m, 3]`: page group G's row copies (copy-on-write in a step, on the flat
   group), as row runs (source slot, destination slot, rows; `kernels.moves.page_copy`).
@@ -45,6 +47,8 @@ class Sections:
     DECODE_LIST = "decode list"
     PREFILL_LIST = "prefill list"
     PATCHES = "patches"
+    STATE_RUNS = "state runs"
+    STATE_ORDER = "state order"
 
     @staticmethod
     def decode(window: int) -> str:

@@ -19,6 +19,7 @@ from ..args import as_count, is_int
 from ..config import CacheConfig, chunked, flat, latent, ring, shared
 from ..errors import ConfigError
 from .latent import latent_modules, refuse_modules
+from .mixing import state_specs
 from .sharding import kv_heads_per_rank, sharding
 
 #: the `layer_types` kvnumba computes
@@ -44,9 +45,6 @@ def unsupported(config) -> str | None:
     if shared_layers and shared_layers >= config.num_hidden_layers:
         return (f"layers that all attend over K/V from outside the model "
                 f"(num_kv_shared_layers={shared_layers} of {config.num_hidden_layers})")
-    for layer_type in set(getattr(config, "layer_types", None) or ()):
-        if layer_type not in LAYER_TYPES:
-            return f"{layer_type!r} layers"
     return None
 
 
@@ -87,15 +85,19 @@ def module_shapes(model) -> dict:
     return found
 
 
-def layer_shapes(config, ranks: int, modules: dict | None = None) -> list:
+def layer_shapes(config, ranks: int, modules: dict | None = None, mixed=()) -> list:
     """`(kv heads, head_dim, v_head_dim)` of each decoder layer on one of `ranks` ranks:
     what its attention module holds (`module_shapes`: its query heads over its kv groups),
     else the config's `num_attention_heads`, `num_key_value_heads` and `head_dim` (else
     `hidden_size // num_attention_heads`), read per layer where the config holds them per
     layer (`ConfigError` where no query head count is given); the kv heads are this rank's
-    share (`kv_heads_per_rank`), V as wide as K unless the module says otherwise."""
+    share (`kv_heads_per_rank`), V as wide as K unless the module says otherwise. A layer
+    of `mixed` (a mixer's: it attends not) has None."""
     shapes = []
     for layer in range(config.num_hidden_layers):
+        if layer in mixed:
+            shapes.append(None)
+            continue
         head_dim, groups, v_head_dim, heads = (modules or {}).get(layer, (None,) * 4)
         heads = heads or layer_value(config, "num_attention_heads", layer)
         if not is_int(heads) or heads < 1:
@@ -135,12 +137,15 @@ def producers(config) -> list:
     return found
 
 
-def layer_specs(config, shapes: list | None = None) -> list:
+def layer_specs(config, shapes: list | None = None, states: dict | None = None) -> list:
     """One `LayerSpec` per decoder layer: `layer_types` when the config has them (a
     `chunked_attention` layer chunked by `attention_chunk_size`), else every layer
     sliding when `sliding_window` is set, else every layer flat; with `shapes`
     (`layer_shapes`), each layer's kv heads and head dims where they are not the first
-    layer's; a layer that reads another's K/V is `shared` with it (`producers`)."""
+    attention layer's; a layer that reads another's K/V is `shared` with it
+    (`producers`); a mixer's layer the state layer of `states` (`mixing.state_specs`).
+    Any other layer type is refused (`ConfigError` naming it)."""
+    states = states or {}
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
     layer_types = getattr(config, "layer_types", None)
@@ -160,11 +165,29 @@ def layer_specs(config, shapes: list | None = None) -> list:
             "chunked_attention": lambda **s: chunked(int(chunk), **s)}
     specs = []
     for layer, (layer_type, producer) in enumerate(zip(layer_types, producers(config))):
+        if layer in states:
+            specs.append(states[layer])
+            continue
         if producer is not None:
             specs.append(shared(producer))
             continue
+        if layer_type not in made:
+            raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} layer, "
+                              f"whose mixer kvnumba does not compute (it computes "
+                              f"{', '.join(LAYER_TYPES)} attention and the mixers of "
+                              f"kvnumba.hf.mixers)")
         specs.append(made[layer_type](**_own_shape(shapes, layer)))
     return specs
+
+
+def first_shape(shapes: list) -> tuple:
+    """The first attention layer's shape of `shapes` (`layer_shapes`): the cache's
+    defaults (`ConfigError` for a model of mixers alone)."""
+    found = next((shape for shape in shapes if shape is not None), None)
+    if found is None:
+        raise ConfigError("every layer of the model is a mixer's: kvnumba serves hybrid "
+                          "models with at least one attention layer")
+    return found
 
 
 def _own_shape(shapes: list | None, layer: int) -> dict:
@@ -172,7 +195,7 @@ def _own_shape(shapes: list | None, layer: int) -> dict:
     defaults (the first layer's kv heads and head dim; V as wide as K)."""
     if shapes is None:
         return {}
-    (heads, head_dim, _), (own_heads, own_dim, own_v) = shapes[0], shapes[layer]
+    (heads, head_dim, _), (own_heads, own_dim, own_v) = first_shape(shapes), shapes[layer]
     given = dict(n_kv_heads=own_heads, head_dim=own_dim, v_head_dim=own_v)
     defaults = dict(n_kv_heads=heads, head_dim=head_dim, v_head_dim=own_dim)
     return {name: value for name, value in given.items() if value != defaults[name]}
@@ -265,9 +288,14 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
         specs = latent_specs(model, config, ranks)
         kv_heads, head_dim = 1, specs[0].v_head_dim     # every layer sets its own shape
     else:
-        shapes = layer_shapes(config, ranks, module_shapes(model))
-        specs = layer_specs(config, shapes)
-        kv_heads, head_dim, _ = shapes[0]
+        states = state_specs(model)
+        if states and ranks > 1:
+            raise ConfigError(f"{config.model_type}: its mixer layers {sorted(states)} keep "
+                              f"states kvnumba does not split over {ranks} ranks; serve it "
+                              f"on one")
+        shapes = layer_shapes(config, ranks, module_shapes(model), states)
+        specs = layer_specs(config, shapes, states)
+        kv_heads, head_dim, _ = first_shape(shapes)
     # the defaults need ints; anything else goes on to CacheConfig, which names it
     if max_write is None:
         max_write = min(capacity, 256) if is_int(capacity) else capacity

@@ -11,6 +11,7 @@ import numpy as np
 from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
 from .attention import ATTENTION
 from .latent import capturing
+from .mixing import mixer_modules, running
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class ServedModel:
         self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
                                   max_session_tokens=config.capacity)
         self.device = next(model.parameters()).device
+        self.mixers = {layer: module for layer, module in mixer_modules(model).items()
+                       if config.layers[layer].keeps_state}
         # per page group: (its ring rows, 0 for the layers paged by position; the pages its
         # pool hands out at most: all it can give while the cache holds nothing)
         self.groups = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
@@ -97,8 +100,9 @@ class ServedModel:
 
     @contextlib.contextmanager
     def kvnumba_attention(self):
-        """The model's attention switched to kvnumba's (`ATTENTION`) inside the block,
-        and its latent layers' latents kept for the step (`latent.capturing`): yields the
+        """The model's attention switched to kvnumba's (`ATTENTION`) inside the block, its
+        mixers computing through the cache's state layers (`mixing.running`), and its
+        latent layers' latents kept for the step (`latent.capturing`): yields the
         keyword arguments a step's model call passes (`kvnumba_cache`, and
         `kvnumba_latents` where the cache has latent layers)."""
         config = self.model.config
@@ -106,7 +110,7 @@ class ServedModel:
         config._attn_implementation = ATTENTION
         layers = [i for i, kind in enumerate(self.cache.config.kinds) if kind.name == "latent"]
         try:
-            with capturing(self.model, layers) as latents:
+            with capturing(self.model, layers) as latents, running(self.mixers, self.cache):
                 yield dict(kvnumba_cache=self.cache,
                            **(dict(kvnumba_latents=latents) if layers else {}))
         finally:

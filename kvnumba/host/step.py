@@ -34,7 +34,8 @@ class OpenStep:
 
     __slots__ = ("n_tokens", "seq_info", "logit_indices", "max_q_len", "max_kv_len", "spans",
                  "seqs", "totals", "pages_needed", "width", "pad_col", "tokens", "upload",
-                 "routes", "writes", "zero", "kv_shapes", "written", "buffers")
+                 "routes", "writes", "zero", "kv_shapes", "written", "buffers", "ran",
+                 "state_plan")
 
     def __init__(self, n_tokens: int, seq_info, logit_indices, max_q_len: int,
                  max_kv_len: int, spans: tuple, seqs, totals, pages_needed: tuple):
@@ -43,6 +44,7 @@ class OpenStep:
         self.seqs, self.totals, self.pages_needed = seqs, totals, pages_needed
         self.width = self.pad_col = self.tokens = self.upload = self.routes = None
         self.writes = self.zero = self.kv_shapes = self.written = self.buffers = None
+        self.ran = self.state_plan = None
 
     def prepare(self, width: int, pad_col: int, tokens: np.ndarray, upload, routes,
                 writes, zero, kv_shapes: list, written: np.ndarray, buffers: tuple) -> None:

@@ -35,12 +35,12 @@ class LayerKind(Protocol):
       from its K rows (a latent layer); `window`: its sliding window W, or None.
       `source(layer)`: the layer whose K/V it reads (itself, or a shared layer's
       producer).
+      `keeps_state`: whether it keeps a state per sequence instead of K/V (`state`).
       `describe()`: how refusals name the layer ("window 4096", "shared with layer 3").
       `mask_code`: the kernels' key mask (0 every key, W a sliding window, -C chunks).
       `validate(layer, config)`: refuse (`ConfigError`) a config the kind cannot serve.
     Bytes and storage:
       `position_bytes(shape, itemsize)`: bytes one position of one sequence takes.
-      `sequence_bytes(shape, itemsize)`: bytes one sequence takes whatever its length.
       `planes(shape)`: the storage planes a page of the layer allocates, `(role,
       width)` each ("kv", or "k" and "v"; a latent layer one "k").
     Pages (on the layer's page group; `rows` 0: one row per position, else a ring):
@@ -75,11 +75,14 @@ class LayerKind(Protocol):
 
     A kind that stores nothing (`shared`) answers the naming, bytes and storage
     questions only: it is in no page group, and its mask, rows and floor are those of
-    the layer it reads.
+    the layer it reads. A kind that keeps a state (`state`) is in no page group either:
+    it answers the naming, bytes and floor questions, and `sequence_bytes(itemsize,
+    max_write, capacity)`, the bytes one sequence holds whatever its length.
     """
 
     name: str
     stores: bool
+    keeps_state: bool
     v_in_k: bool
     window: int | None
 
@@ -93,8 +96,6 @@ class LayerKind(Protocol):
     def validate(self, layer: int, config) -> None: ...
 
     def position_bytes(self, shape: LayerShape, itemsize: int) -> int: ...
-
-    def sequence_bytes(self, shape: LayerShape, itemsize: int) -> int: ...
 
     def planes(self, shape: LayerShape) -> tuple: ...
 
@@ -147,6 +148,7 @@ class KVRows:
     planes and no per-sequence bytes (`base.LayerKind`)."""
 
     stores = True
+    keeps_state = False
     v_in_k = False
     window = None
 
@@ -158,9 +160,6 @@ class KVRows:
 
     def position_bytes(self, shape: LayerShape, itemsize: int) -> int:
         return shape.n_kv_heads * (shape.head_dim + shape.v_head_dim) * itemsize
-
-    def sequence_bytes(self, shape: LayerShape, itemsize: int) -> int:
-        return 0
 
     def planes(self, shape: LayerShape) -> tuple:
         if shape.head_dim == shape.v_head_dim:

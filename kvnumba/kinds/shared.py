@@ -16,6 +16,7 @@ class Shared:
     producer: int
     name = "shared"
     stores = False
+    keeps_state = False
 
     def source(self, layer: int) -> int:
         return self.producer
@@ -34,9 +35,6 @@ class Shared:
                               f"layer that stores K/V ({why})")
 
     def position_bytes(self, shape: LayerShape, itemsize: int) -> int:
-        return 0
-
-    def sequence_bytes(self, shape: LayerShape, itemsize: int) -> int:
         return 0
 
     def planes(self, shape: LayerShape) -> tuple:

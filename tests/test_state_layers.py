@@ -1,0 +1,216 @@
+"""State layers through the cache (contract §17) against a float64 oracle.
+
+A `Model` keeps, per live sequence, every input it wrote at each position (the conv
+inputs and the recurrence's q, k, v, g, beta), as the contract's semantics define a
+sequence: rewinds truncate it, clones copy its first `upto` positions. After each step
+the cache's outputs for every real token must equal the oracle's (tests/stateref.py,
+written from the definitions and run from position 0 over the whole history), padding
+rows must be zero, and refused calls must change nothing that a later step could see.
+"""
+import numpy as np
+import pytest
+
+import kvnumba as kv
+from stateref import conv_ref, delta_rule_ref
+
+C, K = 6, 4                    # conv channels and width
+H, DK, DV = 2, 4, 8            # recurrent heads and dims
+MAX_SEQS, MAX_WRITE, CAPACITY = 3, 4, 40
+
+
+def config(dtype="float32", **kw):
+    return kv.CacheConfig(layers=[kv.state(conv=(C, K), recurrent=(H, DK, DV)), kv.flat()],
+                          n_kv_heads=1, head_dim=8, capacity=CAPACITY, max_seqs=MAX_SEQS,
+                          max_write=MAX_WRITE, max_step=16, dtype=dtype, page_size=8, **kw)
+
+
+class Model:
+    """The contract's sequences: per sequence its inputs by position."""
+
+    def __init__(self, seed=0, per_channel=False, beta=True):
+        self.rng = np.random.default_rng(seed)
+        self.seqs = {}
+        self.weight = self.rng.standard_normal((C, K)).astype(np.float32)
+        self.bias = self.rng.standard_normal(C).astype(np.float32)
+        self.per_channel, self.beta = per_channel, beta
+
+    def inputs(self, n):
+        r = self.rng
+        g_shape = (n, H, DK) if self.per_channel else (n, H)
+        return dict(x=r.standard_normal((n, C)).astype(np.float32),
+                    q=r.standard_normal((n, H, DK)).astype(np.float32),
+                    k=r.standard_normal((n, H, DK)).astype(np.float32),
+                    v=r.standard_normal((n, H, DV)).astype(np.float32),
+                    g=(-r.uniform(0.01, 0.5, g_shape)).astype(np.float32),
+                    beta=r.uniform(0.1, 0.9, (n, H)).astype(np.float32))
+
+    def expected(self, seq, rows):
+        """Oracle outputs of `seq` at the last `rows` positions of its history."""
+        hist = self.seqs[seq]
+        y = conv_ref(hist["x"], self.weight, self.bias, silu=True)
+        o, _ = delta_rule_ref(hist["q"], hist["k"], hist["v"], hist["g"],
+                              hist["beta"] if self.beta else None, DK ** -0.5, True, None)
+        return y[-rows:], o[-rows:]
+
+
+def run_step(cache, model, seq_ids, width=None, *, commit=True, check=True, tol=1e-5):
+    """Declare, prepare, run both state ops and the flat layer, check, commit."""
+    seq_ids = np.asarray(seq_ids)
+    n = len(seq_ids)
+    cache.declare_step(seq_ids)
+    cache.prepare_step(width)
+    w = n if width is None else width
+    inp = model.inputs(w)
+    y = cache.conv(0, inp["x"], model.weight, model.bias, activation="silu")
+    o = cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"],
+                         inp["beta"] if model.beta else None, qk_l2norm=True)
+    kvs = np.zeros((w, 1, 8), np.float32)
+    cache.write(1, kvs, kvs)
+    assert not np.any(y[n:]) and not np.any(o[n:])
+    for seq in np.unique(seq_ids):
+        mine = np.flatnonzero(seq_ids == seq)
+        hist = model.seqs[seq]
+        for name, arr in inp.items():
+            hist[name] = np.concatenate([hist[name], arr[mine]])
+        if check:
+            want_y, want_o = model.expected(seq, len(mine))
+            np.testing.assert_allclose(y[mine], want_y, rtol=tol, atol=tol)
+            np.testing.assert_allclose(o[mine], want_o, rtol=tol, atol=tol)
+    if commit:
+        cache.commit_step()
+    return y, o
+
+
+def new_seq(cache, model):
+    seq = cache.seq_new()
+    model.seqs[seq] = {name: arr[:0] for name, arr in model.inputs(0).items()}
+    return seq
+
+
+def rewind(cache, model, seq, position):
+    cache.rewind(seq, position)
+    model.seqs[seq] = {name: arr[:position] for name, arr in model.seqs[seq].items()}
+
+
+@pytest.mark.parametrize("per_channel, beta", [(False, True), (True, True), (False, False)])
+def test_packed_prefill_decode_and_spans(per_channel, beta):
+    cache, model = kv.BatchedSequenceCache(config()), Model(1, per_channel, beta)
+    a, b, c = (new_seq(cache, model) for _ in range(3))
+    run_step(cache, model, [a] * 3 + [b] * 4 + [c], width=10)       # packed, padded
+    run_step(cache, model, [a, b, c])                                # decode
+    run_step(cache, model, [b, b, a, b, c, c])                       # two spans of b
+    for _ in range(3):
+        run_step(cache, model, [c, a, b], width=4)
+
+
+def test_rewind_clone_and_abort_continue_exactly():
+    cache, model = kv.BatchedSequenceCache(config()), Model(2)
+    a = new_seq(cache, model)
+    for _ in range(4):
+        run_step(cache, model, [a] * 3)                              # pos 12, hw 12
+    rewind(cache, model, a, 9)                                       # floor 12 - 4 = 8
+    run_step(cache, model, [a] * 2)
+    b = cache.seq_clone(a, 10)                                       # below pos: replayed
+    model.seqs[b] = {name: arr[:10] for name, arr in model.seqs[a].items()}
+    run_step(cache, model, [b, b, a])
+    cache.declare_step([a, a])                                       # aborted after running
+    cache.prepare_step()
+    inp = model.inputs(2)
+    cache.conv(0, inp["x"], model.weight, model.bias, activation="silu")
+    cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], qk_l2norm=True)
+    cache.abort_step()
+    run_step(cache, model, [a, a, b])
+
+
+def test_long_sequence_moves_its_base_and_rewinds_to_the_floor():
+    cache, model = kv.BatchedSequenceCache(config()), Model(3)
+    a = new_seq(cache, model)
+    for _ in range(9):                                               # 36 positions, base moves
+        run_step(cache, model, [a] * 4)
+    floor = 36 - MAX_WRITE
+    with pytest.raises(kv.RingFloorError, match="state layer 0"):
+        cache.rewind(a, floor - 1)
+    assert cache.pos(a) == 36
+    rewind(cache, model, a, floor)
+    run_step(cache, model, [a] * 2)
+
+
+def test_refused_ops_change_nothing():
+    cache, model = kv.BatchedSequenceCache(config()), Model(4)
+    a = new_seq(cache, model)
+    run_step(cache, model, [a] * 3)
+    cache.declare_step([a, a])
+    cache.prepare_step()
+    inp = model.inputs(2)
+    with pytest.raises(kv.ShapeError, match=r"x: expected shape \(2, 6\)"):
+        cache.conv(0, inp["x"][:, :5], model.weight)
+    with pytest.raises(kv.ShapeError, match="g: expected shape"):
+        cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"][:, :1], inp["beta"])
+    with pytest.raises(kv.ShapeError, match="not a state layer"):
+        cache.conv(1, inp["x"], model.weight)
+    with pytest.raises(kv.ShapeError, match="is a state layer"):
+        cache.write(0, np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32))
+    cache.write(1, np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32))
+    with pytest.raises(kv.StepProtocolError, match=r"conv\(0\), delta_rule\(0\)"):
+        cache.commit_step()
+    cache.abort_step()
+    run_step(cache, model, [a, a])                                   # as if nothing happened
+    cache.declare_step([a])
+    cache.prepare_step()
+    inp = model.inputs(1)
+    cache.conv(0, inp["x"], model.weight)
+    with pytest.raises(kv.StepProtocolError, match="already ran conv"):
+        cache.conv(0, inp["x"], model.weight)
+    cache.abort_step()
+
+
+def test_bfloat16_window_within_tolerance():
+    torch = pytest.importorskip("torch")
+    cache, model = kv.BatchedSequenceCache(config("bfloat16")), Model(5)
+    a, b = new_seq(cache, model), new_seq(cache, model)
+    for ids in ([a] * 4 + [b] * 2, [a, b], [b, a]):
+        n = len(ids)
+        cache.declare_step(ids)
+        cache.prepare_step()
+        inp = {name: torch.from_numpy(arr).to(torch.bfloat16)
+               for name, arr in model.inputs(n).items()}
+        y = cache.conv(0, inp["x"], torch.from_numpy(model.weight), activation="silu")
+        o = cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"].float(),
+                             inp["beta"].float(), qk_l2norm=True)
+        cache.write(1, torch.zeros((n, 1, 8), dtype=torch.bfloat16),
+                    torch.zeros((n, 1, 8), dtype=torch.bfloat16))
+        cache.commit_step()
+        ids = np.asarray(ids)
+        for seq in (a, b):
+            mine = np.flatnonzero(ids == seq)
+            hist = model.seqs[seq]
+            for name, arr in inp.items():
+                hist[name] = np.concatenate([hist[name], arr[mine].float().numpy()])
+            want_y = conv_ref(hist["x"], model.weight, None, silu=True)[-len(mine):]
+            want_o, _ = delta_rule_ref(hist["q"], hist["k"], hist["v"], hist["g"],
+                                       hist["beta"], DK ** -0.5, True, None)
+            np.testing.assert_allclose(y[mine].float().numpy(), want_y, rtol=2e-2, atol=2e-2)
+            np.testing.assert_allclose(o[mine].float().numpy(), want_o[-len(mine):],
+                                       rtol=2e-2, atol=2e-2)
+
+
+def test_bytes_per_sequence_counts_every_part():
+    cfg = config()
+    conv_rows = min(CAPACITY, K + MAX_WRITE - 1)
+    log_rows = min(CAPACITY, 3 * MAX_WRITE)
+    want = conv_rows * C * 4 + 2 * H * DK * DV * 4 + log_rows * H * (2 * DK + DV + 1) * 4
+    assert cfg.bytes_per_sequence == want
+    assert cfg.bytes_per_token == 2 * 8 * 4                          # the flat layer alone
+    cache = kv.BatchedSequenceCache(cfg)
+    assert cache.nbytes_state == (MAX_SEQS + 1) * want + (MAX_SEQS + 1) * 2 * 4
+
+
+def test_state_spec_refusals():
+    with pytest.raises(kv.ConfigError, match="at least one attention layer"):
+        kv.CacheConfig(layers=[kv.state(conv=(4, 4))])
+    with pytest.raises(kv.ConfigError, match="conv=None, recurrent=None"):
+        kv.state()
+    with pytest.raises(kv.ConfigError, match="recurrent must be None or"):
+        kv.state(recurrent=(2, 512, 8))
+    with pytest.raises(kv.ConfigError, match="state_dtype"):
+        kv.CacheConfig(layers=[kv.state(conv=(4, 4)), kv.flat()], state_dtype="float16")
