@@ -5,7 +5,7 @@ depthwise causal convolution and, for the delta-rule mixers, a recurrent `[heads
 v_dim]` matrix. `transformers`' own mixers keep that state per batch row and cannot run
 packed or padded rows exactly; kvnumba runs them itself. Each function here takes a
 mixer module, the step's `hidden [T, hidden]` (many sequences' tokens on one axis) and
-`ops`, the state layer's two operations:
+`ops`, the state layer's two operations (given contiguous tensors):
 
 - `ops.conv(x [T, C], weight [C, K], bias [C] or None, activation=None | "silu") -> y`:
   the depthwise causal convolution of each token over its own sequence's inputs;
@@ -81,7 +81,13 @@ def _conv(module, conv, x, ops, activation):
                           f"{activation!r} is not computed (None or 'silu')")
     weight = conv.weight.detach().squeeze(1)
     bias = None if conv.bias is None else conv.bias.detach()
-    return ops.conv(x, weight, bias, activation=_ACTIVATIONS[activation]).to(x.dtype)
+    y = ops.conv(x.contiguous(), weight, bias, activation=_ACTIVATIONS[activation])
+    return y.to(x.dtype)
+
+
+def _f32(*xs):
+    """`xs` as contiguous float32 tensors (what `ops.delta_rule` computes in)."""
+    return [x.float().contiguous() for x in xs]
 
 
 def _grouped(x, heads: int):
@@ -115,8 +121,7 @@ def _gdn_core(module, mixed_qkv, a, b, ops, *, beta_scale=1.0):
     if beta_scale != 1.0:
         beta = beta * beta_scale
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    o = ops.delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(),
-                       qk_l2norm=True)
+    o = ops.delta_rule(*_f32(q, k, v, g, beta), qk_l2norm=True)
     return o.to(v.dtype)
 
 
@@ -184,8 +189,8 @@ def _kda_core(module, hidden, ops):
     q, k, v = (x.reshape(T, H, d) for x in mixed.split([module.qkv_dim] * 3, dim=-1))
     g = module.forget_gate(hidden[None])[0]
     beta = module.b_proj(hidden).sigmoid()
-    o = ops.delta_rule(_kda_l2norm(q.float()), _kda_l2norm(k.float()), v.float(),
-                       g.float(), beta.float(), qk_l2norm=False)
+    o = ops.delta_rule(*_f32(_kda_l2norm(q.float()), _kda_l2norm(k.float()), v, g, beta),
+                       qk_l2norm=False)
     return o.to(v.dtype)
 
 
