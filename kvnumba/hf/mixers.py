@@ -156,9 +156,9 @@ def qwen3_5(module, hidden, ops):
 
 def olmo_hybrid(module, hidden, ops):
     """`OlmoHybridGatedDeltaNet`: separate `q_proj`, `k_proj`, `v_proj`, `a_proj`,
-    `b_proj`; `beta` doubled when `linear_allow_neg_eigval` (beta in (0, 2)); gate
-    `g_proj`, norm then SiLU gate (`o_norm`, eps 1e-5 whatever `rms_norm_eps` says),
-    `o_proj`."""
+    `b_proj`; one conv over q, k, v (the checkpoint's three, concatenated at load);
+    `beta` doubled when `linear_allow_neg_eigval` (beta in (0, 2)); gate `g_proj`, norm
+    then SiLU gate (`o_norm`, eps 1e-5 whatever `rms_norm_eps` says), `o_proj`."""
     mixed = _cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)])
     o = _gdn_core(module, mixed, module.a_proj(hidden), module.b_proj(hidden), ops,
                   beta_scale=2.0 if module.allow_neg_eigval else 1.0)
@@ -180,7 +180,8 @@ def _kda_l2norm(x):
 
 def _kda_core(module, hidden, ops):
     """The conv over `q_proj, k_proj, v_proj` (one depthwise conv over their
-    concatenation, the module's activation) and the delta rule with the module's
+    concatenation, into which `transformers` loads the checkpoint's `q_conv1d`,
+    `k_conv1d`, `v_conv1d`; the module's activation) and the delta rule with the module's
     `forget_gate` (a log-decay per key channel `[T, H, d]`) and `beta =
     sigmoid(b_proj)`; q and k l2-normalised here; `o [T, H, d]` in the model's dtype."""
     T, H, d = hidden.shape[0], module.num_heads, module.head_dim
