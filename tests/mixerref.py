@@ -32,6 +32,7 @@ class RefOps:
         """`y_t = act(bias + sum_j weight[:, j] * x[p - K + 1 + j])` over the token's own
         sequence's inputs, zeros before position 0."""
         assert activation in (None, "silu"), activation
+        assert all(t.is_contiguous() for t in (x, weight) + ((bias,) if bias is not None else ()))
         T, C = x.shape
         K = weight.shape[1]
         assert weight.shape == (C, K), (weight.shape, x.shape)
@@ -57,6 +58,8 @@ class RefOps:
         """Per token and head: q, k l2-normalised (`x * rsqrt(sum x^2 + 1e-6)`) when
         `qk_l2norm`; `S <- diag(exp(g)) S`; `S <- S + beta k (v - S^T k)^T` (`beta` None:
         `S <- S + k v^T`); `o = scale * S^T q` (scale `Dk ** -0.5` by default)."""
+        given = (q, k, v, g) + ((beta,) if beta is not None else ())
+        assert all(t.is_contiguous() and t.dtype == torch.float32 for t in given)
         T, H, Dk = q.shape
         Dv = v.shape[2]
         assert k.shape == (T, H, Dk) and v.shape == (T, H, Dv), (q.shape, k.shape, v.shape)

@@ -5,7 +5,7 @@ depthwise causal convolution and, for the delta-rule mixers, a recurrent `[heads
 v_dim]` matrix. `transformers`' own mixers keep that state per batch row and cannot run
 packed or padded rows exactly; kvnumba runs them itself. Each function here takes a
 mixer module, the step's `hidden [T, hidden]` (many sequences' tokens on one axis) and
-`ops`, the state layer's two operations:
+`ops`, the state layer's two operations (given contiguous tensors):
 
 - `ops.conv(x [T, C], weight [C, K], bias [C] or None, activation=None | "silu") -> y`:
   the depthwise causal convolution of each token over its own sequence's inputs;
@@ -81,7 +81,13 @@ def _conv(module, conv, x, ops, activation):
                           f"{activation!r} is not computed (None or 'silu')")
     weight = conv.weight.detach().squeeze(1)
     bias = None if conv.bias is None else conv.bias.detach()
-    return ops.conv(x, weight, bias, activation=_ACTIVATIONS[activation]).to(x.dtype)
+    y = ops.conv(x.contiguous(), weight, bias, activation=_ACTIVATIONS[activation])
+    return y.to(x.dtype)
+
+
+def _f32(*xs):
+    """`xs` as contiguous float32 tensors (what `ops.delta_rule` computes in)."""
+    return [x.float().contiguous() for x in xs]
 
 
 def _grouped(x, heads: int):
@@ -115,8 +121,7 @@ def _gdn_core(module, mixed_qkv, a, b, ops, *, beta_scale=1.0):
     if beta_scale != 1.0:
         beta = beta * beta_scale
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    o = ops.delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(),
-                       qk_l2norm=True)
+    o = ops.delta_rule(*_f32(q, k, v, g, beta), qk_l2norm=True)
     return o.to(v.dtype)
 
 
@@ -151,9 +156,9 @@ def qwen3_5(module, hidden, ops):
 
 def olmo_hybrid(module, hidden, ops):
     """`OlmoHybridGatedDeltaNet`: separate `q_proj`, `k_proj`, `v_proj`, `a_proj`,
-    `b_proj`; `beta` doubled when `linear_allow_neg_eigval` (beta in (0, 2)); gate
-    `g_proj`, norm then SiLU gate (`o_norm`, eps 1e-5 whatever `rms_norm_eps` says),
-    `o_proj`."""
+    `b_proj`; one conv over q, k, v (the checkpoint's three, concatenated at load);
+    `beta` doubled when `linear_allow_neg_eigval` (beta in (0, 2)); gate `g_proj`, norm
+    then SiLU gate (`o_norm`, eps 1e-5 whatever `rms_norm_eps` says), `o_proj`."""
     mixed = _cat([module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)])
     o = _gdn_core(module, mixed, module.a_proj(hidden), module.b_proj(hidden), ops,
                   beta_scale=2.0 if module.allow_neg_eigval else 1.0)
@@ -175,7 +180,8 @@ def _kda_l2norm(x):
 
 def _kda_core(module, hidden, ops):
     """The conv over `q_proj, k_proj, v_proj` (one depthwise conv over their
-    concatenation, the module's activation) and the delta rule with the module's
+    concatenation, into which `transformers` loads the checkpoint's `q_conv1d`,
+    `k_conv1d`, `v_conv1d`; the module's activation) and the delta rule with the module's
     `forget_gate` (a log-decay per key channel `[T, H, d]`) and `beta =
     sigmoid(b_proj)`; q and k l2-normalised here; `o [T, H, d]` in the model's dtype."""
     T, H, d = hidden.shape[0], module.num_heads, module.head_dim
@@ -184,8 +190,8 @@ def _kda_core(module, hidden, ops):
     q, k, v = (x.reshape(T, H, d) for x in mixed.split([module.qkv_dim] * 3, dim=-1))
     g = module.forget_gate(hidden[None])[0]
     beta = module.b_proj(hidden).sigmoid()
-    o = ops.delta_rule(_kda_l2norm(q.float()), _kda_l2norm(k.float()), v.float(),
-                       g.float(), beta.float(), qk_l2norm=False)
+    o = ops.delta_rule(*_f32(_kda_l2norm(q.float()), _kda_l2norm(k.float()), v, g, beta),
+                       qk_l2norm=False)
     return o.to(v.dtype)
 
 
