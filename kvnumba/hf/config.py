@@ -277,7 +277,10 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     cannot share (`kv_heads_per_rank`).
     """
     config = text_config(model.config)
-    if not getattr(model, "_supports_attention_backend", False):
+    states = state_specs(model)
+    # hybrid models' attention layers call the interface without declaring it (the
+    # probe then checks every layer's output)
+    if not getattr(model, "_supports_attention_backend", False) and not states:
         raise ConfigError(f"{config.model_type}: its attention does not go through "
                           f"transformers' AttentionInterface, so kvnumba cannot serve it")
     missing = unsupported(config)
@@ -288,7 +291,6 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
         specs = latent_specs(model, config, ranks)
         kv_heads, head_dim = 1, specs[0].v_head_dim     # every layer sets its own shape
     else:
-        states = state_specs(model)
         if states and ranks > 1:
             raise ConfigError(f"{config.model_type}: its mixer layers {sorted(states)} keep "
                               f"states kvnumba does not split over {ranks} ranks; serve it "

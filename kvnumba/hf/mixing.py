@@ -1,48 +1,24 @@
 """A hybrid model's mixers on the cache's state layers (contract §17): which decoder layers
-are mixers (`mixer_modules`), the state layer each needs (`state_specs`), and their
+are mixers (`mixers.mixer_layers`), the state layer each needs (`state_specs`), and their
 `forward` switched to kvnumba's for a step (`running`).
 
 Inside a step a mixer module's own `forward` is replaced (on the instance, for the
 step only) by `mixers.forward`, which calls the module's own projections, norms and
 gates and runs its convolution and recurrence on the cache (`LayerOps`: `conv` and
 `delta_rule` of its layer) over the packed step. A layer whose mixer kvnumba does not
-compute is refused at construction (`refuse_unknown`), naming its layer type.
+compute is refused at construction (`config.layer_specs`), naming its layer type.
 """
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
 
-from ..errors import ConfigError
 from ..layerspec import state
 from . import mixers
-
-#: a decoder layer's index in a module's dotted name (`model.layers.3.linear_attn`)
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def mixer_modules(model) -> dict:
-    """Decoder layer index -> its mixer module, for every module whose class kvnumba
-    computes (`mixers.MIXERS`)."""
-    found = {}
-    for name, module in model.named_modules():
-        if type(module).__name__ not in mixers.MIXERS:
-            continue
-        layer = getattr(module, "layer_idx", None)
-        if layer is None:
-            match = _LAYER.search(name + ".")
-            if match is None:
-                raise ConfigError(f"{name} ({type(module).__name__}): a mixer outside the "
-                                  f"decoder's layers")
-            layer = int(match.group(1))
-        found[int(layer)] = module
-    return found
-
 
 def state_specs(model) -> dict:
     """Decoder layer index -> the `kv.state` layer its mixer keeps (`mixers.state_shape`)."""
     specs = {}
-    for layer, module in mixer_modules(model).items():
+    for layer, module in mixers.mixer_layers(model).items():
         conv, recurrent = mixers.state_shape(module)
         specs[layer] = state(conv=conv, recurrent=recurrent)
     return specs
@@ -69,7 +45,7 @@ class LayerOps:
 
 @contextmanager
 def running(modules: dict, cache):
-    """Each of `modules` (`mixer_modules`) computing through `cache`'s state layers inside
+    """Each of `modules` (`mixers.mixer_layers`) computing through `cache`'s state layers inside
     the block: its `forward` takes the step's `hidden_states [1, T, hidden]` (any other
     argument, a padding mask or the model's own cache, changes nothing kvnumba computes:
     the cache keeps the states and knows the step's sequences)."""

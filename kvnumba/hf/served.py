@@ -11,7 +11,8 @@ import numpy as np
 from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
 from .attention import ATTENTION
 from .latent import capturing
-from .mixing import mixer_modules, running
+from .mixers import mixer_layers
+from .mixing import running
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class ServedModel:
         self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
                                   max_session_tokens=config.capacity)
         self.device = next(model.parameters()).device
-        self.mixers = {layer: module for layer, module in mixer_modules(model).items()
+        self.mixers = {layer: module for layer, module in mixer_layers(model).items()
                        if config.layers[layer].keeps_state}
         # per page group: (its ring rows, 0 for the layers paged by position; the pages its
         # pool hands out at most: all it can give while the cache holds nothing)
