@@ -201,13 +201,16 @@ def _own_shape(shapes: list | None, layer: int) -> dict:
     return {name: value for name, value in given.items() if value != defaults[name]}
 
 
-def latent_specs(model, config, ranks: int) -> list:
+def latent_specs(model, config, ranks: int, states: dict | None = None) -> list:
     """One `kv.latent(kv_lora_rank, qk_rope_head_dim)` per decoder layer of a model whose
     attention is latent (`kv_lora_rank`: `kvnumba.hf.latent`): every rank holds the
     latent whole and attends its share of the query heads. `ConfigError` for layers
     other than full attention, heads its ranks cannot share, or a module kvnumba cannot
-    serve (`latent.refuse_modules`)."""
-    layer_types = set(getattr(config, "layer_types", None) or ("full_attention",))
+    serve (`latent.refuse_modules`). A mixer's layer is the state layer of `states`
+    (`mixing.state_specs`; Kimi-Linear's KDA layers beside its latent ones)."""
+    states = states or {}
+    layer_types = set(t for i, t in enumerate(getattr(config, "layer_types", None) or
+                                              ("full_attention",)) if i not in states)
     if layer_types != {"full_attention"}:
         raise ConfigError(f"{config.model_type}: latent attention over "
                           f"{sorted(layer_types - {'full_attention'})} layers; kvnumba serves "
@@ -217,14 +220,15 @@ def latent_specs(model, config, ranks: int) -> list:
         raise ConfigError(f"{config.model_type}: {heads} query heads cannot be split over "
                           f"{ranks} ranks (each rank attends whole heads over the latent)")
     modules = latent_modules(model)
-    missing = [layer for layer in range(config.num_hidden_layers) if layer not in modules]
+    missing = [layer for layer in range(config.num_hidden_layers)
+               if layer not in modules and layer not in states]
     if missing:
         raise ConfigError(f"{config.model_type}: kv_lora_rank is set, but decoder layers "
                           f"{missing} have no latent attention module (kv_a_layernorm, "
                           f"kv_b_proj)")
     refuse_modules(model, config.model_type)
     spec = latent(int(config.kv_lora_rank), int(config.qk_rope_head_dim))
-    return [spec] * config.num_hidden_layers
+    return [states.get(layer, spec) for layer in range(config.num_hidden_layers)]
 
 
 def refuse_position_scales(config, capacity: int, max_step: int) -> None:
@@ -287,14 +291,15 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     if missing:
         raise ConfigError(f"{config.model_type}: kvnumba does not compute {missing}")
     ranks = sharding(model).ranks
+    if states and ranks > 1:
+        raise ConfigError(f"{config.model_type}: its mixer layers {sorted(states)} keep "
+                          f"states kvnumba does not split over {ranks} ranks; serve it "
+                          f"on one")
     if getattr(config, "kv_lora_rank", None):
-        specs = latent_specs(model, config, ranks)
-        kv_heads, head_dim = 1, specs[0].v_head_dim     # every layer sets its own shape
+        specs = latent_specs(model, config, ranks, states)
+        kv_heads = 1                                    # every layer sets its own shape
+        head_dim = next(spec.v_head_dim for spec in specs if not spec.keeps_state)
     else:
-        if states and ranks > 1:
-            raise ConfigError(f"{config.model_type}: its mixer layers {sorted(states)} keep "
-                              f"states kvnumba does not split over {ranks} ranks; serve it "
-                              f"on one")
         shapes = layer_shapes(config, ranks, module_shapes(model), states)
         specs = layer_specs(config, shapes, states)
         kv_heads, head_dim, _ = first_shape(shapes)

@@ -1,0 +1,63 @@
+"""Hybrid models served through the cache's state layers (contract §17): tiny random
+models built from `transformers`' own configs with every layer type their real configs
+have (the mixers' weights redrawn so every part of them matters), served token for
+token against their own `generate()` (float32 storage, greedy, the probe on): prompts of
+several lengths packed in one step, `n > 1` forks, and a draft model whose proposals are
+mostly rejected (every rejection rewinds the mixers' states), which `generate()` refuses
+for these models. One family per kind of mixer: the gated delta rule (Qwen3-Next), its
+per-channel gate beside latent attention (Kimi-Linear), short convolutions (LFM2); the
+registry serves the rest."""
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvnumba as kv  # noqa: E402
+from hfmodels import generated, kvhf  # noqa: E402
+from test_hf_mixers import COMMON, built  # noqa: E402
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 2, 8], [1, 2, 3, 4, 5, 6]]
+NEW = 4
+
+
+def draft_model():
+    """A tiny llama of the hybrids' vocabulary: its proposals mostly miss."""
+    config = transformers.LlamaConfig(**{**COMMON, "num_hidden_layers": 1, "head_dim": 8})
+    torch.manual_seed(7)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "lfm2"])
+def test_hybrid_served_packed_forked_and_drafted_as_generated(family):
+    model = built(family)
+    want = [generated(model, prompt, NEW) for prompt in PROMPTS]
+    engine = kvhf.Engine(model, max_seqs=3, capacity=32, dtype="float32")
+    config = engine.target.cache.config
+    layer_types = model.config.layer_types
+    assert [spec.keeps_state for spec in config.layers] == \
+        [t not in ("full_attention", "sliding_attention") for t in layer_types]
+    assert engine.generate(PROMPTS, max_new_tokens=NEW) == want
+    assert engine.generate(PROMPTS[:1], max_new_tokens=NEW, n=2) == [want[0]] * 2
+    drafted = kvhf.Engine(model, verify=False, max_seqs=2, capacity=32, dtype="float32",
+                          draft_model=draft_model(), draft_len=2)
+    assert drafted.generate(PROMPTS[:2], max_new_tokens=NEW) == want[:2]
+
+
+def test_hybrid_over_bfloat16_storage_stays_near_float32():
+    """The conv window in bfloat16 (the recurrent state stays float32): logits within
+    the 16-bit storage tolerance of the other families."""
+    from hfmodels import STORAGE_TOLERANCE, prefill_logits
+    model = built("qwen3_next")
+    exact = prefill_logits(model, "float32", PROMPTS[0])
+    near = prefill_logits(model, "bfloat16", PROMPTS[0])
+    assert (near - exact).abs().max().item() < STORAGE_TOLERANCE["bfloat16"]
+
+
+def test_hybrid_cache_config_counts_the_states_per_sequence():
+    model = built("qwen3_next")
+    config = kvhf.cache_config(model, max_seqs=2, capacity=32, max_write=8, dtype="float32")
+    conv, recurrent = (96, 4), (4, 8, 16)
+    assert config.layers == (kv.state(conv=conv, recurrent=recurrent),) * 3 + (
+        config.layers[3],)
+    per_layer = (4 - 1 + 8) * 96 * 4 + 2 * 4 * 8 * 16 * 4 + 3 * 8 * 4 * (2 * 8 + 16 + 1) * 4
+    assert config.bytes_per_sequence == 3 * per_layer
