@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ...device import cuda
+from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
 from ..launch.calling import MAX_BLOCKS, Specialised, ceil_div, run_block
 from ..masks import seq_and_position, storage_row
@@ -109,6 +109,9 @@ def _apply(ring, weight, bias, out, tokens, width, n_tokens, act_silu):
         t += cuda.gridDim.x * cuda.blockDim.y
 
 
+#: the lanes of the simulator's one block (`_shape`)
+SIMULATED_LANES = 32
+
 _write = Specialised(_write_window)
 _conv = Specialised(_apply)
 
@@ -120,8 +123,12 @@ def _no_bias():
 
 
 def _shape(width: int, channels: int):
-    """`(grid, block)` of both kernels: `run_block(channels)`, tokens in a grid stride."""
+    """`(grid, block)` of both kernels: `run_block(channels)`, tokens in a grid stride
+    (on the simulator, whose threads are Python threads, one block of a warp's lanes at
+    most, striding over every token)."""
     lanes, rows = run_block(channels)
+    if SIMULATOR:
+        return 1, (min(lanes, SIMULATED_LANES), 1)
     return min(MAX_BLOCKS, ceil_div(width, rows)), (lanes, rows)
 
 
