@@ -9,10 +9,18 @@ start (a rewind when that is below its live position) and appends the new tokens
 the kernels' outputs, states, bases and marks must match the references of the
 histories. Storage starts as NaN, so a read of anything not written (a conv tap before
 position 0, a base at position 0, a padding token's inputs) shows.
+
+The kernels also compile for a GPU and launch through the lean path: one test runs this
+file's `compile_mode` test in `KVNUMBA_DEVICE=compile` mode (test_launch.py's way).
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+import kvnumba.device as kv_device
 from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
@@ -321,6 +329,23 @@ def test_delta_rule_base_advances_and_rewinds_to_it(per_channel, has_beta):
     assert layer.bp[2] == 16
 
 
+@pytest.mark.parametrize("floor,p0", [(6, 11), (4, 10)])
+def test_delta_rule_a_step_writes_log_rows_it_replayed(floor, p0):
+    """`Rl = 3 M = 12`, live 12, base 0: a step from 11 advancing the base to 6 replays
+    positions 0..10 (storing the base at 6), then writes 11..14 (rows 11, 0, 1, 2); one
+    from 10 replays 0..9, then writes 10..13 (rows 10, 11, 0, 1). A block replays its
+    rows before it writes any."""
+    layer = DeltaLayer(np.random.default_rng(floor), most=4, has_beta=True,
+                       per_channel=False, l2norm=True, **FAST)
+    for start in range(0, 12, 4):
+        layer.step([(1, start, 4)])
+    floors = np.zeros(COLS, np.int32)
+    floors[1] = floor
+    layer.step([(1, p0, 4)], floors=floors)
+    assert layer.bp[1] == (floor if floor > 4 else 0)
+    layer.step([(1, p0 + 4, 1)], floors=floors)
+
+
 def test_delta_rule_a_copied_column_goes_on_as_its_source():
     layer = DeltaLayer(np.random.default_rng(6), most=4, has_beta=True, per_channel=True,
                        l2norm=False, **FAST)
@@ -337,7 +362,7 @@ def test_delta_rule_a_copied_column_goes_on_as_its_source():
 
 @pytest.mark.parametrize("heads,dk,dv,in_name", [
     (1, 128, 128, "float32"),        # the widest a simulated block takes quickly
-    (2, 40, 8, "bfloat16"),          # more keys than threads, few values
+    (2, 72, 24, "bfloat16"),         # more keys than threads, few values
 ])
 def test_delta_rule_head_shapes(heads, dk, dv, in_name):
     layer = DeltaLayer(np.random.default_rng(dk), heads=heads, dk=dk, dv=dv, most=2,
@@ -372,7 +397,7 @@ def test_delta_rule_random_schedules(seed):
     live = np.zeros(COLS, np.int64)
     furthest = np.full(COLS, -1)                 # furthest position written since a restart
     floors = np.zeros(COLS, np.int32)
-    for _ in range(14):
+    for _ in range(10):
         if rng.random() < 0.15:
             src, dst = rng.choice(COLS - 1, 2, replace=False)
             layer.copy_column(src, dst)
@@ -399,3 +424,79 @@ def test_delta_rule_random_schedules(seed):
         spans = sorted(spans, key=lambda sp: (order[[i for i, s in enumerate(spans)
                                                      if s[0] == sp[0]][0]], sp[1]))
         layer.step(spans, n_pad=int(rng.integers(0, 3)), floors=floors)
+
+
+# ---------------------------------------------------------------- compiled for a GPU
+
+COMPILE = kv_device.KIND == "compile"
+
+
+@pytest.mark.skipif(COMPILE or kv_device.KIND == "gpu",
+                    reason="runs the compile-mode test from the simulator")
+def test_the_kernels_compile_and_launch_in_compile_mode():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["KVNUMBA_DEVICE"] = "compile"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-n0", "-rs", __file__, "-k", "packs_what_numbas_launch_would"],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.skipif(not COMPILE, reason="KVNUMBA_DEVICE=compile only (run by "
+                                        "test_the_kernels_compile_and_launch_in_compile_mode)")
+def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
+    """Every launch of the wrappers, compiled for sm_90 by libNVVM, packs the parameters
+    Numba's own launch would: conv with and without a bias, the delta rule per head with
+    beta (float16 in, bfloat16 out) and per channel without (float32), its marks and
+    padding launches."""
+    from kvnumba.bench import host
+    from test_launch import numba_parameters
+    from kvnumba.kernels.launch import lean
+    seen = []
+    plain, bound = lean.LeanKernel.__call__, lean.LeanLaunch.__call__
+
+    def spy(self, grid, block, stream, *args):
+        seen.append((self, grid, block, stream, args))
+        plain(self, grid, block, stream, *args)
+
+    def spy_bound(self, *values):
+        seen.append((self.kernel, self.grid, self.block, self.stream, self.arguments(values)))
+        bound(self, *values)
+
+    monkeypatch.setattr(lean.LeanKernel, "__call__", spy)
+    monkeypatch.setattr(lean.LeanLaunch, "__call__", spy_bound)
+    recorder = host.Recorder(keep_parameters=True)
+    with host.fake_device(recorder):
+        width, channels, heads, dk, dv = 6, 24, 2, 128, 128
+        tokens = cuda.device_array(2 * width, np.int32)
+        ring = cuda.device_array((COLS, 9, channels), np.uint16)
+        conv.write_window(ring, cuda.device_array((width, channels), np.float16), tokens,
+                          width)
+        for bias in (None, cuda.device_array(channels, np.float32)):
+            conv.apply(ring, cuda.device_array((channels, 4), np.float32), bias,
+                       cuda.device_array((width, channels), np.float32), tokens, width, 4,
+                       True)
+        f32 = lambda *shape: cuda.device_array(shape, np.float32)  # noqa: E731
+        arrays = (f32(COLS, heads, dk, dv), f32(COLS, heads, dk, dv), f32(COLS, 12, heads, dk),
+                  f32(COLS, 12, heads, dv), f32(COLS, 12, heads, dk), f32(COLS, 12, heads),
+                  cuda.device_array((COLS, 2), np.int32))
+        tables = (cuda.device_array((3, 4), np.int32), cuda.device_array(4, np.int32),
+                  cuda.device_array((4, SEQ_INFO_FIELDS), np.int32))
+        for dtype, out_dtype, per_channel, has_beta in ((np.float16, np.uint16, False, True),
+                                                        (np.float32, np.float32, True, False)):
+            qk = cuda.device_array((width, heads, dk), dtype)
+            g = cuda.device_array((width, heads, dk) if per_channel else (width, heads), dtype)
+            beta = cuda.device_array((width, heads), dtype) if has_beta else None
+            delta_rule.run(*arrays, qk, qk, cuda.device_array((width, heads, dv), dtype), g,
+                           beta, cuda.device_array((width, heads, dv), out_dtype), *tables, 3,
+                           0.125, True, 4, n_tokens=5)
+    names = [kernel.name for kernel, *_ in seen]
+    assert names == ["_write_window", "_apply", "_apply"] + ["step_kernel", "_set_marks",
+                                                             "_zero_rows"] * 2
+    assert len(seen) == len(recorder.launches)
+    for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
+        assert record.raw == numba_parameters(kernel, args, stream), kernel.name
+    assert recorder.launches[3].grid == (3, heads, 1)
+    assert recorder.launches[3].block == (128, 1, 1)

@@ -17,8 +17,9 @@ The recurrence of one head, `S [Dk, Dv]`, per token: `S <- diag(exp(g)) S` (per 
 `exp(g) S`); with beta, `u = S^T k`, `S <- S + beta k (v - u)^T`; without, `S <- S + k
 v^T`; `o = scale S^T q` (q and k first l2-normalised, `x * rsqrt(sum(x^2) + 1e-6)`, when
 `qk_l2norm`). Column `j` of `S` evolves alone given `k`, `g`, beta, `v[j]`: thread `j`
-of a block holds `S[:, j]` (`Dk` floats, a local array of `DK_CAPS`' next size) and
-reads `q`, `k` and the decays from shared memory, with no reduction across threads.
+of a block holds `S[:, j]` (`Dk` floats, a local array of the next of `DK_CAPS`) and
+reads `q`, `k` and the decays from shared memory, with no reduction across threads
+(threads `j >= Dv`, up to a whole warp, only help load shared memory).
 
 The work plan (`arith.state_runs`): `runs [n_runs, 4]` int32 `(col, floor, lo, hi)`,
 `order [n_segments]` int32, `seq_info [n_segments, SEQ_INFO_FIELDS]` int32 (all 2-D /
@@ -35,19 +36,27 @@ block starts (`start`) and from which state:
 * else (a rewind): the base, replayed from `bp` to `p0`.
 
 Each position `pos` of `[start, end)` loads its inputs into shared memory, from the log
-row (`pos < p0`, `_logged`) or from the step's inputs (`_taken`: the token of its
+row (`pos < p0`, `_logged`) or from the step's inputs (`taken`: the token of its
 segment, normalised, written to the log row), then takes one `_step`: one call site for
 replayed and new tokens, so a replayed state is bit-identical to the one computed
-directly. Afterwards each thread stores its column of `state`. The marks of the run,
-`(end, new bp)`, are written by a second launch (`_set_marks`): the blocks of a
-sequence's other heads read them until the first launch ends.
+directly (every logged value is the float32 the recurrence used). Afterwards each
+thread stores its column of `state`. The marks of the run, `(end, new bp)`, are written
+by a second launch (`_set_marks`): the blocks of a sequence's other heads read them
+until the first launch ends.
 
-Output rows of tokens in no segment (padding) are not written by `_run`; `run(...,
+A block replays log rows `[bp, p0)` before it writes rows `[p0, end)`, its barriers
+ordering the two, so a new token may take the row of a position the same step replayed
+(`end - bp > Rl`, which `Rl = 3 M` allows): hence one block per (sequence, head), all
+`Dv` columns in it. Splitting a head's columns over blocks would let one block's log
+writes overtake another's replay.
+
+Output rows of tokens in no segment (padding) are not written by the step kernel; `run(...,
 n_tokens=...)` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
 The caller guarantees: `Rl >= 3 * M`, `M = advance_after` the most tokens a sequence
 writes in one step; `bp <= floor <= p0`; the log holds every position a rewind replays
-(`[bp, p0)`); `Dk, Dv <= 256`; each sequence at most one run. Index ranges: positions,
+(`[bp, p0)`, so `p0 - bp <= Rl`); `Dk, Dv <= 256`; each sequence at most one run. The
+scratch column is never touched (padding tokens are in no segment). Index ranges: positions,
 rows, tokens and columns are int32; array offsets are Numba's 64-bit indexing.
 """
 from __future__ import annotations
