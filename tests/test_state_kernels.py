@@ -92,8 +92,12 @@ def truncated(history, spans):
 # ---------------------------------------------------------------- convolution
 
 class ConvLayer:
-    def __init__(self, rng, rows, channels, taps, store, has_bias, silu):
-        self.rng, self.store, self.silu = rng, store, silu
+    """One conv layer's ring and histories; `steps`, a dict shared by layers stepping in
+    lockstep, makes them share each step's prepared launches (`conv.prepare`), else
+    each call takes `write_window` and `apply`."""
+
+    def __init__(self, rng, rows, channels, taps, store, has_bias, silu, steps=None):
+        self.rng, self.store, self.silu, self.steps = rng, store, silu, steps
         self.ring = cuda.to_device(nan_array((COLS, rows, channels), store))
         self.weight, self.weight_values = quantize(rng.standard_normal((channels, taps)) / 2,
                                                    "float32")
@@ -110,11 +114,18 @@ class ConvLayer:
             self.history[tokens[t]].append(stored[t])
         before = self.ring.copy_to_host()
         out = cuda.to_device(nan_array((width, channels), out_name))
-        d_tokens = cuda.to_device(tokens)
-        conv.write_window(self.ring, cuda.to_device(x), d_tokens, width)
-        conv.apply(self.ring, cuda.to_device(self.weight),
-                   None if self.bias is None else cuda.to_device(self.bias), out, d_tokens,
-                   width, n_tokens, self.silu)
+        bias = None if self.bias is None else cuda.to_device(self.bias)
+        if self.steps is None:
+            d_tokens = cuda.to_device(tokens)
+            conv.write_window(self.ring, cuda.to_device(x), d_tokens, width)
+            conv.apply(self.ring, cuda.to_device(self.weight), bias, out, d_tokens, width,
+                       n_tokens, self.silu)
+        else:
+            key = (tuple(spans), n_pad)
+            if key not in self.steps:
+                self.steps[key] = conv.prepare(cuda.to_device(tokens), width, n_tokens)
+            self.steps[key].write(self.ring, cuda.to_device(x))
+            self.steps[key].apply(self.ring, cuda.to_device(self.weight), bias, out, self.silu)
         got = decode(out.copy_to_host(), out_name)
         assert np.all(got[n_tokens:] == 0), "padding rows are zeroed"
         for col in {c for c, _, _ in spans}:
@@ -149,6 +160,19 @@ def test_conv_over_prefill_decode_spans_and_rewinds(store, x_name, out_name, has
         layer.step(spans, n_pad, x_name, out_name)
 
 
+def test_conv_layers_of_a_step_share_its_prepared_launches():
+    """Two layers of different channel counts, dtypes and activations call one step's
+    `ConvStep` each step."""
+    rng, steps = np.random.default_rng(8), {}
+    layers = [ConvLayer(rng, 10, 12, 4, "float32", True, True, steps),
+              ConvLayer(rng, 10, 40, 3, "bfloat16", False, False, steps)]
+    for spans, n_pad in (([(0, 0, 5), (2, 0, 2)], 1), ([(2, 2, 1), (0, 5, 1)], 0),
+                         ([(0, 4, 3), (2, 3, 1)], 2)):
+        for layer in layers:
+            layer.step(spans, n_pad, "float32", layer.store)
+    assert len(steps) == 3
+
+
 def test_conv_taps_wider_than_the_history_read_zero():
     rng = np.random.default_rng(7)
     layer = ConvLayer(rng, 8, 5, 6, "float32", True, True)     # K = 6, R = 8
@@ -159,9 +183,13 @@ def test_conv_taps_wider_than_the_history_read_zero():
 # ---------------------------------------------------------------- delta rule
 
 class DeltaLayer:
+    """One delta rule layer's storage, histories and base positions; `steps` as
+    `ConvLayer`'s (`delta_rule.prepare`, else `delta_rule.run`)."""
+
     def __init__(self, rng, heads, dk, dv, most, has_beta, per_channel, l2norm,
-                 in_name="float32", out_name="float32"):
+                 in_name="float32", out_name="float32", steps=None):
         self.rng, self.most, self.has_beta, self.per_channel = rng, most, has_beta, per_channel
+        self.steps = steps
         self.l2norm, self.in_name, self.out_name = l2norm, in_name, out_name
         self.heads, self.dk, self.dv, self.scale = heads, dk, dv, dk ** -0.5
         log_rows = 3 * most
@@ -213,10 +241,18 @@ class DeltaLayer:
                                       for n, a in held.items()})
         out = cuda.to_device(nan_array((width, self.heads, self.dv), self.out_name))
         dev = {n: None if a is None else cuda.to_device(a[0]) for n, a in held.items()}
-        delta_rule.run(*self.arrays(), dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"],
-                       out, cuda.to_device(runs), cuda.to_device(order),
-                       cuda.to_device(seq_info), len(runs), self.scale, self.l2norm,
-                       self.most, n_tokens=n_tokens)
+        inputs = (dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], out)
+        if self.steps is None:
+            delta_rule.run(*self.arrays(), *inputs, cuda.to_device(runs),
+                           cuda.to_device(order), cuda.to_device(seq_info), len(runs),
+                           self.scale, self.l2norm, self.most, n_tokens=n_tokens)
+        else:
+            key = (tuple(spans), n_pad, tuple(floors))
+            if key not in self.steps:
+                self.steps[key] = delta_rule.prepare(
+                    cuda.to_device(runs), cuda.to_device(order), cuda.to_device(seq_info),
+                    len(runs), self.most, n_tokens=n_tokens)
+            self.steps[key](*self.arrays(), *inputs, self.scale, self.l2norm)
         got = decode(out.copy_to_host(), self.out_name)
         for col in {c for c, _, _ in spans}:       # the base moves as the rule says
             start = min(s for c, s, _ in spans if c == col)
@@ -344,6 +380,25 @@ def test_delta_rule_a_step_writes_log_rows_it_replayed(floor, p0):
     layer.step([(1, p0, 4)], floors=floors)
     assert layer.bp[1] == (floor if floor > 4 else 0)
     layer.step([(1, p0 + 4, 1)], floors=floors)
+
+
+def test_delta_rule_layers_of_a_step_share_its_prepared_launches():
+    """Two layers of different head shapes, gates and beta rules call one step's
+    `DeltaStep` each step, through prefill, decode, a base advance and a rewind."""
+    steps = {}
+    layers = [DeltaLayer(np.random.default_rng(9), heads=2, dk=8, dv=16, most=4,
+                         has_beta=True, per_channel=False, l2norm=True, steps=steps),
+              DeltaLayer(np.random.default_rng(10), heads=1, dk=24, dv=8, most=4,
+                         has_beta=False, per_channel=True, l2norm=False, steps=steps)]
+    floors = np.zeros(COLS, np.int32)
+    schedule = [([(0, 0, 4), (3, 0, 2)], 1), ([(0, 4, 4), (3, 2, 1)], 0),
+                ([(0, 8, 1), (3, 3, 1)], 2), ([(0, 7, 2)], 0)]
+    for i, (spans, n_pad) in enumerate(schedule):
+        floors[0] = 5 if i >= 2 else 0
+        for layer in layers:
+            layer.step(spans, n_pad, floors=floors)
+    assert len(steps) == len(schedule)
+    assert all(layer.bp[0] == 5 for layer in layers)
 
 
 def test_delta_rule_a_copied_column_goes_on_as_its_source():

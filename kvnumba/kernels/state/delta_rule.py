@@ -70,9 +70,9 @@ from ...arith.positions import POS_START, Q_LEN, Q_START
 from ...arith.state_runs import RUN_COL, RUN_FLOOR, RUN_HI, RUN_LO
 from ...device import cuda
 from ..intrinsics import ptx
-from ..launch.calling import Specialised, ceil_div, no_output
+from ..launch.calling import PER_CALL, Specialised, ceil_div, no_output
 from ..masks import storage_row
-from ..padding import zero_rows
+from .. import padding
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -332,6 +332,56 @@ def block_threads(dv: int) -> int:
     return max(WARP, ceil_div(dv, WARP) * WARP)
 
 
+class DeltaStep:
+    """The delta rule's launches of one step (`prepare`): its work plan, run count,
+    `advance_after`, padding and stream fixed, the step kernel bound once per head shape,
+    gate kind, beta rule and scale, so a layer's call passes its arrays (`__call__`, as
+    `run` takes them)."""
+
+    def __init__(self, runs, order, seq_info, n_runs: int, advance_after: int, n_tokens,
+                 stream):
+        self.runs, self.order, self.seq_info = runs, order, seq_info
+        self.n_runs, self.advance_after, self.stream = n_runs, advance_after, stream
+        self.n_tokens = n_tokens
+        self._steps, self._zero = {}, {}
+        self._marks = (_marks.bind(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream,
+                                   PER_CALL, runs, order, seq_info, n_runs, advance_after)
+                       if n_runs else None)
+
+    def __call__(self, state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta,
+                 out, scale, qk_l2norm: bool) -> None:
+        if self.n_runs:
+            n_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
+            per_channel, has_beta = len(g.shape) == 3, beta is not None
+            scale, qk_l2norm = np.float32(scale), bool(qk_l2norm)
+            key = (n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm)
+            launch = self._steps.get(key)
+            if launch is None:
+                launch = self._steps[key] = _kernel(dk_cap(dk), per_channel).bind(
+                    (self.n_runs, n_heads), block_threads(dv), self.stream, *[PER_CALL] * 13,
+                    self.runs, self.order, self.seq_info, scale, qk_l2norm, has_beta,
+                    self.advance_after)
+            launch(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g,
+                   beta if has_beta else no_output(), out)
+            self._marks(marks)
+        if self.n_tokens is not None:
+            width = out.shape[0]
+            zero = self._zero.get(width, False)
+            if zero is False:
+                zero = self._zero[width] = padding.prepare(width, self.n_tokens, self.stream)
+            if zero is not None:
+                zero(out, no_output())
+
+
+def prepare(runs, order, seq_info, n_runs: int, advance_after: int, stream=0, *,
+            n_tokens=None) -> DeltaStep:
+    """The launches of a step's delta rule layers with the work plan `runs`, `order`,
+    `seq_info` (int32 device arrays, module doc) of `n_runs` runs, bound for its layers'
+    calls (`DeltaStep`); with `n_tokens`, each call also zeroes `out[n_tokens:]`."""
+    return DeltaStep(runs, order, seq_info, int(n_runs), int(advance_after),
+                     None if n_tokens is None else int(n_tokens), stream)
+
+
 def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, runs, order,
         seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
         n_tokens=None) -> None:
@@ -344,18 +394,7 @@ def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, r
     steps, since replay takes it from this call), each float16, float32 or bfloat16 as
     uint16 bits; `out [width, H, Dv]` of those. `runs`, `order`, `seq_info`: int32
     device arrays as `arith.state_runs` and the segment table lay them out; `scale`
-    float32."""
-    n_runs = int(n_runs)
-    if n_runs > 0:
-        n_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
-        per_channel = len(g.shape) == 3
-        launch = _kernel(dk_cap(dk), per_channel)
-        has_beta = beta is not None
-        launch((n_runs, n_heads), block_threads(dv), stream, state, base, log_k, log_v,
-               log_g, log_b, marks, q, k, v, g, beta if has_beta else no_output(), out, runs,
-               order, seq_info, np.float32(scale), bool(qk_l2norm), has_beta,
-               int(advance_after))
-        _marks(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream, marks, runs, order,
-               seq_info, n_runs, int(advance_after))
-    if n_tokens is not None:
-        zero_rows(out, int(n_tokens), stream)
+    float32. `prepare` binds these launches once for a step's layers."""
+    prepare(runs, order, seq_info, n_runs, advance_after, stream, n_tokens=n_tokens)(
+        state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, scale,
+        qk_l2norm)
