@@ -63,6 +63,14 @@ def close(got, ref, name, what):
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
+def strided(host):
+    """A device view of `host`'s values whose last axis is strided: the even entries of
+    an array twice as wide (as a slice of a fused projection is)."""
+    wide = np.zeros((*host.shape[:-1], 2 * host.shape[-1]), host.dtype)
+    wide[..., ::2] = host
+    return cuda.to_device(wide)[..., ::2]
+
+
 def step_tables(spans, n_pad):
     """`(seq_info, tokens, n_tokens, width, token_of)` of a step of `spans` `(col,
     pos_start, n)` in token order and `n_pad` padding tokens (scratch column, position
@@ -104,7 +112,7 @@ class ConvLayer:
         self.bias = rng.standard_normal(channels).astype(np.float32) if has_bias else None
         self.history = {c: [] for c in range(COLS)}
 
-    def step(self, spans, n_pad, x_name, out_name):
+    def step(self, spans, n_pad, x_name, out_name, strided_x=False):
         seq_info, tokens, n_tokens, width, token_of = step_tables(spans, n_pad)
         channels = self.ring.shape[2]
         x, x_values = quantize(self.rng.standard_normal((width, channels)), x_name)
@@ -115,16 +123,17 @@ class ConvLayer:
         before = self.ring.copy_to_host()
         out = cuda.to_device(nan_array((width, channels), out_name))
         bias = None if self.bias is None else cuda.to_device(self.bias)
+        d_x = strided(x) if strided_x else cuda.to_device(x)
         if self.steps is None:
             d_tokens = cuda.to_device(tokens)
-            conv.write_window(self.ring, cuda.to_device(x), d_tokens, width)
+            conv.write_window(self.ring, d_x, d_tokens, width)
             conv.apply(self.ring, cuda.to_device(self.weight), bias, out, d_tokens, width,
                        n_tokens, self.silu)
         else:
             key = (tuple(spans), n_pad)
             if key not in self.steps:
                 self.steps[key] = conv.prepare(cuda.to_device(tokens), width, n_tokens)
-            self.steps[key].write(self.ring, cuda.to_device(x))
+            self.steps[key].write(self.ring, d_x)
             self.steps[key].apply(self.ring, cuda.to_device(self.weight), bias, out, self.silu)
         got = decode(out.copy_to_host(), out_name)
         assert np.all(got[n_tokens:] == 0), "padding rows are zeroed"
@@ -174,10 +183,11 @@ def test_conv_layers_of_a_step_share_its_prepared_launches():
 
 
 def test_conv_taps_wider_than_the_history_read_zero():
+    """K = 6 taps, R = 8 rows, the inputs a strided view."""
     rng = np.random.default_rng(7)
-    layer = ConvLayer(rng, 8, 5, 6, "float32", True, True)     # K = 6, R = 8
-    layer.step([(1, 0, 1), (4, 0, 3)], 1, "float32", "float32")
-    layer.step([(1, 1, 2), (4, 3, 1)], 0, "float32", "float32")
+    layer = ConvLayer(rng, 8, 5, 6, "float32", True, True)
+    layer.step([(1, 0, 1), (4, 0, 3)], 1, "float32", "float32", strided_x=True)
+    layer.step([(1, 1, 2), (4, 3, 1)], 0, "float32", "float32", strided_x=True)
 
 
 # ---------------------------------------------------------------- delta rule
@@ -187,9 +197,9 @@ class DeltaLayer:
     `ConvLayer`'s (`delta_rule.prepare`, else `delta_rule.run`)."""
 
     def __init__(self, rng, heads, dk, dv, most, has_beta, per_channel, l2norm,
-                 in_name="float32", out_name="float32", steps=None):
+                 in_name="float32", out_name="float32", steps=None, strided=False):
         self.rng, self.most, self.has_beta, self.per_channel = rng, most, has_beta, per_channel
-        self.steps = steps
+        self.steps, self.strided = steps, strided
         self.l2norm, self.in_name, self.out_name = l2norm, in_name, out_name
         self.heads, self.dk, self.dv, self.scale = heads, dk, dv, dk ** -0.5
         log_rows = 3 * most
@@ -240,7 +250,8 @@ class DeltaLayer:
             self.history[col].append({n: None if a is None else a[1][t]
                                       for n, a in held.items()})
         out = cuda.to_device(nan_array((width, self.heads, self.dv), self.out_name))
-        dev = {n: None if a is None else cuda.to_device(a[0]) for n, a in held.items()}
+        dev = {n: None if a is None else strided(a[0]) if self.strided else cuda.to_device(a[0])
+               for n, a in held.items()}
         inputs = (dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], out)
         if self.steps is None:
             delta_rule.run(*self.arrays(), *inputs, cuda.to_device(runs),
@@ -310,12 +321,16 @@ FAST = dict(heads=2, dk=8, dv=16)
     (False, False, False, "float16", "float32"),
     (True, True, True, "bfloat16", "bfloat16"),
     (True, False, True, "float16", "float16"),
+    (True, True, True, "float32", "strided"),     # inputs as strided views
 ])
 def test_delta_rule_over_prefill_decode_and_spans(has_beta, per_channel, l2norm, in_name,
                                                   out_name):
     rng = np.random.default_rng(has_beta + 2 * per_channel + 4 * l2norm + len(in_name))
+    strided_inputs = out_name == "strided"
+    out_name = "float32" if strided_inputs else out_name
     layer = DeltaLayer(rng, most=6, has_beta=has_beta, per_channel=per_channel,
-                       l2norm=l2norm, in_name=in_name, out_name=out_name, **FAST)
+                       l2norm=l2norm, in_name=in_name, out_name=out_name,
+                       strided=strided_inputs, **FAST)
     layer.step([(0, 0, 5), (2, 0, 1), (3, 0, 6)], n_pad=2)       # prefills
     layer.step([(0, 5, 1), (3, 6, 1), (2, 1, 3), (0, 6, 2)], n_pad=1)  # decode, 2 spans
     layer.step([(3, 7, 1), (2, 4, 1), (0, 8, 1)])                # decode
@@ -505,7 +520,7 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     """Every launch of the wrappers, compiled for sm_90 by libNVVM, packs the parameters
     Numba's own launch would: conv with and without a bias, the delta rule per head with
     beta (float16 in, bfloat16 out) and per channel without (float32), its marks and
-    padding launches."""
+    padding launches; strided q and k."""
     from kvnumba.bench import host
     from test_launch import numba_parameters
     from kvnumba.kernels.launch import lean
@@ -542,6 +557,8 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
         for dtype, out_dtype, per_channel, has_beta in ((np.float16, np.uint16, False, True),
                                                         (np.float32, np.float32, True, False)):
             qk = cuda.device_array((width, heads, dk), dtype)
+            if per_channel:                      # a strided view, as a fused projection's
+                qk = cuda.device_array((width, heads, 2 * dk), dtype)[:, :, ::2]
             g = cuda.device_array((width, heads, dk) if per_channel else (width, heads), dtype)
             beta = cuda.device_array((width, heads), dtype) if has_beta else None
             delta_rule.run(*arrays, qk, qk, cuda.device_array((width, heads, dv), dtype), g,
