@@ -442,6 +442,20 @@ def test_delta_rule_head_shapes(heads, dk, dv, in_name):
     layer.step([(0, 2, 1), (1, 0, 1)])
 
 
+def test_delta_rule_refuses_shapes_it_cannot_take():
+    layer = DeltaLayer(np.random.default_rng(0), most=2, has_beta=True, per_channel=True,
+                       l2norm=True, **FAST)
+    step = delta_rule.prepare(*(cuda.to_device(a) for a in (
+        np.zeros((1, 4), np.int32), np.zeros(1, np.int32),
+        np.zeros((1, SEQ_INFO_FIELDS), np.int32))), 1, 2)
+    f32 = lambda *shape: cuda.to_device(np.zeros(shape, np.float32))  # noqa: E731
+    with pytest.raises(ValueError, match="per-channel gate of 1 entries a head for Dk 8"):
+        step(*layer.arrays(), f32(1, 2, 8), f32(1, 2, 8), f32(1, 2, 16), f32(1, 2, 1), None,
+             f32(1, 2, 16), 1.0, True)
+    with pytest.raises(ValueError, match="Dk 300 > 256"):
+        delta_rule.dk_cap(300)
+
+
 def test_state_runs_group_spans_by_sequence_in_first_appearance_order():
     seq_info = np.array([[0, 3, 2, 0, 0], [3, 1, 4, 7, 0], [4, 2, 2, 3, 0],
                          [6, 1, 0, 9, 0], [7, 1, 4, 8, 0]], np.int32)

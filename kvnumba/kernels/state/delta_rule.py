@@ -353,6 +353,9 @@ class DeltaStep:
         if self.n_runs:
             n_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
             per_channel, has_beta = len(g.shape) == 3, beta is not None
+            if per_channel and g.shape[2] != dk:
+                raise ValueError(f"delta rule: a per-channel gate of {g.shape[2]} entries a "
+                                 f"head for Dk {dk}")
             scale, qk_l2norm = np.float32(scale), bool(qk_l2norm)
             key = (n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm)
             launch = self._steps.get(key)
