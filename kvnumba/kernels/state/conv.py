@@ -35,7 +35,7 @@ import numpy as np
 
 from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
-from ..launch.calling import MAX_BLOCKS, Specialised, ceil_div, run_block
+from ..launch.calling import MAX_BLOCKS, PER_CALL, Specialised, ceil_div, run_block
 from ..masks import seq_and_position, storage_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -132,16 +132,54 @@ def _shape(width: int, channels: int):
     return min(MAX_BLOCKS, ceil_div(width, rows)), (lanes, rows)
 
 
+class ConvStep:
+    """The convolution launches of one step (`prepare`): its tokens table, width, real
+    tokens and stream fixed, each launch bound once per channel count, so a layer's
+    calls (`write(ring, x)`, then `apply(ring, weight, bias, out, silu)`) pass only
+    their arrays."""
+
+    def __init__(self, tokens, width: int, n_tokens: int, stream):
+        self.tokens, self.width, self.n_tokens, self.stream = tokens, width, n_tokens, stream
+        self._writes, self._applies = {}, {}
+
+    def write(self, ring, x) -> None:
+        """`write_window` of this step."""
+        channels = ring.shape[2]
+        if self.width == 0 or channels == 0:
+            return
+        launch = self._writes.get(channels)
+        if launch is None:
+            grid, block = _shape(self.width, channels)
+            launch = self._writes[channels] = _write.bind(
+                grid, block, self.stream, PER_CALL, PER_CALL, self.tokens, self.width)
+        launch(ring, x)
+
+    def apply(self, ring, weight, bias, out, silu: bool) -> None:
+        """`apply` of this step."""
+        channels = out.shape[1]
+        if self.width == 0 or channels == 0:
+            return
+        launch = self._applies.get(channels)
+        if launch is None:
+            grid, block = _shape(self.width, channels)
+            launch = self._applies[channels] = _conv.bind(
+                grid, block, self.stream, PER_CALL, PER_CALL, PER_CALL, PER_CALL,
+                self.tokens, self.width, self.n_tokens, PER_CALL)
+        launch(ring, weight, _no_bias() if bias is None else bias, out, bool(silu))
+
+
+def prepare(tokens, width: int, n_tokens: int, stream=0) -> ConvStep:
+    """The launches of a step of `width` tokens (`n_tokens` real) with the int32 tokens
+    table `tokens` (module doc), bound for its layers' calls (`ConvStep`)."""
+    return ConvStep(tokens, int(width), int(n_tokens), stream)
+
+
 def write_window(ring, x, tokens, width: int, stream=0) -> None:
     """`ring[tokens[t], tokens[width + t] % R, :] = x[t, :]` for every `t < width`, cast
     to the ring's dtype. `ring [cols, R, C]`, `x [width, C]` (float16, float32 or
     bfloat16 as uint16 bits), `tokens` an int32 device array `[2 * width]` (module doc).
     One launch, none for an empty step."""
-    width = int(width)
-    if width == 0 or ring.shape[2] == 0:
-        return
-    grid, block = _shape(width, ring.shape[2])
-    _write(grid, block, stream, ring, x, tokens, width)
+    prepare(tokens, width, 0, stream).write(ring, x)
 
 
 def apply(ring, weight, bias, out, tokens, width: int, n_tokens: int, silu: bool,
@@ -151,11 +189,4 @@ def apply(ring, weight, bias, out, tokens, width: int, n_tokens: int, silu: bool
     [width, C]` (float16, float32 or bfloat16 bits), rows `t >= n_tokens` zeroed.
     `weight [C, K]`, `bias [C]` or None (any of the storage dtypes); `tokens` as
     `write_window`'s, whose launch for this step must come first. One launch."""
-    width = int(width)
-    if width == 0 or out.shape[1] == 0:
-        return
-    grid, block = _shape(width, out.shape[1])
-    if bias is None:
-        bias = _no_bias()
-    _conv(grid, block, stream, ring, weight, bias, out, tokens, width, int(n_tokens),
-          bool(silu))
+    prepare(tokens, width, n_tokens, stream).apply(ring, weight, bias, out, silu)

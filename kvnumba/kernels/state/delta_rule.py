@@ -17,8 +17,9 @@ The recurrence of one head, `S [Dk, Dv]`, per token: `S <- diag(exp(g)) S` (per 
 `exp(g) S`); with beta, `u = S^T k`, `S <- S + beta k (v - u)^T`; without, `S <- S + k
 v^T`; `o = scale S^T q` (q and k first l2-normalised, `x * rsqrt(sum(x^2) + 1e-6)`, when
 `qk_l2norm`). Column `j` of `S` evolves alone given `k`, `g`, beta, `v[j]`: thread `j`
-of a block holds `S[:, j]` (`Dk` floats, a local array of `DK_CAPS`' next size) and
-reads `q`, `k` and the decays from shared memory, with no reduction across threads.
+of a block holds `S[:, j]` (`Dk` floats, a local array of the next of `DK_CAPS`) and
+reads `q`, `k` and the decays from shared memory, with no reduction across threads
+(threads `j >= Dv`, up to a whole warp, only help load shared memory).
 
 The work plan (`arith.state_runs`): `runs [n_runs, 4]` int32 `(col, floor, lo, hi)`,
 `order [n_segments]` int32, `seq_info [n_segments, SEQ_INFO_FIELDS]` int32 (all 2-D /
@@ -35,19 +36,27 @@ block starts (`start`) and from which state:
 * else (a rewind): the base, replayed from `bp` to `p0`.
 
 Each position `pos` of `[start, end)` loads its inputs into shared memory, from the log
-row (`pos < p0`, `_logged`) or from the step's inputs (`_taken`: the token of its
+row (`pos < p0`, `_logged`) or from the step's inputs (`taken`: the token of its
 segment, normalised, written to the log row), then takes one `_step`: one call site for
 replayed and new tokens, so a replayed state is bit-identical to the one computed
-directly. Afterwards each thread stores its column of `state`. The marks of the run,
-`(end, new bp)`, are written by a second launch (`_set_marks`): the blocks of a
-sequence's other heads read them until the first launch ends.
+directly (every logged value is the float32 the recurrence used). Afterwards each
+thread stores its column of `state`. The marks of the run, `(end, new bp)`, are written
+by a second launch (`_set_marks`): the blocks of a sequence's other heads read them
+until the first launch ends.
 
-Output rows of tokens in no segment (padding) are not written by `_run`; `run(...,
+A block replays log rows `[bp, p0)` before it writes rows `[p0, end)`, its barriers
+ordering the two, so a new token may take the row of a position the same step replayed
+(`end - bp > Rl`, which `Rl = 3 M` allows): hence one block per (sequence, head), all
+`Dv` columns in it. Splitting a head's columns over blocks would let one block's log
+writes overtake another's replay.
+
+Output rows of tokens in no segment (padding) are not written by the step kernel; `run(...,
 n_tokens=...)` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
 The caller guarantees: `Rl >= 3 * M`, `M = advance_after` the most tokens a sequence
 writes in one step; `bp <= floor <= p0`; the log holds every position a rewind replays
-(`[bp, p0)`); `Dk, Dv <= 256`; each sequence at most one run. Index ranges: positions,
+(`[bp, p0)`, so `p0 - bp <= Rl`); `Dk, Dv <= 256`; each sequence at most one run. The
+scratch column is never touched (padding tokens are in no segment). Index ranges: positions,
 rows, tokens and columns are int32; array offsets are Numba's 64-bit indexing.
 """
 from __future__ import annotations
@@ -61,9 +70,9 @@ from ...arith.positions import POS_START, Q_LEN, Q_START
 from ...arith.state_runs import RUN_COL, RUN_FLOOR, RUN_HI, RUN_LO
 from ...device import cuda
 from ..intrinsics import ptx
-from ..launch.calling import Specialised, ceil_div, no_output
+from ..launch.calling import PER_CALL, Specialised, ceil_div, no_output
 from ..masks import storage_row
-from ..padding import zero_rows
+from .. import padding
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -323,6 +332,59 @@ def block_threads(dv: int) -> int:
     return max(WARP, ceil_div(dv, WARP) * WARP)
 
 
+class DeltaStep:
+    """The delta rule's launches of one step (`prepare`): its work plan, run count,
+    `advance_after`, padding and stream fixed, the step kernel bound once per head shape,
+    gate kind, beta rule and scale, so a layer's call passes its arrays (`__call__`, as
+    `run` takes them)."""
+
+    def __init__(self, runs, order, seq_info, n_runs: int, advance_after: int, n_tokens,
+                 stream):
+        self.runs, self.order, self.seq_info = runs, order, seq_info
+        self.n_runs, self.advance_after, self.stream = n_runs, advance_after, stream
+        self.n_tokens = n_tokens
+        self._steps, self._zero = {}, {}
+        self._marks = (_marks.bind(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream,
+                                   PER_CALL, runs, order, seq_info, n_runs, advance_after)
+                       if n_runs else None)
+
+    def __call__(self, state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta,
+                 out, scale, qk_l2norm: bool) -> None:
+        if self.n_runs:
+            n_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
+            per_channel, has_beta = len(g.shape) == 3, beta is not None
+            if per_channel and g.shape[2] != dk:
+                raise ValueError(f"delta rule: a per-channel gate of {g.shape[2]} entries a "
+                                 f"head for Dk {dk}")
+            scale, qk_l2norm = np.float32(scale), bool(qk_l2norm)
+            key = (n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm)
+            launch = self._steps.get(key)
+            if launch is None:
+                launch = self._steps[key] = _kernel(dk_cap(dk), per_channel).bind(
+                    (self.n_runs, n_heads), block_threads(dv), self.stream, *[PER_CALL] * 13,
+                    self.runs, self.order, self.seq_info, scale, qk_l2norm, has_beta,
+                    self.advance_after)
+            launch(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g,
+                   beta if has_beta else no_output(), out)
+            self._marks(marks)
+        if self.n_tokens is not None:
+            width = out.shape[0]
+            zero = self._zero.get(width, False)
+            if zero is False:
+                zero = self._zero[width] = padding.prepare(width, self.n_tokens, self.stream)
+            if zero is not None:
+                zero(out, no_output())
+
+
+def prepare(runs, order, seq_info, n_runs: int, advance_after: int, stream=0, *,
+            n_tokens=None) -> DeltaStep:
+    """The launches of a step's delta rule layers with the work plan `runs`, `order`,
+    `seq_info` (int32 device arrays, module doc) of `n_runs` runs, bound for its layers'
+    calls (`DeltaStep`); with `n_tokens`, each call also zeroes `out[n_tokens:]`."""
+    return DeltaStep(runs, order, seq_info, int(n_runs), int(advance_after),
+                     None if n_tokens is None else int(n_tokens), stream)
+
+
 def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, runs, order,
         seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
         n_tokens=None) -> None:
@@ -335,18 +397,7 @@ def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, r
     steps, since replay takes it from this call), each float16, float32 or bfloat16 as
     uint16 bits; `out [width, H, Dv]` of those. `runs`, `order`, `seq_info`: int32
     device arrays as `arith.state_runs` and the segment table lay them out; `scale`
-    float32."""
-    n_runs = int(n_runs)
-    if n_runs > 0:
-        n_heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
-        per_channel = len(g.shape) == 3
-        launch = _kernel(dk_cap(dk), per_channel)
-        has_beta = beta is not None
-        launch((n_runs, n_heads), block_threads(dv), stream, state, base, log_k, log_v,
-               log_g, log_b, marks, q, k, v, g, beta if has_beta else no_output(), out, runs,
-               order, seq_info, np.float32(scale), bool(qk_l2norm), has_beta,
-               int(advance_after))
-        _marks(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream, marks, runs, order,
-               seq_info, n_runs, int(advance_after))
-    if n_tokens is not None:
-        zero_rows(out, int(n_tokens), stream)
+    float32. `prepare` binds these launches once for a step's layers."""
+    prepare(runs, order, seq_info, n_runs, advance_after, stream, n_tokens=n_tokens)(
+        state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, scale,
+        qk_l2norm)
