@@ -20,6 +20,7 @@ from ..host.slots import StepMachine, StepState
 from ..host.step import OpenStep, StepPlan
 from ..kernels import padding
 from ..kernels.moves import write
+from ..kernels.state import conv, delta_rule
 from ..refusals import half_written_refusal, unprepared_refusal, unrun_state_refusal, \
     width_refusal
 
@@ -112,8 +113,12 @@ class StepProtocol:
             runs, order, segments = (device[at.offset:at.offset + at.size] for at in (
                 section(Sections.STATE_RUNS), section(Sections.STATE_ORDER),
                 section(Sections.SEGMENTS)))
-            step.state_plan = (runs.reshape(n_runs, RUN_FIELDS), order,
-                               segments.reshape(-1, SEQ_INFO_FIELDS), n_runs)
+            padded = step.n_tokens if step.n_tokens < width else None
+            step.state_plan = (
+                conv.prepare(device[:2 * width], width, step.n_tokens, self.stream),
+                delta_rule.prepare(runs.reshape(n_runs, RUN_FIELDS), order,
+                                   segments.reshape(-1, SEQ_INFO_FIELDS), n_runs,
+                                   self.config.max_write, self.stream, n_tokens=padded))
         self.machine.apply("prepare", next_state)
         return self.plan
 

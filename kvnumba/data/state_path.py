@@ -16,8 +16,6 @@ import numpy as np
 from ..args import as_finite, describe, is_int
 from ..config import CacheConfig
 from ..errors import ShapeError, StepProtocolError
-from ..kernels.state import conv as conv_kernels
-from ..kernels.state import delta_rule as delta_kernels
 from ..refusals import width_hint
 from .arrays import Result, check, device_view
 from .attend import IO_DTYPES
@@ -35,7 +33,6 @@ class StatePath:
     def __init__(self, config: CacheConfig, device: int, stream, storage):
         self.config, self.device, self.stream, self.storage = config, device, stream, storage
         self._kinds = config.kinds
-        self._advance_after = np.int32(config.max_write)
 
     def conv(self, step, layer, x, weight, bias, activation):
         """`y [width, channels]`: the depthwise causal convolution of `x [width,
@@ -53,15 +50,14 @@ class StatePath:
         if activation not in ACTIVATIONS:
             raise ShapeError(f"conv: activation={describe(activation)}: must be None or "
                              f"'silu'")
-        stream, tokens = self.stream, self._tokens(step)
+        stream = self.stream
         ring = self.storage.layers[layer].window
-        x_dev = device_view(x, stream)
         result = Result(x, None, (step.width, channels), stream)
-        conv_kernels.write_window(ring, x_dev, tokens, step.width, stream)
-        conv_kernels.apply(ring, device_view(weight, stream),
-                           None if bias is None else device_view(bias, stream),
-                           result.device, tokens, step.width, step.n_tokens,
-                           activation == "silu", stream)
+        launches = step.state_plan[CONV]
+        launches.write(ring, device_view(x, stream))
+        launches.apply(ring, device_view(weight, stream),
+                       None if bias is None else device_view(bias, stream), result.device,
+                       activation == "silu")
         step.ran[layer, CONV] = True
         return result.value()
 
@@ -90,14 +86,11 @@ class StatePath:
         stream = self.stream
         arrays = self.storage.layers[layer]
         result = Result(q, None, (step.width, heads, dv), stream)
-        runs, order, segments, n_runs = step.state_plan
         view = lambda a: device_view(a, stream)   # noqa: E731
-        delta_kernels.run(arrays.state, arrays.base, arrays.log_k, arrays.log_v,
-                          arrays.log_g, arrays.log_b, arrays.marks, view(q), view(k),
-                          view(v), view(g), None if beta is None else view(beta),
-                          result.device, runs, order, segments, n_runs, scale,
-                          bool(qk_l2norm), self._advance_after, stream,
-                          n_tokens=step.n_tokens if step.n_tokens < step.width else None)
+        step.state_plan[RECURRENT](
+            arrays.state, arrays.base, arrays.log_k, arrays.log_v, arrays.log_g, arrays.log_b,
+            arrays.marks, view(q), view(k), view(v), view(g),
+            None if beta is None else view(beta), result.device, scale, bool(qk_l2norm))
         step.ran[layer, RECURRENT] = True
         return result.value()
 
@@ -121,10 +114,6 @@ class StatePath:
             raise StepProtocolError(f"{verb}: layer {layer} already ran {verb} in this step; "
                                     f"each op runs once per layer per step")
         return layer, kind
-
-    def _tokens(self, step):
-        """The step's token table on the device: `seq_cols` then `positions`."""
-        return step.upload.device[:2 * step.width]
 
 
 def _check_rows(step, name: str, array, shape: tuple, where: str, device: int) -> None:
