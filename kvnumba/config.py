@@ -161,6 +161,11 @@ class CacheConfig:
     initial_pages: pages each page group's pool starts with (None: one sequence's worth,
                   `group_pages`); the pool grows by doubling up to `max_pages`.
     state_dtype:  the dtype of state layers' recurrent states (`state()`): "float32".
+    state_interval: positions between the prefix index's snapshots of the state layers
+                  (contract §17; a multiple of `page_size`); None: the fewest whole pages
+                  whose K/V bytes (`bytes_per_token`) reach one snapshot's
+                  (`snapshot_bytes`), so snapshots never cost more than the pages they
+                  cover (`snapshot_interval`).
     max_pages:    the most pages each page group's pool may hold (None: enough for every
                   sequence at capacity, so the pool never binds); `initial_pages ==
                   max_pages` is a fixed pool that never moves (`fixed_pool` sizes one
@@ -181,6 +186,7 @@ class CacheConfig:
     initial_pages: int | None = None
     max_pages: int | None = None
     state_dtype: str = "float32"
+    state_interval: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.layers, (list, tuple)):
@@ -211,14 +217,20 @@ class CacheConfig:
                                                          len(layers), self.dtype))
         for i, spec in enumerate(layers):
             spec.kind.validate(i, self)
-        self._check_states()
         _check_pages(self)
+        self._check_states()
 
     def _check_states(self) -> None:
         """State layers' dtype, and at least one layer that attends beside them."""
         if self.state_dtype not in STATE_DTYPES:
             raise ConfigError(f"state_dtype={describe(self.state_dtype)}: state layers keep "
                               f"their recurrent state in {', '.join(STATE_DTYPES)}")
+        if self.state_interval is not None:
+            interval = self._set_int("state_interval", self.state_interval, 1, INT32_MAX)
+            if interval % self.page_size:
+                raise ConfigError(f"state_interval={interval}: must be a multiple of "
+                                  f"page_size ({self.page_size}): snapshots are taken at "
+                                  f"page ends")
         if self.state_layers and len(self.state_layers) == len(self.layers):
             raise ConfigError(f"layers: all {len(self.layers)} layers are state layers; a "
                               f"cache needs at least one attention layer (flat(), ring(...), "
@@ -329,9 +341,11 @@ class CacheConfig:
 
     def resumed_high_water(self, position: int) -> int:
         """The high-water of a sequence resumed at `position` from the prefix index: the
-        highest its page groups' kinds need (`kinds`: `resumed_high_water`)."""
-        return max((group.kind.resumed_high_water(position, self.max_write)
-                    for group in self.page_groups), default=position)
+        highest its page groups' and state layers' kinds need (`kinds`:
+        `resumed_high_water`)."""
+        kinds = [group.kind for group in self.page_groups] + \
+            [self.kinds[i] for i in self.state_layers[:1]]
+        return max(kind.resumed_high_water(position, self.max_write) for kind in kinds)
 
     def table_pages(self, rows: int) -> int:
         """Pages per sequence of a page group: `ceil(capacity / P)` for flat layers (rows
@@ -420,6 +434,22 @@ class CacheConfig:
         itemsize = self.storage_dtype.itemsize
         return sum(self.kinds[i].sequence_bytes(itemsize, self.max_write, self.capacity)
                    for i in self.state_layers)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        """Bytes of one prefix snapshot over the state layers (each layer's float32 state
+        and its conv window: `kinds.state`), 0 without state layers."""
+        itemsize = self.storage_dtype.itemsize
+        return sum(self.kinds[i].snapshot_bytes(itemsize) for i in self.state_layers)
+
+    @property
+    def snapshot_interval(self) -> int:
+        """Positions between the prefix index's snapshots (`state_interval`, or its
+        default: the fewest whole pages holding at least `snapshot_bytes` of K/V)."""
+        if self.state_interval is not None:
+            return self.state_interval
+        per_page = self.page_size * self.bytes_per_token
+        return self.page_size * max(1, -(-self.snapshot_bytes // per_page))
 
     @property
     def bytes_per_token(self) -> int:

@@ -26,7 +26,8 @@ if TYPE_CHECKING:   # names for the annotations only: the face imports no implem
 class IndexCounts(NamedTuple):
     """The prefix index of a cache (`PrefixControl.prefix_counts`): `pages` of positions it
     indexes now, `pages_evicted` so far (each a page of positions: its page in every page
-    group), and `nbytes_cached`, the bytes of pages only it holds (reclaimable)."""
+    group), and `nbytes_cached`, the bytes of pages only it holds (reclaimable) and of its
+    state snapshots (contract §17)."""
 
     pages: int
     pages_evicted: int

@@ -61,3 +61,19 @@ def test_hybrid_cache_config_counts_the_states_per_sequence():
         config.layers[3],)
     per_layer = (4 - 1 + 8) * 96 * 4 + 2 * 4 * 8 * 16 * 4 + 3 * 8 * 4 * (2 * 8 + 16 + 1) * 4
     assert config.bytes_per_sequence == 3 * per_layer
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_hybrid_prefix_hits_restore_the_mixers_states(family):
+    """A conversation's next turn starts from the previous turn's last snapshotted page
+    (its states and conv windows restored from the index) and generates what
+    `generate()` does over the whole conversation."""
+    model = built(family)
+    engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=40, max_write=8,
+                         dtype="float32", page_size=8)
+    first = PROMPTS[0] + PROMPTS[1]
+    answer = engine.generate([first], max_new_tokens=8)[0]
+    assert answer == generated(model, first, 8)
+    second = first + answer + [21, 22]                # 23 tokens: 2 whole pages indexed
+    assert engine.generate([second], max_new_tokens=NEW)[0] == generated(model, second, NEW)
+    assert engine.stats.cached_tokens == 16

@@ -214,3 +214,40 @@ def test_state_spec_refusals():
         kv.state(recurrent=(2, 512, 8))
     with pytest.raises(kv.ConfigError, match="state_dtype"):
         kv.CacheConfig(layers=[kv.state(conv=(4, 4)), kv.flat()], state_dtype="float16")
+
+
+def test_prefix_snapshots_restore_the_states_exactly():
+    """A registration snapshots its last page (and the `state_interval` grid); a match
+    ends at the deepest snapshot, and the sequence it starts continues exactly as the
+    one that wrote those positions, its floor at the match point."""
+    cache, model = kv.BatchedSequenceCache(config(state_interval=16)), Model(6)
+    keys = kv.page_keys(list(range(40)), 8)
+    a = new_seq(cache, model)
+    for _ in range(2):
+        run_step(cache, model, [a] * 4)
+    assert cache.prefix_register(a, keys) == 1                     # pos 8: page 0 snapped
+    assert cache.prefix_match(keys) == 1
+    run_step(cache, model, [a] * 4)
+    assert cache.prefix_register(a, keys) == 1                     # pos 12: nothing new
+    run_step(cache, model, [a] * 4)
+    assert cache.prefix_register(a, keys) == 2                     # pos 16, on the grid
+    assert cache.prefix_match(keys[:1]) == 0                       # page 0's snapshot let go
+    assert cache.prefix_counts.nbytes_cached >= cache.config.snapshot_bytes
+    b = cache.seq_from_prefix(keys[:3])
+    assert cache.pos(b) == 16
+    model.seqs[b] = {name: arr[:16] for name, arr in model.seqs[a].items()}
+    run_step(cache, model, [b] * 3 + [a] * 2)
+    with pytest.raises(kv.RingFloorError):
+        cache.rewind(b, 15)
+    run_step(cache, model, [a, b])
+    cache.prefix_clear()
+    assert cache.prefix_match(keys) == 0 and cache.prefix_counts.nbytes_cached == 0
+
+
+def test_snapshot_interval_default_covers_its_bytes_in_pages():
+    cfg = config()
+    per_page = cfg.page_size * cfg.bytes_per_token
+    assert cfg.snapshot_bytes == H * DK * DV * 4 + (K - 1) * C * 4
+    assert cfg.snapshot_interval == cfg.page_size * -(-cfg.snapshot_bytes // per_page)
+    with pytest.raises(kv.ConfigError, match="multiple of page_size"):
+        config(state_interval=12)

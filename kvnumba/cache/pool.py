@@ -33,6 +33,11 @@ class Pool:
         self.index = PrefixIndex(self.accounting)
         self.storage = PageStorage(config, n_rows, stream)
         self.states = StateStorage(config, n_rows, stream)
+        #: per column, the base position of its state layers as the step kernels set it
+        #: (`kernels.state.delta_rule`; mirrored at each `prepare_step` by the step
+        #: protocol, an upper bound where a step ran on some layers only): the oldest
+        #: position a snapshot can be rebuilt at
+        self.state_base = np.zeros(n_rows, np.int64)
         self._number = {id(group): i for i, group in enumerate(self.accounting.groups)}
         self._copy_sections = [Sections.copies(i) for i in range(len(self.accounting.groups))]
 
@@ -43,8 +48,10 @@ class Pool:
 
     @property
     def nbytes_cached(self) -> int:
-        """Bytes of the pages the prefix index alone holds (reclaimable)."""
-        return self.accounting.cached_bytes()
+        """Bytes of the pages the prefix index alone holds (reclaimable), and of its state
+        snapshots."""
+        return self.accounting.cached_bytes() + \
+            self.index.n_snapshots * self.config.snapshot_bytes
 
     def reserve(self, demand: list, verb: str, protect=()) -> None:
         """Make the pages of `demand` (`(GroupPages, pages)` pairs) free: free pages first
@@ -97,13 +104,16 @@ class Pool:
         self.reserve(self.accounting.clone_demand(keep), verb)
         self._send(upload, self.accounting.clone(src, dst, keep))
         self.states.copy_column(src, dst)
+        self.state_base[dst] = self.state_base[src]
 
     def start(self, seq: int, keys: list, upload, verb: str) -> int:
         """Give a free `seq` what a new sequence holds and the indexed pages of `keys`
         (every one indexed), each group as its kind restores them (`PrefixIndex.share`:
         pages paged by position shared, the rows the ring layers read before the match
         point copied back). A match whose own pages the new sequence's rings would need
-        is shortened until they need none of them; returns the pages shared.
+        is shortened until they need none of them, and to its deepest snapshot on a cache
+        with state layers, whose columns the snapshot restores; returns the pages
+        shared.
         `CapacityError`, nothing changed, when a pool cannot give the rings even so (as
         `seq_new`)."""
         index, demand = self.index, self.accounting.claim_demand()
@@ -111,18 +121,27 @@ class Pool:
         while len(chain) and any(needed > group.available - index.cached_in(
                 self._number[id(group)], chain) for group, needed in demand):
             chain = chain[:-1]           # its last node's ring pages go to the rings
+        if index.snapshots:
+            chain = chain[:index.snapshotted(chain)]
         keys = keys[:len(chain)]
         self.reserve(demand, verb, chain)
         self.accounting.claim(seq)
         copies = index.share(seq, keys) if keys else self.accounting.no_copies
         self._send(upload, PageWork(self.accounting.flush(None), tuple(copies), None))
+        if index.snapshots and keys:
+            end = len(keys) * self.config.page_size
+            self.states.restore(seq, end, int(index.snap[chain[-1]]))
+            self.state_base[seq] = end
         return len(keys)
 
-    def register(self, seq: int, keys: list, first: int, upload, verb: str) -> int:
+    def register(self, seq: int, keys: list, first: int, upload, verb: str, pos: int,
+                 high_water: int) -> int:
         """Index `seq`'s pages under `keys` (`PrefixIndex.plan_register`, `register`: as
         many as its rings and the ring pools can give, pages taken as for any verb) and
-        copy their ring rows; returns how many leading keys are indexed. `CapacityError`,
-        nothing changed, when growing a ring pool fails."""
+        copy their ring rows, and on a cache with state layers take their snapshots
+        (`PrefixIndex.plan_captures`, `seq` at `pos` with `high_water`); returns how many
+        leading keys a match now shares. `CapacityError`, nothing changed, when growing a
+        ring pool fails."""
         index = self.index
         chain, new = index.plan_register(seq, keys, first)
         if new:
@@ -130,7 +149,14 @@ class Pool:
                           if index.keeps_rows(i)], verb, chain)
         indexed, copies = index.register(seq, keys, chain, new)
         self._send(upload, PageWork(None, tuple(copies), None))
-        return indexed
+        if not index.snapshots:
+            return indexed
+        caps = index.plan_captures(keys[:indexed], pos, high_water, int(self.state_base[seq]))
+        if len(caps):
+            caps[:, 0] = seq
+            self.states.reserve_snapshots(index.slots_made)
+            self.states.capture(caps)
+        return index.match(keys)
 
     def _send(self, upload, work: PageWork) -> None:
         """Device work outside a step, in one upload of its own."""

@@ -13,10 +13,10 @@ class PrefixVerbs:
 
     def prefix_match(self, keys) -> int:
         """How many leading page keys of `keys` (`prefix_keys.page_keys`) the prefix index
-        holds: the pages `seq_from_prefix(keys)` would share. Changes nothing. A cache with
-        state layers keeps no state snapshots in its index yet: it matches nothing."""
-        keys = as_keys(keys, "prefix_match keys")
-        return 0 if self.config.state_layers else self._pool.index.match(keys)
+        holds: the pages `seq_from_prefix(keys)` would share. Changes nothing. On a cache with
+        state layers a match ends at the deepest page the index holds a state snapshot
+        of (contract §17)."""
+        return self._pool.index.match(as_keys(keys, "prefix_match keys"))
 
     @on_its_device
     def seq_from_prefix(self, keys) -> int:
@@ -31,7 +31,7 @@ class PrefixVerbs:
         nothing changed."""
         self._steps.machine.require_idle("seq_from_prefix")
         keys = as_keys(keys, "seq_from_prefix keys")
-        keys = keys[:self.prefix_match(keys)]
+        keys = keys[:self._pool.index.match(keys)]
         if not keys:
             return self.seq_new()
         seq = self._lowest_free("seq_from_prefix")
@@ -58,17 +58,18 @@ class PrefixVerbs:
         rewind. Ring pages for the index come from free or cached pages (the least
         recently used nodes are evicted, never this chain's); registration stops where
         none is left (a ring pool may grow for them, as for any verb: `CapacityError`,
-        nothing changed, when that growth fails). Returns the leading keys now indexed
-        (none on a cache with state layers: `prefix_match`)."""
+        nothing changed, when that growth fails). On a cache with state layers it also
+        snapshots the states at the last page it indexes and every `snapshot_interval`
+        positions, where the sequence can still rebuild them (at or past its floor).
+        Returns the leading keys a match now shares (`prefix_match`)."""
         self._steps.machine.require_idle("prefix_register")
         seq = self._live(self._id(seq, "prefix_register"), "prefix_register")
         keys = as_keys(keys, "prefix_register keys")
-        if self.config.state_layers:
-            return 0
         pos = int(self._slots.pos[seq])
         keys = keys[:pos // self.config.page_size]
         first = self._pool.index.first_registrable(pos, int(self._slots.high_water[seq]))
-        return self._pool.register(seq, keys, first, self._clone_upload, "prefix_register")
+        return self._pool.register(seq, keys, first, self._clone_upload, "prefix_register",
+                                   pos, int(self._slots.high_water[seq]))
 
     def prefix_forget(self, keys) -> int:
         """Drop the index entries of `keys` (their pages go back to the sequences holding

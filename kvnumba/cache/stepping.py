@@ -15,7 +15,7 @@ from ..args import as_ids, as_int
 from ..data.upload import Sections
 from ..errors import ShapeError
 from ..arith.positions import SEQ_INFO_FIELDS, ring_floor, stage_tables
-from ..arith.state_runs import RUN_FIELDS, state_runs
+from ..arith.state_runs import RUN_COL, RUN_FIELDS, state_runs
 from ..host.slots import StepMachine, StepState
 from ..host.step import OpenStep, StepPlan
 from ..kernels import padding
@@ -149,9 +149,17 @@ class StepProtocol:
 
     def _stage_state_plan(self, info: np.ndarray, upload) -> int:
         """Put the step's recurrence plan (`arith.state_runs`, each sequence's floor as
-        the state layers see it) into `upload`; returns its runs."""
-        floors = ring_floor(self.slots.high_water, self._state_rows, self.config.max_write)
+        the state layers see it) into `upload`, and move the pool's mirror of each
+        sequence's base position as the kernels will (`Pool.state_base`: to 0 at
+        position 0, to the floor once it is more than `max_write` past it); returns its
+        runs."""
+        m = self.config.max_write
+        floors = ring_floor(self.slots.high_water, self._state_rows, m)
         runs, order = state_runs(info, floors)
+        seqs, base = runs[:, RUN_COL], self.pool.state_base
+        starts = self.slots.pos[seqs]
+        moved = floors[seqs] - base[seqs] > m
+        base[seqs] = np.where(starts == 0, 0, np.where(moved, floors[seqs], base[seqs]))
         upload.put(Sections.STATE_RUNS, runs)
         upload.put(Sections.STATE_ORDER, order)
         return len(runs)

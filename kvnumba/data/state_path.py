@@ -86,6 +86,12 @@ class StatePath:
         stream = self.stream
         arrays = self.storage.layers[layer]
         result = Result(q, None, (step.width, heads, dv), stream)
+        rule = (len(g.shape) == 3, beta is not None)
+        if self.storage.rules.setdefault(layer, rule) != rule:
+            raise ShapeError(f"delta_rule: layer {layer} ran with a {_rule_name(*self.storage.rules[layer])} "
+                             f"before; a layer keeps one gate and one rule (its replays "
+                             f"and snapshots take them from its steps), got a "
+                             f"{_rule_name(*rule)}")
         view = lambda a: device_view(a, stream)   # noqa: E731
         step.state_plan[RECURRENT](
             arrays.state, arrays.base, arrays.log_k, arrays.log_v, arrays.log_g, arrays.log_b,
@@ -114,6 +120,11 @@ class StatePath:
             raise StepProtocolError(f"{verb}: layer {layer} already ran {verb} in this step; "
                                     f"each op runs once per layer per step")
         return layer, kind
+
+
+def _rule_name(per_channel: bool, has_beta: bool) -> str:
+    return (f"{'per-channel' if per_channel else 'per-head'} gate "
+            f"{'with beta' if has_beta else 'without beta (decay only)'}")
 
 
 def _check_rows(step, name: str, array, shape: tuple, where: str, device: int) -> None:

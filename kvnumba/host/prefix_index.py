@@ -17,7 +17,14 @@ group's kind says (`kinds.base.LayerKind`: `history`, `kept_rows`, `node_page`,
   needs `[L - W + 1, L)`), or the whole page for a ring no shorter than the cache's
   capacity (it never wraps, and a resumed sequence reads all of it).
 
-A page whose only reference is the index's is cached: reclaimable. Pages are taken free
+A page whose only reference is the index's is cached: reclaimable. A cache with state layers (contract §17) keeps prefix snapshots too: a node may own a
+snapshot slot (`snap`) holding every state layer's state and conv window at the node's
+page end. A match ends at the deepest node of its chain that owns one (`snapshotted`).
+A registration snapshots its last whole page and every `snapshot_interval` positions,
+where the sequence can still rebuild them (`plan_captures`), and lets go of the snapshots
+its chain held off that grid before its new last page. A dropped node frees its slot.
+
+Pages are taken free
 first (a pool grows as far as its `max_pages` allows); when a pool is short even so,
 cached pages are evicted by node, least recently used first (a node is used when it is
 registered or matched; all nodes of one call share the use), the deepest of equally
@@ -63,6 +70,13 @@ class PrefixIndex:
         self.depth = np.zeros(0, np.int64)
         self.keys: list = []
         self.spare: list = []                   # unused node ids, popped from the end
+        #: per node its snapshot slot (-1: none); free slots; slots ever made
+        self.snap = np.full(0, -1, np.int64)
+        self.free_slots: list = []
+        self.slots_made = 0
+        self.snapshots = bool(config.state_layers)
+        self.interval = config.snapshot_interval if self.snapshots else 0
+        self.max_write = config.max_write
         self._grow(INITIAL_NODES)
 
     def _grow(self, n: int) -> None:
@@ -72,6 +86,7 @@ class PrefixIndex:
             [self.node_pages, np.full((n - old, len(self.groups)), -1, np.int32)])
         self.used = np.concatenate([self.used, np.zeros(n - old, np.int64)])
         self.depth = np.concatenate([self.depth, np.zeros(n - old, np.int64)])
+        self.snap = np.concatenate([self.snap, np.full(n - old, -1, np.int64)])
         self.keys += [None] * (n - old)
         self.spare = list(range(n - 1, old - 1, -1)) + self.spare
 
@@ -79,13 +94,26 @@ class PrefixIndex:
         return len(self.nodes)
 
     # ------------------------------------------------------------------ reading
-    def match(self, keys) -> int:
-        """How many leading `keys` are indexed (the pages a match shares)."""
+    def indexed(self, keys) -> int:
+        """How many leading `keys` are indexed."""
         nodes = self.nodes
         for i, key in enumerate(keys):
             if key not in nodes:
                 return i
         return len(keys)
+
+    def match(self, keys) -> int:
+        """How many leading `keys` a match shares: those indexed, up to the deepest
+        snapshot where the cache has state layers."""
+        found = self.indexed(keys)
+        if self.snapshots and found:
+            return self.snapshotted(self.chain(keys[:found]))
+        return found
+
+    def snapshotted(self, chain) -> int:
+        """The length of `chain` up to its deepest node owning a snapshot (0: none)."""
+        owned = np.flatnonzero(self.snap[np.asarray(chain, np.int64)] >= 0)
+        return int(owned[-1]) + 1 if owned.size else 0
 
     def chain(self, keys) -> np.ndarray:
         """The nodes of `keys` (every one indexed), int64 `[len(keys)]`."""
@@ -130,6 +158,9 @@ class PrefixIndex:
             if page >= 0:
                 group.disown(page)
         self.node_pages[node] = -1
+        if self.snap[node] >= 0:
+            self.free_slots.append(int(self.snap[node]))
+            self.snap[node] = -1
         del self.nodes[self.keys[node]]
         self.keys[node] = None
         self.spare.append(node)
@@ -217,7 +248,7 @@ class PrefixIndex:
             self.add(keys[depth], depth,
                      [group.kind.node_page(group, seq, depth, int(owned[i][j]))
                       for i, group in enumerate(self.groups)])
-        return self.match(keys), copies
+        return self.indexed(keys), copies
 
     def share(self, seq: int, keys: list) -> list:
         """Sequence `seq` (holding what a new sequence holds, nothing else yet) takes the
@@ -235,3 +266,37 @@ class PrefixIndex:
             copies[i] = group.kind.restore(group, seq, self.node_pages[chain, i], end,
                                            self.history[i], self.kept[i], size)
         return copies
+
+    def plan_captures(self, keys: list, pos: int, high_water: int, base: int) -> np.ndarray:
+        """The snapshots registering `keys` (all indexed) of a sequence at `pos` with
+        `high_water` and state base position `base` takes (module doc): `(col unset, E,
+        slot)` rows `[n, 3]` int32 for its last page and the grid's pages that have none
+        and that it can rebuild (`base <= E`, `high_water - max_write <= E <= pos`), slots
+        taken; the chain's earlier off-grid snapshots are let go."""
+        size, chain = self.page_size, self.chain(keys).tolist()
+        tip = len(keys) - 1
+        lowest = max(base, high_water - self.max_write)
+        caps = []
+        for depth, node in enumerate(chain):
+            end = (depth + 1) * size
+            if self.snap[node] < 0 and (depth == tip or end % self.interval == 0) and \
+                    lowest <= end <= pos:
+                self.snap[node] = slot = self._take_slot()
+                caps.append((0, end, slot))
+        if chain and self.snap[chain[-1]] >= 0:      # the new last page holds one
+            for depth, node in enumerate(chain[:-1]):
+                if self.snap[node] >= 0 and (depth + 1) * size % self.interval:
+                    self.free_slots.append(int(self.snap[node]))
+                    self.snap[node] = -1
+        return np.array(caps, np.int32).reshape(-1, 3)
+
+    def _take_slot(self) -> int:
+        if self.free_slots:
+            return self.free_slots.pop()
+        self.slots_made += 1
+        return self.slots_made - 1
+
+    @property
+    def n_snapshots(self) -> int:
+        """Snapshots the index holds."""
+        return self.slots_made - len(self.free_slots)

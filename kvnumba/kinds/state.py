@@ -92,6 +92,15 @@ class State:
             log = self.log_rows(max_write, capacity) * h * (2 * dk + dv + 1) * STATE_ITEMSIZE
         return {"window": window, "state": state, "log": log}
 
+    def snapshot_bytes(self, itemsize: int) -> int:
+        """Bytes of one prefix snapshot of the layer (contract §17): its float32 state and
+        the `width - 1` conv inputs before the snapshot's position."""
+        window = (self.conv[1] - 1) * self.conv[0] * itemsize if self.conv else 0
+        if self.recurrent is None:
+            return window
+        h, dk, dv = self.recurrent
+        return window + h * dk * dv * STATE_ITEMSIZE
+
     def sequence_bytes(self, itemsize: int, max_write: int, capacity: int) -> int:
         """Bytes one sequence holds on this layer whatever its length (`column_bytes`)."""
         return sum(self.column_bytes(itemsize, max_write, capacity).values())
@@ -111,7 +120,9 @@ class State:
         return rows, 0
 
     def resumed_high_water(self, position: int, max_write: int) -> int:
-        return position
+        """A prefix hit restores the state at `position` and no input before it: its floor
+        is `position` (a high-water `max_write` past it)."""
+        return position + max_write
 
     def resume_needs(self) -> str:
         return "its state at p"
