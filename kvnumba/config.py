@@ -133,6 +133,35 @@ def _check_pages(config: "CacheConfig") -> None:
                           f"use larger pages or fewer sequences per cache")
 
 
+def _check_states(config: "CacheConfig") -> None:
+    """State layers' dtype, and at least one layer that attends beside them."""
+    if config.state_dtype not in STATE_DTYPES:
+        raise ConfigError(f"state_dtype={describe(config.state_dtype)}: state layers keep "
+                          f"their recurrent state in {', '.join(STATE_DTYPES)}")
+    if config.state_interval is not None:
+        interval = config._set_int("state_interval", config.state_interval, 1, INT32_MAX)
+        if interval % config.page_size:
+            raise ConfigError(f"state_interval={interval}: must be a multiple of "
+                              f"page_size ({config.page_size}): snapshots are taken at "
+                              f"page ends")
+    if config.state_layers and len(config.state_layers) == len(config.layers):
+        raise ConfigError(f"layers: all {len(config.layers)} layers are state layers; a "
+                          f"cache needs at least one attention layer (flat(), ring(...), "
+                          f"chunked(...) or latent(...)) beside them")
+
+
+def _host_dtype(dtype: str, storage: np.dtype) -> np.dtype:
+    """`CacheConfig.np_dtype` of storage dtype `dtype` (held as `storage`)."""
+    if dtype not in ML_DTYPES:
+        return storage
+    if importlib.util.find_spec("ml_dtypes") is None:
+        raise ConfigError(f"dtype={dtype!r}: NumPy host arrays of {dtype} need "
+                          f"the ml_dtypes package: pip install -e '.[bf16]' in a "
+                          f"kvnumba checkout (or pip install ml_dtypes)")
+    import ml_dtypes
+    return np.dtype(getattr(ml_dtypes, ML_DTYPES[dtype]))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Shape and limits of a cache.
@@ -161,10 +190,9 @@ class CacheConfig:
     initial_pages: pages each page group's pool starts with (None: one sequence's worth,
                   `group_pages`); the pool grows by doubling up to `max_pages`.
     state_dtype:  the dtype of state layers' recurrent states (`state()`): "float32".
-    state_interval: positions between the prefix index's snapshots of the state layers
-                  (contract §17; a multiple of `page_size`); None: the fewest whole pages
-                  whose K/V bytes (`bytes_per_token`) reach one snapshot's
-                  (`snapshot_bytes`), so snapshots never cost more than the pages they
+    state_interval: positions between the prefix index's state snapshots (contract §17;
+                  a multiple of `page_size`); None: the fewest whole pages whose K/V bytes
+                  reach one snapshot's, so snapshots cost no more than the pages they
                   cover (`snapshot_interval`).
     max_pages:    the most pages each page group's pool may hold (None: enough for every
                   sequence at capacity, so the pool never binds); `initial_pages ==
@@ -218,23 +246,7 @@ class CacheConfig:
         for i, spec in enumerate(layers):
             spec.kind.validate(i, self)
         _check_pages(self)
-        self._check_states()
-
-    def _check_states(self) -> None:
-        """State layers' dtype, and at least one layer that attends beside them."""
-        if self.state_dtype not in STATE_DTYPES:
-            raise ConfigError(f"state_dtype={describe(self.state_dtype)}: state layers keep "
-                              f"their recurrent state in {', '.join(STATE_DTYPES)}")
-        if self.state_interval is not None:
-            interval = self._set_int("state_interval", self.state_interval, 1, INT32_MAX)
-            if interval % self.page_size:
-                raise ConfigError(f"state_interval={interval}: must be a multiple of "
-                                  f"page_size ({self.page_size}): snapshots are taken at "
-                                  f"page ends")
-        if self.state_layers and len(self.state_layers) == len(self.layers):
-            raise ConfigError(f"layers: all {len(self.layers)} layers are state layers; a "
-                              f"cache needs at least one attention layer (flat(), ring(...), "
-                              f"chunked(...) or latent(...)) beside them")
+        _check_states(self)
 
     def _set_int(self, name: str, value, lo: int, hi: int | None = None, rule: str = "") -> int:
         """Field `name` checked (`_require_int`) and kept as a Python int (a NumPy integer
@@ -413,14 +425,7 @@ class CacheConfig:
         fp8 as `ml_dtypes.float8_e4m3fn` / `float8_e5m2`, the stored (unscaled) values
         (NumPy has neither: `ConfigError` naming the extra without ml_dtypes; PyTorch
         tensors in and out never need it)."""
-        if self.dtype not in ML_DTYPES:
-            return self.storage_dtype
-        if importlib.util.find_spec("ml_dtypes") is None:
-            raise ConfigError(f"dtype={self.dtype!r}: NumPy host arrays of {self.dtype} need "
-                              f"the ml_dtypes package: pip install -e '.[bf16]' in a "
-                              f"kvnumba checkout (or pip install ml_dtypes)")
-        import ml_dtypes
-        return np.dtype(getattr(ml_dtypes, ML_DTYPES[self.dtype]))
+        return _host_dtype(self.dtype, self.storage_dtype)
 
     @property
     def n_layers(self) -> int:
