@@ -38,6 +38,7 @@ from kvnumba.statemachines import SLOT_LIFECYCLE, STEP_PROTOCOL, MachineModel
 
 import kvnumba as kv
 import kvnumba.device as kv_device
+import kvnumba.data.state_storage as kv_state_storage
 import kvnumba.data.storage as kv_storage
 import kvnumba.data.upload as kv_upload
 from kvnumba.arith.positions import SEQ_INFO_FIELDS
@@ -272,13 +273,16 @@ def device_work():
     if not kv_device.SIMULATOR:
         yield
         return
-    storage = kv_storage.PageStorage
-    saved = kv_upload.upload_prefix, storage.patch, storage.copy
-    kv_upload.upload_prefix = storage.patch = storage.copy = lambda *args, **kwargs: None
+    storage, states = kv_storage.PageStorage, kv_state_storage.StateStorage
+    saved = (kv_upload.upload_prefix, storage.patch, storage.copy, states.capture,
+             states.restore)
+    kv_upload.upload_prefix = storage.patch = storage.copy = states.capture = \
+        states.restore = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        kv_upload.upload_prefix, storage.patch, storage.copy = saved
+        (kv_upload.upload_prefix, storage.patch, storage.copy, states.capture,
+         states.restore) = saved
 
 
 def _time_driver(driver, ids, *, repeats: int, budget_s: float) -> tuple:

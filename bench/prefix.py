@@ -21,9 +21,11 @@ decoding does).
   so the first request computes a shared prompt and the others share its pages.
 * reuse off: sessions open empty and register nothing; nothing waits.
 
-Workloads, each on two layer configs (1 kv head, head_dim 8, float16, pages of 16:
+Workloads, each on three layer configs (1 kv head, head_dim 8, float16, pages of 16:
 memory is trivial, and the counts do not depend on the shape): Llama-like, flat layers
-only, and Gemma-2-like, a ring layer (window 256) and a flat layer alternating:
+only; Gemma-2-like, a ring layer (window 256) and a flat layer alternating; and
+Qwen3-Next-like, three state layers (contract §17: a match ends at the deepest page the
+index holds a state snapshot of) and a flat layer:
 
 * shared system prompt: 64 requests of a 1,024-token system prompt and a distinct
   64-token question, 8 new tokens each, up to 16 running, chunks of 256: prompt tokens
@@ -97,12 +99,17 @@ class Sizes:
 
     def layer_configs(self) -> dict:
         return {"flat": [kv.flat(), kv.flat()],
-                "windowed": [kv.ring(window=self.window), kv.flat()]}
+                "windowed": [kv.ring(window=self.window), kv.flat()],
+                "hybrid": [HYBRID_STATE] * 3 + [kv.flat()]}
 
 
 FULL = Sizes()
+#: a Qwen3-Next-like layer of the hybrid config: a gated-delta-rule mixer's conv window
+#: and recurrent state (small: the counts do not depend on its shape)
+HYBRID_STATE = kv.state(conv=(24, 4), recurrent=(1, 8, 8))
 LAYER_NAMES = {"flat": "Llama-like: 2 flat layers",
-               "windowed": "Gemma-2-like: ring (W {window}) + flat"}
+               "windowed": "Gemma-2-like: ring (W {window}) + flat",
+               "hybrid": "Qwen3-Next-like: 3 state layers + flat"}
 
 
 # ---------------------------------------------------------------------------- tokens
