@@ -239,6 +239,7 @@ def test_prefix_snapshots_restore_the_states_exactly():
     run_step(cache, model, [b] * 3 + [a] * 2)
     with pytest.raises(kv.RingFloorError):
         cache.rewind(b, 15)
+    rewind(cache, model, b, 17)                                    # replayed from the base
     run_step(cache, model, [a, b])
     cache.prefix_clear()
     assert cache.prefix_match(keys) == 0 and cache.prefix_counts.nbytes_cached == 0
