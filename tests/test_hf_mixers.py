@@ -26,6 +26,26 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
 MLA = dict(num_hidden_layers=4, layer_types=LINEAR4, num_key_value_heads=4,
            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+#: Mamba2: 4 heads of P=16 in 2 groups of state N=8 (d_inner 64; conv over 64 + 2*2*8
+#: channels), `transformers`' scan in chunks of 64 (the one-shot test crosses one)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
+              mamba_expand=2, mamba_chunk_size=64)
+SSD = ((96, 4), (4, 8, 16))
+GRANITE = dict(MAMBA2, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba",
+                                                         "mamba"],
+               num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16)
+#: Nemotron-H's pattern: mamba, mlp, mamba, attention, moe, mamba
+NEMOTRON = dict(hybrid_override_pattern="M-M*EM", mamba_num_heads=4, mamba_head_dim=16,
+                ssm_state_size=8, n_groups=2, chunk_size=64, head_dim=8,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=16)
+#: Zamba2: a mamba mixer in every layer, the shared attention block in the "hybrid" one
+ZAMBA2 = dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+              n_mamba_heads=4, mamba_headdim=16, mamba_d_state=8, mamba_ngroups=2,
+              mamba_expand=2, chunk_size=64)
+#: Falcon-H1: attention and mamba side by side in every layer, its muP multipliers set
+FALCON = dict(MAMBA2, num_hidden_layers=3, mamba_d_ssm=64, head_dim=8,
+              ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.8], ssm_in_multiplier=0.6)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
@@ -55,7 +75,23 @@ FAMILIES = {
     "lfm3": (dict(num_hidden_layers=4, sliding_window=4,
                   layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
              "Lfm3ShortConv", ((32, 7), None)),
+    "granitemoehybrid": (GRANITE, "GraniteMoeHybridMambaLayer", SSD),
+    "granitemoehybrid-limit": ({**GRANITE, "time_step_limit": (0.3, 0.9)},
+                               "GraniteMoeHybridMambaLayer", SSD),
+    "nemotron_h": (NEMOTRON, "NemotronHMamba2Mixer", SSD),
+    "bamba": ({**MAMBA2, "num_hidden_layers": 4, "attn_layer_indices": [1]}, "BambaMixer",
+              SSD),
+    "zamba2": (ZAMBA2, "Zamba2MambaMixer", SSD),
+    "zamba2-floor": ({**ZAMBA2, "time_step_min": 0.5, "time_step_max": 1.0},
+                     "Zamba2MambaMixer", SSD),
+    "falcon_h1": (FALCON, "FalconH1Mixer", SSD),
+    "falcon_h1-norm": ({**FALCON, "mamba_rms_norm": True}, "FalconH1Mixer", SSD),
+    "falcon_h1-gatenorm": ({**FALCON, "mamba_rms_norm": True,
+                            "mamba_norm_before_gate": False}, "FalconH1Mixer", SSD),
 }
+#: the layer types whose layers keep a state (Zamba2's and Falcon-H1's "hybrid" layers
+#: have attention too; Nemotron-H's "mlp" and "moe" layers keep nothing)
+STATEFUL = {"linear_attention", "conv", "hybrid"}
 TOL = 2e-5
 
 
@@ -127,12 +163,11 @@ def test_each_family_is_built_with_its_mixers_and_their_state_shapes(family):
         assert mixers.state_shape(module) == state
 
 
-def test_the_mixer_layers_are_the_layers_whose_type_is_not_attention(family):
+def test_the_mixer_layers_are_the_layers_whose_type_keeps_a_state(family):
     _, model = family
     kinds = model.config.layer_types
     layers = mixers.mixer_layers(model)
-    assert sorted(layers) == [i for i, kind in enumerate(kinds) if "attention" not in kind
-                              or kind == "linear_attention"]
+    assert sorted(layers) == [i for i, kind in enumerate(kinds) if kind in STATEFUL]
     assert list(layers.values()) == mixer_modules(model)
 
 
@@ -237,12 +272,35 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
     homes = {"Qwen3Next": "qwen3_next", "Qwen3_5Moe": "qwen3_5_moe", "Qwen3_5": "qwen3_5",
              "OlmoHybrid": "olmo_hybrid", "KimiLinear": "kimi_linear",
              "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
-             "Lfm3": "lfm3"}
+             "Lfm3": "lfm3", "GraniteMoeHybrid": "granitemoehybrid",
+             "NemotronH": "nemotron_h", "Bamba": "bamba", "Zamba2": "zamba2",
+             "FalconH1": "falcon_h1"}
     for name in mixers.MIXERS:
         prefix = next(p for p in homes if name.startswith(p))
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."
                                          f"modeling_{homes[prefix]}")
         assert isinstance(getattr(module, name), type), name
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid-limit", "zamba2-floor"])
+def test_the_time_step_limits_of_the_limit_variants_bind(name):
+    """Their `time_step_limit` moves the modules' own outputs, so the tests above check
+    that kvnumba clamps the time step as `transformers`' prefill does."""
+    module = mixer_modules(built(name))[0]
+    torch.manual_seed(5)
+    hidden = torch.randn(20, 32)
+    want = hf_out(module, hidden)
+    module.time_step_limit = (0.0, float("inf"))
+    assert (hf_out(module, hidden) - want).abs().max() > 1e-2
+
+
+def test_falcon_h1s_multipliers_reach_its_mixer():
+    """The tiny Falcon-H1's muP multipliers are not all 1 (its mixer's `mup_vector` and
+    `ssm_in_multiplier`, which kvnumba applies as the module does)."""
+    module = mixer_modules(built("falcon_h1"))[0]
+    assert module.ssm_in_multiplier == 0.6
+    assert sorted(set(module.mup_vector.flatten().tolist())) == pytest.approx(
+        [0.5, 0.7, 0.8, 1.3, 1.5])
 
 
 @pytest.mark.parametrize("model_type,fields,cls", [
