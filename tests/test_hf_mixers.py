@@ -294,6 +294,29 @@ def test_the_time_step_limits_of_the_limit_variants_bind(name):
     assert (hf_out(module, hidden) - want).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("name,binds", [("granitemoehybrid", False),
+                                        ("granitemoehybrid-limit", True),
+                                        ("zamba2-floor", True)])
+def test_transformers_decode_step_does_not_clamp_the_time_step(name, binds):
+    """`transformers`' decode step (one token on a cached state) skips the
+    `time_step_limit` its prefill applies: where the limit binds, its decode output
+    differs from its one-shot prefill's, which kvnumba computes for every token whatever
+    the cut (the chunked tests above); at the default `(0, inf)` the two agree."""
+    model = built(name)
+    module = mixer_modules(model)[0]
+    torch.manual_seed(5)
+    hidden = torch.randn(6, 32)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        module(hidden[None, :5], cache=cache)
+        decoded = module(hidden[None, 5:], cache=cache)[0]
+    want = hf_out(module, hidden)[5:]
+    assert ((decoded - want).abs().max() > 1e-2) == binds
+    ops = RefOps()
+    assert_close(torch.cat([ours(module, hidden[:5], ops), ours(module, hidden[5:], ops)]),
+                 hf_out(module, hidden))
+
+
 def test_falcon_h1s_multipliers_reach_its_mixer():
     """The tiny Falcon-H1's muP multipliers are not all 1 (its mixer's `mup_vector` and
     `ssm_in_multiplier`, which kvnumba applies as the module does)."""
