@@ -250,6 +250,41 @@ def test_a_bfloat16_mixer_returns_bfloat16_as_close_to_the_module_as_bfloat16_al
     assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
 
 
+@pytest.mark.parametrize("name", ["granitemoehybrid", "falcon_h1-norm"])
+def test_a_mamba2_mixer_through_the_caches_own_state_layer_equals_the_module(name):
+    """The Mamba2 scan through a `BatchedSequenceCache` state layer (`mixing.LayerOps`:
+    the decay-only delta rule, scale 1, on the transposed state): two sequences packed
+    over three steps, each equal to the module's own output alone."""
+    import numpy as np
+
+    from kvnumba.hf import mixing
+    module = mixer_modules(built(name))[0]
+    conv, recurrent = mixers.state_shape(module)
+    cache = kv.BatchedSequenceCache(kv.CacheConfig(
+        layers=[kv.state(conv=conv, recurrent=recurrent), kv.flat()], n_kv_heads=1,
+        head_dim=8, capacity=40, max_seqs=2, max_write=8, max_step=16, page_size=8,
+        dtype="float32"))
+    ops = mixing.LayerOps(cache, 0)
+    torch.manual_seed(3)
+    a, b = torch.randn(9, 32), torch.randn(6, 32)
+    sa, sb = cache.seq_new(), cache.seq_new()
+    steps = [[(sa, a, 0, 5), (sb, b, 0, 2)], [(sb, b, 2, 5), (sa, a, 5, 8)],
+             [(sa, a, 8, 9), (sb, b, 5, 6)]]
+    outs = {sa: [], sb: []}
+    for step in steps:
+        ids = np.asarray([seq for seq, _, lo, hi in step for _ in range(lo, hi)])
+        cache.declare_step(ids)
+        cache.prepare_step()
+        out = ours(module, torch.cat([x[lo:hi] for _, x, lo, hi in step]), ops)
+        zeros = np.zeros((len(ids), 1, 8), np.float32)
+        cache.write(1, zeros, zeros)
+        cache.commit_step()
+        for (seq, *_), part in zip(step, out.split([hi - lo for _, _, lo, hi in step])):
+            outs[seq].append(part)
+    assert_close(torch.cat(outs[sa]), hf_out(module, a))
+    assert_close(torch.cat(outs[sb]), hf_out(module, b))
+
+
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():
     with pytest.raises(kv.ConfigError, match=r"Linear: a mixer kvnumba does not compute"):
         mixers.forward(torch.nn.Linear(2, 2), torch.zeros(1, 2), RefOps())
