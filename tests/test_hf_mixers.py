@@ -285,6 +285,40 @@ def test_a_mamba2_mixer_through_the_caches_own_state_layer_equals_the_module(nam
     assert_close(torch.cat(outs[sb]), hf_out(module, b))
 
 
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 8, 9, 3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "bamba"])
+def test_granite_and_bamba_are_served_as_they_generate(name):
+    """Mamba2 layers beside attention layers, one decoder layer each: an engine (probe
+    on) serving two prompts packed gives each prompt's own greedy `generate()` tokens."""
+    import kvnumba.hf as kvhf
+    model = built(name)
+    want = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    engine = kvhf.Engine(model, max_seqs=2, capacity=24, dtype="float32")
+    assert engine.generate(PROMPTS, max_new_tokens=3) == want
+
+
+@pytest.mark.parametrize("name,why", [
+    ("nemotron_h", r"layer 1 is a 'mlp' layer"),
+    ("zamba2", r"every layer of the model is a mixer's"),
+    ("falcon_h1", r"every layer of the model is a mixer's"),
+])
+def test_mamba2_models_whose_layers_the_cache_does_not_lay_out_are_refused(name, why):
+    """Nemotron-H's mlp and moe layers (nothing to store), Zamba2's shared attention and
+    Falcon-H1's attention beside the mixer in one layer have no cache layout yet: the
+    engine refuses them at construction."""
+    import kvnumba.hf as kvhf
+    with pytest.raises(kv.ConfigError, match=why):
+        kvhf.Engine(built(name), max_seqs=1, capacity=24, dtype="float32")
+
+
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():
     with pytest.raises(kv.ConfigError, match=r"Linear: a mixer kvnumba does not compute"):
         mixers.forward(torch.nn.Linear(2, 2), torch.zeros(1, 2), RefOps())
