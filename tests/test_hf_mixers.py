@@ -26,6 +26,26 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
 MLA = dict(num_hidden_layers=4, layer_types=LINEAR4, num_key_value_heads=4,
            kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+#: Mamba2: 4 heads of P=16 in 2 groups of state N=8 (d_inner 64; conv over 64 + 2*2*8
+#: channels), `transformers`' scan in chunks of 64 (the one-shot test crosses one)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
+              mamba_expand=2, mamba_chunk_size=64)
+SSD = ((96, 4), (4, 8, 16))
+GRANITE = dict(MAMBA2, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba",
+                                                         "mamba"],
+               num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16)
+#: Nemotron-H's pattern: mamba, mlp, mamba, attention, moe, mamba
+NEMOTRON = dict(hybrid_override_pattern="M-M*EM", mamba_num_heads=4, mamba_head_dim=16,
+                ssm_state_size=8, n_groups=2, chunk_size=64, head_dim=8,
+                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                moe_shared_expert_intermediate_size=16)
+#: Zamba2: a mamba mixer in every layer, the shared attention block in the "hybrid" one
+ZAMBA2 = dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+              n_mamba_heads=4, mamba_headdim=16, mamba_d_state=8, mamba_ngroups=2,
+              mamba_expand=2, chunk_size=64)
+#: Falcon-H1: attention and mamba side by side in every layer, its muP multipliers set
+FALCON = dict(MAMBA2, num_hidden_layers=3, mamba_d_ssm=64, head_dim=8,
+              ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.8], ssm_in_multiplier=0.6)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
@@ -55,7 +75,23 @@ FAMILIES = {
     "lfm3": (dict(num_hidden_layers=4, sliding_window=4,
                   layer_types=["conv", "sliding_attention", "full_attention", "conv"]),
              "Lfm3ShortConv", ((32, 7), None)),
+    "granitemoehybrid": (GRANITE, "GraniteMoeHybridMambaLayer", SSD),
+    "granitemoehybrid-limit": ({**GRANITE, "time_step_limit": (0.3, 0.9)},
+                               "GraniteMoeHybridMambaLayer", SSD),
+    "nemotron_h": (NEMOTRON, "NemotronHMamba2Mixer", SSD),
+    "bamba": ({**MAMBA2, "num_hidden_layers": 4, "attn_layer_indices": [1]}, "BambaMixer",
+              SSD),
+    "zamba2": (ZAMBA2, "Zamba2MambaMixer", SSD),
+    "zamba2-floor": ({**ZAMBA2, "time_step_min": 0.5, "time_step_max": 1.0},
+                     "Zamba2MambaMixer", SSD),
+    "falcon_h1": (FALCON, "FalconH1Mixer", SSD),
+    "falcon_h1-norm": ({**FALCON, "mamba_rms_norm": True}, "FalconH1Mixer", SSD),
+    "falcon_h1-gatenorm": ({**FALCON, "mamba_rms_norm": True,
+                            "mamba_norm_before_gate": False}, "FalconH1Mixer", SSD),
 }
+#: the layer types whose layers keep a state (Zamba2's and Falcon-H1's "hybrid" layers
+#: have attention too; Nemotron-H's "mlp" and "moe" layers keep nothing)
+STATEFUL = {"linear_attention", "conv", "hybrid"}
 TOL = 2e-5
 
 
@@ -127,12 +163,11 @@ def test_each_family_is_built_with_its_mixers_and_their_state_shapes(family):
         assert mixers.state_shape(module) == state
 
 
-def test_the_mixer_layers_are_the_layers_whose_type_is_not_attention(family):
+def test_the_mixer_layers_are_the_layers_whose_type_keeps_a_state(family):
     _, model = family
     kinds = model.config.layer_types
     layers = mixers.mixer_layers(model)
-    assert sorted(layers) == [i for i, kind in enumerate(kinds) if "attention" not in kind
-                              or kind == "linear_attention"]
+    assert sorted(layers) == [i for i, kind in enumerate(kinds) if kind in STATEFUL]
     assert list(layers.values()) == mixer_modules(model)
 
 
@@ -215,6 +250,75 @@ def test_a_bfloat16_mixer_returns_bfloat16_as_close_to_the_module_as_bfloat16_al
     assert (got.float() - want.float()).abs().max() <= 0.05 * want.float().abs().max()
 
 
+@pytest.mark.parametrize("name", ["granitemoehybrid", "falcon_h1-norm"])
+def test_a_mamba2_mixer_through_the_caches_own_state_layer_equals_the_module(name):
+    """The Mamba2 scan through a `BatchedSequenceCache` state layer (`mixing.LayerOps`:
+    the decay-only delta rule, scale 1, on the transposed state): two sequences packed
+    over three steps, each equal to the module's own output alone."""
+    import numpy as np
+
+    from kvnumba.hf import mixing
+    module = mixer_modules(built(name))[0]
+    conv, recurrent = mixers.state_shape(module)
+    cache = kv.BatchedSequenceCache(kv.CacheConfig(
+        layers=[kv.state(conv=conv, recurrent=recurrent), kv.flat()], n_kv_heads=1,
+        head_dim=8, capacity=40, max_seqs=2, max_write=8, max_step=16, page_size=8,
+        dtype="float32"))
+    ops = mixing.LayerOps(cache, 0)
+    torch.manual_seed(3)
+    a, b = torch.randn(9, 32), torch.randn(6, 32)
+    sa, sb = cache.seq_new(), cache.seq_new()
+    steps = [[(sa, a, 0, 5), (sb, b, 0, 2)], [(sb, b, 2, 5), (sa, a, 5, 8)],
+             [(sa, a, 8, 9), (sb, b, 5, 6)]]
+    outs = {sa: [], sb: []}
+    for step in steps:
+        ids = np.asarray([seq for seq, _, lo, hi in step for _ in range(lo, hi)])
+        cache.declare_step(ids)
+        cache.prepare_step()
+        out = ours(module, torch.cat([x[lo:hi] for _, x, lo, hi in step]), ops)
+        zeros = np.zeros((len(ids), 1, 8), np.float32)
+        cache.write(1, zeros, zeros)
+        cache.commit_step()
+        for (seq, *_), part in zip(step, out.split([hi - lo for _, _, lo, hi in step])):
+            outs[seq].append(part)
+    assert_close(torch.cat(outs[sa]), hf_out(module, a))
+    assert_close(torch.cat(outs[sb]), hf_out(module, b))
+
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 8, 9, 3, 4, 5, 6]]
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid", "bamba"])
+def test_granite_and_bamba_are_served_as_they_generate(name):
+    """Mamba2 layers beside attention layers, one decoder layer each: an engine (probe
+    on) serving two prompts packed gives each prompt's own greedy `generate()` tokens."""
+    import kvnumba.hf as kvhf
+    model = built(name)
+    want = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
+        want.append(out[0, len(prompt):].tolist())
+    engine = kvhf.Engine(model, max_seqs=2, capacity=24, dtype="float32")
+    assert engine.generate(PROMPTS, max_new_tokens=3) == want
+
+
+@pytest.mark.parametrize("name,why", [
+    ("nemotron_h", r"layer 1 is a 'mlp' layer"),
+    ("zamba2", r"every layer of the model is a mixer's"),
+    ("falcon_h1", r"every layer of the model is a mixer's"),
+])
+def test_mamba2_models_whose_layers_the_cache_does_not_lay_out_are_refused(name, why):
+    """Nemotron-H's mlp and moe layers (nothing to store), Zamba2's shared attention and
+    Falcon-H1's attention beside the mixer in one layer have no cache layout yet: the
+    engine refuses them at construction."""
+    import kvnumba.hf as kvhf
+    with pytest.raises(kv.ConfigError, match=why):
+        kvhf.Engine(built(name), max_seqs=1, capacity=24, dtype="float32")
+
+
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():
     with pytest.raises(kv.ConfigError, match=r"Linear: a mixer kvnumba does not compute"):
         mixers.forward(torch.nn.Linear(2, 2), torch.zeros(1, 2), RefOps())
@@ -237,12 +341,58 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
     homes = {"Qwen3Next": "qwen3_next", "Qwen3_5Moe": "qwen3_5_moe", "Qwen3_5": "qwen3_5",
              "OlmoHybrid": "olmo_hybrid", "KimiLinear": "kimi_linear",
              "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
-             "Lfm3": "lfm3"}
+             "Lfm3": "lfm3", "GraniteMoeHybrid": "granitemoehybrid",
+             "NemotronH": "nemotron_h", "Bamba": "bamba", "Zamba2": "zamba2",
+             "FalconH1": "falcon_h1"}
     for name in mixers.MIXERS:
         prefix = next(p for p in homes if name.startswith(p))
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."
                                          f"modeling_{homes[prefix]}")
         assert isinstance(getattr(module, name), type), name
+
+
+@pytest.mark.parametrize("name", ["granitemoehybrid-limit", "zamba2-floor"])
+def test_the_time_step_limits_of_the_limit_variants_bind(name):
+    """Their `time_step_limit` moves the modules' own outputs, so the tests above check
+    that kvnumba clamps the time step as `transformers`' prefill does."""
+    module = mixer_modules(built(name))[0]
+    torch.manual_seed(5)
+    hidden = torch.randn(20, 32)
+    want = hf_out(module, hidden)
+    module.time_step_limit = (0.0, float("inf"))
+    assert (hf_out(module, hidden) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name,binds", [("granitemoehybrid", False),
+                                        ("granitemoehybrid-limit", True),
+                                        ("zamba2-floor", True)])
+def test_transformers_decode_step_does_not_clamp_the_time_step(name, binds):
+    """`transformers`' decode step (one token on a cached state) skips the
+    `time_step_limit` its prefill applies: where the limit binds, its decode output
+    differs from its one-shot prefill's, which kvnumba computes for every token whatever
+    the cut (the chunked tests above); at the default `(0, inf)` the two agree."""
+    model = built(name)
+    module = mixer_modules(model)[0]
+    torch.manual_seed(5)
+    hidden = torch.randn(6, 32)
+    cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        module(hidden[None, :5], cache=cache)
+        decoded = module(hidden[None, 5:], cache=cache)[0]
+    want = hf_out(module, hidden)[5:]
+    assert ((decoded - want).abs().max() > 1e-2) == binds
+    ops = RefOps()
+    assert_close(torch.cat([ours(module, hidden[:5], ops), ours(module, hidden[5:], ops)]),
+                 hf_out(module, hidden))
+
+
+def test_falcon_h1s_multipliers_reach_its_mixer():
+    """The tiny Falcon-H1's muP multipliers are not all 1 (its mixer's `mup_vector` and
+    `ssm_in_multiplier`, which kvnumba applies as the module does)."""
+    module = mixer_modules(built("falcon_h1"))[0]
+    assert module.ssm_in_multiplier == 0.6
+    assert sorted(set(module.mup_vector.flatten().tolist())) == pytest.approx(
+        [0.5, 0.7, 0.8, 1.3, 1.5])
 
 
 @pytest.mark.parametrize("model_type,fields,cls", [

@@ -1,11 +1,13 @@
 """The state mixers of hybrid `transformers` models computed over a packed step.
 
 A hybrid model's linear layers keep a per-sequence state instead of K/V: the window of a
-depthwise causal convolution and, for the delta-rule mixers, a recurrent `[heads, k_dim,
-v_dim]` matrix. `transformers`' own mixers keep that state per batch row and cannot run
-packed or padded rows exactly; kvnumba runs them itself. Each function here takes a
-mixer module, the step's `hidden [T, hidden]` (many sequences' tokens on one axis) and
-`ops`, the state layer's two operations (given contiguous tensors):
+depthwise causal convolution and, for the delta-rule and Mamba2 mixers, a recurrent
+`[heads, k_dim, v_dim]` matrix (Mamba2's selective scan is the decay-only delta rule on
+its state transposed, `[heads, state_size, head_dim]`). `transformers`' own mixers keep
+that state per batch row and cannot run packed or padded rows exactly; kvnumba runs them
+itself. Each function here takes a mixer module, the step's `hidden [T, hidden]` (many
+sequences' tokens on one axis) and `ops`, the state layer's two operations (given
+contiguous tensors):
 
 - `ops.conv(x [T, C], weight [C, K], bias [C] or None, activation=None | "silu") -> y`:
   the depthwise causal convolution of each token over its own sequence's inputs;
@@ -229,6 +231,71 @@ def short_conv(module, hidden, ops):
     return module.out_proj(C * y)
 
 
+# ----- Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba, Zamba2, Falcon-H1) -----
+
+def _mamba2_state(module):
+    """The conv window over `xBC` and the state `[H, N, P]`: Mamba2's `S_h [P, N]`
+    transposed, so that the state size N is the delta rule's `Dk` and the head dim P its
+    `Dv`."""
+    return ((module.conv_dim, module.conv_kernel_size),
+            (module.num_heads, module.ssm_state_size, module.head_dim))
+
+
+def _mamba2_scan(module, projected, ops):
+    """`(y [T, d_inner] float32, gate z)` from `projected = in_proj(h)`, laid out `[z,
+    xBC, dt]`: the conv over `xBC` (with its bias, the module's activation), then the
+    selective scan `S_h <- exp(d A_h) S_h + d x_h B_g^T`, `y_h = S_h C_g + D_h x_h`, as
+    the decay-only delta rule on `S_h^T [N, P]` (`q = C`, `k = B`, each group serving
+    consecutive heads; `v = d x`; `g = d A`; `beta` None; scale 1; no l2 norm).
+
+    `d = softplus(dt + dt_bias)` in the model's dtype, clamped to `time_step_limit`, as
+    `transformers`' prefill (its chunked scan, as on one sequence with no cache)
+    computes it. Its decode step (one token on a cached state) does not clamp; where the
+    limit binds (never at the default `(0, inf)`; Zamba2's is `(time_step_min, inf)`)
+    a token's output here is its prefill output wherever the step cuts the sequence, and
+    may differ from `transformers`' decode. `A = -exp(A_log)`; the rest in float32."""
+    import torch.nn.functional as F
+    T, H, P = projected.shape[0], module.num_heads, module.head_dim
+    G, N = module.n_groups, module.ssm_state_size
+    gate, xBC, dt = projected.split([module.intermediate_size, module.conv_dim, H], dim=-1)
+    xBC = _conv(module, module.conv1d, xBC, ops, module.activation)
+    x, B, C = xBC.split([module.intermediate_size, G * N, G * N], dim=-1)
+    d = F.softplus(dt + module.dt_bias.to(dt.dtype))
+    if module.time_step_limit is not None:
+        d = d.clamp(*module.time_step_limit)
+    d = d.float()
+    x = x.reshape(T, H, P).float()
+    q = _grouped(C.reshape(T, G, N), H)
+    k = _grouped(B.reshape(T, G, N), H)
+    g = d * -module.A_log.float().exp()
+    o = ops.delta_rule(*_f32(q, k, x * d[..., None], g), None, scale=1.0, qk_l2norm=False)
+    y = o + module.D[:, None] * x
+    return y.reshape(T, H * P), gate
+
+
+def mamba2(module, hidden, ops):
+    """`GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`, `BambaMixer`,
+    `Zamba2MambaMixer`: `in_proj`, the scan, SiLU gate then grouped RMS norm (the
+    module's `norm(y, z)`: `w * rmsnorm_G(y * silu(z))`, in float32), `out_proj` in the
+    model's dtype."""
+    y, gate = _mamba2_scan(module, module.in_proj(hidden), ops)
+    return module.out_proj(module.norm(y, gate).to(hidden.dtype))
+
+
+def falcon_h1(module, hidden, ops):
+    """`FalconH1Mixer` (the SSM half of a Falcon-H1 layer): `in_proj(h *
+    ssm_in_multiplier) * mup_vector` (its per-part multipliers of z, x, B, C, dt), the
+    scan, then with `mamba_rms_norm` the module's `norm(y, z)` (grouped; norm then SiLU
+    gate when `mamba_norm_before_gate`, else gate then norm), without it `y * silu(z)`;
+    `out_proj`. The decoder layer scales the result by `ssm_out_multiplier` itself."""
+    import torch.nn.functional as F
+    projected = module.in_proj(hidden * module.ssm_in_multiplier)
+    projected = projected * module.mup_vector.reshape(-1)
+    y, gate = _mamba2_scan(module, projected, ops)
+    y = module.norm(y, gate) if module.mamba_rms_norm else y * F.silu(gate)
+    return module.out_proj(y.to(hidden.dtype))
+
+
 def _cat(parts):
     """`parts` joined along their last dimension."""
     import torch
@@ -236,6 +303,7 @@ def _cat(parts):
 
 
 _GDN = Mixer(qwen3_5, _gdn_state)
+_MAMBA2 = Mixer(mamba2, _mamba2_state)
 #: mixer class name -> its `Mixer` (forward and state shape)
 MIXERS = {
     "Qwen3NextGatedDeltaNet": Mixer(qwen3_next, _gdn_state),
@@ -247,4 +315,9 @@ MIXERS = {
     "Lfm2ShortConv": Mixer(short_conv, _short_conv_state),
     "Lfm2MoeShortConv": Mixer(short_conv, _short_conv_state),
     "Lfm3ShortConv": Mixer(short_conv, _short_conv_state),
+    "GraniteMoeHybridMambaLayer": _MAMBA2,
+    "NemotronHMamba2Mixer": _MAMBA2,
+    "BambaMixer": _MAMBA2,
+    "Zamba2MambaMixer": _MAMBA2,
+    "FalconH1Mixer": Mixer(falcon_h1, _mamba2_state),
 }
