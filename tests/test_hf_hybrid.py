@@ -17,7 +17,7 @@ from hfmodels import generated, kvhf  # noqa: E402
 from test_hf_mixers import COMMON, built  # noqa: E402
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 2, 8], [1, 2, 3, 4, 5, 6]]
-NEW = 4
+NEW = 3
 
 
 def draft_model():

@@ -144,7 +144,7 @@ class StateMachine(RuleBasedStateMachine):
 
 
 #: programs under the CI profile (the thorough profile's own count otherwise)
-CI_PROGRAMS = 8
+CI_PROGRAMS = 5
 TestStateLayers = StateMachine.TestCase
 TestStateLayers.settings = settings(
     settings.default, max_examples=settings.default.max_examples
