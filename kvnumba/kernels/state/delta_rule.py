@@ -465,8 +465,9 @@ def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, r
         seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
         n_tokens=None) -> None:
     """Advance the state of each of the `n_runs` runs over its segments (module doc):
-    two launches, the step (grid `(n_runs, H)`, `block_threads(Dv)` threads) and the
-    marks; a third zeroes `out[n_tokens:]` when `n_tokens` is given.
+    two launches, the step (grid `(n_runs, H)`, `block_threads(Dv, lanes_per_column(Dk,
+    Dv))` threads) and the marks; a third zeroes `out[n_tokens:]` when `n_tokens` is
+    given.
 
     `q, k [width, H, Dk]`, `v [width, H, Dv]`, `g [width, H]` (per head) or `[width, H,
     Dk]`, `beta [width, H]` or None (`S += k v^T`; a layer must use one rule for all its
