@@ -646,6 +646,34 @@ def test_bytes_from_views_an_array_from_an_element_on_in_bytes():
 
 
 @cuda.jit
+def elements_round_trip(src, first, dst, size):
+    """Each lane reads elements `lane` and `lane + 64` of `src` from element `first` on,
+    and writes element `lane + 32` of the view into `src` itself (elements no lane
+    reads)."""
+    lane = cuda.laneid
+    view = ptx.elements_from(src, first)
+    dst[lane] = view[lane]
+    dst[lane + 32] = view[lane + 64]
+    view[lane + 32] = np.float32(lane)
+    if lane == 0:
+        size[0] = view.size
+
+
+def test_elements_from_views_an_array_from_an_element_on():
+    rng = np.random.default_rng(RNG_SEED)
+    src = rng.standard_normal((9, 16)).astype(np.float32)
+    want = src.reshape(-1).copy()
+    first = 5
+    src, dst, size = run(elements_round_trip, 1, 32, src, first,
+                            np.zeros(64, np.float32), np.zeros(1, np.int64))
+    np.testing.assert_array_equal(dst, np.concatenate([want[first:first + 32],
+                                                       want[first + 64:first + 96]]))
+    want[first + 32:first + 64] = np.arange(32)
+    np.testing.assert_array_equal(src.reshape(-1), want)
+    assert size[0] == src.size - first
+
+
+@cuda.jit
 def wide_products(a, b, out):
     i = cuda.grid(1)
     if i < out.size:

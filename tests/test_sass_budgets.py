@@ -5,10 +5,11 @@ disassembled as `python -m kvnumba.bench.sass` builds the real ones. The real ke
 same budgets in `python -m kvnumba.bench.sass --check` (CI runs it after the tests).
 
 A variant is the kernel's own code with a name it calls bound to something worse: a
-device function (`ptx.exp2_approx` with one more multiply, `ptx.mul_wide_u32` as a
-64 x 64-bit product, the write's slot lookup through 64-bit indices, the copy's row
-run read at 64-bit indices), a compile-time constant (vectors a lane moves per trip,
-parts the combine loads per trip) or the launch bounds. Each is a few instructions
+device function (`ptx.exp2_approx` with one more multiply, `ptx.shfl_xor` taken twice,
+`ptx.mul_wide_u32` as a 64 x 64-bit product, the write's slot lookup through 64-bit
+indices, the copy's row run read at 64-bit indices), a compile-time constant (vectors a
+lane moves per trip, parts the combine loads per trip, the delta rule's rows a lane) or
+the launch bounds. Each is a few instructions
 worse than the real kernel; the budgets' margins are smaller than that. Factories are called afresh
 (`__wrapped__`, past their cache) and module kernels cloned with the name rebound, so
 nothing compiled before is reused.
@@ -264,3 +265,34 @@ def test_a_less_hmma_prefill_fails_its_hmma_and_cp_async_budgets(label, slower_e
     both tile loops; a 64-bit product per staged key row lengthens its cp.async address."""
     assert set(exceeded(label, figures_of(*fresh(label), label))) == {
         "hmma_percent", "masked_hmma_percent", "instructions_per_cp_async"}
+
+
+@compile_mode
+def test_a_delta_rule_of_a_column_a_lane_keeps_its_state_in_local_memory(monkeypatch,
+                                                                          figures_of):
+    """The d128 step with `ROWS` raised to 128: one lane a column, its 128 rows past what
+    the registers hold beside the rest, so ptxas spills them (the layout before columns
+    were split over lanes)."""
+    from kvnumba.kernels.state import delta_rule
+    label = "delta rule d128 bfloat16"
+    monkeypatch.setattr(delta_rule, "ROWS", 128)
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {
+        "spill_bytes", "stack_bytes", "local_accesses"}
+
+
+@compile_mode
+def test_a_longer_delta_rule_fails_its_instructions_per_head(monkeypatch, figures_of):
+    """Each butterfly shuffle taken twice, the second from the lane itself (a column's two
+    sums and the two norms: 14 shuffles more a lane a token, 224 warp instructions a
+    head). Still at the byte limit on an H100 (the estimate's budget holds)."""
+    from kvnumba.device import cuda
+    from kvnumba.kernels.intrinsics import ptx
+    shuffle = ptx.shfl_xor
+
+    @cuda.jit(device=True, inline="always")
+    def shuffle_twice(value, mask):
+        return shuffle(shuffle(value, mask), 0)
+
+    monkeypatch.setattr(ptx, "shfl_xor", shuffle_twice)
+    label = "delta rule d128 bfloat16"
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {"instructions_per_head"}

@@ -144,3 +144,26 @@ def test_copy_counts_a_lanes_whole_run_per_vector_of_a_whole_page_run():
     figures = sassmove.copy_figures(flow_of(*MOVE_LIKE), {})
     assert figures.values == {"instructions_per_vector_2kb": 72 / 16,
                               "instructions_per_vector_256b": 44 / 8}
+
+
+# --- state layers ---------------------------------------------------------------------------
+
+def test_a_delta_rule_decode_token_moves_its_state_twice_and_its_rows():
+    """d128, a gate a head: the float32 state read and written (2 x 64 KiB); q, k, v, the
+    gate, beta and out in bfloat16; the log row's k, v, gate and beta in float32."""
+    from kvnumba.bench.sass import state as sassstate
+    assert sassstate.delta_rule_bytes(128, 128, False) == \
+        2 * 128 * 128 * 4 + 2 * (128 + 128 + 128 + 1 + 1 + 128) + 4 * (128 + 128 + 1 + 1)
+    assert sassstate.delta_rule_bytes(128, 128, True) - \
+        sassstate.delta_rule_bytes(128, 128, False) == (2 + 4) * 127
+
+
+def test_loads_stay_in_flight_until_a_wait():
+    """A 4-byte and a 16-byte load outstanding together (20 bytes), settled by the first
+    use; then a 2-byte load alone."""
+    from kvnumba.bench.sass import model
+    from sasstext import code
+    run = code("LDG.E R2, desc[UR4][R4.64]", "LDG.E.128 R8, desc[UR4][R6.64]",
+               "FADD R3, R2, R2", "LDG.E.U16 R12, desc[UR4][R4.64]", "FADD R13, R12, R12")
+    assert model.most_in_flight(run) == 20
+    assert model.most_in_flight(run[2:]) == 2

@@ -343,4 +343,4 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
     assert recorder.launches[3].grid == (3, heads, 1)
-    assert recorder.launches[3].block == (128, 1, 1)
+    assert recorder.launches[3].block == (512, 1, 1)    # 4 lanes a column of 128 rows

@@ -29,6 +29,8 @@ MODEL_FORMATS = {
     "round_trips": "{} round trips",
     "h200_hbm_percent": "H200 est. {:.1f}% HBM",
     "h200_tflops": "{:.0f} TFLOP/s",
+    "instructions_per_head": "{} instr/head",
+    "h100_hbm_percent": "H100 est. {:.1f}% HBM",
 }
 #: the report's columns: heading -> figure
 COLUMNS = {"regs": "registers", "cap": "register_cap", "spill B": "spill_bytes",

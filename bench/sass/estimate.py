@@ -40,6 +40,17 @@ MAX_REGISTERS = 255
 REGISTER_GRANULE = 8
 
 
+#: an H100 SXM (the state layers' estimate, `state_step`): the same 132 SMs, clock,
+#: schedulers, register file and shared memory, over HBM3 of 3.35 TB/s nominal, of which
+#: a copy is taken to reach the fraction the H200's measured copy reached (4.13 / 4.8:
+#: inferred, not measured on an H100)
+H100_HBM_BYTES_PER_S = 3.35e12
+H100_REACHED_BYTES_PER_S = H100_HBM_BYTES_PER_S * REACHED_BYTES_PER_S / HBM_BYTES_PER_S
+#: a state layer's decode step: sequences of one token each, on this many heads of the
+#: recurrence (Qwen3-Next's 32 value heads of 128 x 128)
+STATE_HEADS = 32
+
+
 class Estimate(NamedTuple):
     """Seconds the step's bytes, instructions and HMMAs take at the chip's rates, and
     the fraction of the HBM bandwidth (`HBM_BYTES_PER_S`) the step reaches."""
@@ -70,6 +81,34 @@ def decode_step(instructions_per_key: float, hmma_per_key: float, head_dim: int,
                     hmma_s=key_heads * hmma_per_key * HMMA_CLOCKS / issue_rate)
 
 
+class StateStep(NamedTuple):
+    """A state layer's decode step on an H100 (`state_step`): seconds its bytes and its
+    issued instructions take, and the fraction of the HBM bandwidth it reaches."""
+
+    bytes_s: float
+    issue_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.bytes_s, self.issue_s)
+
+    @property
+    def hbm_fraction(self) -> float:
+        return self.bytes_s * H100_REACHED_BYTES_PER_S / H100_HBM_BYTES_PER_S / self.seconds
+
+
+def state_step(bytes_per_head: float, instructions_per_head: float, *,
+               heads: int = STATE_HEADS) -> StateStep:
+    """The estimate of a decode step of `SEQUENCES` sequences of one token on `heads`
+    heads of a state layer whose kernel moves `bytes_per_head` and issues
+    `instructions_per_head` warp instructions per (sequence, head), on an H100: the
+    longer of its bytes at `H100_REACHED_BYTES_PER_S` and its instructions at one per
+    scheduler a clock."""
+    pairs = SEQUENCES * heads
+    return StateStep(bytes_s=pairs * bytes_per_head / H100_REACHED_BYTES_PER_S,
+                     issue_s=pairs * instructions_per_head / (SMS * SCHEDULERS * CLOCK_HZ))
+
+
 def blocks_per_sm(shared_bytes: int, registers: int, threads: int) -> int:
     """Blocks of `threads` threads, `shared_bytes` of shared memory and `registers` a
     thread (rounded up to the allocation granule) an SM holds at once."""
@@ -78,10 +117,12 @@ def blocks_per_sm(shared_bytes: int, registers: int, threads: int) -> int:
                BLOCKS_PER_SM)
 
 
-def in_flight(bytes_per_block: int, blocks_per_sm: int) -> float:
-    """The bytes in flight per SM over those its share of `REACHED_BYTES_PER_S` needs
-    to cover `LATENCY_S` (at least 1: the memory's latency is covered)."""
-    return bytes_per_block * blocks_per_sm / (REACHED_BYTES_PER_S / SMS * LATENCY_S)
+def in_flight(bytes_per_block: int, blocks_per_sm: int,
+              reached: float = REACHED_BYTES_PER_S) -> float:
+    """The bytes in flight per SM over those its share of `reached` (bytes a second,
+    the H200's copy by default) needs to cover `LATENCY_S` (at least 1: the memory's
+    latency is covered)."""
+    return bytes_per_block * blocks_per_sm / (reached / SMS * LATENCY_S)
 
 
 def tflops(step: Estimate, flops_per_key: float, kv_heads: int = KV_HEADS) -> float:

@@ -16,11 +16,13 @@ keyed by `module:function`):
 * combine: round trips to global memory a thread waits on for 129 parts, from the
   SASS (`sassattention.combine_figures`);
 * write / copy: instructions per 16-byte vector of a run, everything a lane runs for
-  it included, at two token row sizes (`sassmove`).
+  it included, at two token row sizes (`sassmove`);
+* delta rule: warp instructions a (sequence, head) issues for a decode token and the
+  step's estimated fraction of an H100's HBM bandwidth (`sassstate`).
 """
 from __future__ import annotations
 
-from . import attention as sassattention, model, move as sassmove
+from . import attention as sassattention, model, move as sassmove, state as sassstate
 from .estimate import MAX_REGISTERS, REGISTER_FILE, REGISTER_GRANULE
 from .flow import Flow
 from .loops import COUNTED, Figures
@@ -58,6 +60,7 @@ KINDS = {
     "kvnumba.kernels.moves.write:_write_vectors": sassmove.write_figures,
     "kvnumba.kernels.moves.page_copy:_copy_vectors": sassmove.copy_figures,
     "kvnumba.kernels.moves.write_fp8:narrow_kernel": sassmove.narrow_figures,
+    "kvnumba.kernels.state.delta_rule:_kernel": sassstate.delta_rule_figures,
 }
 
 
@@ -69,7 +72,8 @@ def kernel_figures(name: str, ptxas: dict, sass: str, bounds, arguments: dict) -
     figures = common_figures(ptxas, functions, bounds)
     kind = KINDS.get(name)
     if kind is not None:
-        extra = kind(Flow(functions[0]), {**arguments, "registers": ptxas["registers"]})
+        extra = kind(Flow(functions[0]), {**arguments, "registers": ptxas["registers"],
+                                           "shared": ptxas["shared"]})
         figures.values.update(extra.values)
         figures.notes += extra.notes
     return figures

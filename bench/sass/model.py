@@ -282,6 +282,38 @@ def round_trips(code: Iterable[Instruction]) -> int:
     return waits
 
 
+def load_bytes(ins: Instruction) -> int:
+    """Bytes a lane's global load reads: 16 (`.128`), 8 (`.64`), 2 (`.U16` / `.S16`), 1
+    (`.U8` / `.S8`), else 4."""
+    parts = ins.opcode.split(".")
+    for part, size in (("128", 16), ("64", 8), ("U16", 2), ("S16", 2), ("U8", 1), ("S8", 1)):
+        if part in parts:
+            return size
+    return 4
+
+
+def most_in_flight(code: Iterable[Instruction]) -> int:
+    """The most bytes a lane's global loads have outstanding at once over `code` run in
+    order, as `round_trips` walks it: a load adds its bytes (`load_bytes`), a wait (an
+    instruction reading an outstanding load's register) settles them all."""
+    outstanding: dict[str, int] = {}
+    most = 0
+    for ins in code:
+        if outstanding.keys() & ins.reads:
+            outstanding.clear()
+        if is_global_load(ins):
+            for name in ins.writes:
+                outstanding[name] = 0
+            first = min(ins.writes, default=None)
+            if first is not None:
+                outstanding[first] = load_bytes(ins)
+        elif ins.guard is None:
+            for name in ins.writes:
+                outstanding.pop(name, None)
+        most = max(most, sum(outstanding.values()))
+    return most
+
+
 # --- instruction classes -------------------------------------------------------------------
 
 def is_float64(ins: Instruction) -> bool:

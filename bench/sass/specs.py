@@ -97,7 +97,19 @@ def _narrow_signature(t: str) -> str:
             f"int32[::1], int64, int64, int32[:, ::1], int64, float32, float32)")
 
 
+def _delta_rule_signature(t: str, *, per_channel: bool) -> str:
+    """The delta rule's step kernel over float32 state and log, inputs and output of
+    `t`, a gate a head (`[width, H]`) or a channel (`per_channel`), beta given."""
+    state, log = "float32[:, :, :, ::1]", "float32[:, :, :, ::1]"
+    gate = f"{t}[:, :, ::1]" if per_channel else f"{t}[:, ::1]"
+    return (f"void({state}, {state}, {log}, {log}, {log}, float32[:, :, ::1], int32[:, ::1], "
+            f"{t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {gate}, {t}[:, ::1], "
+            f"{t}[:, :, ::1], int32[:, ::1], int32[::1], int32[:, ::1], float32, boolean, "
+            f"boolean, int64)")
+
+
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
+_DELTA_RULE = "kvnumba.kernels.state.delta_rule:_kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
 _GENERIC = "kvnumba.kernels.generic.kernel:attention_kernel"
 
@@ -228,4 +240,8 @@ SPECIALISATIONS = (
     # a latent layer's rows (576 values, V the first 512, in slices of 128 a block)
     Specialisation("generic d576 float16 latent", f"{_GENERIC}(576, 4, 16, 16, 64, 128)",
                    _generic_signature("float16")),
+    # state layers: the gated delta rule's step over d128 heads (Qwen3-Next's), a gate a
+    # head, bfloat16 inputs and output (held as uint16 bits)
+    Specialisation("delta rule d128 bfloat16", f"{_DELTA_RULE}(128, 128, False)",
+                   _delta_rule_signature("uint16", per_channel=False)),
 )

@@ -445,6 +445,33 @@ def bytes_from(typingctx, array, index):
 
 
 @intrinsic
+def elements_from(typingctx, array, index):
+    """`elements_from(array, index) -> dtype[::1]`: the elements of a C-contiguous array
+    from flat element `index` to its end, as a one-dimensional view (no copy), its base
+    opaque as `bytes_from`'s: a kernel reading many elements at offsets from one place
+    (`view[c]`, `c` a compile-time offset) keeps one 64-bit base and folds each offset
+    into its load or store."""
+    check_array("elements_from", array, index)
+    flat = types.Array(array.dtype, 1, "C")
+
+    def codegen(context, builder, sig, args):
+        source = context.make_array(sig.args[0])(context, builder, value=args[0])
+        first = context.cast(builder, args[1], sig.args[1], types.intp)
+        itemsize = context.get_abi_sizeof(context.get_data_type(sig.args[0].dtype))
+        start = builder.gep(source.data, [first])
+        (whole,) = asm(builder, "mov.b64 $0, $1;", "=l,l", [ir.IntType(64)],
+                       [builder.ptrtoint(start, ir.IntType(64))])
+        view = context.make_array(flat)(context, builder)
+        context.populate_array(view, data=builder.inttoptr(whole, start.type),
+                               shape=[builder.sub(source.nitems, first)],
+                               strides=[ir.Constant(first.type, itemsize)],
+                               itemsize=itemsize, meminfo=None)
+        return view._getvalue()
+
+    return flat(array, index), codegen
+
+
+@intrinsic
 def mul_wide_u32(typingctx, a, b):
     """`mul_wide_u32(a, b) -> uint64`: the full product of `a` and `b` taken as unsigned
     32-bit integers (`mul.wide.u32`). Added to a 64-bit address it becomes one
@@ -462,7 +489,7 @@ def mul_wide_u32(typingctx, a, b):
 
 
 if SIMULATOR:
-    from .ptxsim import (bf16x2_to_f32, bytes_from, exp2_approx, f16x2_to_f32, f32_as_u32,  # noqa: E402,F401,F811  (same names, simulated)
-                         f32x2_to_bf16x2, f32x2_to_f16x2, from_f32, ld_nc_v2, ld_nc_v4, ld_v4,
+    from .ptxsim import (bf16x2_to_f32, bytes_from, elements_from, exp2_approx,  # noqa: E402,F401,F811  (same names, simulated)
+                         f16x2_to_f32, f32_as_u32, f32x2_to_bf16x2, f32x2_to_f16x2, from_f32, ld_nc_v2, ld_nc_v4, ld_v4,
                          mul_wide_u32, prmt, shfl_idx, shfl_xor, st_f32x2, st_f32x4, st_v4,
                          to_f32, to_storage, u32_as_f32)

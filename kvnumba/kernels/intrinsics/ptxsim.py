@@ -356,6 +356,11 @@ def bytes_from(array, index):
     return _numpy(array).reshape(-1)[int(index):].view(np.uint8)
 
 
+def elements_from(array, index):
+    """The elements of `array` from flat element `index` on: a one-dimensional view."""
+    return _numpy(array).reshape(-1)[int(index):]
+
+
 def mul_wide_u32(a, b):
     """uint64: the product of `a` and `b` taken as unsigned 32-bit integers."""
     return np.uint64(int(a) & _MASK32) * np.uint64(int(b) & _MASK32)

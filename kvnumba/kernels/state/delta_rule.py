@@ -16,10 +16,16 @@ marks:
 The recurrence of one head, `S [Dk, Dv]`, per token: `S <- diag(exp(g)) S` (per head:
 `exp(g) S`); with beta, `u = S^T k`, `S <- S + beta k (v - u)^T`; without, `S <- S + k
 v^T`; `o = scale S^T q` (q and k first l2-normalised, `x * rsqrt(sum(x^2) + 1e-6)`, when
-`qk_l2norm`). Column `j` of `S` evolves alone given `k`, `g`, beta, `v[j]`: thread `j`
-of a block holds `S[:, j]` (`Dk` floats, a local array of the next of `DK_CAPS`) and
-reads `q`, `k` and the decays from shared memory, with no reduction across threads
-(threads `j >= Dv`, up to a whole warp, only help load shared memory).
+`qk_l2norm`). Column `j` of `S` evolves alone given `k`, `g`, beta, `v[j]`: `parts`
+adjacent lanes of a block hold it (`lanes_per_column`: Dk / `ROWS`, a power of two, 4
+at d128), lane `p` its rows `r * parts + p`, `ceil(Dk / parts)` floats in registers
+(the kernel is built for the head's exact `Dk` and `Dv`, so every loop over them is
+unrolled and the rows sit at compile-time offsets from one address, `ptx.elements_from`).
+They read `q`, `k` and the decays from shared memory; `S^T k` and `S^T q` are summed over
+a column's lanes by a butterfly of shuffles, so every lane gets the same float. Lanes of
+columns `j >= Dv` (up to a whole warp) hold zeros, take every shuffle and store nothing.
+The norms of q and k are each warp's own butterfly over its lanes' strided squares.
+The state is read once at a run's start and written once at its end.
 
 The work plan (`arith.state_runs`): `runs [n_runs, 4]` int32 `(col, floor, lo, hi)`,
 `order [n_segments]` int32, `seq_info [n_segments, SEQ_INFO_FIELDS]` int32 (all 2-D /
@@ -55,7 +61,8 @@ n_tokens=...)` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
 The caller guarantees: `Rl >= 3 * M`, `M = advance_after` the most tokens a sequence
 writes in one step; `bp <= floor <= p0`; the log holds every position a rewind replays
-(`[bp, p0)`, so `p0 - bp <= Rl`); `Dk, Dv <= 256`; each sequence at most one run. The
+(`[bp, p0)`, so `p0 - bp <= Rl`); `Dk, Dv <= 256` (`ROWS` on the registers of the
+largest); each sequence at most one run. The
 scratch column is never touched (padding tokens are in no segment). Index ranges: positions,
 rows, tokens and columns are int32; array offsets are Numba's 64-bit indexing.
 """
@@ -68,18 +75,24 @@ import numpy as np
 
 from ...arith.positions import POS_START, Q_LEN, Q_START
 from ...arith.state_runs import RUN_COL, RUN_FLOOR, RUN_HI, RUN_LO
-from ...device import cuda
+from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
 from ..launch.calling import PER_CALL, Specialised, ceil_div, no_output
 from ..masks import storage_row
 from .. import padding
 
-from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
-#: the local / shared array sizes a kernel is compiled for: the smallest >= Dk
+#: the key widths taken: the largest bounds `Dk` (`dk_cap`)
 DK_CAPS = (16, 32, 64, 128, 256)
 MAX_DV = 256
 WARP = 32
+#: rows of a column a lane holds in registers: about `Dk // ROWS` lanes share a column
+#: (`lanes_per_column`), while a block stays within `MAX_THREADS`; a block of more than
+#: 512 lanes (Dv x lanes a column, e.g. 128 x 256) leaves 64 registers a lane, and
+#: longer rows spill
+ROWS = 32
+MAX_THREADS = 1024
 MARK_THREADS = 128
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
@@ -119,69 +132,17 @@ def _decay(x):
 
 
 @cuda.jit(device=True)
-def _rnorm(x_s, dk):
-    """`rsqrt(sum(x^2) + 1e-6)` over `x_s[:dk]`, summed in order (every thread alike)."""
-    acc = ZERO
-    for i in range(dk):
-        acc = float32(acc + float32(x_s[i] * x_s[i]))
-    return float32(ONE / float32(math.sqrt(float32(acc + EPS))))
-
-
-@cuda.jit(device=True)
-def _load(s, src, col, h, j, dk):
-    for i in range(dk):
-        s[i] = src[col, h, i, j]
-
-
-@cuda.jit(device=True)
-def _store(s, dst, col, h, j, dk):
-    for i in range(dk):
-        dst[col, h, i, j] = s[i]
-
-
-@cuda.jit(device=True)
-def _clear(s, dk):
-    for i in range(dk):
-        s[i] = ZERO
-
-
-@cuda.jit(device=True)
-def _step(s, q_s, k_s, d_s, dk, per_channel, has_beta, vj, b, want):
-    """One token of the recurrence on this thread's column `s` (module doc): decay,
-    delta-rule (or plain) update, and, when `want`, `S^T q` (unscaled)."""
-    u = ZERO
-    if per_channel:
-        for i in range(dk):
-            x = float32(s[i] * d_s[i])
-            s[i] = x
-            u = float32(u + float32(x * k_s[i]))
-    else:
-        d = d_s[0]
-        for i in range(dk):
-            x = float32(s[i] * d)
-            s[i] = x
-            u = float32(u + float32(x * k_s[i]))
-    w = float32(b * float32(vj - u)) if has_beta else vj
-    o = ZERO
-    for i in range(dk):
-        x = float32(s[i] + float32(k_s[i] * w))
-        s[i] = x
-        if want:
-            o = float32(o + float32(x * q_s[i]))
-    return o
-
-
-@cuda.jit(device=True)
-def _logged(log_k, log_v, log_g, log_b, col, row, h, k_s, d_s, dk, per_channel, mine):
+def _logged(log_k, log_v, log_g, log_b, col, row, h, k_s, d_s, dk, per_channel, tid,
+            threads, j, mine):
     """A replayed position's inputs: its log row's k and decays into shared memory
     (threads strided over `Dk`); returns `(v[j], beta)`."""
-    j = cuda.threadIdx.x
-    for i in range(j, dk, cuda.blockDim.x):
+    i = tid
+    while i < dk:
         k_s[i] = log_k[col, row, h, i]
-    if per_channel:
-        for i in range(j, dk, cuda.blockDim.x):
+        if per_channel:
             d_s[i] = _decay(log_g[col, row, h, i])
-    elif j == 0:
+        i = int32(i + threads)
+    if not per_channel and tid == 0:
         d_s[0] = _decay(log_g[col, row, h, 0])
     vj = log_v[col, row, h, j] if mine else ZERO
     return vj, log_b[col, row, h]
@@ -199,79 +160,175 @@ def _gate_channel(g, t, h, i):
     return ptx.to_f32(g[t, h, i])
 
 
-def _kernels(dk_cap: int, per_channel: bool):
-    """The step kernel for `Dk <= dk_cap` and a gate `[width, H, Dk]` (`per_channel`) or
-    `[width, H]`."""
+def _kernels(dk: int, dv: int, per_channel: bool):
+    """The step kernel for heads of `dk` keys and `dv` values and a gate `[width, H, Dk]`
+    (`per_channel`) or `[width, H]`: `parts = lanes_per_column(dk, dv)` lanes a column,
+    each holding `ceil(dk / parts)` rows of it in registers, blocks of `block_threads(dv,
+    parts)` threads (its launch bound)."""
 
     gate = _gate_channel if per_channel else _gate_head
+    parts = lanes_per_column(dk, dv)
+    threads = block_threads(dv, parts)
+    rows = ceil_div(dk, parts)
+    whole = dk % parts == 0                     # every lane's rows are in the head
+    rounds = parts.bit_length() - 1             # shuffle rounds of a column's sum
+    stride = parts * dv                         # elements from a lane's row to its next
+    norm_rows = ceil_div(dk, WARP)              # a lane's squares in a norm's sum
+
+    @cuda.jit(device=True)
+    def load(s, src, col, h, j, p):
+        """This lane's rows `r * parts + p` of column `j` of `src[col, h]` (0 past `Dk` or
+        `Dv`), at compile-time offsets from one address: every load in bounds (the
+        column clamped), none behind a branch."""
+        first = ((col * src.shape[1] + h) * dk + p) * dv + min(j, dv - 1)
+        at = ptx.elements_from(src, first)
+        for r in range(rows):
+            x = at[r * stride] if whole or r * parts + p < dk else ZERO
+            s[r] = x if j < dv else ZERO
+
+    @cuda.jit(device=True)
+    def store(s, dst, col, h, j, p):
+        if j < dv:
+            at = ptx.elements_from(dst, ((col * dst.shape[1] + h) * dk + p) * dv + j)
+            for r in range(rows):
+                if whole or r * parts + p < dk:
+                    at[r * stride] = s[r]
+
+    @cuda.jit(device=True)
+    def clear(s):
+        for r in range(rows):
+            s[r] = ZERO
+
+    @cuda.jit(device=True)
+    def column_sum(x):
+        """The sum of `x` over a column's `parts` lanes (adjacent lanes, a butterfly: each
+        lane adds the same pairs, so all get the same float)."""
+        for m in range(rounds):
+            x = float32(x + ptx.shfl_xor(x, 1 << m))
+        return x
+
+    @cuda.jit(device=True)
+    def step(s, q_s, k_s, d_s, p, has_beta, vj, b, want):
+        """One token of the recurrence on this lane's rows `s` of its column (module doc):
+        decay, delta-rule (or plain) update, and, when `want`, `S^T q` (unscaled). Every
+        lane of the block takes it (the sums shuffle over whole warps)."""
+        kp, qp = k_s[p:], q_s[p:]         # this lane's rows at compile-time offsets
+        u = ZERO
+        if per_channel:
+            dp = d_s[p:]
+            for r in range(rows):
+                x = float32(s[r] * dp[r * parts])
+                s[r] = x
+                u = float32(u + float32(x * kp[r * parts]))
+        else:
+            d = d_s[0]
+            for r in range(rows):
+                x = float32(s[r] * d)
+                s[r] = x
+                u = float32(u + float32(x * kp[r * parts]))
+        if has_beta:
+            w = float32(b * float32(vj - column_sum(u)))
+        else:
+            w = vj
+        o = ZERO
+        if want:
+            for r in range(rows):
+                x = float32(s[r] + float32(kp[r * parts] * w))
+                s[r] = x
+                o = float32(o + float32(x * qp[r * parts]))
+            o = column_sum(o)
+        else:
+            for r in range(rows):
+                s[r] = float32(s[r] + float32(kp[r * parts] * w))
+        return o
+
+    @cuda.jit(device=True)
+    def rnorm(x_s):
+        """`rsqrt(sum(x^2) + 1e-6)` over `x_s[:dk]`: each warp sums its lanes' strided
+        squares and adds them up in a butterfly (every lane of every warp alike)."""
+        lane = int32(cuda.laneid)
+        acc = ZERO
+        for r in range(norm_rows):
+            i = r * WARP + lane
+            if dk % WARP == 0 or i < dk:
+                acc = float32(acc + float32(x_s[i] * x_s[i]))
+        for m in range(5):
+            acc = float32(acc + ptx.shfl_xor(acc, 16 >> m))
+        return float32(ONE / float32(math.sqrt(float32(acc + EPS))))
 
     @cuda.jit(device=True)
     def taken(log_k, log_v, log_g, log_b, q, k, v, g, beta, col, row, h, token, q_s, k_s,
-              d_s, dk, qk_l2norm, has_beta, mine):
+              d_s, dk, qk_l2norm, has_beta, tid, threads, j, p, mine):
         """A new token's inputs: q, k (normalised) and decays into shared memory, k, v, g
         and beta into the log row; returns `(v[j], beta)`."""
-        j, step = cuda.threadIdx.x, cuda.blockDim.x
-        for i in range(j, dk, step):
+        i = tid
+        while i < dk:
             q_s[i] = ptx.to_f32(q[token, h, i])
             k_s[i] = ptx.to_f32(k[token, h, i])
+            i = int32(i + threads)
         if qk_l2norm:
             cuda.syncthreads()
-            rq, rk = _rnorm(q_s, dk), _rnorm(k_s, dk)
+            rq, rk = rnorm(q_s), rnorm(k_s)
             cuda.syncthreads()
-            for i in range(j, dk, step):
+            i = tid
+            while i < dk:
                 q_s[i] = float32(q_s[i] * rq)
                 k_s[i] = float32(k_s[i] * rk)
-        for i in range(j, dk, step):
+                i = int32(i + threads)
+        i = tid
+        while i < dk:
             log_k[col, row, h, i] = k_s[i]
-        if per_channel:
-            for i in range(j, dk, step):
+            if per_channel:
                 x = gate(g, token, h, i)
                 log_g[col, row, h, i] = x
                 d_s[i] = _decay(x)
-        elif j == 0:
+            i = int32(i + threads)
+        if not per_channel and tid == 0:
             x = gate(g, token, h, 0)
             log_g[col, row, h, 0] = x
             d_s[0] = _decay(x)
         vj = ZERO
         if mine:
             vj = ptx.to_f32(v[token, h, j])
-            log_v[col, row, h, j] = vj
+            if p == 0:
+                log_v[col, row, h, j] = vj
         b = ptx.to_f32(beta[token, h]) if has_beta else ONE
-        if j == 0:
+        if tid == 0:
             log_b[col, row, h] = b
         return vj, b
 
-    @cuda.jit
+    bounds = {} if SIMULATOR else {"launch_bounds": (threads,)}
+
+    @cuda.jit(**bounds)
     def step_kernel(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out,
                     runs, order, seq_info, scale, qk_l2norm, has_beta, advance_after):
         """Block (run, head): the sequence's positions `[start, end)` (module doc)."""
-        run, h, j = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-        dk, dv, log_rows = state.shape[2], state.shape[3], log_k.shape[1]
+        run, h, tid = cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
+        n_threads = int32(cuda.blockDim.x)
+        j, p = int32(uint32(tid) // parts), int32(uint32(tid) % parts)
+        log_rows = log_k.shape[1]
         mine = j < dv
-        q_s = cuda.shared.array(dk_cap, float32)
-        k_s = cuda.shared.array(dk_cap, float32)
-        d_s = cuda.shared.array(dk_cap, float32)
-        s = cuda.local.array(dk_cap, float32)
+        q_s = cuda.shared.array(dk, float32)
+        k_s = cuda.shared.array(dk, float32)
+        d_s = cuda.shared.array(dk, float32)
+        s = cuda.local.array(rows, float32)
         col, live, p0, end, start, source, advance, floor, new_bp = _plan(
             marks, runs, order, seq_info, run, advance_after)
-        if mine:
-            if source == FROM_STATE:
-                _load(s, state, col, h, j, dk)
-            elif source == FROM_BASE:
-                _load(s, base, col, h, j, dk)
-            else:
-                _clear(s, dk)
+        if source == FROM_STATE:
+            load(s, state, col, h, j, p)
+        elif source == FROM_BASE:
+            load(s, base, col, h, j, p)
+        else:
+            clear(s)
         seg, offset, token = runs[run, RUN_LO], int32(0), int32(0)
         pos = start
         while pos < end:
             if advance and pos == floor:
                 advance = False
-                if mine:
-                    _store(s, base, col, h, j, dk)
+                store(s, base, col, h, j, p)
                 if live == p0:
                     pos = p0
-                    if mine:
-                        _load(s, state, col, h, j, dk)
+                    load(s, state, col, h, j, p)
             row = storage_row(pos, log_rows)
             want = pos >= p0
             if want:
@@ -283,19 +340,18 @@ def _kernels(dk_cap: int, per_channel: bool):
                 token = int32(seq_info[segment, Q_START] + offset)
                 offset += 1
                 vj, b = taken(log_k, log_v, log_g, log_b, q, k, v, g, beta, col, row, h,
-                              token, q_s, k_s, d_s, dk, qk_l2norm, has_beta, mine)
+                              token, q_s, k_s, d_s, dk, qk_l2norm, has_beta, tid, n_threads,
+                              j, p, mine)
             else:
                 vj, b = _logged(log_k, log_v, log_g, log_b, col, row, h, k_s, d_s, dk,
-                                per_channel, mine)
+                                per_channel, tid, n_threads, j, mine)
             cuda.syncthreads()
-            if mine:
-                o = _step(s, q_s, k_s, d_s, dk, per_channel, has_beta, vj, b, want)
-                if want:
-                    out[token, h, j] = ptx.from_f32(float32(o * scale), out)
+            o = step(s, q_s, k_s, d_s, p, has_beta, vj, b, want)
+            if want and mine and p == 0:
+                out[token, h, j] = ptx.from_f32(float32(o * scale), out)
             cuda.syncthreads()
             pos += 1
-        if mine:
-            _store(s, state, col, h, j, dk)
+        store(s, state, col, h, j, p)
 
     return Specialised(step_kernel)
 
@@ -325,11 +381,29 @@ def dk_cap(dk: int) -> int:
     raise ValueError(f"delta rule: Dk {dk} > {DK_CAPS[-1]}")
 
 
-def block_threads(dv: int) -> int:
-    """Threads of a block: one per value channel, rounded up to whole warps."""
+def lanes_per_column(dk: int, dv: int) -> int:
+    """Lanes holding one value channel's column of the state: the largest power of two
+    at most `dk // ROWS` (at least 1), halved while a block of them would pass
+    `MAX_THREADS`."""
     if dv > MAX_DV:
         raise ValueError(f"delta rule: Dv {dv} > {MAX_DV}")
-    return max(WARP, ceil_div(dv, WARP) * WARP)
+    parts = 1
+    while parts * 2 * ROWS <= dk:
+        parts *= 2
+    while parts > 1 and _threads(dv, parts) > MAX_THREADS:
+        parts //= 2
+    return parts
+
+
+def _threads(dv: int, parts: int) -> int:
+    return max(WARP, ceil_div(dv * parts, WARP) * WARP)
+
+
+def block_threads(dv: int, parts: int = 1) -> int:
+    """Threads of a block: `parts` lanes per value channel, rounded up to whole warps."""
+    if dv > MAX_DV:
+        raise ValueError(f"delta rule: Dv {dv} > {MAX_DV}")
+    return _threads(dv, parts)
 
 
 class DeltaStep:
@@ -360,8 +434,10 @@ class DeltaStep:
             key = (n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm)
             launch = self._steps.get(key)
             if launch is None:
-                launch = self._steps[key] = _kernel(dk_cap(dk), per_channel).bind(
-                    (self.n_runs, n_heads), block_threads(dv), self.stream, *[PER_CALL] * 13,
+                dk_cap(dk)
+                threads = block_threads(dv, lanes_per_column(dk, dv))
+                launch = self._steps[key] = _kernel(dk, dv, per_channel).bind(
+                    (self.n_runs, n_heads), threads, self.stream, *[PER_CALL] * 13,
                     self.runs, self.order, self.seq_info, scale, qk_l2norm, has_beta,
                     self.advance_after)
             launch(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g,
@@ -389,8 +465,9 @@ def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, r
         seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
         n_tokens=None) -> None:
     """Advance the state of each of the `n_runs` runs over its segments (module doc):
-    two launches, the step (grid `(n_runs, H)`, `block_threads(Dv)` threads) and the
-    marks; a third zeroes `out[n_tokens:]` when `n_tokens` is given.
+    two launches, the step (grid `(n_runs, H)`, `block_threads(Dv, lanes_per_column(Dk,
+    Dv))` threads) and the marks; a third zeroes `out[n_tokens:]` when `n_tokens` is
+    given.
 
     `q, k [width, H, Dk]`, `v [width, H, Dv]`, `g [width, H]` (per head) or `[width, H,
     Dk]`, `beta [width, H]` or None (`S += k v^T`; a layer must use one rule for all its
