@@ -3,9 +3,10 @@ past position `E`, rebuilt from its base and input log (`delta_rule`'s storage) 
 snapshot slot, with the same arithmetic as the step kernel, so a sequence restored from
 the snapshot continues exactly as the one that wrote those positions.
 
-`caps [n, 3]` int32: per capture `(col, E, slot)`; block `(capture, head)`, one thread
-per value channel (as `delta_rule`): the base (the zero state at base position 0)
-replayed over log rows `[bp, E)` and stored to `snaps[slot]` (`[slots, H, Dk, Dv]`).
+`caps [n, 3]` int32: per capture `(col, E, slot)`; block `(capture, head)`, its lanes
+the step kernel's (`lanes`: a column of the state over `parts` lanes): the base (the
+zero state at base position 0) replayed over log rows `[bp, E)` and stored to
+`snaps[slot]` (`[slots, H, Dk, Dv]`).
 
 The caller guarantees `bp <= E` and that the log still holds `[bp, E)` (`E` at or past
 the column's floor, at or below its position).
@@ -14,50 +15,55 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from ...device import cuda
+from ...device import SIMULATOR, cuda
 from ..launch.calling import Specialised
 from ..masks import storage_row
-from .delta_rule import _clear, _load, _logged, _step, block_threads, dk_cap
+from .delta_rule import _logged, block_threads, lanes_per_column
+from .lanes import lane_functions
 
-from numba import float32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 #: a capture's fields: its column, its position, its snapshot slot
 CAP_COL, CAP_END, CAP_SLOT = 0, 1, 2
 
 
 @lru_cache(maxsize=None)
-def _kernel(cap: int):
-    """The capture kernel for `Dk <= cap`."""
+def _kernel(dk: int, dv: int, per_channel: bool):
+    """The capture kernel of heads of `dk` keys and `dv` values and a gate per key
+    channel (`per_channel`) or per head: the step kernel's lanes (`lanes`)."""
+    parts = lanes_per_column(dk, dv)
+    threads = block_threads(dv, parts)
+    lane = lane_functions(dk, dv, per_channel, parts)
+    rows, load, store, clear, step = lane.rows, lane.load, lane.store, lane.clear, lane.step
 
-    @cuda.jit
-    def capture(base, log_k, log_v, log_g, log_b, marks, snaps, caps, per_channel,
-                has_beta):
-        i, h, j = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-        dk, dv, log_rows = base.shape[2], base.shape[3], log_k.shape[1]
+    @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads,)}))
+    def capture(base, log_k, log_v, log_g, log_b, marks, snaps, caps, has_beta):
+        i, h, tid = cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
+        n_threads = int32(cuda.blockDim.x)
+        j, p = int32(uint32(tid) // parts), int32(uint32(tid) % parts)
+        log_rows = log_k.shape[1]
         mine = j < dv
-        q_s = cuda.shared.array(cap, float32)
-        k_s = cuda.shared.array(cap, float32)
-        d_s = cuda.shared.array(cap, float32)
-        s = cuda.local.array(cap, float32)
+        q_s = cuda.shared.array(dk, float32)
+        k_s = cuda.shared.array(dk, float32)
+        d_s = cuda.shared.array(dk, float32)
+        s = cuda.local.array(rows, float32)
         col, end, slot = caps[i, CAP_COL], caps[i, CAP_END], caps[i, CAP_SLOT]
         bp = marks[col, 1]
-        if mine:
-            if bp == 0:
-                _clear(s, dk)
-            else:
-                _load(s, base, col, h, j, dk)
-        for pos in range(bp, end):
+        if bp == 0:
+            clear(s)
+        else:
+            load(s, base, col, h, j, p)
+        pos = bp
+        while pos < end:
             vj, b = _logged(log_k, log_v, log_g, log_b, col, storage_row(pos, log_rows), h,
-                            k_s, d_s, dk, per_channel, mine)
+                            k_s, d_s, dk, per_channel, tid, n_threads, j, mine)
             cuda.syncthreads()
-            if mine:
-                _step(s, q_s, k_s, d_s, dk, per_channel, has_beta, vj, b, False)
+            step(s, q_s, k_s, d_s, p, has_beta, vj, b, False)
             cuda.syncthreads()
-        if mine:
-            for r in range(dk):
-                snaps[slot, h, r, j] = s[r]
+            pos += 1
+        store(s, snaps, slot, h, j, p)
 
-    return Specialised(capture)
+    return Specialised(capture), threads
 
 
 def capture(base, log_k, log_v, log_g, log_b, marks, snaps, caps, n: int, per_channel: bool,
@@ -65,7 +71,6 @@ def capture(base, log_k, log_v, log_g, log_b, marks, snaps, caps, n: int, per_ch
     """Rebuild `n` snapshots (module doc): `caps` an int32 device array `[n, 3]`;
     `per_channel` / `has_beta`: the layer's gate and rule (as its steps ran). One launch."""
     if n:
-        dv = base.shape[3]
-        _kernel(dk_cap(base.shape[2]))((n, base.shape[1]), block_threads(dv), stream, base,
-                                       log_k, log_v, log_g, log_b, marks, snaps, caps,
-                                       bool(per_channel), bool(has_beta))
+        kernel, threads = _kernel(base.shape[2], base.shape[3], bool(per_channel))
+        kernel((n, base.shape[1]), threads, stream, base, log_k, log_v, log_g, log_b, marks,
+               snaps, caps, bool(has_beta))

@@ -80,13 +80,13 @@ from ..intrinsics import ptx
 from ..launch.calling import PER_CALL, Specialised, ceil_div, no_output
 from ..masks import storage_row
 from .. import padding
+from .lanes import WARP, lane_functions
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 #: the key widths taken: the largest bounds `Dk` (`dk_cap`)
 DK_CAPS = (16, 32, 64, 128, 256)
 MAX_DV = 256
-WARP = 32
 #: rows of a column a lane holds in registers: about `Dk // ROWS` lanes share a column
 #: (`lanes_per_column`), while a block stays within `MAX_THREADS`; a block of more than
 #: 512 lanes (Dv x lanes a column, e.g. 128 x 256) leaves 64 registers a lane, and
@@ -169,92 +169,9 @@ def _kernels(dk: int, dv: int, per_channel: bool):
     gate = _gate_channel if per_channel else _gate_head
     parts = lanes_per_column(dk, dv)
     threads = block_threads(dv, parts)
-    rows = ceil_div(dk, parts)
-    whole = dk % parts == 0                     # every lane's rows are in the head
-    rounds = parts.bit_length() - 1             # shuffle rounds of a column's sum
-    stride = parts * dv                         # elements from a lane's row to its next
-    norm_rows = ceil_div(dk, WARP)              # a lane's squares in a norm's sum
-
-    @cuda.jit(device=True)
-    def load(s, src, col, h, j, p):
-        """This lane's rows `r * parts + p` of column `j` of `src[col, h]` (0 past `Dk` or
-        `Dv`), at compile-time offsets from one address: every load in bounds (the
-        column clamped), none behind a branch."""
-        first = ((col * src.shape[1] + h) * dk + p) * dv + min(j, dv - 1)
-        at = ptx.elements_from(src, first)
-        for r in range(rows):
-            x = at[r * stride] if whole or r * parts + p < dk else ZERO
-            s[r] = x if j < dv else ZERO
-
-    @cuda.jit(device=True)
-    def store(s, dst, col, h, j, p):
-        if j < dv:
-            at = ptx.elements_from(dst, ((col * dst.shape[1] + h) * dk + p) * dv + j)
-            for r in range(rows):
-                if whole or r * parts + p < dk:
-                    at[r * stride] = s[r]
-
-    @cuda.jit(device=True)
-    def clear(s):
-        for r in range(rows):
-            s[r] = ZERO
-
-    @cuda.jit(device=True)
-    def column_sum(x):
-        """The sum of `x` over a column's `parts` lanes (adjacent lanes, a butterfly: each
-        lane adds the same pairs, so all get the same float)."""
-        for m in range(rounds):
-            x = float32(x + ptx.shfl_xor(x, 1 << m))
-        return x
-
-    @cuda.jit(device=True)
-    def step(s, q_s, k_s, d_s, p, has_beta, vj, b, want):
-        """One token of the recurrence on this lane's rows `s` of its column (module doc):
-        decay, delta-rule (or plain) update, and, when `want`, `S^T q` (unscaled). Every
-        lane of the block takes it (the sums shuffle over whole warps)."""
-        kp, qp = k_s[p:], q_s[p:]         # this lane's rows at compile-time offsets
-        u = ZERO
-        if per_channel:
-            dp = d_s[p:]
-            for r in range(rows):
-                x = float32(s[r] * dp[r * parts])
-                s[r] = x
-                u = float32(u + float32(x * kp[r * parts]))
-        else:
-            d = d_s[0]
-            for r in range(rows):
-                x = float32(s[r] * d)
-                s[r] = x
-                u = float32(u + float32(x * kp[r * parts]))
-        if has_beta:
-            w = float32(b * float32(vj - column_sum(u)))
-        else:
-            w = vj
-        o = ZERO
-        if want:
-            for r in range(rows):
-                x = float32(s[r] + float32(kp[r * parts] * w))
-                s[r] = x
-                o = float32(o + float32(x * qp[r * parts]))
-            o = column_sum(o)
-        else:
-            for r in range(rows):
-                s[r] = float32(s[r] + float32(kp[r * parts] * w))
-        return o
-
-    @cuda.jit(device=True)
-    def rnorm(x_s):
-        """`rsqrt(sum(x^2) + 1e-6)` over `x_s[:dk]`: each warp sums its lanes' strided
-        squares and adds them up in a butterfly (every lane of every warp alike)."""
-        lane = int32(cuda.laneid)
-        acc = ZERO
-        for r in range(norm_rows):
-            i = r * WARP + lane
-            if dk % WARP == 0 or i < dk:
-                acc = float32(acc + float32(x_s[i] * x_s[i]))
-        for m in range(5):
-            acc = float32(acc + ptx.shfl_xor(acc, 16 >> m))
-        return float32(ONE / float32(math.sqrt(float32(acc + EPS))))
+    lane = lane_functions(dk, dv, per_channel, parts)
+    rows, load, store, clear, step, rnorm = (lane.rows, lane.load, lane.store, lane.clear,
+                                             lane.step, lane.rnorm)
 
     @cuda.jit(device=True)
     def taken(log_k, log_v, log_g, log_b, q, k, v, g, beta, col, row, h, token, q_s, k_s,
