@@ -43,7 +43,8 @@ LOOSE = {name: value for name, value in SHAPE.items()
 #: the same shape: `num_hidden_layers` names its encoder's layers (`attribute_map`)
 DECODER = dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64)
 #: fields an architecture needs besides `SHAPE` to be built tiny and coherent: Gemma 3n's
-#: shared layers fewer than its two and its per-layer embeddings small; LongCat-Flash's
+#: shared layer the last of three, after a layer of its type (sliding, full, full), and
+#: its per-layer embeddings small; LongCat-Flash's
 #: one decoder layer (two latent attention sublayers: `num_hidden_layers` is twice
 #: `num_layers`, not a field of its config), its latent and experts small (its rotary
 #: head dim is `head_dim`); Mamba-2's heads, GPT-Neo's layer pattern and XLNet's head
@@ -52,7 +53,9 @@ DECODER = dict(decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64)
 #: few; the hybrids of `HYBRIDS`. They win over `with_every_kind`'s layers
 FIELDS = {
     "gemma3n_text": dict(num_kv_shared_layers=1, vocab_size_per_layer_input=64,
-                         hidden_size_per_layer_input=8, laurel_rank=4),
+                         hidden_size_per_layer_input=8, laurel_rank=4, num_hidden_layers=3,
+                         layer_types=["sliding_attention", "full_attention",
+                                      "full_attention"]),
     "mamba2": dict(num_heads=4, head_dim=16, state_size=16, n_groups=1, chunk_size=16),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
     "xlnet": dict(d_head=8),
