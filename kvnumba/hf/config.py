@@ -19,6 +19,7 @@ from ..args import as_count, is_int
 from ..config import CacheConfig, chunked, flat, latent, ring, shared
 from ..errors import ConfigError
 from .latent import latent_modules, refuse_modules
+from .mixer_refusal import refuse_mixers
 from .mixing import state_specs
 from .sharding import kv_heads_per_rank, sharding
 
@@ -276,11 +277,13 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
     `max_write + max_seqs * tokens_per_decode`: every sequence's decode beside one
     prompt chunk) as in `CacheConfig`; `options` go to it too (`page_size`,
     `initial_pages`, `max_pages`).
-    `ConfigError` for a model whose attention does not go through `transformers`'
-    attention interface or needs what kvnumba does not do, or whose heads its ranks
-    cannot share (`kv_heads_per_rank`).
+    `ConfigError` for a model with a stateful mixer kvnumba does not compute
+    (`mixer_refusal`), whose attention does not go through `transformers`' attention
+    interface or needs what kvnumba does not do, or whose heads its ranks cannot share
+    (`kv_heads_per_rank`).
     """
     config = text_config(model.config)
+    refuse_mixers(model, config)             # a mixer kvnumba does not compute: named first
     states = state_specs(model)
     # hybrid models' attention layers call the interface without declaring it (the
     # probe then checks every layer's output)
