@@ -174,8 +174,8 @@ def layer_specs(config, shapes: list | None = None, states: dict | None = None) 
             continue
         if layer_type not in made:
             raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} layer, "
-                              f"whose mixer kvnumba does not compute (it computes "
-                              f"{', '.join(LAYER_TYPES)} attention and the mixers of "
+                              f"which kvnumba does not lay out (it serves "
+                              f"{', '.join(LAYER_TYPES)} layers and the mixer layers of "
                               f"kvnumba.hf.mixers)")
         specs.append(made[layer_type](**_own_shape(shapes, layer)))
     return specs
