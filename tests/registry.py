@@ -85,7 +85,15 @@ HYBRIDS = {
                              mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
                              mamba_chunk_size=16),
 }
-for _name, _fields in HYBRIDS.items():
+#: the gated-delta-rule and KDA hybrids' linear layers small (their defaults are the
+#: released models' 32 heads of 128: minutes a step on the simulator)
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+           linear_value_head_dim=16)
+SMALL_MIXERS = {**{name: GDN for name in ("qwen3_next", "qwen3_5", "qwen3_5_text",
+                                          "qwen3_5_moe", "qwen3_5_moe_text")},
+                "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),
+                "bailing_hybrid": dict(head_dim=8)}
+for _name, _fields in {**HYBRIDS, **SMALL_MIXERS}.items():
     FIELDS[_name] = {**FIELDS.get(_name, {}), **_fields}
 #: the per-layer fields whose values are the kinds of a config's layers (mixers, attention
 #: kinds, dense or sparse MLPs), read as attributes (a config's property or

@@ -311,9 +311,9 @@ def test_granite_and_bamba_are_served_as_they_generate(name):
 
 
 @pytest.mark.parametrize("name,why", [
-    ("nemotron_h", r"layer 1 is a 'mlp' layer"),
-    ("zamba2", r"every layer of the model is a mixer's"),
-    ("falcon_h1", r"every layer of the model is a mixer's"),
+    ("nemotron_h", r"layer 1 is a 'mlp' layer, which kvnumba does not lay out"),
+    ("zamba2", r"layer 1 is a 'hybrid' layer, attention and a mixer side by side"),
+    ("falcon_h1", r"layer 0 is a 'hybrid' layer, attention and a mixer side by side"),
 ])
 def test_mamba2_models_whose_layers_the_cache_does_not_lay_out_are_refused(name, why):
     """Nemotron-H's mlp and moe layers (nothing to store), Zamba2's shared attention and

@@ -167,6 +167,10 @@ def layer_specs(config, shapes: list | None = None, states: dict | None = None) 
     specs = []
     for layer, (layer_type, producer) in enumerate(zip(layer_types, producers(config))):
         if layer in states:
+            if layer_type.startswith("hybrid"):
+                raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} "
+                                  f"layer, attention and a mixer side by side, which the "
+                                  f"cache does not lay out (one cache layer a decoder layer)")
             specs.append(states[layer])
             continue
         if producer is not None:
