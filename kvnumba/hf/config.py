@@ -25,6 +25,10 @@ from .sharding import kv_heads_per_rank, sharding
 
 #: the `layer_types` kvnumba computes
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: the layer types of hybrid models (mixers, and layers that attend not): `layer_specs`
+#: lays out each such layer whose mixer kvnumba computes, or refuses it naming the layer
+LAID_OUT_BY_LAYER = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding", "mlp",
+                     "moe")
 #: storage dtypes by the model's torch dtype name
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -46,6 +50,9 @@ def unsupported(config) -> str | None:
     if shared_layers and shared_layers >= config.num_hidden_layers:
         return (f"layers that all attend over K/V from outside the model "
                 f"(num_kv_shared_layers={shared_layers} of {config.num_hidden_layers})")
+    for layer_type in set(getattr(config, "layer_types", None) or ()):
+        if layer_type not in LAYER_TYPES + LAID_OUT_BY_LAYER:
+            return f"{layer_type!r} layers"
     return None
 
 
