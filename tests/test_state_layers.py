@@ -252,3 +252,24 @@ def test_snapshot_interval_default_covers_its_bytes_in_pages():
     assert cfg.snapshot_interval == cfg.page_size * -(-cfg.snapshot_bytes // per_page)
     with pytest.raises(kv.ConfigError, match="multiple of page_size"):
         config(state_interval=12)
+
+
+def test_a_layer_keeps_one_gate_and_rule_and_a_refused_call_changes_nothing():
+    """A delta rule with another gate kind or rule than the layer's earlier steps is
+    refused before anything runs: the step still takes the layer's own call, and the
+    sequence continues as the oracle says."""
+    cache, model = kv.BatchedSequenceCache(config()), Model(7)
+    a = new_seq(cache, model)
+    run_step(cache, model, [a] * 3)
+    cache.declare_step([a, a])
+    cache.prepare_step()
+    inp = model.inputs(2)
+    with pytest.raises(kv.ShapeError, match="keeps one gate and one rule"):
+        cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"], None, qk_l2norm=True)
+    per_channel = np.repeat(inp["g"][:, :, None], DK, axis=2)
+    with pytest.raises(kv.ShapeError, match="keeps one gate and one rule"):
+        cache.delta_rule(0, inp["q"], inp["k"], inp["v"], per_channel, inp["beta"],
+                         qk_l2norm=True)
+    cache.abort_step()
+    assert cache.pos(a) == 3
+    run_step(cache, model, [a, a])
