@@ -14,9 +14,9 @@ import numpy as np
 from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
-from kvnumba.kernels.state import conv, delta_rule
+from kvnumba.kernels.state import conv, delta_rule, recurrence, ssd
 from oracle import bf16_values, round_nearest_even
-from stateref import conv_ref, delta_rule_ref
+from stateref import conv_ref, delta_rule_ref, ssd_ref
 
 COLS = 6                      # 5 sequence columns and the scratch column
 SCRATCH = COLS - 1
@@ -139,7 +139,7 @@ class ConvLayer:
 
 class DeltaLayer:
     """One delta rule layer's storage, histories and base positions; `steps` as
-    `ConvLayer`'s (`delta_rule.prepare`, else `delta_rule.run`)."""
+    `ConvLayer`'s (`recurrence.prepare`, else `delta_rule.run`)."""
 
     def __init__(self, rng, heads, dk, dv, most, has_beta, per_channel, l2norm,
                  in_name="float32", out_name="float32", steps=None, strided=False):
@@ -147,7 +147,12 @@ class DeltaLayer:
         self.steps, self.strided = steps, strided
         self.l2norm, self.in_name, self.out_name = l2norm, in_name, out_name
         self.heads, self.dk, self.dv, self.scale = heads, dk, dv, dk ** -0.5
-        log_rows = 3 * most
+        self.out_dim = dv
+        self.storage(heads, dk, dv)
+
+    def storage(self, heads, dk, dv):
+        """NaN storage of `recurrent=(heads, dk, dv)` as `state_storage` allocates it."""
+        log_rows = 3 * self.most
         nan = lambda *shape: cuda.to_device(np.full(shape, np.nan, np.float32))  # noqa: E731
         self.state, self.base = nan(COLS, heads, dk, dv), nan(COLS, heads, dk, dv)
         self.log_k, self.log_v = nan(COLS, log_rows, heads, dk), nan(COLS, log_rows, heads, dv)
@@ -194,21 +199,19 @@ class DeltaLayer:
         for (col, _), t in sorted(token_of.items(), key=lambda kv: kv[1]):
             self.history[col].append({n: None if a is None else a[1][t]
                                       for n, a in held.items()})
-        out = cuda.to_device(nan_array((width, self.heads, self.dv), self.out_name))
+        out = cuda.to_device(nan_array((width, self.heads, self.out_dim), self.out_name))
         dev = {n: None if a is None else strided(a[0]) if self.strided else cuda.to_device(a[0])
                for n, a in held.items()}
-        inputs = (dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], out)
+        tables = tuple(cuda.to_device(a) for a in (runs, order, seq_info))
         if self.steps is None:
-            delta_rule.run(*self.arrays(), *inputs, cuda.to_device(runs),
-                           cuda.to_device(order), cuda.to_device(seq_info), len(runs),
-                           self.scale, self.l2norm, self.most, n_tokens=n_tokens)
+            plan = recurrence.prepare(*tables, len(runs), self.most, n_tokens=n_tokens)
         else:
             key = (tuple(spans), n_pad, tuple(floors))
             if key not in self.steps:
-                self.steps[key] = delta_rule.prepare(
-                    cuda.to_device(runs), cuda.to_device(order), cuda.to_device(seq_info),
-                    len(runs), self.most, n_tokens=n_tokens)
-            self.steps[key](*self.arrays(), *inputs, self.scale, self.l2norm)
+                self.steps[key] = recurrence.prepare(*tables, len(runs), self.most,
+                                                     n_tokens=n_tokens)
+            plan = self.steps[key]
+        self.launch(plan, dev, out)
         got = decode(out.copy_to_host(), self.out_name)
         for col in {c for c, _, _ in spans}:       # the base moves as the rule says
             start = min(s for c, s, _ in spans if c == col)
@@ -218,6 +221,10 @@ class DeltaLayer:
                 self.bp[col] = floors[col]
         self.check(got, spans, token_of, n_tokens)
         return got
+
+    def launch(self, plan, dev, out):
+        delta_rule.apply(plan, *self.arrays(), dev["q"], dev["k"], dev["v"], dev["g"],
+                         dev["beta"], out, self.scale, self.l2norm)
 
     def given(self, col, lo, hi):
         """The float64 inputs of positions `[lo, hi)` of column `col`, by name."""
@@ -255,3 +262,43 @@ class DeltaLayer:
             if self.bp[col] > 0:
                 close(base[col], self.reference(col, self.bp[col])[1], "float32",
                       f"base of column {col}")
+
+
+class SsdLayer(DeltaLayer):
+    """One ssd (Mamba2) layer's storage (`recurrent=(heads, head_dim, d_state)`: the state
+    `[COLS, H, head_dim, d_state]`), histories and base positions, run by `ssd.apply`
+    and checked against `stateref.ssd_ref`; `groups` of B and C, per-head `D` and
+    `dt_bias` (or None), `softplus`, `limit` the clamp of dt."""
+
+    def __init__(self, rng, heads=4, groups=2, head_dim=8, d_state=16, most=4, has_d=True,
+                 has_bias=True, softplus=True, limit=(0.0, np.inf), in_name="float32",
+                 out_name="float32", steps=None, strided=False):
+        self.rng, self.most, self.steps, self.strided = rng, most, steps, strided
+        self.in_name, self.out_name = in_name, out_name
+        self.heads, self.groups, self.head_dim, self.d_state = heads, groups, head_dim, d_state
+        self.out_dim, self.softplus, self.limit = head_dim, softplus, limit
+        self.A = -rng.uniform(0.5, 2.0, heads).astype(np.float32)
+        self.D = rng.standard_normal(heads).astype(np.float32) if has_d else None
+        self.dt_bias = rng.uniform(-1.0, 0.5, heads).astype(np.float32) if has_bias else None
+        self.storage(heads, head_dim, d_state)
+
+    def inputs(self, width):
+        rng, h, g = self.rng, self.heads, self.groups
+        values = {"x": rng.standard_normal((width, h, self.head_dim)),
+                  "dt": rng.uniform(-3.0, 1.5, (width, h)) if self.softplus
+                  else rng.uniform(0.01, 0.6, (width, h)),
+                  "B": rng.standard_normal((width, g, self.d_state)) / np.sqrt(self.d_state),
+                  "C": rng.standard_normal((width, g, self.d_state))}
+        return {name: quantize(a, self.in_name) for name, a in values.items()}
+
+    def launch(self, plan, dev, out):
+        vector = lambda a: None if a is None else cuda.to_device(a)  # noqa: E731
+        ssd.apply(plan, *self.arrays(), dev["x"], dev["dt"], cuda.to_device(self.A), dev["B"],
+                  dev["C"], vector(self.D), vector(self.dt_bias), out, self.softplus,
+                  *self.limit)
+
+    def reference(self, col, upto=None):
+        history = self.history[col][:upto]
+        stack = lambda n: np.array([e[n] for e in history])  # noqa: E731
+        return ssd_ref(stack("x"), stack("dt"), self.A, stack("B"), stack("C"), self.D,
+                       self.dt_bias, self.softplus, self.limit)

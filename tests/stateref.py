@@ -4,7 +4,9 @@ by token for one sequence (no code shared with the kernels).
 - `conv_ref(inputs, weight, bias, silu)`: the causal convolution's output at every
   position of a sequence whose inputs, position by position, are `inputs [P, C]`;
 - `delta_rule_ref(q, k, v, g, beta, scale, qk_l2norm, S0)`: the gated delta rule over a
-  sequence's tokens from state `S0` (None: zero), its outputs and final state.
+  sequence's tokens from state `S0` (None: zero), its outputs and final state;
+- `ssd_ref(x, dt, A, B, C, D, dt_bias, softplus, limit)`: Mamba2's SSD over a sequence's
+  tokens from the zero state, its outputs and final state `[H, head_dim, d_state]`.
 """
 import numpy as np
 
@@ -59,3 +61,25 @@ def delta_rule_ref(q, k, v, g, beta, scale, qk_l2norm, S0=None):
                 S[h] = S[h] + float(beta[t, h]) * np.outer(kt, v[t, h] - u)
             out[t, h] = scale * (S[h].T @ qt)
     return out, S
+
+
+def ssd_ref(x, dt, A, B, C, D, dt_bias, softplus, limit):
+    """`(y [T, H, P], S [H, P, N])` for `x [T, H, P]`, `dt [T, H]`, `A [H]`, `B, C [T, G,
+    N]`, `D [H]` or None, `dt_bias [H]` or None: per token and head `h` of group `h // (H
+    / G)`, `d = clip(softplus(dt + dt_bias), *limit)` (`log(1 + e^x)`; none unless
+    `softplus`), `S_h <- exp(d A_h) S_h + d outer(x_h, B_g)`, `y_h = S_h C_g + D_h x_h`."""
+    x, dt, A, B, C = (np.asarray(a, np.float64) for a in (x, dt, A, B, C))
+    n_tok, n_heads, head_dim = x.shape
+    per_group = n_heads // B.shape[1]
+    S = np.zeros((n_heads, head_dim, B.shape[2]))
+    y = np.zeros_like(x)
+    for t in range(n_tok):
+        for h in range(n_heads):
+            g = h // per_group
+            d = dt[t, h] + (0.0 if dt_bias is None else float(dt_bias[h]))
+            if softplus:
+                d = np.logaddexp(0.0, d)
+            d = min(max(d, limit[0]), limit[1])
+            S[h] = np.exp(d * A[h]) * S[h] + d * np.outer(x[t, h], B[t, g])
+            y[t, h] = S[h] @ C[t, g] + (0.0 if D is None else float(D[h]) * x[t, h])
+    return y, S

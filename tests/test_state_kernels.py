@@ -20,8 +20,8 @@ import kvnumba.device as kv_device
 from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
-from kvnumba.kernels.state import conv, delta_rule
-from statelayers import COLS, ConvLayer, DeltaLayer
+from kvnumba.kernels.state import conv, delta_rule, recurrence, ssd
+from statelayers import COLS, ConvLayer, DeltaLayer, SsdLayer
 
 
 # ---------------------------------------------------------------- convolution
@@ -203,13 +203,13 @@ def test_delta_rule_head_shapes(heads, dk, dv, in_name):
 def test_delta_rule_refuses_shapes_it_cannot_take():
     layer = DeltaLayer(np.random.default_rng(0), most=2, has_beta=True, per_channel=True,
                        l2norm=True, **FAST)
-    step = delta_rule.prepare(*(cuda.to_device(a) for a in (
+    step = recurrence.prepare(*(cuda.to_device(a) for a in (
         np.zeros((1, 4), np.int32), np.zeros(1, np.int32),
         np.zeros((1, SEQ_INFO_FIELDS), np.int32))), 1, 2)
     f32 = lambda *shape: cuda.to_device(np.zeros(shape, np.float32))  # noqa: E731
     with pytest.raises(ValueError, match="per-channel gate of 1 entries a head for Dk 8"):
-        step(*layer.arrays(), f32(1, 2, 8), f32(1, 2, 8), f32(1, 2, 16), f32(1, 2, 1), None,
-             f32(1, 2, 16), 1.0, True)
+        delta_rule.apply(step, *layer.arrays(), f32(1, 2, 8), f32(1, 2, 8), f32(1, 2, 16),
+                         f32(1, 2, 1), None, f32(1, 2, 16), 1.0, True)
     with pytest.raises(ValueError, match="Dk 300 > 256"):
         delta_rule.dk_cap(300)
 
@@ -266,6 +266,86 @@ def test_delta_rule_random_schedules(seed):
         spans = sorted(spans, key=lambda sp: (order[[i for i, s in enumerate(spans)
                                                      if s[0] == sp[0]][0]], sp[1]))
         layer.step(spans, n_pad=int(rng.integers(0, 3)), floors=floors)
+
+
+# ---------------------------------------------------------------- ssd (Mamba2)
+
+@pytest.mark.parametrize("groups,has_d,has_bias,softplus,limit,in_name,out_name", [
+    (2, True, True, True, (0.0, np.inf), "float32", "float32"),
+    (1, False, False, True, (0.0, np.inf), "bfloat16", "bfloat16"),   # B, C shared
+    (4, True, False, False, (0.05, 0.3), "float16", "float32"),       # dt clamped both ways
+    (2, True, True, True, (0.2, 1.0), "float32", "strided"),           # strided inputs
+])
+def test_ssd_over_prefill_decode_spans_and_padding(groups, has_d, has_bias, softplus, limit,
+                                                   in_name, out_name):
+    """Outputs, states `[H, head_dim, d_state]`, bases and marks against `ssd_ref`:
+    prefills, decodes, two spans of a sequence in a step, padding rows zero."""
+    strided_inputs = out_name == "strided"
+    layer = SsdLayer(np.random.default_rng(groups + 8 * has_d + len(in_name)), groups=groups,
+                     has_d=has_d, has_bias=has_bias, softplus=softplus, limit=limit,
+                     in_name=in_name, out_name="float32" if strided_inputs else out_name,
+                     strided=strided_inputs, most=6)
+    layer.step([(0, 0, 5), (2, 0, 1), (3, 0, 6)], n_pad=2)       # prefills
+    layer.step([(0, 5, 1), (3, 6, 1), (2, 1, 3), (0, 6, 2)], n_pad=1)  # decode, 2 spans
+    layer.step([(3, 7, 1), (2, 4, 1), (0, 8, 1)])                # decode
+
+
+def test_ssd_rewind_replays_the_log_bit_for_bit():
+    """Positions 0..9, then a step from 7 (and a base advance to 4 on the way): the state
+    and outputs equal those of a layer that had only tokens 0..6 and then the new ones,
+    bit for bit."""
+    layer = SsdLayer(np.random.default_rng(13), most=10)
+    layer.step([(1, 0, 4)])
+    layer.step([(1, 4, 6)])
+    got = layer.step([(1, 7, 3), (4, 0, 2)], n_pad=1)    # rewinds to 7: replays 0..6
+    direct = SsdLayer(np.random.default_rng(13), most=10)
+    direct.step([(1, 0, 7)], given=layer.given(1, 0, 7))
+    again = direct.step([(1, 7, 3)], given=layer.given(1, 7, 10))
+    assert np.array_equal(got[:3], again[:3])
+    assert np.array_equal(layer.state.copy_to_host()[1], direct.state.copy_to_host()[1])
+
+
+def test_ssd_base_advances_rewinds_to_it_and_a_copied_column_goes_on():
+    layer = SsdLayer(np.random.default_rng(14), heads=2, groups=1, most=4)
+    floors = np.zeros(COLS, np.int32)
+    layer.step([(2, 0, 4), (0, 0, 3)])
+    layer.step([(2, 4, 4), (0, 3, 1)])                   # 2: live 8
+    floors[2] = 6                                        # 6 - 0 > 4: the base advances
+    layer.step([(2, 8, 2), (0, 4, 1)], floors=floors)
+    assert layer.bp[2] == 6
+    layer.step([(2, 6, 2)], n_pad=2, floors=floors)      # a rewind to the base
+    layer.copy_column(2, 3)
+    floors[3] = 6
+    layer.step([(2, 8, 2), (3, 7, 3)], floors=floors)    # the copy rewinds past its fork
+
+
+def test_ssd_and_delta_rule_layers_share_a_steps_plan():
+    """An ssd layer and a delta rule layer call one step's `recurrence.prepare` plan each
+    step, through prefill, decode, a base advance and a rewind."""
+    steps = {}
+    layers = [SsdLayer(np.random.default_rng(15), heads=2, groups=2, most=4, steps=steps),
+              DeltaLayer(np.random.default_rng(16), most=4, has_beta=True, per_channel=False,
+                         l2norm=True, steps=steps, **FAST)]
+    floors = np.zeros(COLS, np.int32)
+    schedule = [([(0, 0, 4), (3, 0, 2)], 1), ([(0, 4, 4), (3, 2, 1)], 0),
+                ([(0, 8, 1), (3, 3, 1)], 2), ([(0, 7, 2)], 0)]
+    for i, (spans, n_pad) in enumerate(schedule):
+        floors[0] = 5 if i >= 2 else 0
+        for layer in layers:
+            layer.step(spans, n_pad, floors=floors)
+    assert len(steps) == len(schedule)
+    assert all(layer.bp[0] == 5 for layer in layers)
+
+
+def test_ssd_refuses_groups_that_do_not_divide_its_heads():
+    layer = SsdLayer(np.random.default_rng(0), heads=4, groups=2, most=2)
+    step = recurrence.prepare(*(cuda.to_device(a) for a in (
+        np.zeros((1, 4), np.int32), np.zeros(1, np.int32),
+        np.zeros((1, SEQ_INFO_FIELDS), np.int32))), 1, 2)
+    f32 = lambda *shape: cuda.to_device(np.zeros(shape, np.float32))  # noqa: E731
+    with pytest.raises(ValueError, match="4 heads over 3 groups"):
+        ssd.apply(step, *layer.arrays(), f32(1, 4, 8), f32(1, 4), f32(4), f32(1, 3, 16),
+                  f32(1, 3, 16), None, None, f32(1, 4, 8), True, 0.0, np.inf)
 
 
 # ---------------------------------------------------------------- compiled for a GPU

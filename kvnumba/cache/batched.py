@@ -10,6 +10,8 @@ prepare, commit, validated a whole batch at a time) stays apart from device work
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..args import as_int
@@ -289,6 +291,23 @@ class BatchedSequenceCache(CacheQueries, PrefixVerbs):
         v_dim]` of q's family and dtype, padding rows zero. Runs once per layer per step."""
         return self._parts.states.delta_rule(self._steps.prepared("delta_rule"), layer, q, k,
                                              v, g, beta, scale, qk_l2norm)
+
+    @on_its_device
+    def ssd(self, layer: int, x, dt, A, B, C, *, D=None, dt_bias=None, dt_softplus=True,
+            dt_limit=(0.0, math.inf)):
+        """Mamba2's SSD of state layer `layer` (contract §17), declared `state(recurrent=
+        (heads, head_dim, d_state))`, over the prepared step: `x [width, heads,
+        head_dim]`, `dt [width, heads]`, `A [heads]`, `B, C [width, groups, d_state]`
+        (groups dividing heads), `D [heads]` or None, `dt_bias [heads]` or None. Per token
+        and head `h` (group `g = h // (heads // groups)`): `d = clamp(softplus(dt +
+        dt_bias), *dt_limit)` (no softplus when `dt_softplus` is False); `S_h <- exp(d
+        A_h) S_h + d x_h B_g^T`; `y_h = S_h C_g + D_h x_h`, the state `S_h [head_dim,
+        d_state]`, every segment from its sequence's state, which it advances, in
+        float32. Returns `y [width, heads, head_dim]` of x's family and dtype, padding
+        rows zero. Runs once per layer per step; a layer that ran `delta_rule` refuses
+        it, and the other way round."""
+        return self._parts.states.ssd(self._steps.prepared("ssd"), layer, x, dt, A, B, C, D,
+                                      dt_bias, dt_softplus, dt_limit)
 
     def _lowest_free(self, verb: str) -> int:
         free = np.flatnonzero(self._slots.state == SlotState.FREE)

@@ -20,7 +20,7 @@ from ..host.slots import StepMachine, StepState
 from ..host.step import OpenStep, StepPlan
 from ..kernels import padding
 from ..kernels.moves import write
-from ..kernels.state import conv, delta_rule
+from ..kernels.state import conv, recurrence
 from ..refusals import half_written_refusal, unprepared_refusal, unrun_state_refusal, \
     width_refusal
 
@@ -116,7 +116,7 @@ class StepProtocol:
             padded = step.n_tokens if step.n_tokens < width else None
             step.state_plan = (
                 conv.prepare(device[:2 * width], width, step.n_tokens, self.stream),
-                delta_rule.prepare(runs.reshape(n_runs, RUN_FIELDS), order,
+                recurrence.prepare(runs.reshape(n_runs, RUN_FIELDS), order,
                                    segments.reshape(-1, SEQ_INFO_FIELDS), n_runs,
                                    self.config.max_write, self.stream, n_tokens=padded))
         self.machine.apply("prepare", next_state)

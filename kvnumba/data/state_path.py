@@ -1,5 +1,6 @@
-"""The data path of a prepared step on state layers (contract §17): `conv` and
-`delta_rule`, each checked whole before anything launches.
+"""The data path of a prepared step on state layers (contract §17): `conv`, and
+`delta_rule` or `ssd` (a layer's recurrence keeps one op for life), each checked whole
+before anything launches.
 
 Each op runs once per layer per step, over the step's token order and segments as for
 attention: every segment from its sequence's state, which it advances; padding rows give
@@ -16,9 +17,11 @@ import numpy as np
 from ..args import as_finite, describe, is_int
 from ..config import CacheConfig
 from ..errors import ShapeError, StepProtocolError
+from ..kernels.state import delta_rule as delta_kernel, ssd as ssd_kernel
 from ..refusals import width_hint
 from .arrays import Result, check, device_view
 from .attend import IO_DTYPES
+from .state_storage import Rule
 
 #: an op's parts, as `OpenStep.ran` counts them: the conv window, the recurrent state
 CONV, RECURRENT = 0, 1
@@ -27,7 +30,7 @@ ACTIVATIONS = (None, "silu")
 
 
 class StatePath:
-    """`conv` / `delta_rule` of one cache: its `config`, `device`, `stream` and state
+    """`conv` / `delta_rule` / `ssd` of one cache: its `config`, `device`, `stream` and state
     storage (`state_storage.StateStorage`)."""
 
     def __init__(self, config: CacheConfig, device: int, stream, storage):
@@ -83,22 +86,64 @@ class StatePath:
                              f"False")
         scale = np.float32(1.0 / math.sqrt(dk)) if scale is None else \
             np.float32(as_finite(scale, "delta_rule: scale"))
+        self._keep_rule(layer, "delta_rule", Rule("delta_rule", len(g.shape) == 3,
+                                                   beta is not None))
         stream = self.stream
-        arrays = self.storage.layers[layer]
-        result = Result(q, None, (step.width, heads, dv), stream)
-        rule = (len(g.shape) == 3, beta is not None)
-        if self.storage.rules.setdefault(layer, rule) != rule:
-            raise ShapeError(f"delta_rule: layer {layer} ran with a {_rule_name(*self.storage.rules[layer])} "
-                             f"before; a layer keeps one gate and one rule (its replays "
-                             f"and snapshots take them from its steps), got a "
-                             f"{_rule_name(*rule)}")
         view = lambda a: device_view(a, stream)   # noqa: E731
-        step.state_plan[RECURRENT](
-            arrays.state, arrays.base, arrays.log_k, arrays.log_v, arrays.log_g, arrays.log_b,
-            arrays.marks, view(q), view(k), view(v), view(g),
-            None if beta is None else view(beta), result.device, scale, bool(qk_l2norm))
+        result = Result(q, None, (step.width, heads, dv), stream)
+        delta_kernel.apply(step.state_plan[RECURRENT], *self.storage.layers[layer][1:], view(q),
+                           view(k), view(v), view(g), None if beta is None else view(beta),
+                           result.device, scale, bool(qk_l2norm))
         step.ran[layer, RECURRENT] = True
         return result.value()
+
+    def ssd(self, step, layer, x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit):
+        """`y [width, heads, head_dim]`: Mamba2's SSD (contract §17) of each sequence's
+        tokens from its state, which it advances."""
+        layer, kind = self._state_layer(step, layer, "ssd", RECURRENT)
+        heads, head_dim, d_state = kind.recurrent
+        where = f"on layer {layer} (recurrent {heads} heads x {head_dim} x {d_state})"
+        width = step.width
+        for name, array, shape in (("x", x, (width, heads, head_dim)), ("dt", dt, (width, heads))):
+            _check_rows(step, name, array, shape, where, self.device, "ssd")
+        check("B", B, None, IO_DTYPES, self.device)
+        groups = B.shape[1] if len(B.shape) == 3 else 0
+        if len(B.shape) != 3 or tuple(B.shape) != (width, groups, d_state) or groups < 1 \
+                or heads % groups:
+            raise ShapeError(f"ssd: B: expected shape {(width, 'groups', d_state)} with "
+                             f"groups dividing the {heads} heads {where}, got "
+                             f"{tuple(B.shape)}{width_hint(step, B)}")
+        _check_rows(step, "C", C, (width, groups, d_state), where, self.device, "ssd")
+        for name, array in (("A", A), ("D", D), ("dt_bias", dt_bias)):
+            if array is not None or name == "A":
+                check(name, array, None, IO_DTYPES, self.device)
+                if tuple(array.shape) != (heads,):
+                    raise ShapeError(f"ssd: {name}: expected shape {(heads,)} (one a head) "
+                                     f"{where}, got {tuple(array.shape)}")
+        if not isinstance(dt_softplus, (bool, np.bool_)):
+            raise ShapeError(f"ssd: dt_softplus={describe(dt_softplus)}: must be True or "
+                             f"False")
+        lo, hi = _dt_limit(dt_limit)
+        self._keep_rule(layer, "ssd", Rule("ssd", False, False))
+        stream = self.stream
+        view = lambda a: device_view(a, stream)   # noqa: E731
+        result = Result(x, None, (width, heads, head_dim), stream)
+        ssd_kernel.apply(step.state_plan[RECURRENT], *self.storage.layers[layer][1:], view(x),
+                         view(dt), view(A), view(B), view(C), None if D is None else view(D),
+                         None if dt_bias is None else view(dt_bias), result.device,
+                         bool(dt_softplus), lo, hi)
+        step.ran[layer, RECURRENT] = True
+        return result.value()
+
+    def _keep_rule(self, layer: int, verb: str, rule: Rule) -> None:
+        """Record `rule` as the layer's recurrence, or `ShapeError` if its steps ran
+        another (nothing changed)."""
+        kept = self.storage.rules.get(layer, rule)
+        if kept != rule:
+            raise ShapeError(f"{verb}: layer {layer} ran {_rule_name(kept)} before; a layer "
+                             f"keeps one op, one gate and one rule (its replays and "
+                             f"snapshots take them from its steps), got {_rule_name(rule)}")
+        self.storage.rules[layer] = rule
 
     # ------------------------------------------------------------------ checks
     def _state_layer(self, step, layer, verb: str, part: int):
@@ -122,14 +167,30 @@ class StatePath:
         return layer, kind
 
 
-def _rule_name(per_channel: bool, has_beta: bool) -> str:
-    return (f"{'per-channel' if per_channel else 'per-head'} gate "
-            f"{'with beta' if has_beta else 'without beta (decay only)'}")
+def _rule_name(rule: Rule) -> str:
+    if rule.op == "ssd":
+        return "ssd (Mamba2)"
+    return (f"delta_rule with a {'per-channel' if rule.per_channel else 'per-head'} gate "
+            f"{'with beta' if rule.has_beta else 'without beta (decay only)'}")
 
 
-def _check_rows(step, name: str, array, shape: tuple, where: str, device: int) -> None:
+def _dt_limit(dt_limit) -> tuple:
+    """`(lo, hi)` float32 of `dt_limit`, a pair of reals `lo <= hi` (not NaN; `hi` may
+    be inf), else `ShapeError`."""
+    try:
+        lo, hi = (float(x) for x in dt_limit if not isinstance(x, (bool, np.bool_)))
+    except (TypeError, ValueError):
+        lo = hi = math.nan
+    if not (lo <= hi and lo < math.inf and hi > -math.inf):
+        raise ShapeError(f"ssd: dt_limit={describe(dt_limit)}: expected a pair (lo, hi) of "
+                         f"reals with lo <= hi, e.g. (0.0, inf) (no clamp)")
+    return np.float32(lo), np.float32(hi)
+
+
+def _check_rows(step, name: str, array, shape: tuple, where: str, device: int,
+                verb: str = "delta_rule") -> None:
     """`array` of `shape` (one row per token of the step), or `ShapeError` naming it."""
     check(name, array, None, IO_DTYPES, device)
     if tuple(array.shape) != shape:
-        raise ShapeError(f"delta_rule: {name}: expected shape {shape} {where}, got "
+        raise ShapeError(f"{verb}: {name}: expected shape {shape} {where}, got "
                          f"{tuple(array.shape)}{width_hint(step, array)}")

@@ -5,10 +5,13 @@ growth).
 Per layer (`kinds.state` says why each is there and its rows):
 
 * `window [cols, conv_rows, channels]` (storage dtype): the conv inputs' ring by position;
-* `state`, `base` `[cols, heads, k_dim, v_dim]` (float32): the live and the base state;
+* `state`, `base` `[cols, heads, k_dim, v_dim]` (float32): the live and the base state
+  (an ssd layer's `recurrent=(heads, head_dim, d_state)`: `[cols, heads, head_dim,
+  d_state]`);
 * `log_k [cols, log_rows, heads, k_dim]`, `log_v [cols, log_rows, heads, v_dim]`, `log_g
   [cols, log_rows, heads, k_dim]`, `log_b [cols, log_rows, heads]` (float32): the
-  recurrent inputs' ring by position;
+  recurrent inputs' ring by position (an ssd layer keeps `d x` in `log_k`, `B` in
+  `log_v`, `d A` in `log_g`: `kernels.state.ssd`);
 * `marks [cols, 2]` (int32): each column's live and base positions, which only the
   recurrence kernel writes.
 
@@ -36,6 +39,28 @@ from ..kernels.state import capture as capture_kernel
 RECURRENT_ARRAYS = ("state", "base", "log_k", "log_v", "log_g", "log_b", "marks")
 
 
+class Rule(NamedTuple):
+    """The recurrence a layer's steps run, which its replays and snapshots take alike:
+    `op` (`"delta_rule"` or `"ssd"`), a gate per key channel (`per_channel`), beta
+    (`has_beta`)."""
+
+    op: str
+    per_channel: bool
+    has_beta: bool
+
+    @property
+    def transposed(self) -> bool:
+        """The state stored `[heads, head_dim, d_state]`, the lanes' `[Dv, Dk]` (ssd)."""
+        return self.op == "ssd"
+
+    def logs(self, arrays) -> tuple:
+        """`(log_k, log_v)` of `arrays` (a `LayerState`) in the lanes' roles (row
+        inputs, column inputs: `kernels.state.recurrence`)."""
+        if self.transposed:
+            return arrays.log_v, arrays.log_k
+        return arrays.log_k, arrays.log_v
+
+
 class LayerState(NamedTuple):
     """One state layer's arrays (module doc); None for a part it does not have."""
 
@@ -57,8 +82,8 @@ class StateStorage:
     def __init__(self, config: CacheConfig, n_cols: int, stream=0):
         self.stream, self.config = stream, config
         self.layers = [None] * config.n_layers
-        #: per state layer: `(per_channel, has_beta)` of its delta rule, as its steps ran
-        #: it (the one writer: `state_path`), which a capture replays alike
+        #: per state layer: the `Rule` its steps ran (the one writer: `state_path`), which
+        #: a capture replays alike
         self.rules: dict = {}
         self.snap_state, self.snap_window = {}, {}
         self.n_slots = 0
@@ -120,10 +145,11 @@ class StateStorage:
             if arrays is None:
                 continue
             if arrays.state is not None and layer in self.rules:
-                capture_kernel.capture(arrays.base, arrays.log_k, arrays.log_v, arrays.log_g,
+                rule = self.rules[layer]
+                capture_kernel.capture(arrays.base, *rule.logs(arrays), arrays.log_g,
                                        arrays.log_b, arrays.marks, self.snap_state[layer],
-                                       device_caps, len(caps), *self.rules[layer],
-                                       stream=self.stream)
+                                       device_caps, len(caps), rule.per_channel,
+                                       rule.has_beta, rule.transposed, stream=self.stream)
             if arrays.window is not None:
                 for col, end, slot in caps.tolist():
                     self._window_rows(arrays.window, self.snap_window[layer], col, end, slot,

@@ -1,2 +1,3 @@
 """Kernels of state layers (hybrid models' mixers): the causal convolution's input ring
-(`conv`) and the gated delta rule's recurrent state with its input log (`delta_rule`)."""
+(`conv`) and the linear recurrences' states with their input log (`recurrence`), run as
+the gated delta rule (`delta_rule`) or Mamba2's SSD (`ssd`)."""

@@ -6,7 +6,7 @@ the snapshot continues exactly as the one that wrote those positions.
 `caps [n, 3]` int32: per capture `(col, E, slot)`; block `(capture, head)`, its lanes
 the step kernel's (`lanes`: a column of the state over `parts` lanes): the base (the
 zero state at base position 0) replayed over log rows `[bp, E)` and stored to
-`snaps[slot]` (`[slots, H, Dk, Dv]`).
+`snaps[slot]` (`[slots, H, Dk, Dv]`, or `[slots, H, Dv, Dk]` for a `transposed` state).
 
 The caller guarantees `bp <= E` and that the log still holds `[bp, E)` (`E` at or past
 the column's floor, at or below its position).
@@ -18,8 +18,8 @@ from functools import lru_cache
 from ...device import SIMULATOR, cuda
 from ..launch.calling import Specialised
 from ..masks import storage_row
-from .delta_rule import _logged, block_threads, lanes_per_column
 from .lanes import lane_functions
+from .recurrence import block_threads, lanes_per_column, logged
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
@@ -28,12 +28,13 @@ CAP_COL, CAP_END, CAP_SLOT = 0, 1, 2
 
 
 @lru_cache(maxsize=None)
-def _kernel(dk: int, dv: int, per_channel: bool):
-    """The capture kernel of heads of `dk` keys and `dv` values and a gate per key
-    channel (`per_channel`) or per head: the step kernel's lanes (`lanes`)."""
+def _kernel(dk: int, dv: int, per_channel: bool, transposed: bool):
+    """The capture kernel of heads of `dk` rows and `dv` columns, a decay per row
+    (`per_channel`) or per head, the state `[H, Dk, Dv]` or `transposed`: the step
+    kernel's lanes (`lanes`)."""
     parts = lanes_per_column(dk, dv)
     threads = block_threads(dv, parts)
-    lane = lane_functions(dk, dv, per_channel, parts)
+    lane = lane_functions(dk, dv, per_channel, parts, transposed)
     rows, load, store, clear, step = lane.rows, lane.load, lane.store, lane.clear, lane.step
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (threads,)}))
@@ -55,8 +56,8 @@ def _kernel(dk: int, dv: int, per_channel: bool):
             load(s, base, col, h, j, p)
         pos = bp
         while pos < end:
-            vj, b = _logged(log_k, log_v, log_g, log_b, col, storage_row(pos, log_rows), h,
-                            k_s, d_s, dk, per_channel, tid, n_threads, j, mine)
+            vj, b = logged(log_k, log_v, log_g, log_b, col, storage_row(pos, log_rows), h,
+                           k_s, d_s, dk, per_channel, tid, n_threads, j, mine)
             cuda.syncthreads()
             step(s, q_s, k_s, d_s, p, has_beta, vj, b, False)
             cuda.syncthreads()
@@ -67,10 +68,14 @@ def _kernel(dk: int, dv: int, per_channel: bool):
 
 
 def capture(base, log_k, log_v, log_g, log_b, marks, snaps, caps, n: int, per_channel: bool,
-            has_beta: bool, stream=0) -> None:
+            has_beta: bool, transposed: bool = False, stream=0) -> None:
     """Rebuild `n` snapshots (module doc): `caps` an int32 device array `[n, 3]`;
-    `per_channel` / `has_beta`: the layer's gate and rule (as its steps ran). One launch."""
+    `per_channel` / `has_beta` / `transposed`: the layer's gate, rule and state layout
+    (as its steps ran), the logs in the lanes' roles (`recurrence`). One launch."""
     if n:
-        kernel, threads = _kernel(base.shape[2], base.shape[3], bool(per_channel))
+        dk, dv = base.shape[2], base.shape[3]
+        if transposed:
+            dk, dv = dv, dk
+        kernel, threads = _kernel(dk, dv, bool(per_channel), bool(transposed))
         kernel((n, base.shape[1]), threads, stream, base, log_k, log_v, log_g, log_b, marks,
                snaps, caps, bool(has_beta))

@@ -1,10 +1,12 @@
-"""The lanes of a delta-rule block (`delta_rule`, `capture`): `parts` adjacent lanes hold
+"""The lanes of a recurrence block (`recurrence`, `capture`): `parts` adjacent lanes hold
 one value channel's column of a head's float32 state `S [Dk, Dv]`, each `rows =
 ceil(Dk / parts)` of its rows in registers (row `r * parts + p` of lane `p`), and the
 device functions that load, store and clear them and take one token of the recurrence
 (`step`: decay, delta-rule or plain update, `S^T q`, the column sums a butterfly of
-shuffles, so every lane gets the same float), built once per head shape, gate kind and
-split (`lane_functions`). One definition, so that a replayed state (the step kernel's
+shuffles, so every lane gets the same float), built once per head shape, gate kind,
+split and layout (`lane_functions`). The state is stored `[cols, H, Dk, Dv]` (the delta
+rule's: a column's rows `Dv` apart) or `transposed`, `[cols, H, Dv, Dk]` (Mamba2's
+`[heads, head_dim, d_state]`: a column's rows adjacent). One definition, so that a replayed state (the step kernel's
 rewinds, a prefix snapshot's capture) is bit-identical to the one computed directly.
 """
 from __future__ import annotations
@@ -39,13 +41,17 @@ class Lanes(NamedTuple):
 
 
 @lru_cache(maxsize=None)
-def lane_functions(dk: int, dv: int, per_channel: bool, parts: int) -> Lanes:
+def lane_functions(dk: int, dv: int, per_channel: bool, parts: int,
+                   transposed: bool = False) -> Lanes:
     """The device functions of heads of `dk` keys and `dv` values, a gate per key channel
-    (`per_channel`) or per head, `parts` lanes a column (module doc)."""
+    (`per_channel`) or per head, `parts` lanes a column, the state stored `[H, Dk, Dv]`
+    or `transposed` `[H, Dv, Dk]` (module doc)."""
     rows = ceil_div(dk, parts)
     whole = dk % parts == 0                     # every lane's rows are in the head
     rounds = parts.bit_length() - 1             # shuffle rounds of a column's sum
-    stride = parts * dv                         # elements from a lane's row to its next
+    row_step = 1 if transposed else dv          # elements from a column's row to its next
+    column_step = dk if transposed else 1       # elements from a row's column to its next
+    stride = parts * row_step                   # elements from a lane's row to its next
     norm_rows = ceil_div(dk, WARP)              # a lane's squares in a norm's sum
 
     @cuda.jit(device=True)
@@ -53,7 +59,8 @@ def lane_functions(dk: int, dv: int, per_channel: bool, parts: int) -> Lanes:
         """This lane's rows `r * parts + p` of column `j` of `src[col, h]` (0 past `Dk` or
         `Dv`), at compile-time offsets from one address: every load in bounds (the
         column clamped), none behind a branch."""
-        first = ((col * src.shape[1] + h) * dk + p) * dv + min(j, dv - 1)
+        first = ((col * src.shape[1] + h) * dk * dv + p * row_step
+                 + min(j, dv - 1) * column_step)
         at = ptx.elements_from(src, first)
         for r in range(rows):
             x = at[r * stride] if whole or r * parts + p < dk else ZERO
@@ -62,7 +69,8 @@ def lane_functions(dk: int, dv: int, per_channel: bool, parts: int) -> Lanes:
     @cuda.jit(device=True)
     def store(s, dst, col, h, j, p):
         if j < dv:
-            at = ptx.elements_from(dst, ((col * dst.shape[1] + h) * dk + p) * dv + j)
+            at = ptx.elements_from(dst, (col * dst.shape[1] + h) * dk * dv + p * row_step
+                                   + j * column_step)
             for r in range(rows):
                 if whole or r * parts + p < dk:
                     at[r * stride] = s[r]
