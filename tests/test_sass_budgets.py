@@ -273,9 +273,9 @@ def test_a_delta_rule_of_a_column_a_lane_keeps_its_state_in_local_memory(monkeyp
     """The d128 step with `ROWS` raised to 128: one lane a column, its 128 rows past what
     the registers hold beside the rest, so ptxas spills them (the layout before columns
     were split over lanes)."""
-    from kvnumba.kernels.state import delta_rule
+    from kvnumba.kernels.state import recurrence
     label = "delta rule d128 bfloat16"
-    monkeypatch.setattr(delta_rule, "ROWS", 128)
+    monkeypatch.setattr(recurrence, "ROWS", 128)
     assert set(exceeded(label, figures_of(*fresh(label), label))) == {
         "spill_bytes", "stack_bytes", "local_accesses"}
 
@@ -296,3 +296,28 @@ def test_a_longer_delta_rule_fails_its_instructions_per_head(monkeypatch, figure
     monkeypatch.setattr(ptx, "shfl_xor", shuffle_twice)
     label = "delta rule d128 bfloat16"
     assert set(exceeded(label, figures_of(*fresh(label), label))) == {"instructions_per_head"}
+
+
+@compile_mode
+def test_an_ssd_of_a_64_bit_group_index_fails_its_budgets(monkeypatch, figures_of):
+    """The head's group `h // (heads / groups)` divided in 64 bits (its operands the
+    arrays' int64 extents): a division call and its instructions a token, past the
+    instruction budget."""
+    from numba import int64
+
+    from kvnumba.kernels.state import ssd
+    monkeypatch.setattr(ssd, "uint32", int64)
+    label = "ssd 64x128 bfloat16"
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {
+        "div64_calls", "instructions_per_head"}
+
+
+@compile_mode
+def test_an_ssd_of_a_column_a_lane_keeps_its_state_in_local_memory(monkeypatch, figures_of):
+    """`ROWS` raised to 128: one lane a column of 128 state rows (`d_state`), 64 lanes a
+    block: past the 255 registers a lane may have, so ptxas spills them."""
+    from kvnumba.kernels.state import recurrence
+    label = "ssd 64x128 bfloat16"
+    monkeypatch.setattr(recurrence, "ROWS", 128)
+    assert set(exceeded(label, figures_of(*fresh(label), label))) == {
+        "spill_bytes", "stack_bytes", "local_accesses"}

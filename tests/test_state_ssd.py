@@ -134,7 +134,7 @@ def test_rewind_clone_and_abort_continue_exactly():
     model.ssd(cache, model.inputs(2))
     cache.abort_step()
     run_step(cache, model, [a, a, b])
-    for _ in range(6):                                               # the base moves on
+    for _ in range(3):                                               # the base moves on
         run_step(cache, model, [a] * 4)
     with pytest.raises(kv.RingFloorError, match="state layer 0"):
         cache.rewind(a, cache.pos(a) - MAX_WRITE - 1)

@@ -17,8 +17,8 @@ keyed by `module:function`):
   SASS (`sassattention.combine_figures`);
 * write / copy: instructions per 16-byte vector of a run, everything a lane runs for
   it included, at two token row sizes (`sassmove`);
-* delta rule: warp instructions a (sequence, head) issues for a decode token and the
-  step's estimated fraction of an H100's HBM bandwidth (`sassstate`).
+* delta rule, ssd: warp instructions a (sequence, head) issues for a decode token and
+  the step's estimated fraction of an H100's HBM bandwidth (`sassstate`).
 """
 from __future__ import annotations
 
@@ -61,6 +61,7 @@ KINDS = {
     "kvnumba.kernels.moves.page_copy:_copy_vectors": sassmove.copy_figures,
     "kvnumba.kernels.moves.write_fp8:narrow_kernel": sassmove.narrow_figures,
     "kvnumba.kernels.state.delta_rule:_kernel": sassstate.delta_rule_figures,
+    "kvnumba.kernels.state.ssd:_kernel": sassstate.ssd_figures,
 }
 
 

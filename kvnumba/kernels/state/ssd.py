@@ -22,7 +22,7 @@ from ...device import cuda
 from ..intrinsics import ptx
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, recurrence_kernel
 
-from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
+from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 #: past this, `softplus(x)` is `x` (float32 `log1p(exp(x)) - x` is below its ulp there)
 SOFTPLUS_LINEAR = np.float32(20.0)
@@ -54,7 +54,7 @@ def _kernels(d_state: int, head_dim: int):
               q_s, k_s, d_s, lo, hi, softplus, has_beta, tid, threads, j, p, mine):
         """A new token's inputs: `C_g`, `B_g` and the decay into shared memory, `B_g`, `d
         x_h` and `d A_h` into the log row; returns `(d x_h[j], 1, D_h x_h[j])`."""
-        g = int32(h // (x.shape[1] // B.shape[1]))
+        g = int32(uint32(h) // (uint32(x.shape[1]) // uint32(B.shape[1])))
         i = tid
         while i < d_state:
             b = ptx.to_f32(B[token, g, i])
