@@ -1,8 +1,8 @@
-"""The state layers' kernels (`kernels.state.conv`, `kernels.state.delta_rule`) and their
-work plan (`arith.state_runs`) called directly, step after step, through the harness of
-`statelayers` (`ConvLayer`, `DeltaLayer`): each step's outputs, and the delta rule's
-states, bases and marks, against the float64 references of `stateref` run over each
-sequence's whole history. Prefills, decodes, two spans of a sequence in a step, padding,
+"""The state layers' kernels (`kernels.state.conv`, `kernels.state.delta_rule`,
+`kernels.state.ssd`) and their work plan (`arith.state_runs`) called directly, step
+after step, through the harness of `statelayers` (`ConvLayer`, `DeltaLayer`,
+`SsdLayer`): each step's outputs, and the recurrences' states, bases and marks, against
+the float64 references of `stateref` run over each sequence's whole history. Prefills, decodes, two spans of a sequence in a step, padding,
 rewinds (replays from the log), base advances, column copies, random schedules of all
 of these; float16, bfloat16 and float32 inputs and outputs, strided inputs.
 
@@ -371,8 +371,8 @@ def test_the_kernels_compile_and_launch_in_compile_mode():
 def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     """Every launch of the wrappers, compiled for sm_90 by libNVVM, packs the parameters
     Numba's own launch would: conv with and without a bias, the delta rule per head with
-    beta (float16 in, bfloat16 out) and per channel without (float32), its marks and
-    padding launches; strided q and k."""
+    beta (float16 in, bfloat16 out) and per channel without (float32), the ssd (bfloat16)
+    without and with D, their marks and padding launches; strided q and k."""
     from kvnumba.bench import host
     from test_launch import numba_parameters
     from kvnumba.kernels.launch import lean
@@ -416,11 +416,23 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
             delta_rule.run(*arrays, qk, qk, cuda.device_array((width, heads, dv), dtype), g,
                            beta, cuda.device_array((width, heads, dv), out_dtype), *tables, 3,
                            0.125, True, 4, n_tokens=5)
+        head_dim, d_state, groups = 64, 128, 1           # ssd: x [.., 64], B, C [.., 128]
+        ssd_arrays = (f32(COLS, heads, head_dim, d_state), f32(COLS, heads, head_dim, d_state),
+                      f32(COLS, 12, heads, head_dim), f32(COLS, 12, heads, d_state),
+                      *arrays[4:])
+        bc = cuda.device_array((width, groups, d_state), np.uint16)
+        plan = recurrence.prepare(*tables, 3, 4, n_tokens=5)
+        for D in (None, f32(heads)):
+            ssd.apply(plan, *ssd_arrays, cuda.device_array((width, heads, head_dim), np.uint16),
+                      cuda.device_array((width, heads), np.uint16), f32(heads), bc, bc, D,
+                      None, cuda.device_array((width, heads, head_dim), np.uint16), True, 0.0,
+                      np.inf)
     names = [kernel.name for kernel, *_ in seen]
     assert names == ["_write_window", "_apply", "_apply"] + ["step_kernel", "_set_marks",
-                                                             "_zero_rows"] * 2
+                                                             "_zero_rows"] * 4
     assert len(seen) == len(recorder.launches)
     for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
     assert recorder.launches[3].grid == (3, heads, 1)
     assert recorder.launches[3].block == (512, 1, 1)    # 4 lanes a column of 128 rows
+    assert recorder.launches[9].block == (256, 1, 1)    # 64 columns of 128 rows (ssd)
