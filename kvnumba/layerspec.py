@@ -233,11 +233,12 @@ def latent(rank: int, rope_dim: int) -> LayerSpec:
 def state(*, conv=None, recurrent=None) -> LayerSpec:
     """A state layer (contract §17): a hybrid model's mixer, keeping per sequence the window
     of a depthwise causal convolution over `channels` inputs of `width` taps (`conv=(channels,
-    width)`: its inputs, kept in the cache's storage dtype) and/or a gated-delta-rule
-    recurrent state of `heads` heads, each a float32 `[k_dim, v_dim]` matrix (`recurrent=(heads,
-    k_dim, v_dim)`). At least one part. Its data path is `conv` and `delta_rule`, not
-    `write` / `attend`; it takes no pages, and rewinds and clones restore its state exactly
-    down to the floor of a ring of window 1 (`kinds.state`)."""
+    width)`: its inputs, kept in the cache's storage dtype) and/or a recurrent state of
+    `heads` heads, each a float32 `[k_dim, v_dim]` matrix (`recurrent=(heads, k_dim,
+    v_dim)`; Mamba2's `ssd` declares `(heads, head_dim, d_state)`). At least one part.
+    Its data path is `conv` and `delta_rule` or `ssd`, not `write` / `attend`; it takes
+    no pages, and rewinds and clones restore its state exactly down to the floor of a
+    ring of window 1 (`kinds.state`)."""
     if conv is None and recurrent is None:
         raise ConfigError("state(conv=None, recurrent=None): a state layer keeps a conv "
                           "window (conv=(channels, width)), a recurrent state "

@@ -82,7 +82,7 @@ def half_written_refusal(written: np.ndarray, storing: np.ndarray) -> StepProtoc
 def unrun_state_refusal(ran: np.ndarray, absent: np.ndarray) -> StepProtocolError:
     """A `commit_step` of a step that ran some layers and left a state layer's part unrun
     (`ran`, bool `[n_layers, 2]`: conv, recurrent; `absent`: the parts layers lack)."""
-    missing = [f"{'conv' if part == 0 else 'delta_rule'}({layer})"
+    missing = [f"{'conv' if part == 0 else 'delta_rule/ssd'}({layer})"
                for layer, part in zip(*np.nonzero(~ran & ~absent))]
     return StepProtocolError(f"commit_step: the step ran other layers but not "
                              f"{', '.join(missing)}; run every state layer's parts before "

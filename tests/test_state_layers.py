@@ -151,7 +151,7 @@ def test_refused_ops_change_nothing():
     with pytest.raises(kv.ShapeError, match="is a state layer"):
         cache.write(0, np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32))
     cache.write(1, np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32))
-    with pytest.raises(kv.StepProtocolError, match=r"conv\(0\), delta_rule\(0\)"):
+    with pytest.raises(kv.StepProtocolError, match=r"conv\(0\), delta_rule/ssd\(0\)"):
         cache.commit_step()
     cache.abort_step()
     run_step(cache, model, [a, a])                                   # as if nothing happened

@@ -185,7 +185,8 @@ def test_refused_calls_change_nothing():
         cache.ssd(2, x, dt, model.A, B, C)
     assert state_bytes(cache) == before
     cache.write(2, np.zeros((2, 1, 8), np.float32), np.zeros((2, 1, 8), np.float32))
-    with pytest.raises(kv.StepProtocolError, match=r"delta_rule\(0\), delta_rule\(1\)"):
+    with pytest.raises(kv.StepProtocolError,
+                       match=r"delta_rule/ssd\(0\), delta_rule/ssd\(1\)"):
         cache.commit_step()
     cache.abort_step()
     run_step(cache, model, [a, a])                                   # as if nothing happened

@@ -98,7 +98,7 @@ class DataPath:
         if self.layer_geometry[layer] is None:
             raise ShapeError(f"{verb}: layer {int(layer)} is a state layer "
                              f"({self.config.kinds[layer].describe()}): it attends not; its "
-                             f"data path is conv / delta_rule")
+                             f"data path is conv / delta_rule / ssd")
         return int(layer)
 
     def _write_args(self, step, layer, k, v) -> int:

@@ -1,7 +1,8 @@
 """The state kind (contract §17): a hybrid model's mixer layer, which keeps a fixed-size
 state per sequence instead of K/V per position: the input window of a depthwise causal
-convolution (`conv=(channels, width)`) and/or a gated-delta-rule recurrent state
-(`recurrent=(heads, k_dim, v_dim)`).
+convolution (`conv=(channels, width)`) and/or a recurrent state, the gated delta
+rule's (`recurrent=(heads, k_dim, v_dim)`) or Mamba2's SSD's (`recurrent=(heads,
+head_dim, d_state)`).
 
 Storage is a column per sequence slot plus the scratch column (no pages):
 
@@ -13,9 +14,10 @@ Storage is a column per sequence slot plus the scratch column (no pages):
 * the recurrent state `[cols, heads, k_dim, v_dim]` (float32) at the column's live
   position, a base state at a base position at or below the floor, and a ring of the
   step inputs of the last `log_rows = min(capacity, 3 M)` positions (k, v, a per-channel
-  log-decay and beta, float32): a sequence resumed below its live position (a rewind, a
-  clone, an aborted step) replays the inputs since its base, exactly as they were first
-  applied (`kernels.state.delta_rule`).
+  log-decay and beta, float32; the ssd's `d x`, B and `d A` in the same arrays): a
+  sequence resumed below its live position (a rewind, a clone, an aborted step) replays
+  the inputs since its base, exactly as they were first applied
+  (`kernels.state.recurrence`).
 
 For floors the layer is a ring of window 1 (`M` rows): once `hw > M` it restores any
 position in `[hw - M, pos]`, below that `RingFloorError`. A clone copies the columns
@@ -31,7 +33,7 @@ from ..arith.positions import ring_floor, ring_rows
 #: bytes of a float32 state, base or log element
 STATE_ITEMSIZE = 4
 #: log rows per position of `max_write`: a base at most `M` behind the floor, the floor
-#: `M` behind the high-water, and one step of `M` more (`kernels.state.delta_rule`)
+#: `M` behind the high-water, and one step of `M` more (`kernels.state.recurrence`)
 LOG_WRITES = 3
 
 

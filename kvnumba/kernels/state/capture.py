@@ -1,7 +1,7 @@
 """A state layer's prefix snapshots (contract §17): the recurrent state of a column at a
-past position `E`, rebuilt from its base and input log (`delta_rule`'s storage) into a
-snapshot slot, with the same arithmetic as the step kernel, so a sequence restored from
-the snapshot continues exactly as the one that wrote those positions.
+past position `E`, rebuilt from its base and input log (`recurrence`'s storage, either
+op's) into a snapshot slot, with the same arithmetic as the step kernel, so a sequence
+restored from the snapshot continues exactly as the one that wrote those positions.
 
 `caps [n, 3]` int32: per capture `(col, E, slot)`; block `(capture, head)`, its lanes
 the step kernel's (`lanes`: a column of the state over `parts` lanes): the base (the
