@@ -264,10 +264,10 @@ def test_a_layer_keeps_one_gate_and_rule_and_a_refused_call_changes_nothing():
     cache.declare_step([a, a])
     cache.prepare_step()
     inp = model.inputs(2)
-    with pytest.raises(kv.ShapeError, match="keeps one gate and one rule"):
+    with pytest.raises(kv.ShapeError, match="keeps one op, one gate and one rule"):
         cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"], None, qk_l2norm=True)
     per_channel = np.repeat(inp["g"][:, :, None], DK, axis=2)
-    with pytest.raises(kv.ShapeError, match="keeps one gate and one rule"):
+    with pytest.raises(kv.ShapeError, match="keeps one op, one gate and one rule"):
         cache.delta_rule(0, inp["q"], inp["k"], inp["v"], per_channel, inp["beta"],
                          qk_l2norm=True)
     cache.abort_step()
