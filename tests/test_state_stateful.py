@@ -4,9 +4,10 @@ sequences and spans, padded, committed or aborted after the ops ran, prefix
 registrations and matches), legal and illegal, against the contract's model of
 sequences: each sequence is the inputs it wrote at each position, a rewind truncates
 it, a clone copies its first `upto`, a prefix match copies the registered sequence's
-first `L`. After every step each real token's conv and delta-rule outputs must equal
-the float64 oracle's over the sequence's whole history (tests/stateref.py); every
-refusal must raise the predicted error and change nothing a later step can see.
+first `L`. After every step each real token's conv and delta-rule outputs (and, on
+the ssd machine's cache, the ssd's) must equal the float64 oracle's over the
+sequence's whole history (tests/stateref.py); every refusal must raise the predicted
+error and change nothing a later step can see.
 """
 import hashlib
 
@@ -15,14 +16,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import kvnumba as kv
-from test_state_layers import Model, config, rewind, run_step
+import test_state_layers as layers
+import test_state_ssd as ssd_layers
 
 
 class StateMachine(RuleBasedStateMachine):
+    #: the cache's layers, the model of its sequences and a committed step
+    layers = layers
+
     def __init__(self):
         super().__init__()
-        self.cache = kv.BatchedSequenceCache(config(state_interval=8))
-        self.model = Model(11)
+        self.cache = kv.BatchedSequenceCache(self.layers.config(state_interval=8))
+        self.model = self.layers.Model(11)
         self.hw = {}
         self.keys = {}              # sequence -> its pages' keys
         self.owners = {}            # key -> the inputs of the positions up to its page end
@@ -72,15 +77,13 @@ class StateMachine(RuleBasedStateMachine):
             return
         width = len(ids) + width_extra
         if commit:
-            run_step(self.cache, self.model, ids, width)
+            self.layers.run_step(self.cache, self.model, ids, width)
         else:                        # the ops run, then the step is aborted
-            self.cache.declare_step(ids)
-            self.cache.prepare_step(width)
-            inp = self.model.inputs(width)
-            self.cache.conv(0, inp["x"], self.model.weight, self.model.bias, activation="silu")
-            self.cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
-                                  qk_l2norm=True)
+            self.layers.run_step(self.cache, self.model, ids, width, commit=False)
             self.cache.abort_step()
+            for s in counts:         # the model's sequences keep what they had
+                self.model.seqs[s] = {n: a[:len(a) - counts[s]]
+                                      for n, a in self.model.seqs[s].items()}
         for s, c in counts.items():
             self.hw[s] = max(self.hw[s], len(self.model.seqs[s]["x"]) + (0 if commit else c))
 
@@ -97,7 +100,8 @@ class StateMachine(RuleBasedStateMachine):
                 assert self.cache.pos(seq) == pos
                 return
             raise AssertionError("a rewind below the floor was accepted")
-        rewind(self.cache, self.model, seq, target)
+        self.cache.rewind(seq, target)
+        self.model.seqs[seq] = {n: a[:target] for n, a in self.model.seqs[seq].items()}
         self.part(seq, target, self.keys[seq])
 
     @precondition(lambda self: len(self.model.seqs) < self.cache.max_seqs and any(
@@ -143,9 +147,20 @@ class StateMachine(RuleBasedStateMachine):
             assert self.cache.pos(seq) == len(hist["x"])
 
 
+class SsdStateMachine(StateMachine):
+    """The same verbs on a cache whose recurrent layer runs `ssd` (beside a delta rule
+    layer: tests/test_state_ssd.py)."""
+
+    layers = ssd_layers
+
+
 #: programs under the CI profile (the thorough profile's own count otherwise)
 CI_PROGRAMS = 5
 TestStateLayers = StateMachine.TestCase
 TestStateLayers.settings = settings(
     settings.default, max_examples=settings.default.max_examples
     if settings.default.max_examples > 25 else CI_PROGRAMS)
+TestSsdStateLayers = SsdStateMachine.TestCase
+TestSsdStateLayers.settings = settings(
+    settings.default, max_examples=settings.default.max_examples
+    if settings.default.max_examples > 25 else 2)
