@@ -167,3 +167,13 @@ def test_loads_stay_in_flight_until_a_wait():
                "FADD R3, R2, R2", "LDG.E.U16 R12, desc[UR4][R4.64]", "FADD R13, R12, R12")
     assert model.most_in_flight(run) == 20
     assert model.most_in_flight(run[2:]) == 2
+
+
+def test_an_ssd_decode_token_moves_its_state_twice_and_its_rows():
+    """head_dim 64, d_state 128: the float32 state read and written (2 x 32 KiB); x, dt
+    and out in bfloat16, B and C (128 each) shared by 16 heads; A, D, dt_bias in
+    float32; the log row's d x, B and d A in float32."""
+    from kvnumba.bench.sass import state as sassstate
+    assert sassstate.ssd_bytes(128, 64) == \
+        2 * 64 * 128 * 4 + 2 * (64 + 1 + 2 * 128 / 16 + 64) + 4 * 3 + 4 * (64 + 128 + 1)
+    assert sassstate.ssd_bytes(128, 64) == 66610

@@ -59,6 +59,12 @@ ordering the two, so a new token may take the row of a position the same step re
 Output rows of tokens in no segment (padding) are not written by the step kernel; a
 plan made with `n_tokens` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
+A prefill takes its tokens one position at a time through the same loop. A chunked
+scan of long runs would be another kernel bound in `RecurrentStep.launch` under its own
+key (an op's `taken` says what it logs), writing the same log rows, state and marks;
+replays, which this loop takes, would then match it within float32 rounding, not bit
+for bit.
+
 The caller guarantees: `Rl >= 3 * M`, `M = advance_after` the most tokens a sequence
 writes in one step; `bp <= floor <= p0`; the log holds every position a rewind replays
 (`[bp, p0)`, so `p0 - bp <= Rl`); `Dk, Dv <= 256`; each sequence at most one run; a
