@@ -2,9 +2,11 @@
 `kernels.state.ssd`) and their work plan (`arith.state_runs`) called directly, step
 after step, through the harness of `statelayers` (`ConvLayer`, `DeltaLayer`,
 `SsdLayer`): each step's outputs, and the recurrences' states, bases and marks, against
-the float64 references of `stateref` run over each sequence's whole history. Prefills, decodes, two spans of a sequence in a step, padding,
-rewinds (replays from the log), base advances, column copies, random schedules of all
-of these; float16, bfloat16 and float32 inputs and outputs, strided inputs.
+the float64 references of `stateref` run over each sequence's whole history.
+Prefills, decodes, two spans of a sequence in a step, padding, rewinds (replays from
+the log), base advances, column copies, random schedules of all of these; float16,
+bfloat16 and float32 inputs and outputs, strided inputs; the ssd with groups, D,
+dt_bias, softplus or not and dt clamped.
 
 The kernels also compile for a GPU and launch through the lean path: one test runs this
 file's compile-mode test in `KVNUMBA_DEVICE=compile` mode (test_launch.py's way).

@@ -6,8 +6,9 @@ device functions that load, store and clear them and take one token of the recur
 shuffles, so every lane gets the same float), built once per head shape, gate kind,
 split and layout (`lane_functions`). The state is stored `[cols, H, Dk, Dv]` (the delta
 rule's: a column's rows `Dv` apart) or `transposed`, `[cols, H, Dv, Dk]` (Mamba2's
-`[heads, head_dim, d_state]`: a column's rows adjacent). One definition, so that a replayed state (the step kernel's
-rewinds, a prefix snapshot's capture) is bit-identical to the one computed directly.
+`[heads, head_dim, d_state]`: a column's rows adjacent). One definition, so that a
+replayed state (the step kernel's rewinds, a prefix snapshot's capture) is
+bit-identical to the one computed directly.
 """
 from __future__ import annotations
 

@@ -292,8 +292,9 @@ class RecurrentStep:
 
     def launch(self, key, build, arrays: tuple, inputs: tuple, out, f0, f1, option: bool,
                has_beta: bool) -> None:
-        """The step kernel `build()` makes (`(kernel, heads, threads)`, once per `key`, with the scalars `f0`, `f1`, `option`, `has_beta` bound then) over the
-        layer's storage `arrays` (`state, base, log_k, log_v, log_g, log_b, marks`, the
+        """The step kernel `build()` makes (`(kernel, heads, threads)`, once per `key`,
+        with the scalars `f0`, `f1`, `option`, `has_beta` bound then) over the layer's
+        storage `arrays` (`state, base, log_k, log_v, log_g, log_b, marks`, the
         logs in the lanes' roles) and the op's `inputs` (at most `INPUTS`), then the
         marks, then the padding rows of `out` zeroed."""
         if self.n_runs:
