@@ -34,7 +34,7 @@ class Pool:
         self.storage = PageStorage(config, n_rows, stream)
         self.states = StateStorage(config, n_rows, stream)
         #: per column, the base position of its state layers as the step kernels set it
-        #: (`kernels.state.delta_rule`; mirrored at each `prepare_step` by the step
+        #: (`kernels.state.recurrence`; mirrored at each `prepare_step` by the step
         #: protocol, an upper bound where a step ran on some layers only): the oldest
         #: position a snapshot can be rebuilt at
         self.state_base = np.zeros(n_rows, np.int64)
