@@ -196,6 +196,8 @@ def test_refused_calls_change_nothing():
     with pytest.raises(kv.StepProtocolError, match="already ran ssd"):
         model.ssd(cache, model.inputs(1))
     cache.abort_step()
+    with pytest.raises(kv.StepProtocolError, match="ssd: the step is IDLE"):
+        model.ssd(cache, model.inputs(1))
 
 
 def test_bfloat16_inputs_within_tolerance():
