@@ -80,6 +80,7 @@ from ..intrinsics import ptx
 from ..launch.calling import PER_CALL, Specialised, ceil_div, no_output
 from ..masks import storage_row
 from .. import padding
+from . import chunked
 from .lanes import WARP, lane_functions
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
@@ -218,9 +219,11 @@ def _kernels(dk: int, dv: int, per_channel: bool):
 
     @cuda.jit(**bounds)
     def step_kernel(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out,
-                    runs, order, seq_info, scale, qk_l2norm, has_beta, advance_after):
-        """Block (run, head): the sequence's positions `[start, end)` (module doc)."""
-        run, h, tid = cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
+                    runs, order, seq_info, first, replay_only, scale, qk_l2norm, has_beta,
+                    advance_after):
+        """Block (first + run, head): the sequence's positions `[start, end)`, or with
+        `replay_only` `[start, p0)` (module doc)."""
+        run, h, tid = first + cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
         n_threads = int32(cuda.blockDim.x)
         j, p = int32(uint32(tid) // parts), int32(uint32(tid) % parts)
         log_rows = log_k.shape[1]
@@ -231,6 +234,8 @@ def _kernels(dk: int, dv: int, per_channel: bool):
         s = cuda.local.array(rows, float32)
         col, live, p0, end, start, source, advance, floor, new_bp = _plan(
             marks, runs, order, seq_info, run, advance_after)
+        if replay_only:
+            end = p0
         if source == FROM_STATE:
             load(s, state, col, h, j, p)
         elif source == FROM_BASE:
@@ -246,6 +251,8 @@ def _kernels(dk: int, dv: int, per_channel: bool):
                 if live == p0:
                     pos = p0
                     load(s, state, col, h, j, p)
+                    if pos == end:        # replay only: nothing past p0
+                        break
             row = storage_row(pos, log_rows)
             want = pos >= p0
             if want:
@@ -268,7 +275,10 @@ def _kernels(dk: int, dv: int, per_channel: bool):
                 out[token, h, j] = ptx.from_f32(float32(o * scale), out)
             cuda.syncthreads()
             pos += 1
-        store(s, state, col, h, j, p)
+        if advance:                   # replay only, the base advancing to p0 (= floor)
+            store(s, base, col, h, j, p)
+        if not (advance and live == p0):   # else the live state at p0 stays
+            store(s, state, col, h, j, p)
 
     return Specialised(step_kernel)
 
@@ -325,15 +335,21 @@ def block_threads(dv: int, parts: int = 1) -> int:
 
 class DeltaStep:
     """The delta rule's launches of one step (`prepare`): its work plan, run count,
-    `advance_after`, padding and stream fixed, the step kernel bound once per head shape,
-    gate kind, beta rule and scale, so a layer's call passes its arrays (`__call__`, as
-    `run` takes them)."""
+    chunked runs, `advance_after`, padding and stream fixed, the kernels bound once per
+    head shape, gate kind, beta rule and scale, so a layer's call passes its arrays
+    (`__call__`, as `run` takes them).
+
+    The last `n_chunked` runs (`arith.state_runs` puts those of at least `chunk` new
+    tokens there) take the chunked kernel (`chunked`) where it fits the layer's heads
+    and gate: the step kernel replays them up to their first new position
+    (`replay_only`), then the chunked kernel takes their new tokens. Elsewhere every run
+    takes the step kernel."""
 
     def __init__(self, runs, order, seq_info, n_runs: int, advance_after: int, n_tokens,
-                 stream):
+                 stream, n_chunked: int = 0, chunk: int = chunked.CHUNK):
         self.runs, self.order, self.seq_info = runs, order, seq_info
         self.n_runs, self.advance_after, self.stream = n_runs, advance_after, stream
-        self.n_tokens = n_tokens
+        self.n_tokens, self.n_chunked, self.chunk = n_tokens, n_chunked, chunk
         self._steps, self._zero = {}, {}
         self._marks = (_marks.bind(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream,
                                    PER_CALL, runs, order, seq_info, n_runs, advance_after)
@@ -349,16 +365,15 @@ class DeltaStep:
                                  f"head for Dk {dk}")
             scale, qk_l2norm = np.float32(scale), bool(qk_l2norm)
             key = (n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm)
-            launch = self._steps.get(key)
-            if launch is None:
-                dk_cap(dk)
-                threads = block_threads(dv, lanes_per_column(dk, dv))
-                launch = self._steps[key] = _kernel(dk, dv, per_channel).bind(
-                    (self.n_runs, n_heads), threads, self.stream, *[PER_CALL] * 13,
-                    self.runs, self.order, self.seq_info, scale, qk_l2norm, has_beta,
-                    self.advance_after)
-            launch(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g,
-                   beta if has_beta else no_output(), out)
+            launches = self._steps.get(key)
+            if launches is None:
+                launches = self._steps[key] = self._bind(n_heads, dk, dv, per_channel,
+                                                         has_beta, scale, qk_l2norm)
+            beta = beta if has_beta else no_output()
+            for launch in launches[:-1]:
+                launch(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out)
+            if launches[-1] is not None:
+                launches[-1](state, log_k, log_v, log_g, log_b, q, k, v, g, beta, out)
             self._marks(marks)
         if self.n_tokens is not None:
             width = out.shape[0]
@@ -368,23 +383,49 @@ class DeltaStep:
             if zero is not None:
                 zero(out, no_output())
 
+    def _bind(self, n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm) -> tuple:
+        """`(step launches.., chunked launch or None)` of a layer's key."""
+        dk_cap(dk)
+        threads = block_threads(dv, lanes_per_column(dk, dv))
+        step = _kernel(dk, dv, per_channel)
+        n_chunked = self.n_chunked if chunked.fits(dk, dv, per_channel, self.chunk) else 0
+        n_step = self.n_runs - n_chunked
+        tables = (self.runs, self.order, self.seq_info)
+
+        def step_launch(first, n, replay_only):
+            return step.bind((n, n_heads), threads, self.stream, *[PER_CALL] * 13, *tables,
+                             first, replay_only, scale, qk_l2norm, has_beta,
+                             self.advance_after)
+
+        launches = [step_launch(0, n_step, False)] if n_step else []
+        if not n_chunked:
+            return (*launches, None)
+        launches.append(step_launch(n_step, n_chunked, True))
+        grid = (n_chunked, n_heads, dv // chunked.value_block(dv))
+        return (*launches, chunked.kernel(dk, dv, self.chunk).bind(
+            grid, chunked.THREADS, self.stream, *[PER_CALL] * 11, *tables, n_step, scale,
+            qk_l2norm, has_beta))
+
 
 def prepare(runs, order, seq_info, n_runs: int, advance_after: int, stream=0, *,
-            n_tokens=None) -> DeltaStep:
+            n_tokens=None, n_chunked: int = 0, chunk: int = chunked.CHUNK) -> DeltaStep:
     """The launches of a step's delta rule layers with the work plan `runs`, `order`,
-    `seq_info` (int32 device arrays, module doc) of `n_runs` runs, bound for its layers'
-    calls (`DeltaStep`); with `n_tokens`, each call also zeroes `out[n_tokens:]`."""
+    `seq_info` (int32 device arrays, module doc) of `n_runs` runs, the last `n_chunked`
+    of them chunked by `chunk` tokens where a layer's heads allow (`DeltaStep`), bound
+    for its layers' calls; with `n_tokens`, each call also zeroes `out[n_tokens:]`."""
     return DeltaStep(runs, order, seq_info, int(n_runs), int(advance_after),
-                     None if n_tokens is None else int(n_tokens), stream)
+                     None if n_tokens is None else int(n_tokens), stream, int(n_chunked),
+                     int(chunk))
 
 
 def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, runs, order,
         seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
-        n_tokens=None) -> None:
+        n_tokens=None, n_chunked: int = 0, chunk: int = chunked.CHUNK) -> None:
     """Advance the state of each of the `n_runs` runs over its segments (module doc):
-    two launches, the step (grid `(n_runs, H)`, `block_threads(Dv, lanes_per_column(Dk,
-    Dv))` threads) and the marks; a third zeroes `out[n_tokens:]` when `n_tokens` is
-    given.
+    the step kernel (grid `(n_runs, H)`, `block_threads(Dv, lanes_per_column(Dk, Dv))`
+    threads), or for the last `n_chunked` runs, where the heads allow, the step kernel's
+    replay and the chunked kernel (`DeltaStep`); then the marks; a last launch zeroes
+    `out[n_tokens:]` when `n_tokens` is given.
 
     `q, k [width, H, Dk]`, `v [width, H, Dv]`, `g [width, H]` (per head) or `[width, H,
     Dk]`, `beta [width, H]` or None (`S += k v^T`; a layer must use one rule for all its
@@ -392,6 +433,7 @@ def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, r
     uint16 bits; `out [width, H, Dv]` of those. `runs`, `order`, `seq_info`: int32
     device arrays as `arith.state_runs` and the segment table lay them out; `scale`
     float32. `prepare` binds these launches once for a step's layers."""
-    prepare(runs, order, seq_info, n_runs, advance_after, stream, n_tokens=n_tokens)(
+    prepare(runs, order, seq_info, n_runs, advance_after, stream, n_tokens=n_tokens,
+            n_chunked=n_chunked, chunk=chunk)(
         state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, scale,
         qk_l2norm)
