@@ -94,40 +94,49 @@ def _exp(x):
     return float32(math.exp(x))
 
 
+def _rounds(n: int, per: int) -> int:
+    return -(-n // per)
+
+
 def _kernels(dk: int, dv: int, chunk: int):
     """The chunked kernel of heads of `dk` keys and `dv` values, chunks of `chunk`
-    tokens (module doc)."""
+    tokens (module doc). Every loop inside a chunk has a compile-time trip count
+    (unrolled) but the walk over a run's segments."""
     bv = value_block(dv)
     kp, sp, tp = dk + PAD, bv + PAD, chunk + PAD        # pitches of the float16 tiles
     rnorm = lane_functions(dk, dv, False, 1).rnorm
-    ab_t = product(False, True)        # A @ B^T: K K^T, Q K^T
-    ab = product(False, False)         # A @ B: K S, T R, Q S, P D
-    at_b = product(True, False)        # A^T @ B: K^T D
+    kk_t = product(False, True, dk)       # K K^T, Q K^T
+    k_s = product(False, False, dk)       # K S, Q S
+    t_r = product(False, False, chunk)    # T R, P D
+    kt_d = product(True, False, chunk)    # K^T D
     c_tiles, v_tiles, k_tiles = chunk // TILE, bv // TILE, dk // TILE
+    square, wide, tall = c_tiles * c_tiles, c_tiles * v_tiles, k_tiles * v_tiles
+    lane_rows = _rounds(dk, WARP)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 
     @cuda.jit(device=True)
-    def stage_rows(x, token, h, x_h, t, row, lane, qk_l2norm, log_k, col, log_row, log):
+    def stage_row(x, token, h, x_h, t, row, lane, qk_l2norm, log_k, col, log_row, log):
         """Row `t` of a float16 tile from token `token`'s q or k (normalised with the
         per-token kernel's `rnorm` when asked; into the log when `log`); one warp, each
         lane reading back only the elements of `row` it wrote."""
-        i = lane
-        while i < dk:
-            row[i] = ptx.to_f32(x[token, h, i])
-            i += WARP
-        r = rnorm(row) if qk_l2norm else ONE
-        i = lane
-        while i < dk:
-            y = float32(row[i] * r) if qk_l2norm else row[i]
-            x_h[t * kp + i] = ptx.from_f32(y, x_h)
-            if log:
-                log_k[col, log_row, h, i] = y
-            i += WARP
+        for r in range(lane_rows):
+            i = r * WARP + lane
+            if dk % WARP == 0 or i < dk:
+                row[i] = ptx.to_f32(x[token, h, i])
+        f = rnorm(row) if qk_l2norm else ONE
+        for r in range(lane_rows):
+            i = r * WARP + lane
+            if dk % WARP == 0 or i < dk:
+                y = float32(row[i] * f) if qk_l2norm else row[i]
+                x_h[t * kp + i] = ptx.from_f32(y, x_h)
+                if log:
+                    log_k[col, log_row, h, i] = y
 
     @cuda.jit(**bounds)
     def chunk_kernel(state, log_k, log_v, log_g, log_b, q, k, v, g, beta, out, runs, order,
                      seq_info, first, scale, qk_l2norm, has_beta):
-        """Block (run, head, value block): the run's new positions, chunk by chunk."""
+        """Block (first + run, head, value block): the run's new positions, chunk by
+        chunk (module doc)."""
         run, h, vb = first + cuda.blockIdx.x, cuda.blockIdx.y, cuda.blockIdx.z
         tid = int32(cuda.threadIdx.x)
         warp, lane = int32(tid // WARP), int32(tid % WARP)
@@ -139,183 +148,164 @@ def _kernels(dk: int, dv: int, chunk: int):
         r_h = cuda.shared.array(chunk * sp, float16, alignment=16)    # V - b K S
         d_h = cuda.shared.array(chunk * sp, float16, alignment=16)    # D
         e_h = cuda.shared.array(chunk * sp, float16, alignment=16)    # exp(G_C - G) D
-        t_h = cuda.shared.array(chunk * tp, float16, alignment=16)    # T, then Q K^T
+        t_h = cuda.shared.array(chunk * tp, float16, alignment=16)    # T, then P
         v_f = cuda.shared.array(chunk * bv, float32)
-        a_f = cuda.shared.array(chunk * chunk, float32)               # A, then T
+        a_f = cuda.shared.array(chunk * chunk, float32)               # A
         rows = cuda.shared.array(WARPS * dk, float32)
         g_f = cuda.shared.array(chunk, float32)                       # G
         b_f = cuda.shared.array(chunk, float32)                       # beta
         tok = cuda.shared.array(chunk, int32)
-        cursor = cuda.shared.array(2, int32)
-        col = runs[run, RUN_COL]
-        lo, last = runs[run, RUN_LO], order[runs[run, RUN_HI] - 1]
+        column = cuda.local.array(chunk, float32)
+        col, lo, hi = runs[run, RUN_COL], runs[run, RUN_LO], runs[run, RUN_HI]
+        last = order[hi - 1]
         p0 = seq_info[order[lo], POS_START]
         n_new = int32(seq_info[last, POS_START] + seq_info[last, Q_LEN] - p0)
-        if tid == 0:
-            cursor[0], cursor[1] = lo, 0
+        row = rows[warp * dk:]
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(chunk, n_new - c0)
-            if tid == 0:                      # the chunk's tokens, segment by segment
-                seg, offset = cursor[0], cursor[1]
-                for t in range(chunk):
-                    if t < n_in:
-                        segment = order[seg]
-                        while offset >= seq_info[segment, Q_LEN]:
-                            seg += 1
-                            offset = 0
-                            segment = order[seg]
-                        tok[t] = seq_info[segment, Q_START] + offset
-                        offset += 1
-                cursor[0], cursor[1] = seg, offset
+            if tid < n_in:                    # this token's row: its segment's
+                seg, at = lo, c0 + tid
+                while at >= seq_info[order[seg], Q_LEN]:
+                    at -= seq_info[order[seg], Q_LEN]
+                    seg += 1
+                tok[tid] = seq_info[order[seg], Q_START] + at
             cuda.syncthreads()
             # ---- inputs: q, k (the log's k), v, g, beta; the state's float16 copy
-            row = rows[warp * dk:]
-            t = warp
-            while t < chunk:
+            for i in range(_rounds(chunk, WARPS)):
+                t = warp + i * WARPS
                 if t < n_in:
                     token, at = tok[t], storage_row(p0 + c0 + t, log_rows)
-                    stage_rows(k, token, h, k_h, t, row, lane, qk_l2norm, log_k, col, at,
-                               vb == 0)
-                    stage_rows(q, token, h, q_h, t, row, lane, qk_l2norm, log_k, col, at,
-                               False)
-                else:
-                    i = lane
-                    while i < dk:
-                        k_h[t * kp + i] = ptx.from_f32(ZERO, k_h)
-                        q_h[t * kp + i] = ptx.from_f32(ZERO, q_h)
-                        i += WARP
-                t += WARPS
-            i = tid
-            while i < chunk * bv:
-                t, c = int32(i // bv), int32(i % bv)
-                x = ZERO
+                    stage_row(k, token, h, k_h, t, row, lane, qk_l2norm, log_k, col, at,
+                              vb == 0)
+                    stage_row(q, token, h, q_h, t, row, lane, qk_l2norm, log_k, col, at,
+                              False)
+                elif t < chunk:
+                    for r in range(lane_rows):
+                        x = r * WARP + lane
+                        if dk % WARP == 0 or x < dk:
+                            k_h[t * kp + x] = ptx.from_f32(ZERO, k_h)
+                            q_h[t * kp + x] = ptx.from_f32(ZERO, q_h)
+            for i in range(_rounds(chunk * bv, THREADS)):
+                x = i * THREADS + tid
+                t, c = int32(x // bv), int32(x % bv)
+                y = ZERO
                 if t < n_in:
-                    x = ptx.to_f32(v[tok[t], h, j0 + c])
-                    log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = x
-                v_f[i] = x
-                i += THREADS
+                    y = ptx.to_f32(v[tok[t], h, j0 + c])
+                    log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = y
+                if (chunk * bv) % THREADS == 0 or x < chunk * bv:
+                    v_f[x] = y
             if tid < chunk:
-                x, b = ZERO, ZERO
+                y, b = ZERO, ZERO
                 if tid < n_in:
                     token, at = tok[tid], storage_row(p0 + c0 + tid, log_rows)
-                    x = ptx.to_f32(g[token, h])
+                    y = ptx.to_f32(g[token, h])
                     b = ptx.to_f32(beta[token, h]) if has_beta else ONE
                     if vb == 0:
-                        log_g[col, at, h, 0] = x
+                        log_g[col, at, h, 0] = y
                         log_b[col, at, h] = b
-                g_f[tid], b_f[tid] = x, b
-            i = tid
-            while i < dk * bv:
-                r, c = int32(i // bv), int32(i % bv)
-                s_h[r * sp + c] = ptx.from_f32(state[col, h, r, j0 + c], s_h)
-                i += THREADS
+                g_f[tid], b_f[tid] = y, b
+            for i in range(_rounds(dk * bv, THREADS)):
+                x = i * THREADS + tid
+                if (dk * bv) % THREADS == 0 or x < dk * bv:
+                    r, c = int32(x // bv), int32(x % bv)
+                    s_h[r * sp + c] = ptx.from_f32(state[col, h, r, j0 + c], s_h)
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
-                acc = ZERO
+                y = ZERO
                 for t in range(chunk):
-                    acc = float32(acc + g_f[t])
-                    g_f[t] = acc
+                    y = float32(y + g_f[t])
+                    g_f[t] = y
             cuda.syncthreads()
             g_last = g_f[chunk - 1]
             # ---- D: the chunk's additions
             if has_beta:
-                tile = warp
-                while tile < c_tiles * c_tiles:         # A, the lower tiles
+                for i in range(_rounds(square, WARPS)):     # A, its lower tiles
+                    tile = warp + i * WARPS
                     m0, n0 = int32(tile // c_tiles * TILE), int32(tile % c_tiles * TILE)
-                    if n0 <= m0:
-                        acc8 = ab_t(k_h, kp, k_h, kp, m0, n0, dk, lane)
+                    if tile < square and n0 <= m0:
+                        acc = kk_t(k_h, kp, k_h, kp, m0, n0, lane)
                         for e in range(8):
                             r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                             if c < r:
-                                a_f[r * chunk + c] = float32(
-                                    float32(b_f[r] * _exp(float32(g_f[r] - g_f[c]))) * acc8[e])
-                    tile += WARPS
-                tile = warp
-                while tile < c_tiles * v_tiles:         # R = V - diag(b) K S
-                    m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
-                    acc8 = ab(k_h, kp, s_h, sp, m0, n0, dk, lane)
-                    for e in range(8):
-                        r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
-                        r_h[r * sp + c] = ptx.from_f32(
-                            float32(v_f[r * bv + c] - float32(_exp(g_f[r]) * acc8[e])), r_h)
-                    tile += WARPS
+                                a_f[r * chunk + c] = float32(float32(
+                                    b_f[r] * _exp(float32(g_f[r] - g_f[c]))) * acc[e])
+                for i in range(_rounds(wide, WARPS)):       # R = V - diag(b) K S
+                    tile = warp + i * WARPS
+                    if tile < wide:
+                        m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
+                        acc = k_s(k_h, kp, s_h, sp, m0, n0, lane)
+                        for e in range(8):
+                            r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
+                            r_h[r * sp + c] = ptx.from_f32(
+                                float32(v_f[r * bv + c] - float32(_exp(g_f[r]) * acc[e])), r_h)
                 cuda.syncthreads()
-                for r in range(1, chunk):               # T = (I + A)^{-1}, row by row
-                    x = ZERO
-                    if tid < r:
-                        x = a_f[r * chunk + tid]
-                        for j in range(tid + 1, r):
-                            x = float32(x + float32(a_f[r * chunk + j] * a_f[j * chunk + tid]))
-                    cuda.syncthreads()
-                    if tid < r:
-                        a_f[r * chunk + tid] = -x
-                    cuda.syncthreads()
-                i = tid
-                while i < chunk * chunk:                # T diag(beta), float16
-                    r, c = int32(i // chunk), int32(i % chunk)
-                    x = ZERO
-                    if c < r:
-                        x = float32(a_f[i] * b_f[c])
-                    elif c == r:
-                        x = b_f[c]
-                    t_h[r * tp + c] = ptx.from_f32(x, t_h)
-                    i += THREADS
+                if tid < chunk:                 # column tid of T = (I + A)^{-1}, then
+                    for r in range(chunk):      # T diag(beta) into t_h
+                        y = ZERO
+                        for j in range(r):
+                            y = float32(y + float32(a_f[r * chunk + j] * column[j]))
+                        column[r] = ONE if r == tid else -y
+                        t_h[r * tp + tid] = ptx.from_f32(float32(column[r] * b_f[tid]), t_h)
                 cuda.syncthreads()
-                tile = warp
-                while tile < c_tiles * v_tiles:         # D = T diag(beta) R
-                    m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
-                    acc8 = ab(t_h, tp, r_h, sp, m0, n0, m0 + TILE, lane)
-                    for e in range(8):
-                        r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
-                        d_h[r * sp + c] = ptx.from_f32(acc8[e], d_h)
-                        e_h[r * sp + c] = ptx.from_f32(
-                            float32(acc8[e] * _exp(float32(g_last - g_f[r]))), e_h)
-                    tile += WARPS
+                for i in range(_rounds(wide, WARPS)):       # D = T diag(beta) R
+                    tile = warp + i * WARPS
+                    if tile < wide:
+                        m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
+                        acc = t_r(t_h, tp, r_h, sp, m0, n0, lane)
+                        for e in range(8):
+                            r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
+                            d_h[r * sp + c] = ptx.from_f32(acc[e], d_h)
+                            e_h[r * sp + c] = ptx.from_f32(
+                                float32(acc[e] * _exp(float32(g_last - g_f[r]))), e_h)
             else:
-                i = tid
-                while i < chunk * bv:                   # D = V
-                    r, c = int32(i // bv), int32(i % bv)
-                    d_h[r * sp + c] = ptx.from_f32(v_f[i], d_h)
-                    e_h[r * sp + c] = ptx.from_f32(
-                        float32(v_f[i] * _exp(float32(g_last - g_f[r]))), e_h)
-                    i += THREADS
+                for i in range(_rounds(chunk * bv, THREADS)):   # D = V
+                    x = i * THREADS + tid
+                    if (chunk * bv) % THREADS == 0 or x < chunk * bv:
+                        r, c = int32(x // bv), int32(x % bv)
+                        d_h[r * sp + c] = ptx.from_f32(v_f[x], d_h)
+                        e_h[r * sp + c] = ptx.from_f32(
+                            float32(v_f[x] * _exp(float32(g_last - g_f[r]))), e_h)
             cuda.syncthreads()
-            # ---- P = Q K^T . Gamma . causal, into t_h's lower tiles
-            tile = warp
-            while tile < c_tiles * c_tiles:
+            # ---- P = Q K^T . Gamma . causal into t_h
+            for i in range(_rounds(square, WARPS)):
+                tile = warp + i * WARPS
                 m0, n0 = int32(tile // c_tiles * TILE), int32(tile % c_tiles * TILE)
-                if n0 <= m0:
-                    acc8 = ab_t(q_h, kp, k_h, kp, m0, n0, dk, lane)
+                if tile < square and n0 <= m0:
+                    acc = kk_t(q_h, kp, k_h, kp, m0, n0, lane)
                     for e in range(8):
                         r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
-                        x = ZERO
+                        y = ZERO
                         if c <= r:
-                            x = float32(acc8[e] * _exp(float32(g_f[r] - g_f[c])))
-                        t_h[r * tp + c] = ptx.from_f32(x, t_h)
-                tile += WARPS
+                            y = float32(acc[e] * _exp(float32(g_f[r] - g_f[c])))
+                        t_h[r * tp + c] = ptx.from_f32(y, t_h)
+                elif tile < square:
+                    for e in range(8):
+                        t_h[(m0 + tile_row(e, lane)) * tp + n0 + tile_col(e, lane)] = \
+                            ptx.from_f32(ZERO, t_h)
             cuda.syncthreads()
             # ---- O = scale (diag(b) Q S + P D); S' = b_C S + K^T diag(exp(G_C - G)) D
-            tile = warp
-            while tile < c_tiles * v_tiles:
-                m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
-                qs = ab(q_h, kp, s_h, sp, m0, n0, dk, lane)
-                pd = ab(t_h, tp, d_h, sp, m0, n0, m0 + TILE, lane)
-                for e in range(8):
-                    r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
-                    if r < n_in:
-                        o = float32(float32(_exp(g_f[r]) * qs[e]) + pd[e])
-                        out[tok[r], h, j0 + c] = ptx.from_f32(float32(o * scale), out)
-                tile += WARPS
+            for i in range(_rounds(wide, WARPS)):
+                tile = warp + i * WARPS
+                if tile < wide:
+                    m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
+                    qs = k_s(q_h, kp, s_h, sp, m0, n0, lane)
+                    pd = t_r(t_h, tp, d_h, sp, m0, n0, lane)
+                    for e in range(8):
+                        r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
+                        if r < n_in:
+                            o = float32(float32(_exp(g_f[r]) * qs[e]) + pd[e])
+                            out[tok[r], h, j0 + c] = ptx.from_f32(float32(o * scale), out)
             decay = _exp(g_last)
-            tile = warp
-            while tile < k_tiles * v_tiles:
-                m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
-                acc8 = at_b(k_h, kp, e_h, sp, m0, n0, chunk, lane)
-                for e in range(8):
-                    r, c = m0 + tile_row(e, lane), j0 + n0 + tile_col(e, lane)
-                    state[col, h, r, c] = float32(float32(decay * state[col, h, r, c]) + acc8[e])
-                tile += WARPS
+            for i in range(_rounds(tall, WARPS)):
+                tile = warp + i * WARPS
+                if tile < tall:
+                    m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
+                    acc = kt_d(k_h, kp, e_h, sp, m0, n0, lane)
+                    for e in range(8):
+                        r, c = m0 + tile_row(e, lane), j0 + n0 + tile_col(e, lane)
+                        state[col, h, r, c] = float32(
+                            float32(decay * state[col, h, r, c]) + acc[e])
             cuda.syncthreads()
             c0 += chunk
 

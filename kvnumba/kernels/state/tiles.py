@@ -7,8 +7,8 @@ aligned rows).
 `A` is either stored as is (`[M, depth]`, row-major) or transposed (stored `[depth,
 M]`: the product takes its transpose); `B` either as is (`[depth, N]`) or transposed
 (stored `[N, depth]`, e.g. keys when the product is `Q K^T`). Each choice is one
-`ldmatrix` form (tensorcore's table); `product(a_transposed, b_transposed)` builds the
-device function of one pair.
+`ldmatrix` form (tensorcore's table); `product(a_transposed, b_transposed, depth)`
+builds the device function of one pair and depth.
 
 A tile's 8 accumulators per lane, `c[e]`, sit at row `m0 + g + 8 * ((e % 4) // 2)`,
 column `n0 + 8 * (e // 4) + 2 t + e % 2` (`g = lane // 4`, `t = lane % 4`):
@@ -42,17 +42,19 @@ def tile_col(e, lane):
 
 
 @lru_cache(maxsize=None)
-def product(a_transposed: bool, b_transposed: bool):
-    """`tile(a_s, a_pitch, b_s, b_pitch, m0, n0, depth, lane) -> (c0 .. c7)`: this lane's
+def product(a_transposed: bool, b_transposed: bool, depth: int):
+    """`tile(a_s, a_pitch, b_s, b_pitch, m0, n0, lane) -> (c0 .. c7)`: this lane's
     accumulators of the 16 x 16 tile at `(m0, n0)` of `A @ B` over `depth` (a multiple
-    of 16), `A` and `B` float16 shared arrays stored as the module doc says."""
+    of 16, its loop unrolled), `A` and `B` float16 shared arrays stored as the module
+    doc says."""
+    steps = depth // TILE
 
     @cuda.jit(device=True)
-    def tile(a_s, a_pitch, b_s, b_pitch, m0, n0, depth, lane):
+    def tile(a_s, a_pitch, b_s, b_pitch, m0, n0, lane):
         c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = ZERO
         half, eighth, quarter = lane // 16, lane % 8, (lane // 8) % 2
-        k0 = 0
-        while k0 < depth:
+        for step in range(steps):
+            k0 = step * TILE
             if a_transposed:      # matrices: A^T at (k0 + 8 (l // 16), m0 + 8 ((l // 8) % 2))
                 a0, a1, a2, a3 = tensorcore.ldmatrix_x4_trans(
                     a_s, (k0 + eighth + 8 * half) * a_pitch + m0 + 8 * quarter)
@@ -67,7 +69,6 @@ def product(a_transposed: bool, b_transposed: bool):
                     b_s, (k0 + lane % 16) * b_pitch + n0 + 8 * half)
             c0, c1, c2, c3 = tensorcore.mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
             c4, c5, c6, c7 = tensorcore.mma_f16_f32(a0, a1, a2, a3, b2, b3, c4, c5, c6, c7)
-            k0 += TILE
         return c0, c1, c2, c3, c4, c5, c6, c7
 
     return tile
