@@ -21,7 +21,7 @@ from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
 from kvnumba.kernels.state import conv, delta_rule
-from statelayers import COLS, ConvLayer, DeltaLayer
+from statelayers import CHUNKED_TOLERANCE, COLS, ConvLayer, DeltaLayer, close
 
 
 # ---------------------------------------------------------------- convolution
@@ -217,11 +217,11 @@ def test_delta_rule_refuses_shapes_it_cannot_take():
 def test_state_runs_group_spans_by_sequence_in_first_appearance_order():
     seq_info = np.array([[0, 3, 2, 0, 0], [3, 1, 4, 7, 0], [4, 2, 2, 3, 0],
                          [6, 1, 0, 9, 0], [7, 1, 4, 8, 0]], np.int32)
-    runs, order = state_runs(seq_info, np.arange(5) * 10)
+    runs, order, n_chunked = state_runs(seq_info, np.arange(5) * 10)
     assert runs.tolist() == [[2, 20, 0, 2], [4, 40, 2, 4], [0, 0, 4, 5]]
     assert order.tolist() == [0, 2, 1, 4, 3]
-    assert runs.dtype == order.dtype == np.int32
-    empty_runs, empty_order = state_runs(np.zeros((0, SEQ_INFO_FIELDS), np.int32), [])
+    assert runs.dtype == order.dtype == np.int32 and n_chunked == 0
+    empty_runs, empty_order, _ = state_runs(np.zeros((0, SEQ_INFO_FIELDS), np.int32), [])
     assert empty_runs.shape == (0, 4) and empty_order.shape == (0,)
 
 
@@ -266,6 +266,86 @@ def test_delta_rule_random_schedules(seed):
         spans = sorted(spans, key=lambda sp: (order[[i for i, s in enumerate(spans)
                                                      if s[0] == sp[0]][0]], sp[1]))
         layer.step(spans, n_pad=int(rng.integers(0, 3)), floors=floors)
+
+
+# ---------------------------------------------------------------- chunked prefill
+
+CHUNKED = dict(heads=1, dk=16, chunk=16, most=24)
+
+
+@pytest.mark.parametrize("dv,has_beta,l2norm,in_name,out_name", [
+    (32, True, True, "float32", "float32"),
+    (48, True, False, "bfloat16", "bfloat16"),    # three blocks of 16 value columns
+    (16, False, True, "float16", "float32"),      # decay only
+])
+def test_delta_rule_chunked_prefills_match_the_reference(dv, has_beta, l2norm, in_name,
+                                                          out_name):
+    """Prefills of 21 (a chunk and 5) and 17 tokens (two spans: 9 and 8) on the chunked
+    kernel beside one of 3 on the per-token kernel, padding; then decode, and a rewind
+    into the chunked positions taking 18 new ones (a replay, then a chunk and 2)."""
+    layer = DeltaLayer(np.random.default_rng(dv + has_beta), dv=dv, has_beta=has_beta,
+                       per_channel=False, l2norm=l2norm, in_name=in_name,
+                       out_name=out_name, **CHUNKED)
+    layer.step([(0, 0, 21), (2, 0, 3), (3, 0, 9), (3, 9, 8)], n_pad=2)
+    layer.step([(3, 17, 1), (0, 21, 1), (2, 3, 2)])
+    layer.step([(0, 12, 18), (3, 18, 1)], n_pad=1)
+
+
+def test_delta_rule_chunked_prefill_writes_what_the_per_token_kernel_writes():
+    """A layer whose prefill took the chunked kernel and one that took the per-token
+    kernel, the same inputs: their logs and marks are equal bit for bit and their states
+    within `CHUNKED_TOLERANCE`; a rewind replays the log, so both then give the same
+    outputs and states bit for bit. A clone of the chunked one goes on as its source."""
+    chunked_layer, plain = (DeltaLayer(np.random.default_rng(21), dv=16, has_beta=True,
+                                       per_channel=False, l2norm=True,
+                                       **{**CHUNKED, "chunk": chunk}) for chunk in (16, 0))
+    chunked_layer.step([(1, 0, 20)])
+    plain.step([(1, 0, 20)], given=chunked_layer.given(1, 0, 20))
+    for name in ("log_k", "log_v", "log_g", "log_b", "marks"):
+        mine, theirs = (getattr(x, name).copy_to_host() for x in (chunked_layer, plain))
+        assert np.array_equal(mine, theirs, equal_nan=True), name
+    state, plain_state = chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1]
+    assert not np.array_equal(state, plain_state)       # another order of sums
+    close(state, plain_state, "float32", "states", CHUNKED_TOLERANCE)
+    chunked_layer.copy_column(1, 2)
+    got = chunked_layer.step([(1, 7, 3), (2, 20, 1)])            # a rewind, replayed
+    again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
+    assert np.array_equal(got[:3], again[:3])
+    assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])
+
+
+def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
+    """Chunked runs whose blocks first replay: the base advancing to a floor below p0,
+    from the live state on; to p0 itself, the live state kept; a rewind to the base. Per
+    channel gates and keys of a width not a multiple of 16 stay on the per-token kernel
+    with chunked runs planned."""
+    layer = DeltaLayer(np.random.default_rng(22), heads=1, dk=16, dv=16, most=20,
+                       has_beta=True, per_channel=False, l2norm=True, chunk=16)
+    floors = np.zeros(COLS, np.int32)
+    layer.step([(0, 0, 17), (4, 0, 3)])
+    floors[0] = 17                                        # 17 - 0 <= M: the base stays
+    layer.step([(0, 17, 18), (4, 3, 1)], floors=floors)
+    floors[0] = 30                                        # to 30, then on from live 35
+    layer.step([(0, 35, 16)], floors=floors)
+    assert layer.bp[0] == 30
+    floors[0] = 51                                        # to p0 = 51, the live state on
+    layer.step([(0, 51, 16)], floors=floors)
+    assert layer.bp[0] == 51
+    layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base
+    for dk, per_channel in ((24, False), (16, True)):
+        other = DeltaLayer(np.random.default_rng(dk), heads=1, dk=dk, dv=16, most=20,
+                           has_beta=True, per_channel=per_channel, l2norm=True, chunk=16)
+        other.step([(1, 0, 17), (0, 0, 2)])
+
+
+def test_state_runs_put_runs_of_a_chunk_or_more_last():
+    seq_info = np.array([[0, 3, 2, 0, 0], [3, 1, 4, 7, 0], [4, 2, 2, 3, 0],
+                         [6, 1, 0, 9, 0], [7, 1, 4, 8, 0]], np.int32)
+    runs, order, n_chunked = state_runs(seq_info, np.arange(5) * 10, chunk=2)
+    assert n_chunked == 2                  # 2 (3 + 2 tokens) and 4 (1 + 1) after 0 (1)
+    assert runs.tolist() == [[0, 0, 0, 1], [2, 20, 1, 3], [4, 40, 3, 5]]
+    assert order.tolist() == [3, 0, 2, 1, 4]
+    assert state_runs(seq_info, np.arange(5) * 10, chunk=6)[2] == 0
 
 
 # ---------------------------------------------------------------- compiled for a GPU

@@ -108,8 +108,18 @@ def _delta_rule_signature(t: str, *, per_channel: bool) -> str:
             f"boolean, boolean, int64)")
 
 
+def _chunked_signature(t: str) -> str:
+    """The delta rule's chunked kernel over a float32 state and log, inputs and output of
+    `t`, a gate a head, beta given."""
+    four = "float32[:, :, :, ::1]"
+    return (f"void({four}, {four}, {four}, {four}, float32[:, :, ::1], {t}[:, :, ::1], "
+            f"{t}[:, :, ::1], {t}[:, :, ::1], {t}[:, ::1], {t}[:, ::1], {t}[:, :, ::1], "
+            f"int32[:, ::1], int32[::1], int32[:, ::1], int64, float32, boolean, boolean)")
+
+
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
 _DELTA_RULE = "kvnumba.kernels.state.delta_rule:_kernel"
+_CHUNKED = "kvnumba.kernels.state.chunked:kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
 _GENERIC = "kvnumba.kernels.generic.kernel:attention_kernel"
 
@@ -244,4 +254,7 @@ SPECIALISATIONS = (
     # head, bfloat16 inputs and output (held as uint16 bits)
     Specialisation("delta rule d128 bfloat16", f"{_DELTA_RULE}(128, 128, False)",
                    _delta_rule_signature("uint16", per_channel=False)),
+    # its chunked prefill (chunks of `chunked.CHUNK` tokens, products on the tensor cores)
+    Specialisation("delta rule chunked d128 bfloat16", f"{_CHUNKED}(128, 128, 32)",
+                   _chunked_signature("uint16")),
 )

@@ -52,7 +52,6 @@ from .lanes import WARP, lane_functions
 from .tiles import TILE, product, tile_col, tile_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
-from numba.core.types import float16  # noqa: E402
 
 #: tokens a chunk: 32 keeps a d128 block's tiles within the 48 KiB of static shared
 #: memory a Numba kernel may have (`shared_bytes`), 64 would need 76 KiB
@@ -104,6 +103,8 @@ def _kernels(dk: int, dv: int, chunk: int):
     (unrolled) but the walk over a run's segments."""
     bv = value_block(dv)
     kp, sp, tp = dk + PAD, bv + PAD, chunk + PAD        # pitches of the float16 tiles
+    qk_size, s_size, v_size, t_size = chunk * kp, dk * sp, chunk * sp, chunk * tp
+    vf_size, a_size, rows_size = chunk * bv, chunk * chunk, WARPS * dk
     rnorm = lane_functions(dk, dv, False, 1).rnorm
     kk_t = product(False, True, dk)       # K K^T, Q K^T
     k_s = product(False, False, dk)       # K S, Q S
@@ -111,7 +112,10 @@ def _kernels(dk: int, dv: int, chunk: int):
     kt_d = product(True, False, chunk)    # K^T D
     c_tiles, v_tiles, k_tiles = chunk // TILE, bv // TILE, dk // TILE
     square, wide, tall = c_tiles * c_tiles, c_tiles * v_tiles, k_tiles * v_tiles
-    lane_rows = _rounds(dk, WARP)
+    lane_rows, warp_rows = _rounds(dk, WARP), _rounds(chunk, WARPS)
+    v_rounds, s_rounds = _rounds(chunk * bv, THREADS), _rounds(dk * bv, THREADS)
+    square_rounds, wide_rounds = _rounds(square, WARPS), _rounds(wide, WARPS)
+    tall_rounds = _rounds(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 
     @cuda.jit(device=True)
@@ -142,16 +146,16 @@ def _kernels(dk: int, dv: int, chunk: int):
         warp, lane = int32(tid // WARP), int32(tid % WARP)
         j0 = int32(vb * bv)
         log_rows = log_k.shape[1]
-        k_h = cuda.shared.array(chunk * kp, float16, alignment=16)
-        q_h = cuda.shared.array(chunk * kp, float16, alignment=16)
-        s_h = cuda.shared.array(dk * sp, float16, alignment=16)
-        r_h = cuda.shared.array(chunk * sp, float16, alignment=16)    # V - b K S
-        d_h = cuda.shared.array(chunk * sp, float16, alignment=16)    # D
-        e_h = cuda.shared.array(chunk * sp, float16, alignment=16)    # exp(G_C - G) D
-        t_h = cuda.shared.array(chunk * tp, float16, alignment=16)    # T, then P
-        v_f = cuda.shared.array(chunk * bv, float32)
-        a_f = cuda.shared.array(chunk * chunk, float32)               # A
-        rows = cuda.shared.array(WARPS * dk, float32)
+        k_h = cuda.shared.array(qk_size, np.float16, alignment=16)
+        q_h = cuda.shared.array(qk_size, np.float16, alignment=16)
+        s_h = cuda.shared.array(s_size, np.float16, alignment=16)
+        r_h = cuda.shared.array(v_size, np.float16, alignment=16)    # V - b K S
+        d_h = cuda.shared.array(v_size, np.float16, alignment=16)    # D
+        e_h = cuda.shared.array(v_size, np.float16, alignment=16)    # exp(G_C - G) D
+        t_h = cuda.shared.array(t_size, np.float16, alignment=16)    # T, then P
+        v_f = cuda.shared.array(vf_size, float32)
+        a_f = cuda.shared.array(a_size, float32)               # A
+        rows = cuda.shared.array(rows_size, float32)
         g_f = cuda.shared.array(chunk, float32)                       # G
         b_f = cuda.shared.array(chunk, float32)                       # beta
         tok = cuda.shared.array(chunk, int32)
@@ -172,7 +176,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                 tok[tid] = seq_info[order[seg], Q_START] + at
             cuda.syncthreads()
             # ---- inputs: q, k (the log's k), v, g, beta; the state's float16 copy
-            for i in range(_rounds(chunk, WARPS)):
+            for i in range(warp_rows):
                 t = warp + i * WARPS
                 if t < n_in:
                     token, at = tok[t], storage_row(p0 + c0 + t, log_rows)
@@ -186,7 +190,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                         if dk % WARP == 0 or x < dk:
                             k_h[t * kp + x] = ptx.from_f32(ZERO, k_h)
                             q_h[t * kp + x] = ptx.from_f32(ZERO, q_h)
-            for i in range(_rounds(chunk * bv, THREADS)):
+            for i in range(v_rounds):
                 x = i * THREADS + tid
                 t, c = int32(x // bv), int32(x % bv)
                 y = ZERO
@@ -205,7 +209,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                         log_g[col, at, h, 0] = y
                         log_b[col, at, h] = b
                 g_f[tid], b_f[tid] = y, b
-            for i in range(_rounds(dk * bv, THREADS)):
+            for i in range(s_rounds):
                 x = i * THREADS + tid
                 if (dk * bv) % THREADS == 0 or x < dk * bv:
                     r, c = int32(x // bv), int32(x % bv)
@@ -220,7 +224,7 @@ def _kernels(dk: int, dv: int, chunk: int):
             g_last = g_f[chunk - 1]
             # ---- D: the chunk's additions
             if has_beta:
-                for i in range(_rounds(square, WARPS)):     # A, its lower tiles
+                for i in range(square_rounds):     # A, its lower tiles
                     tile = warp + i * WARPS
                     m0, n0 = int32(tile // c_tiles * TILE), int32(tile % c_tiles * TILE)
                     if tile < square and n0 <= m0:
@@ -230,7 +234,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                             if c < r:
                                 a_f[r * chunk + c] = float32(float32(
                                     b_f[r] * _exp(float32(g_f[r] - g_f[c]))) * acc[e])
-                for i in range(_rounds(wide, WARPS)):       # R = V - diag(b) K S
+                for i in range(wide_rounds):       # R = V - diag(b) K S
                     tile = warp + i * WARPS
                     if tile < wide:
                         m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
@@ -248,7 +252,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                         column[r] = ONE if r == tid else -y
                         t_h[r * tp + tid] = ptx.from_f32(float32(column[r] * b_f[tid]), t_h)
                 cuda.syncthreads()
-                for i in range(_rounds(wide, WARPS)):       # D = T diag(beta) R
+                for i in range(wide_rounds):       # D = T diag(beta) R
                     tile = warp + i * WARPS
                     if tile < wide:
                         m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
@@ -259,7 +263,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                             e_h[r * sp + c] = ptx.from_f32(
                                 float32(acc[e] * _exp(float32(g_last - g_f[r]))), e_h)
             else:
-                for i in range(_rounds(chunk * bv, THREADS)):   # D = V
+                for i in range(v_rounds):   # D = V
                     x = i * THREADS + tid
                     if (chunk * bv) % THREADS == 0 or x < chunk * bv:
                         r, c = int32(x // bv), int32(x % bv)
@@ -268,7 +272,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                             float32(v_f[x] * _exp(float32(g_last - g_f[r]))), e_h)
             cuda.syncthreads()
             # ---- P = Q K^T . Gamma . causal into t_h
-            for i in range(_rounds(square, WARPS)):
+            for i in range(square_rounds):
                 tile = warp + i * WARPS
                 m0, n0 = int32(tile // c_tiles * TILE), int32(tile % c_tiles * TILE)
                 if tile < square and n0 <= m0:
@@ -285,7 +289,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                             ptx.from_f32(ZERO, t_h)
             cuda.syncthreads()
             # ---- O = scale (diag(b) Q S + P D); S' = b_C S + K^T diag(exp(G_C - G)) D
-            for i in range(_rounds(wide, WARPS)):
+            for i in range(wide_rounds):
                 tile = warp + i * WARPS
                 if tile < wide:
                     m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
@@ -297,7 +301,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                             o = float32(float32(_exp(g_f[r]) * qs[e]) + pd[e])
                             out[tok[r], h, j0 + c] = ptx.from_f32(float32(o * scale), out)
             decay = _exp(g_last)
-            for i in range(_rounds(tall, WARPS)):
+            for i in range(tall_rounds):
                 tile = warp + i * WARPS
                 if tile < tall:
                     m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
