@@ -123,18 +123,22 @@ def _kernels(dk: int, dv: int, chunk: int):
         """Row `t` of a float16 tile from token `token`'s q or k (normalised with the
         per-token kernel's `rnorm` when asked; into the log when `log`); one warp, each
         lane reading back only the elements of `row` it wrote."""
-        for r in range(lane_rows):
+        r = int32(0)
+        while r < lane_rows:
             i = r * WARP + lane
             if dk % WARP == 0 or i < dk:
                 row[i] = ptx.to_f32(x[token, h, i])
+            r = int32(r + 1)
         f = rnorm(row) if qk_l2norm else ONE
-        for r in range(lane_rows):
+        r = int32(0)
+        while r < lane_rows:
             i = r * WARP + lane
             if dk % WARP == 0 or i < dk:
                 y = float32(row[i] * f) if qk_l2norm else row[i]
                 x_h[t * kp + i] = ptx.from_f32(y, x_h)
                 if log:
                     log_k[col, log_row, h, i] = y
+            r = int32(r + 1)
 
     @cuda.jit(**bounds)
     def chunk_kernel(state, log_k, log_v, log_g, log_b, q, k, v, g, beta, out, runs, order,
@@ -176,7 +180,8 @@ def _kernels(dk: int, dv: int, chunk: int):
                 tok[tid] = seq_info[order[seg], Q_START] + at
             cuda.syncthreads()
             # ---- inputs: q, k (the log's k), v, g, beta; the state's float16 copy
-            for i in range(warp_rows):
+            i = int32(0)
+            while i < warp_rows:
                 t = warp + i * WARPS
                 if t < n_in:
                     token, at = tok[t], storage_row(p0 + c0 + t, log_rows)
@@ -185,12 +190,16 @@ def _kernels(dk: int, dv: int, chunk: int):
                     stage_row(q, token, h, q_h, t, row, lane, qk_l2norm, log_k, col, at,
                               False)
                 elif t < chunk:
-                    for r in range(lane_rows):
+                    r = int32(0)
+                    while r < lane_rows:
                         x = r * WARP + lane
                         if dk % WARP == 0 or x < dk:
                             k_h[t * kp + x] = ptx.from_f32(ZERO, k_h)
                             q_h[t * kp + x] = ptx.from_f32(ZERO, q_h)
-            for i in range(v_rounds):
+                        r = int32(r + 1)
+                i = int32(i + 1)
+            i = int32(0)
+            while i < v_rounds:
                 x = i * THREADS + tid
                 t, c = int32(x // bv), int32(x % bv)
                 y = ZERO
@@ -199,6 +208,7 @@ def _kernels(dk: int, dv: int, chunk: int):
                     log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = y
                 if (chunk * bv) % THREADS == 0 or x < chunk * bv:
                     v_f[x] = y
+                i = int32(i + 1)
             if tid < chunk:
                 y, b = ZERO, ZERO
                 if tid < n_in:
@@ -209,107 +219,143 @@ def _kernels(dk: int, dv: int, chunk: int):
                         log_g[col, at, h, 0] = y
                         log_b[col, at, h] = b
                 g_f[tid], b_f[tid] = y, b
-            for i in range(s_rounds):
+            i = int32(0)
+            while i < s_rounds:
                 x = i * THREADS + tid
                 if (dk * bv) % THREADS == 0 or x < dk * bv:
                     r, c = int32(x // bv), int32(x % bv)
                     s_h[r * sp + c] = ptx.from_f32(state[col, h, r, j0 + c], s_h)
+                i = int32(i + 1)
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
                 y = ZERO
-                for t in range(chunk):
+                t = int32(0)
+                while t < chunk:
                     y = float32(y + g_f[t])
                     g_f[t] = y
+                    t = int32(t + 1)
             cuda.syncthreads()
             g_last = g_f[chunk - 1]
             # ---- D: the chunk's additions
             if has_beta:
-                for i in range(square_rounds):     # A, its lower tiles
+                i = int32(0)
+                while i < square_rounds:     # A, its lower tiles
                     tile = warp + i * WARPS
                     m0, n0 = int32(tile // c_tiles * TILE), int32(tile % c_tiles * TILE)
                     if tile < square and n0 <= m0:
                         acc = kk_t(k_h, kp, k_h, kp, m0, n0, lane)
-                        for e in range(8):
+                        e = int32(0)
+                        while e < 8:
                             r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                             if c < r:
                                 a_f[r * chunk + c] = float32(float32(
                                     b_f[r] * _exp(float32(g_f[r] - g_f[c]))) * acc[e])
-                for i in range(wide_rounds):       # R = V - diag(b) K S
+                            e = int32(e + 1)
+                    i = int32(i + 1)
+                i = int32(0)
+                while i < wide_rounds:       # R = V - diag(b) K S
                     tile = warp + i * WARPS
                     if tile < wide:
                         m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
                         acc = k_s(k_h, kp, s_h, sp, m0, n0, lane)
-                        for e in range(8):
+                        e = int32(0)
+                        while e < 8:
                             r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                             r_h[r * sp + c] = ptx.from_f32(
                                 float32(v_f[r * bv + c] - float32(_exp(g_f[r]) * acc[e])), r_h)
+                            e = int32(e + 1)
+                    i = int32(i + 1)
                 cuda.syncthreads()
                 if tid < chunk:                 # column tid of T = (I + A)^{-1}, then
-                    for r in range(chunk):      # T diag(beta) into t_h
+                    r = int32(0)
+                    while r < chunk:      # T diag(beta) into t_h
                         y = ZERO
-                        for j in range(r):
+                        j = int32(0)
+                        while j < r:
                             y = float32(y + float32(a_f[r * chunk + j] * column[j]))
+                            j = int32(j + 1)
                         column[r] = ONE if r == tid else -y
                         t_h[r * tp + tid] = ptx.from_f32(float32(column[r] * b_f[tid]), t_h)
+                        r = int32(r + 1)
                 cuda.syncthreads()
-                for i in range(wide_rounds):       # D = T diag(beta) R
+                i = int32(0)
+                while i < wide_rounds:       # D = T diag(beta) R
                     tile = warp + i * WARPS
                     if tile < wide:
                         m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
                         acc = t_r(t_h, tp, r_h, sp, m0, n0, lane)
-                        for e in range(8):
+                        e = int32(0)
+                        while e < 8:
                             r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                             d_h[r * sp + c] = ptx.from_f32(acc[e], d_h)
                             e_h[r * sp + c] = ptx.from_f32(
                                 float32(acc[e] * _exp(float32(g_last - g_f[r]))), e_h)
+                            e = int32(e + 1)
+                    i = int32(i + 1)
             else:
-                for i in range(v_rounds):   # D = V
+                i = int32(0)
+                while i < v_rounds:   # D = V
                     x = i * THREADS + tid
                     if (chunk * bv) % THREADS == 0 or x < chunk * bv:
                         r, c = int32(x // bv), int32(x % bv)
                         d_h[r * sp + c] = ptx.from_f32(v_f[x], d_h)
                         e_h[r * sp + c] = ptx.from_f32(
                             float32(v_f[x] * _exp(float32(g_last - g_f[r]))), e_h)
+                    i = int32(i + 1)
             cuda.syncthreads()
             # ---- P = Q K^T . Gamma . causal into t_h
-            for i in range(square_rounds):
+            i = int32(0)
+            while i < square_rounds:
                 tile = warp + i * WARPS
                 m0, n0 = int32(tile // c_tiles * TILE), int32(tile % c_tiles * TILE)
                 if tile < square and n0 <= m0:
                     acc = kk_t(q_h, kp, k_h, kp, m0, n0, lane)
-                    for e in range(8):
+                    e = int32(0)
+                    while e < 8:
                         r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                         y = ZERO
                         if c <= r:
                             y = float32(acc[e] * _exp(float32(g_f[r] - g_f[c])))
                         t_h[r * tp + c] = ptx.from_f32(y, t_h)
+                        e = int32(e + 1)
                 elif tile < square:
-                    for e in range(8):
+                    e = int32(0)
+                    while e < 8:
                         t_h[(m0 + tile_row(e, lane)) * tp + n0 + tile_col(e, lane)] = \
                             ptx.from_f32(ZERO, t_h)
+                        e = int32(e + 1)
+                i = int32(i + 1)
             cuda.syncthreads()
             # ---- O = scale (diag(b) Q S + P D); S' = b_C S + K^T diag(exp(G_C - G)) D
-            for i in range(wide_rounds):
+            i = int32(0)
+            while i < wide_rounds:
                 tile = warp + i * WARPS
                 if tile < wide:
                     m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
                     qs = k_s(q_h, kp, s_h, sp, m0, n0, lane)
                     pd = t_r(t_h, tp, d_h, sp, m0, n0, lane)
-                    for e in range(8):
+                    e = int32(0)
+                    while e < 8:
                         r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                         if r < n_in:
                             o = float32(float32(_exp(g_f[r]) * qs[e]) + pd[e])
                             out[tok[r], h, j0 + c] = ptx.from_f32(float32(o * scale), out)
+                        e = int32(e + 1)
+                i = int32(i + 1)
             decay = _exp(g_last)
-            for i in range(tall_rounds):
+            i = int32(0)
+            while i < tall_rounds:
                 tile = warp + i * WARPS
                 if tile < tall:
                     m0, n0 = int32(tile // v_tiles * TILE), int32(tile % v_tiles * TILE)
                     acc = kt_d(k_h, kp, e_h, sp, m0, n0, lane)
-                    for e in range(8):
+                    e = int32(0)
+                    while e < 8:
                         r, c = m0 + tile_row(e, lane), j0 + n0 + tile_col(e, lane)
                         state[col, h, r, c] = float32(
                             float32(decay * state[col, h, r, c]) + acc[e])
+                        e = int32(e + 1)
+                i = int32(i + 1)
             cuda.syncthreads()
             c0 += chunk
 

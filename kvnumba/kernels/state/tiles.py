@@ -53,7 +53,8 @@ def product(a_transposed: bool, b_transposed: bool, depth: int):
     def tile(a_s, a_pitch, b_s, b_pitch, m0, n0, lane):
         c0 = c1 = c2 = c3 = c4 = c5 = c6 = c7 = ZERO
         half, eighth, quarter = lane // 16, lane % 8, (lane // 8) % 2
-        for step in range(steps):
+        step = int32(0)
+        while step < steps:                 # int32 counts: LLVM unrolls the loop whole
             k0 = step * TILE
             if a_transposed:      # matrices: A^T at (k0 + 8 (l // 16), m0 + 8 ((l // 8) % 2))
                 a0, a1, a2, a3 = tensorcore.ldmatrix_x4_trans(
@@ -69,6 +70,7 @@ def product(a_transposed: bool, b_transposed: bool, depth: int):
                     b_s, (k0 + lane % 16) * b_pitch + n0 + 8 * half)
             c0, c1, c2, c3 = tensorcore.mma_f16_f32(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
             c4, c5, c6, c7 = tensorcore.mma_f16_f32(a0, a1, a2, a3, b2, b3, c4, c5, c6, c7)
+            step = int32(step + 1)
         return c0, c1, c2, c3, c4, c5, c6, c7
 
     return tile
