@@ -18,7 +18,8 @@ keyed by `module:function`):
 * write / copy: instructions per 16-byte vector of a run, everything a lane runs for
   it included, at two token row sizes (`sassmove`);
 * delta rule: warp instructions a (sequence, head) issues for a decode token and the
-  step's estimated fraction of an H100's HBM bandwidth (`sassstate`).
+  step's estimated fraction of an H100's HBM bandwidth; its chunked prefill's share of
+  floating-point work on HMMA and estimated TFLOP/s on an H100 (`sassstate`).
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ KINDS = {
     "kvnumba.kernels.moves.page_copy:_copy_vectors": sassmove.copy_figures,
     "kvnumba.kernels.moves.write_fp8:narrow_kernel": sassmove.narrow_figures,
     "kvnumba.kernels.state.delta_rule:_kernel": sassstate.delta_rule_figures,
+    "kvnumba.kernels.state.chunked:kernel": sassstate.chunked_figures,
 }
 
 

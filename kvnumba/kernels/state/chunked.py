@@ -81,6 +81,19 @@ def shared_bytes(dk: int, dv: int, chunk: int) -> int:
     return 2 * halves + 4 * words
 
 
+def loop_trips(dk: int, dv: int, chunk: int) -> tuple:
+    """The most trips of each loop inside a chunk the compiled kernel keeps (LLVM
+    unrolls the rest), in source order: the walk over a run's segments (one segment: no
+    trip past its test, counted as one), the q/k rows a warp stages, the v elements a
+    thread stages and the state elements (unrolled in part: `("LD", n)`, `n` loads in
+    all), the rows of `T`'s forward substitution and the sum each takes (at most `chunk`
+    terms, one FFMA each), the state's tiles a warp updates."""
+    bv = value_block(dv)
+    return (1, _rounds(chunk, WARPS), _rounds(chunk * bv, THREADS),
+            ("LD", dk * bv // THREADS), chunk, ("FFMA", chunk),
+            _rounds(dk // TILE * (bv // TILE), WARPS))
+
+
 def fits(dk: int, dv: int, per_channel: bool, chunk: int) -> bool:
     """Whether the chunked kernel takes heads of `dk` x `dv` with this gate and chunk."""
     return (not per_channel and dk % TILE == 0 and dv % TILE == 0 and dk <= MAX_DK
@@ -113,7 +126,8 @@ def _kernels(dk: int, dv: int, chunk: int):
     c_tiles, v_tiles, k_tiles = chunk // TILE, bv // TILE, dk // TILE
     square, wide, tall = c_tiles * c_tiles, c_tiles * v_tiles, k_tiles * v_tiles
     lane_rows, warp_rows = _rounds(dk, WARP), _rounds(chunk, WARPS)
-    v_rounds, s_rounds = _rounds(chunk * bv, THREADS), _rounds(dk * bv, THREADS)
+    v_rounds, s_rounds = _rounds(chunk * bv, THREADS), dk * bv // THREADS
+    s_step = THREADS // bv                # rows of the state a round stages
     square_rounds, wide_rounds = _rounds(square, WARPS), _rounds(wide, WARPS)
     tall_rounds = _rounds(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
@@ -158,17 +172,20 @@ def _kernels(dk: int, dv: int, chunk: int):
         e_h = cuda.shared.array(v_size, np.float16, alignment=16)    # exp(G_C - G) D
         t_h = cuda.shared.array(t_size, np.float16, alignment=16)    # T, then P
         v_f = cuda.shared.array(vf_size, float32)
-        a_f = cuda.shared.array(a_size, float32)               # A
+        a_f = cuda.shared.array(a_size, float32)               # A; T above
         rows = cuda.shared.array(rows_size, float32)
         g_f = cuda.shared.array(chunk, float32)                       # G
         b_f = cuda.shared.array(chunk, float32)                       # beta
         tok = cuda.shared.array(chunk, int32)
-        column = cuda.local.array(chunk, float32)
         col, lo, hi = runs[run, RUN_COL], runs[run, RUN_LO], runs[run, RUN_HI]
         last = order[hi - 1]
         p0 = seq_info[order[lo], POS_START]
         n_new = int32(seq_info[last, POS_START] + seq_info[last, Q_LEN] - p0)
         row = rows[warp * dk:]
+        s_row, s_col = int32(tid // bv), int32(tid % bv)
+        columns = ptx.elements_from(state, ((col * state.shape[1] + h) * dk) * dv + j0)
+        mine = ptx.elements_from(state, (((col * state.shape[1] + h) * dk + s_row) * dv
+                                         + j0 + s_col))
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(chunk, n_new - c0)
@@ -219,13 +236,10 @@ def _kernels(dk: int, dv: int, chunk: int):
                         log_g[col, at, h, 0] = y
                         log_b[col, at, h] = b
                 g_f[tid], b_f[tid] = y, b
-            i = int32(0)
-            while i < s_rounds:
-                x = i * THREADS + tid
-                if (dk * bv) % THREADS == 0 or x < dk * bv:
-                    r, c = int32(x // bv), int32(x % bv)
-                    s_h[r * sp + c] = ptx.from_f32(state[col, h, r, j0 + c], s_h)
-                i = int32(i + 1)
+            for i in range(s_rounds):         # rows s_row + s_step i, column s_col; an
+                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(   # int64 count, so
+                    mine[i * s_step * dv], s_h)     # LLVM unrolls it in part: fewer loads
+                                                    # in flight than registers
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
                 y = ZERO
@@ -266,16 +280,21 @@ def _kernels(dk: int, dv: int, chunk: int):
                             e = int32(e + 1)
                     i = int32(i + 1)
                 cuda.syncthreads()
-                if tid < chunk:                 # column tid of T = (I + A)^{-1}, then
-                    r = int32(0)
-                    while r < chunk:      # T diag(beta) into t_h
+                if tid < chunk:       # column tid of T = (I + A)^{-1}: its rows below
+                    r = int32(0)      # the diagonal into a_f's row tid (A's empty upper
+                    while r < chunk:  # triangle); T diag(beta) into t_h
                         y = ZERO
                         j = int32(0)
-                        while j < r:
-                            y = float32(y + float32(a_f[r * chunk + j] * column[j]))
+                        while j < chunk:
+                            if tid < j and j < r:
+                                y = float32(y + float32(a_f[r * chunk + j]
+                                                        * a_f[tid * chunk + j]))
                             j = int32(j + 1)
-                        column[r] = ONE if r == tid else -y
-                        t_h[r * tp + tid] = ptx.from_f32(float32(column[r] * b_f[tid]), t_h)
+                        x = ONE if r == tid else ZERO
+                        if r > tid:
+                            x = -float32(a_f[r * chunk + tid] + y)
+                            a_f[tid * chunk + r] = x
+                        t_h[r * tp + tid] = ptx.from_f32(float32(x * b_f[tid]), t_h)
                         r = int32(r + 1)
                 cuda.syncthreads()
                 i = int32(0)
@@ -351,9 +370,8 @@ def _kernels(dk: int, dv: int, chunk: int):
                     acc = kt_d(k_h, kp, e_h, sp, m0, n0, lane)
                     e = int32(0)
                     while e < 8:
-                        r, c = m0 + tile_row(e, lane), j0 + n0 + tile_col(e, lane)
-                        state[col, h, r, c] = float32(
-                            float32(decay * state[col, h, r, c]) + acc[e])
+                        at = (m0 + tile_row(e, lane)) * dv + n0 + tile_col(e, lane)
+                        columns[at] = float32(float32(decay * columns[at]) + acc[e])
                         e = int32(e + 1)
                 i = int32(i + 1)
             cuda.syncthreads()
