@@ -372,7 +372,7 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     """Every launch of the wrappers, compiled for sm_90 by libNVVM, packs the parameters
     Numba's own launch would: conv with and without a bias, the delta rule per head with
     beta (float16 in, bfloat16 out) and per channel without (float32), its marks and
-    padding launches; strided q and k."""
+    padding launches; strided q and k; a chunked run (the replay, the chunked kernel)."""
     from kvnumba.bench import host
     from test_launch import numba_parameters
     from kvnumba.kernels.launch import lean
@@ -416,11 +416,21 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
             delta_rule.run(*arrays, qk, qk, cuda.device_array((width, heads, dv), dtype), g,
                            beta, cuda.device_array((width, heads, dv), out_dtype), *tables, 3,
                            0.125, True, 4, n_tokens=5)
+        small = (f32(COLS, heads, 32, 32), f32(COLS, heads, 32, 32), f32(COLS, 12, heads, 32),
+                 f32(COLS, 12, heads, 32), f32(COLS, 12, heads, 32), f32(COLS, 12, heads),
+                 arrays[-1])                     # the last run chunked (the plan's order)
+        x = cuda.device_array((width, heads, 32), np.uint16)
+        delta_rule.run(*small, x, x, x, cuda.device_array((width, heads), np.uint16),
+                       cuda.device_array((width, heads), np.uint16), x, *tables, 3, 0.125,
+                       True, 4, n_chunked=1, chunk=16)
     names = [kernel.name for kernel, *_ in seen]
     assert names == ["_write_window", "_apply", "_apply"] + ["step_kernel", "_set_marks",
-                                                             "_zero_rows"] * 2
+                                                             "_zero_rows"] * 2 + [
+        "step_kernel", "step_kernel", "chunk_kernel", "_set_marks"]
     assert len(seen) == len(recorder.launches)
     for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
     assert recorder.launches[3].grid == (3, heads, 1)
     assert recorder.launches[3].block == (512, 1, 1)    # 4 lanes a column of 128 rows
+    assert recorder.launches[-2].grid == (1, heads, 1)   # 32 value columns a block
+    assert recorder.launches[-2].block == (128, 1, 1)

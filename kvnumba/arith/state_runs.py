@@ -12,6 +12,10 @@ head), through all of that sequence's segments in order, so the plan is:
   `(col, floor, lo, hi)`: its column (the segment table's SEQ), its floor
   (`floors[col]`) and `order[lo:hi]`, its segments.
 
+Given a chunk size, the runs of at least that many new tokens (prefills) come last, the
+others first, each group in first-appearance order: the delta rule's chunked kernel
+takes the last `n_chunked` runs.
+
 Pure NumPy: nothing here touches a device.
 """
 from __future__ import annotations

@@ -33,7 +33,8 @@ The caller (`delta_rule.DeltaStep`) first runs the per-token kernel over these r
 to their first new position (`replay_only`: the base advance and a rewind's replay,
 from the log), leaving the state at `p0` in `state`, then this kernel, then the marks.
 It takes per-head gates, `Dk` and `Dv` multiples of 16, `Dk <= 128`, `C` a multiple
-of 16 (`fits`); everything else stays on the per-token kernel.
+of 16 up to `THREADS` (`fits`); everything else stays on the per-token kernel (Kimi's
+per-channel gate among them: its `Gamma` differs per key channel).
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def shared_bytes(dk: int, dv: int, chunk: int) -> int:
     bv = value_block(dv)
     halves = 2 * chunk * (dk + PAD) + dk * (bv + PAD) + 3 * chunk * (bv + PAD) + \
         chunk * (chunk + PAD)
-    words = chunk * bv + chunk * chunk + WARPS * dk + 3 * chunk + 2
+    words = chunk * bv + chunk * chunk + WARPS * dk + 3 * chunk
     return 2 * halves + 4 * words
 
 
@@ -97,7 +98,7 @@ def loop_trips(dk: int, dv: int, chunk: int) -> tuple:
 def fits(dk: int, dv: int, per_channel: bool, chunk: int) -> bool:
     """Whether the chunked kernel takes heads of `dk` x `dv` with this gate and chunk."""
     return (not per_channel and dk % TILE == 0 and dv % TILE == 0 and dk <= MAX_DK
-            and chunk % TILE == 0 and chunk > 0
+            and chunk % TILE == 0 and 0 < chunk <= THREADS
             and shared_bytes(dk, dv, chunk) <= SHARED_LIMIT)
 
 
@@ -112,8 +113,9 @@ def _rounds(n: int, per: int) -> int:
 
 def _kernels(dk: int, dv: int, chunk: int):
     """The chunked kernel of heads of `dk` keys and `dv` values, chunks of `chunk`
-    tokens (module doc). Every loop inside a chunk has a compile-time trip count
-    (unrolled) but the walk over a run's segments."""
+    tokens (module doc). Every loop inside a chunk but the walk over a run's segments
+    has a compile-time trip count, counted in int32 where LLVM should unroll it whole
+    (`loop_trips` lists those it keeps)."""
     bv = value_block(dv)
     kp, sp, tp = dk + PAD, bv + PAD, chunk + PAD        # pitches of the float16 tiles
     qk_size, s_size, v_size, t_size = chunk * kp, dk * sp, chunk * sp, chunk * tp
@@ -172,7 +174,7 @@ def _kernels(dk: int, dv: int, chunk: int):
         e_h = cuda.shared.array(v_size, np.float16, alignment=16)    # exp(G_C - G) D
         t_h = cuda.shared.array(t_size, np.float16, alignment=16)    # T, then P
         v_f = cuda.shared.array(vf_size, float32)
-        a_f = cuda.shared.array(a_size, float32)               # A; T above
+        a_f = cuda.shared.array(a_size, float32)                      # A; T above
         rows = cuda.shared.array(rows_size, float32)
         g_f = cuda.shared.array(chunk, float32)                       # G
         b_f = cuda.shared.array(chunk, float32)                       # beta
@@ -236,10 +238,11 @@ def _kernels(dk: int, dv: int, chunk: int):
                         log_g[col, at, h, 0] = y
                         log_b[col, at, h] = b
                 g_f[tid], b_f[tid] = y, b
-            for i in range(s_rounds):         # rows s_row + s_step i, column s_col; an
-                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(   # int64 count, so
-                    mine[i * s_step * dv], s_h)     # LLVM unrolls it in part: fewer loads
-                                                    # in flight than registers
+            # the state's rows s_row + s_step i, column s_col, counted in int64: LLVM
+            # unrolls the loop in part, fewer loads in flight than registers
+            for i in range(s_rounds):
+                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(mine[i * s_step * dv],
+                                                                      s_h)
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
                 y = ZERO

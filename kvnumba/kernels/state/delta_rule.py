@@ -56,6 +56,12 @@ ordering the two, so a new token may take the row of a position the same step re
 `Dv` columns in it. Splitting a head's columns over blocks would let one block's log
 writes overtake another's replay.
 
+A run of many new tokens (a prefill) may take the chunked kernel (`chunked`) instead:
+the step kernel then runs it with `replay_only` (its positions `[start, p0)`: the base
+advance and a rewind's replay, from the log, ending with the state at `p0` in `state`,
+or, where the live state is at `p0`, leaving it there), and the chunked kernel takes
+its new tokens. A launch takes runs `first ..` of the plan (`DeltaStep` orders them).
+
 Output rows of tokens in no segment (padding) are not written by the step kernel; `run(...,
 n_tokens=...)` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
