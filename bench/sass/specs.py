@@ -104,8 +104,8 @@ def _delta_rule_signature(t: str, *, per_channel: bool) -> str:
     gate = f"{t}[:, :, ::1]" if per_channel else f"{t}[:, ::1]"
     return (f"void({state}, {state}, {log}, {log}, {log}, float32[:, :, ::1], int32[:, ::1], "
             f"{t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {gate}, {t}[:, ::1], "
-            f"{t}[:, :, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, boolean, float32, "
-            f"boolean, boolean, int64)")
+            f"{t}[:, :, ::1], int32[:, ::1], int32[::1], int32[:, ::1], int64, float32, boolean, "
+            f"boolean, int64)")
 
 
 def _chunked_signature(t: str) -> str:

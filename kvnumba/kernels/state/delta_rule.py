@@ -167,11 +167,12 @@ def _gate_channel(g, t, h, i):
     return ptx.to_f32(g[t, h, i])
 
 
-def _kernels(dk: int, dv: int, per_channel: bool):
+def _kernels(dk: int, dv: int, per_channel: bool, replay_only: bool = False):
     """The step kernel for heads of `dk` keys and `dv` values and a gate `[width, H, Dk]`
     (`per_channel`) or `[width, H]`: `parts = lanes_per_column(dk, dv)` lanes a column,
     each holding `ceil(dk / parts)` rows of it in registers, blocks of `block_threads(dv,
-    parts)` threads (its launch bound)."""
+    parts)` threads (its launch bound); with `replay_only`, a run's positions up to its
+    first new one only (the chunked kernel's runs)."""
 
     gate = _gate_channel if per_channel else _gate_head
     parts = lanes_per_column(dk, dv)
@@ -225,8 +226,7 @@ def _kernels(dk: int, dv: int, per_channel: bool):
 
     @cuda.jit(**bounds)
     def step_kernel(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out,
-                    runs, order, seq_info, first, replay_only, scale, qk_l2norm, has_beta,
-                    advance_after):
+                    runs, order, seq_info, first, scale, qk_l2norm, has_beta, advance_after):
         """Block (first + run, head): the sequence's positions `[start, end)`, or with
         `replay_only` `[start, p0)` (module doc)."""
         run, h, tid = first + cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
@@ -257,7 +257,7 @@ def _kernels(dk: int, dv: int, per_channel: bool):
                 if live == p0:
                     pos = p0
                     load(s, state, col, h, j, p)
-                    if pos == end:        # replay only: nothing past p0
+                    if replay_only and pos == end:     # nothing past p0
                         break
             row = storage_row(pos, log_rows)
             want = pos >= p0
@@ -281,9 +281,12 @@ def _kernels(dk: int, dv: int, per_channel: bool):
                 out[token, h, j] = ptx.from_f32(float32(o * scale), out)
             cuda.syncthreads()
             pos += 1
-        if advance:                   # replay only, the base advancing to p0 (= floor)
-            store(s, base, col, h, j, p)
-        if not (advance and live == p0):   # else the live state at p0 stays
+        if replay_only:
+            if advance:               # the base advancing to p0 (= floor)
+                store(s, base, col, h, j, p)
+            if not (advance and live == p0):   # else the live state at p0 stays
+                store(s, state, col, h, j, p)
+        else:
             store(s, state, col, h, j, p)
 
     return Specialised(step_kernel)
@@ -393,15 +396,14 @@ class DeltaStep:
         """`(step launches.., chunked launch or None)` of a layer's key."""
         dk_cap(dk)
         threads = block_threads(dv, lanes_per_column(dk, dv))
-        step = _kernel(dk, dv, per_channel)
         n_chunked = self.n_chunked if chunked.fits(dk, dv, per_channel, self.chunk) else 0
         n_step = self.n_runs - n_chunked
         tables = (self.runs, self.order, self.seq_info)
 
         def step_launch(first, n, replay_only):
-            return step.bind((n, n_heads), threads, self.stream, *[PER_CALL] * 13, *tables,
-                             first, replay_only, scale, qk_l2norm, has_beta,
-                             self.advance_after)
+            return _kernel(dk, dv, per_channel, replay_only).bind(
+                (n, n_heads), threads, self.stream, *[PER_CALL] * 13, *tables, first, scale,
+                qk_l2norm, has_beta, self.advance_after)
 
         launches = [step_launch(0, n_step, False)] if n_step else []
         if not n_chunked:
