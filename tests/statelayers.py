@@ -23,6 +23,9 @@ SCRATCH = COLS - 1
 KERNEL_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}
 #: tolerance of an output or state, relative to the largest reference value, by dtype
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+#: the least tolerance of a layer whose prefills take the chunked kernel (float16
+#: operands of its products, float32 sums: about 7e-4 seen at dk 32, 37 tokens)
+CHUNKED_TOLERANCE = 2e-3
 
 
 def quantize(values, name):
@@ -47,9 +50,10 @@ def nan_array(shape, name):
     return np.full(shape, np.nan, KERNEL_DTYPES[name])
 
 
-def close(got, ref, name, what):
+def close(got, ref, name, what, least=0.0):
     err = np.max(np.abs(got - ref)) if ref.size else 0.0
-    bound = TOLERANCE[name] * max(1.0, float(np.max(np.abs(ref))) if ref.size else 1.0)
+    bound = max(TOLERANCE[name], least) * max(1.0, float(np.max(np.abs(ref))) if ref.size
+                                              else 1.0)
     assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
 
 
@@ -139,11 +143,15 @@ class ConvLayer:
 
 class DeltaLayer:
     """One delta rule layer's storage, histories and base positions; `steps` as
-    `ConvLayer`'s (`recurrence.prepare`, else `delta_rule.run`)."""
+    `ConvLayer`'s (`recurrence.prepare`); with `chunk`, runs of at least `chunk` new
+    tokens take the chunked kernel with chunks of that many, and its outputs and states
+    are checked to `CHUNKED_TOLERANCE` (a base, replayed from the log, still to
+    float32's)."""
 
     def __init__(self, rng, heads, dk, dv, most, has_beta, per_channel, l2norm,
-                 in_name="float32", out_name="float32", steps=None, strided=False):
+                 in_name="float32", out_name="float32", steps=None, strided=False, chunk=0):
         self.rng, self.most, self.has_beta, self.per_channel = rng, most, has_beta, per_channel
+        self.chunk = chunk
         self.steps, self.strided = steps, strided
         self.l2norm, self.in_name, self.out_name = l2norm, in_name, out_name
         self.heads, self.dk, self.dv, self.scale = heads, dk, dv, dk ** -0.5
@@ -186,7 +194,7 @@ class DeltaLayer:
         float64 outputs `[width, H, Dv]`."""
         seq_info, _, n_tokens, width, token_of = step_tables(spans, n_pad)
         floors = np.zeros(COLS, np.int32) if floors is None else np.asarray(floors, np.int32)
-        runs, order = state_runs(seq_info, floors)
+        runs, order, n_chunked = state_runs(seq_info, floors, self.chunk)
         held = self.inputs(width)
         if given is not None:
             held = {n: None if a is None else quantize(np.concatenate(
@@ -204,12 +212,14 @@ class DeltaLayer:
                for n, a in held.items()}
         tables = tuple(cuda.to_device(a) for a in (runs, order, seq_info))
         if self.steps is None:
-            plan = recurrence.prepare(*tables, len(runs), self.most, n_tokens=n_tokens)
+            plan = recurrence.prepare(*tables, len(runs), self.most, n_tokens=n_tokens,
+                                      n_chunked=n_chunked, chunk=self.chunk)
         else:
-            key = (tuple(spans), n_pad, tuple(floors))
+            key = (tuple(spans), n_pad, tuple(floors), self.chunk)
             if key not in self.steps:
                 self.steps[key] = recurrence.prepare(*tables, len(runs), self.most,
-                                                     n_tokens=n_tokens)
+                                                     n_tokens=n_tokens, n_chunked=n_chunked,
+                                                     chunk=self.chunk)
             plan = self.steps[key]
         self.launch(plan, dev, out)
         got = decode(out.copy_to_host(), self.out_name)
@@ -248,6 +258,10 @@ class DeltaLayer:
         return delta_rule_ref(stack("q"), stack("k"), stack("v"), stack("g"), beta,
                               self.scale, self.l2norm)
 
+    def least(self):
+        """The least tolerance of this layer's outputs and states (`close`)."""
+        return CHUNKED_TOLERANCE if self.chunk else 0.0
+
     def check(self, got, spans, token_of, n_tokens):
         assert np.all(got[n_tokens:] == 0), "padding rows are zeroed"
         state, base = self.state.copy_to_host(), self.base.copy_to_host()
@@ -255,9 +269,10 @@ class DeltaLayer:
         for col in {c for c, _, _ in spans}:
             ref_out, ref_state = self.reference(col)
             mine = [(p, t) for (c, p), t in token_of.items() if c == col]
+            least = self.least()
             close(got[[t for _, t in mine]], ref_out[[p for p, _ in mine]], self.out_name,
-                  f"out of column {col}")
-            close(state[col], ref_state, "float32", f"state of column {col}")
+                  f"out of column {col}", least)
+            close(state[col], ref_state, "float32", f"state of column {col}", least)
             assert tuple(marks[col]) == (len(self.history[col]), self.bp[col])
             if self.bp[col] > 0:
                 close(base[col], self.reference(col, self.bp[col])[1], "float32",
@@ -268,12 +283,15 @@ class SsdLayer(DeltaLayer):
     """One ssd (Mamba2) layer's storage (`recurrent=(heads, head_dim, d_state)`: the state
     `[COLS, H, head_dim, d_state]`), histories and base positions, run by `ssd.apply`
     and checked against `stateref.ssd_ref`; `groups` of B and C, per-head `D` and
-    `dt_bias` (or None), `softplus`, `limit` the clamp of dt."""
+    `dt_bias` (or None), `softplus`, `limit` the clamp of dt; with `chunk`, its plans put
+    runs of at least `chunk` new tokens last, as chunked, which the ssd still takes a
+    token at a time, checked to its dtypes' tolerance."""
 
     def __init__(self, rng, heads=4, groups=2, head_dim=8, d_state=16, most=4, has_d=True,
                  has_bias=True, softplus=True, limit=(0.0, np.inf), in_name="float32",
-                 out_name="float32", steps=None, strided=False):
+                 out_name="float32", steps=None, strided=False, chunk=0):
         self.rng, self.most, self.steps, self.strided = rng, most, steps, strided
+        self.chunk = chunk
         self.in_name, self.out_name = in_name, out_name
         self.heads, self.groups, self.head_dim, self.d_state = heads, groups, head_dim, d_state
         self.out_dim, self.softplus, self.limit = head_dim, softplus, limit
@@ -302,3 +320,6 @@ class SsdLayer(DeltaLayer):
         stack = lambda n: np.array([e[n] for e in history])  # noqa: E731
         return ssd_ref(stack("x"), stack("dt"), self.A, stack("B"), stack("C"), self.D,
                        self.dt_bias, self.softplus, self.limit)
+
+    def least(self):
+        return 0.0

@@ -321,3 +321,45 @@ def test_an_ssd_of_a_column_a_lane_keeps_its_state_in_local_memory(monkeypatch, 
     monkeypatch.setattr(recurrence, "ROWS", 128)
     assert set(exceeded(label, figures_of(*fresh(label), label))) == {
         "spill_bytes", "stack_bytes", "local_accesses"}
+
+
+@compile_mode
+def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
+                                                                          figures_of):
+    """The chunked prefill with its products on the CUDA cores: each `mma.m16n8k16` a
+    lane's 16 shuffles of A and B words, their float16 halves widened and 64 FFMAs (what
+    a kernel without `mma.sync` does): no HMMA left, and more instructions a chunk."""
+    from numba import int32
+
+    from kvnumba.device import cuda
+    from kvnumba.kernels.intrinsics import ptx, tensorcore
+    from kvnumba.kernels.state import chunked, tiles
+
+    @cuda.jit(device=True, inline="always")
+    def mma_on_cuda_cores(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        lane = int32(cuda.laneid)
+        g, t = lane // 4, lane % 4
+        d0, d1, d2, d3 = c0, c1, c2, c3
+        for q in range(4):                  # A's columns 2q, 2q + 1 and 2q + 8, 2q + 9
+            lo, hi = ptx.f16x2_to_f32(ptx.shfl_idx(a0, 4 * g + q))       # row g
+            lo8, hi8 = ptx.f16x2_to_f32(ptx.shfl_idx(a2, 4 * g + q))
+            glo, ghi = ptx.f16x2_to_f32(ptx.shfl_idx(a1, 4 * g + q))     # row g + 8
+            glo8, ghi8 = ptx.f16x2_to_f32(ptx.shfl_idx(a3, 4 * g + q))
+            for n in range(2):              # columns 2t + n: lanes 4 (2t + n) + q
+                src = 4 * (2 * t + n) + q
+                blo, bhi = ptx.f16x2_to_f32(ptx.shfl_idx(b0, src))
+                blo8, bhi8 = ptx.f16x2_to_f32(ptx.shfl_idx(b1, src))
+                top = lo * blo + hi * bhi + lo8 * blo8 + hi8 * bhi8
+                low = glo * blo + ghi * bhi + glo8 * blo8 + ghi8 * bhi8
+                if n == 0:
+                    d0, d2 = d0 + top, d2 + low
+                else:
+                    d1, d3 = d1 + top, d3 + low
+        return d0, d1, d2, d3
+
+    monkeypatch.setattr(tensorcore, "mma_f16_f32", mma_on_cuda_cores)
+    monkeypatch.setattr(chunked, "product", tiles.product.__wrapped__)
+    label = "delta rule chunked d128 bfloat16"
+    values = figures_of(*fresh(label), label)
+    assert values["HMMA"] == 0
+    assert {"hmma_flop_percent", "h100_tflops"} <= set(exceeded(label, values))

@@ -22,8 +22,9 @@ import kvnumba.device as kv_device
 from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
-from kvnumba.kernels.state import conv, delta_rule, recurrence, ssd
-from statelayers import COLS, ConvLayer, DeltaLayer, SsdLayer
+from kvnumba.kernels.state import chunked, conv, delta_rule, recurrence, ssd
+from statelayers import CHUNKED_TOLERANCE, COLS, ConvLayer, DeltaLayer, SsdLayer, close, \
+    step_tables
 
 
 # ---------------------------------------------------------------- convolution
@@ -159,7 +160,8 @@ def test_delta_rule_a_step_writes_log_rows_it_replayed(floor, p0):
 
 def test_delta_rule_layers_of_a_step_share_its_prepared_launches():
     """Two layers of different head shapes, gates and beta rules call one step's
-    `DeltaStep` each step, through prefill, decode, a base advance and a rewind."""
+    `recurrence.prepare` plan each step, through prefill, decode, a base advance and a
+    rewind."""
     steps = {}
     layers = [DeltaLayer(np.random.default_rng(9), heads=2, dk=8, dv=16, most=4,
                          has_beta=True, per_channel=False, l2norm=True, steps=steps),
@@ -219,11 +221,11 @@ def test_delta_rule_refuses_shapes_it_cannot_take():
 def test_state_runs_group_spans_by_sequence_in_first_appearance_order():
     seq_info = np.array([[0, 3, 2, 0, 0], [3, 1, 4, 7, 0], [4, 2, 2, 3, 0],
                          [6, 1, 0, 9, 0], [7, 1, 4, 8, 0]], np.int32)
-    runs, order = state_runs(seq_info, np.arange(5) * 10)
+    runs, order, n_chunked = state_runs(seq_info, np.arange(5) * 10)
     assert runs.tolist() == [[2, 20, 0, 2], [4, 40, 2, 4], [0, 0, 4, 5]]
     assert order.tolist() == [0, 2, 1, 4, 3]
-    assert runs.dtype == order.dtype == np.int32
-    empty_runs, empty_order = state_runs(np.zeros((0, SEQ_INFO_FIELDS), np.int32), [])
+    assert runs.dtype == order.dtype == np.int32 and n_chunked == 0
+    empty_runs, empty_order, _ = state_runs(np.zeros((0, SEQ_INFO_FIELDS), np.int32), [])
     assert empty_runs.shape == (0, 4) and empty_order.shape == (0,)
 
 
@@ -350,6 +352,109 @@ def test_ssd_refuses_groups_that_do_not_divide_its_heads():
                   f32(1, 3, 16), None, None, f32(1, 4, 8), True, 0.0, np.inf)
 
 
+def test_ssd_takes_a_plans_chunked_runs_a_token_at_a_time(monkeypatch):
+    """A plan whose prefill of 17 tokens is a chunked run (the last one), shared by an
+    ssd layer and a delta rule layer: the ssd, which has no chunked kernel, takes it and
+    the decode beside it on its step kernel, against the reference to float32's
+    tolerance, while the delta rule takes it on the chunked kernel; then decode and a
+    rewind into the prefill."""
+    built = []
+    monkeypatch.setattr(chunked, "kernel", lambda *shape: built.append(shape) or
+                        chunked._kernels(*shape))
+    steps = {}
+    layers = [SsdLayer(np.random.default_rng(23), most=20, chunk=16, steps=steps),
+              DeltaLayer(np.random.default_rng(24), heads=1, dk=16, dv=16, most=20,
+                         has_beta=True, per_channel=False, l2norm=True, chunk=16,
+                         steps=steps)]
+    spans = [(0, 0, 17), (1, 0, 2)]
+    assert state_runs(step_tables(spans, 0)[0], np.zeros(COLS, np.int32), 16)[2] == 1
+    for schedule in (spans, [(1, 2, 1), (0, 17, 1)], [(0, 9, 16)]):
+        for layer in layers:
+            layer.step(schedule)
+    assert len(steps) == 3
+    assert built == [(16, 16, 16)] * 2      # the prefill and the rewind's 16 new tokens
+
+
+# ---------------------------------------------------------------- chunked prefill
+
+CHUNKED = dict(heads=1, dk=16, chunk=16, most=24)
+
+
+@pytest.mark.parametrize("dv,has_beta,l2norm,in_name,out_name", [
+    (32, True, True, "float32", "float32"),
+    (48, True, False, "bfloat16", "bfloat16"),    # three blocks of 16 value columns
+    (16, False, True, "float16", "float32"),      # decay only
+])
+def test_delta_rule_chunked_prefills_match_the_reference(dv, has_beta, l2norm, in_name,
+                                                          out_name):
+    """Prefills of 21 (a chunk and 5) and 17 tokens (two spans: 9 and 8) on the chunked
+    kernel beside one of 3 on the per-token kernel, padding; then decode, and a rewind
+    into the chunked positions taking 18 new ones (a replay, then a chunk and 2)."""
+    layer = DeltaLayer(np.random.default_rng(dv + has_beta), dv=dv, has_beta=has_beta,
+                       per_channel=False, l2norm=l2norm, in_name=in_name,
+                       out_name=out_name, **CHUNKED)
+    layer.step([(0, 0, 21), (2, 0, 3), (3, 0, 9), (3, 9, 8)], n_pad=2)
+    layer.step([(3, 17, 1), (0, 21, 1), (2, 3, 2)])
+    layer.step([(0, 12, 18), (3, 18, 1)], n_pad=1)
+
+
+def test_delta_rule_chunked_prefill_writes_what_the_per_token_kernel_writes():
+    """A layer whose prefill took the chunked kernel and one that took the per-token
+    kernel, the same inputs: their logs and marks are equal bit for bit and their states
+    within `CHUNKED_TOLERANCE`; a rewind replays the log, so both then give the same
+    outputs and states bit for bit. A clone of the chunked one goes on as its source."""
+    chunked_layer, plain = (DeltaLayer(np.random.default_rng(21), dv=16, has_beta=True,
+                                       per_channel=False, l2norm=True,
+                                       **{**CHUNKED, "chunk": chunk}) for chunk in (16, 0))
+    chunked_layer.step([(1, 0, 20)])
+    plain.step([(1, 0, 20)], given=chunked_layer.given(1, 0, 20))
+    for name in ("log_k", "log_v", "log_g", "log_b", "marks"):
+        mine, theirs = (getattr(x, name).copy_to_host() for x in (chunked_layer, plain))
+        assert np.array_equal(mine, theirs, equal_nan=True), name
+    state, plain_state = chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1]
+    assert not np.array_equal(state, plain_state)       # another order of sums
+    close(state, plain_state, "float32", "states", CHUNKED_TOLERANCE)
+    chunked_layer.copy_column(1, 2)
+    got = chunked_layer.step([(1, 7, 3), (2, 20, 1)])            # a rewind, replayed
+    again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
+    assert np.array_equal(got[:3], again[:3])
+    assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])
+
+
+def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
+    """Chunked runs whose blocks first replay: the base advancing to a floor below p0,
+    from the live state on; to p0 itself, the live state kept; a rewind to the base. Per
+    channel gates and keys of a width not a multiple of 16 stay on the per-token kernel
+    with chunked runs planned."""
+    layer = DeltaLayer(np.random.default_rng(22), heads=1, dk=16, dv=16, most=20,
+                       has_beta=True, per_channel=False, l2norm=True, chunk=16)
+    floors = np.zeros(COLS, np.int32)
+    layer.step([(0, 0, 17), (4, 0, 3)])
+    floors[0] = 17                                        # 17 - 0 <= M: the base stays
+    layer.step([(0, 17, 18), (4, 3, 1)], floors=floors)
+    floors[0] = 30                                        # to 30, then on from live 35
+    layer.step([(0, 35, 16)], floors=floors)
+    assert layer.bp[0] == 30
+    floors[0] = 51                                        # to p0 = 51, the live state on
+    layer.step([(0, 51, 16)], floors=floors)
+    assert layer.bp[0] == 51
+    layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base
+    for dk, per_channel in ((24, False), (16, True)):
+        other = DeltaLayer(np.random.default_rng(dk), heads=1, dk=dk, dv=16, most=20,
+                           has_beta=True, per_channel=per_channel, l2norm=True, chunk=16)
+        other.step([(1, 0, 17), (0, 0, 2)])
+
+
+def test_state_runs_put_runs_of_a_chunk_or_more_last():
+    seq_info = np.array([[0, 3, 2, 0, 0], [3, 1, 4, 7, 0], [4, 2, 2, 3, 0],
+                         [6, 1, 0, 9, 0], [7, 1, 4, 8, 0]], np.int32)
+    runs, order, n_chunked = state_runs(seq_info, np.arange(5) * 10, chunk=2)
+    assert n_chunked == 2                  # 2 (3 + 2 tokens) and 4 (1 + 1) after 0 (1)
+    assert runs.tolist() == [[0, 0, 0, 1], [2, 20, 1, 3], [4, 40, 3, 5]]
+    assert order.tolist() == [3, 0, 2, 1, 4]
+    assert state_runs(seq_info, np.arange(5) * 10, chunk=6)[2] == 0
+
+
 # ---------------------------------------------------------------- compiled for a GPU
 
 COMPILE = kv_device.KIND == "compile"
@@ -374,7 +479,8 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     """Every launch of the wrappers, compiled for sm_90 by libNVVM, packs the parameters
     Numba's own launch would: conv with and without a bias, the delta rule per head with
     beta (float16 in, bfloat16 out) and per channel without (float32), the ssd (bfloat16)
-    without and with D, their marks and padding launches; strided q and k."""
+    without and with D, their marks and padding launches; strided q and k; a chunked run
+    (the replay, the chunked kernel), which the ssd takes on its step kernel."""
     from kvnumba.bench import host
     from test_launch import numba_parameters
     from kvnumba.kernels.launch import lean
@@ -423,18 +529,33 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
                       f32(COLS, 12, heads, head_dim), f32(COLS, 12, heads, d_state),
                       *arrays[4:])
         bc = cuda.device_array((width, groups, d_state), np.uint16)
+        ssd_inputs = (cuda.device_array((width, heads, head_dim), np.uint16),
+                      cuda.device_array((width, heads), np.uint16), f32(heads), bc, bc)
+        ssd_out = cuda.device_array((width, heads, head_dim), np.uint16)
         plan = recurrence.prepare(*tables, 3, 4, n_tokens=5)
         for D in (None, f32(heads)):
-            ssd.apply(plan, *ssd_arrays, cuda.device_array((width, heads, head_dim), np.uint16),
-                      cuda.device_array((width, heads), np.uint16), f32(heads), bc, bc, D,
-                      None, cuda.device_array((width, heads, head_dim), np.uint16), True, 0.0,
-                      np.inf)
+            ssd.apply(plan, *ssd_arrays, *ssd_inputs, D, None, ssd_out, True, 0.0, np.inf)
+        small = (f32(COLS, heads, 32, 32), f32(COLS, heads, 32, 32), f32(COLS, 12, heads, 32),
+                 f32(COLS, 12, heads, 32), f32(COLS, 12, heads, 32), f32(COLS, 12, heads),
+                 arrays[-1])                     # the last run chunked (the plan's order)
+        x = cuda.device_array((width, heads, 32), np.uint16)
+        delta_rule.run(*small, x, x, x, cuda.device_array((width, heads), np.uint16),
+                       cuda.device_array((width, heads), np.uint16), x, *tables, 3, 0.125,
+                       True, 4, n_chunked=1, chunk=16)
+        chunked_plan = recurrence.prepare(*tables, 3, 4, n_chunked=1, chunk=16)
+        ssd.apply(chunked_plan, *ssd_arrays, *ssd_inputs, None, None, ssd_out, True, 0.0,
+                  np.inf)                        # the ssd takes every run per token
     names = [kernel.name for kernel, *_ in seen]
     assert names == ["_write_window", "_apply", "_apply"] + ["step_kernel", "_set_marks",
-                                                             "_zero_rows"] * 4
+                                                             "_zero_rows"] * 4 + [
+        "step_kernel", "step_kernel", "chunk_kernel", "_set_marks", "step_kernel",
+        "_set_marks"]
     assert len(seen) == len(recorder.launches)
     for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
     assert recorder.launches[3].grid == (3, heads, 1)
     assert recorder.launches[3].block == (512, 1, 1)    # 4 lanes a column of 128 rows
     assert recorder.launches[9].block == (256, 1, 1)    # 64 columns of 128 rows (ssd)
+    assert recorder.launches[-4].grid == (1, heads, 1)   # 32 value columns a block
+    assert recorder.launches[-4].block == (128, 1, 1)
+    assert recorder.launches[-2].grid == (3, heads, 1)   # the ssd: all three runs

@@ -273,3 +273,61 @@ def test_a_layer_keeps_one_gate_and_rule_and_a_refused_call_changes_nothing():
     cache.abort_step()
     assert cache.pos(a) == 3
     run_step(cache, model, [a, a])
+
+
+def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
+    """Heads of 16 x 16, a gate a head: a prefill of 37 tokens packed with one of 3 (the
+    first in chunks of `chunked.CHUNK` tokens on the tensor cores, the second token by
+    token) within 2e-3 of the oracle (relative to its largest output); a refused call
+    changes nothing; decode, a rewind into the prefill and a clone of it continue as the
+    oracle says."""
+    from kvnumba.kernels.state import chunked
+    built = []
+    monkeypatch.setattr(chunked, "kernel", lambda *shape: built.append(shape) or
+                        chunked._kernels(*shape))
+    h, d = 1, 16
+    cache = kv.BatchedSequenceCache(kv.CacheConfig(
+        layers=[kv.state(recurrent=(h, d, d)), kv.flat()], n_kv_heads=1, head_dim=8,
+        capacity=96,
+        max_seqs=3, max_write=40, max_step=48, page_size=8))
+    rng, history = np.random.default_rng(8), {}
+
+    def step(seqs, width=None, refuse=False):
+        seqs = np.asarray(seqs)
+        cache.declare_step(seqs)
+        cache.prepare_step(width)
+        w = len(seqs) if width is None else width
+        inp = dict(q=rng.standard_normal((w, h, d)), k=rng.standard_normal((w, h, d)),
+                   v=rng.standard_normal((w, h, d)), g=-rng.uniform(0.01, 0.5, (w, h)),
+                   beta=rng.uniform(0.1, 0.9, (w, h)))
+        inp = {name: a.astype(np.float32) for name, a in inp.items()}
+        if refuse:
+            with pytest.raises(kv.ShapeError, match="v: expected shape"):
+                cache.delta_rule(0, inp["q"], inp["k"], inp["v"][:, :, :8], inp["g"],
+                                 inp["beta"], qk_l2norm=True)
+        o = cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                             qk_l2norm=True)
+        cache.write(1, np.zeros((w, 1, 8), np.float32), np.zeros((w, 1, 8), np.float32))
+        cache.commit_step()
+        assert not np.any(o[len(seqs):])
+        for seq in np.unique(seqs):
+            mine = np.flatnonzero(seqs == seq)
+            for name, a in inp.items():
+                history[seq][name] = np.concatenate([history[seq][name], a[mine]])
+            want = delta_rule_ref(*(history[seq][n] for n in ("q", "k", "v", "g", "beta")),
+                                  d ** -0.5, True)[0][-len(mine):]
+            bound = 2e-3 * max(1.0, float(np.abs(want).max()))
+            assert np.abs(o[mine] - want).max() <= bound, seq
+
+    a, b = cache.seq_new(), cache.seq_new()
+    for seq in (a, b):
+        history[seq] = {n: np.zeros((0, h, d) if n in "qkv" else (0, h), np.float32)
+                        for n in ("q", "k", "v", "g", "beta")}
+    step([a] * 37 + [b] * 3, width=42, refuse=True)
+    assert built == [(d, d, chunked.CHUNK)]
+    step([a, b])
+    cache.rewind(a, 30)
+    history[a] = {n: x[:30] for n, x in history[a].items()}
+    c = cache.seq_clone(a, 30)
+    history[c] = {n: x[:30] for n, x in history[a].items()}
+    step([a, c, c, b])

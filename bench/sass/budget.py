@@ -31,6 +31,8 @@ MODEL_FORMATS = {
     "h200_tflops": "{:.0f} TFLOP/s",
     "instructions_per_head": "{} instr/head",
     "h100_hbm_percent": "H100 est. {:.1f}% HBM",
+    "hmma_flop_percent": "HMMA {:.1f}% of FLOPs",
+    "h100_tflops": "H100 est. {:.1f} TFLOP/s",
 }
 #: the report's columns: heading -> figure
 COLUMNS = {"regs": "registers", "cap": "register_cap", "spill B": "spill_bytes",

@@ -18,7 +18,9 @@ keyed by `module:function`):
 * write / copy: instructions per 16-byte vector of a run, everything a lane runs for
   it included, at two token row sizes (`sassmove`);
 * delta rule, ssd: warp instructions a (sequence, head) issues for a decode token and
-  the step's estimated fraction of an H100's HBM bandwidth (`sassstate`).
+  the step's estimated fraction of an H100's HBM bandwidth; the delta rule's chunked
+  prefill's share of floating-point work on HMMA and estimated TFLOP/s on an H100
+  (`sassstate`).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ KINDS = {
     "kvnumba.kernels.moves.write_fp8:narrow_kernel": sassmove.narrow_figures,
     "kvnumba.kernels.state.delta_rule:_kernel": sassstate.delta_rule_figures,
     "kvnumba.kernels.state.ssd:_kernel": sassstate.ssd_figures,
+    "kvnumba.kernels.state.chunked:kernel": sassstate.chunked_figures,
 }
 
 

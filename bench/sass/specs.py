@@ -97,22 +97,35 @@ def _narrow_signature(t: str) -> str:
             f"int32[::1], int64, int64, int32[:, ::1], int64, float32, float32)")
 
 
-def _recurrence_signature(inputs: str, out: str) -> str:
+def _recurrence_signature(inputs: str, out: str, *, advance_after: bool = True) -> str:
     """A recurrence's step kernel (`kernels.state.recurrence`) over float32 state and
-    log, the op's seven `inputs` and its `out`."""
+    log, the op's seven `inputs` and its `out`; without `advance_after`, a chunked
+    kernel's (its arguments but that last one)."""
     state = "float32[:, :, :, ::1]"
     return (f"void({state}, {state}, {state}, {state}, {state}, float32[:, :, ::1], "
             f"int32[:, ::1], {inputs}, {out}, int32[:, ::1], int32[::1], int32[:, ::1], "
-            f"float32, float32, boolean, boolean, int64)")
+            f"int64, float32, float32, boolean, boolean{', int64' if advance_after else ''})")
+
+
+def _delta_rule_inputs(t: str, *, per_channel: bool) -> str:
+    """The delta rule's q, k, v, gate (`[width, H]`, or a channel's: `per_channel`) and
+    beta of `t`, then the two unused inputs (`no_output()`)."""
+    gate = f"{t}[:, :, ::1]" if per_channel else f"{t}[:, ::1]"
+    return (f"{t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {gate}, {t}[:, ::1], "
+            f"float32[:, ::1], float32[:, ::1]")
 
 
 def _delta_rule_signature(t: str, *, per_channel: bool) -> str:
-    """The delta rule's step kernel, inputs and output of `t`, a gate a head (`[width,
-    H]`) or a channel (`per_channel`), beta given (the two unused inputs `no_output()`)."""
-    gate = f"{t}[:, :, ::1]" if per_channel else f"{t}[:, ::1]"
-    return _recurrence_signature(f"{t}[:, :, ::1], {t}[:, :, ::1], {t}[:, :, ::1], {gate}, "
-                                 f"{t}[:, ::1], float32[:, ::1], float32[:, ::1]",
+    """The delta rule's step kernel, inputs and output of `t`, beta given."""
+    return _recurrence_signature(_delta_rule_inputs(t, per_channel=per_channel),
                                  f"{t}[:, :, ::1]")
+
+
+def _chunked_signature(t: str) -> str:
+    """The delta rule's chunked kernel, inputs and output of `t`, a gate a head, beta
+    given."""
+    return _recurrence_signature(_delta_rule_inputs(t, per_channel=False), f"{t}[:, :, ::1]",
+                                 advance_after=False)
 
 
 def _ssd_signature(t: str) -> str:
@@ -126,6 +139,7 @@ def _ssd_signature(t: str) -> str:
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
 _DELTA_RULE = "kvnumba.kernels.state.delta_rule:_kernel"
 _SSD = "kvnumba.kernels.state.ssd:_kernel"
+_CHUNKED = "kvnumba.kernels.state.chunked:kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
 _GENERIC = "kvnumba.kernels.generic.kernel:attention_kernel"
 
@@ -260,6 +274,9 @@ SPECIALISATIONS = (
     # head, bfloat16 inputs and output (held as uint16 bits)
     Specialisation("delta rule d128 bfloat16", f"{_DELTA_RULE}(128, 128, False)",
                    _delta_rule_signature("uint16", per_channel=False)),
+    # its chunked prefill (chunks of `chunked.CHUNK` tokens, products on the tensor cores)
+    Specialisation("delta rule chunked d128 bfloat16", f"{_CHUNKED}(128, 128, 32)",
+                   _chunked_signature("uint16")),
     # Mamba2's SSD over Nemotron-H's and Granite 4's heads (head_dim 64, d_state 128),
     # bfloat16 x, dt, B, C and output
     Specialisation("ssd 64x128 bfloat16", f"{_SSD}(128, 64)", _ssd_signature("uint16")),

@@ -1,6 +1,7 @@
 """The figures of the state layers' kernels' SASS (`bench.sass.figures` dispatches to
 them): the delta rule's and the ssd's decode step as a fraction of an H100's memory
-bandwidth.
+bandwidth, and the delta rule's chunked prefill's tensor-core share and estimated
+TFLOP/s on an H100 (`chunked_figures`, below).
 
 A decode step gives each (sequence, head) one token: its block (`recurrence.block_threads`
 threads, `lanes_per_column` lanes a column of the state) reads the head's float32 state
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from . import estimate, model
 from .flow import Flow
-from .loops import Figures, fallback_note, main_loop, other_loops
+from .loops import COUNTED, Figures, fallback_note, main_loop, other_loops
 
 #: bytes of each of the token's inputs and of its output (bfloat16)
 INPUT_BYTES = 2
@@ -39,6 +40,14 @@ STATE_BYTES = 4
 #: heads sharing an ssd group's B and C (Nemotron-H 8B: 128 heads, 8 groups)
 HEADS_PER_GROUP = 16
 WARP = 32
+#: the chunked prefill the estimate takes: sequences of this many tokens each, on
+#: `estimate.STATE_HEADS` heads (Qwen3-Next's 32 value heads of 128 x 128)
+PREFILL_SEQUENCES, PREFILL_TOKENS = 8, 4096
+#: float32 operations a warp instruction does: an HMMA m16n8k16 (16 x 8 x 16
+#: multiply-adds), a lane's fused multiply-add, add or multiply
+HMMA_FLOPS = 2 * 16 * 8 * 16
+LANE_FLOPS = {"FFMA": 2 * WARP, "FADD": WARP, "FMUL": WARP, "HFMA2": 4 * WARP,
+              "HADD2": 2 * WARP, "HMUL2": 2 * WARP}
 
 
 def is_barrier(ins) -> bool:
@@ -109,3 +118,111 @@ def recurrence_figures(flow: Flow, arguments: dict, dk: int, dv: int, moved: flo
              *fallback_note(flow)]
     return Figures({"instructions_per_head": per_head,
                     "h100_hbm_percent": 100.0 * min(1.0, cover) * step.hbm_fraction}, notes)
+
+
+def chunked_bytes(dk: int, dv: int, chunk: int, bv: int) -> float:
+    """Bytes the chunked kernel moves a token of one head: q and k read by each of the
+    head's `Dv / bv` blocks, v, the gate and beta read, the output written (bfloat16),
+    the log row written (float32), and a share of the state's float32 columns (read
+    twice and written once a chunk by each block)."""
+    blocks = dv // bv
+    return (INPUT_BYTES * (2 * dk * blocks + dv + 2 + dv) + STATE_BYTES * (dk + dv + 2)
+            + 3 * dk * dv * STATE_BYTES / chunk)
+
+
+def _trips(loop, loops, declared) -> int:
+    """The trips of `loop` (one of `loops`) that `chunked.loop_trips` declares: a count,
+    or `(opcode, n)`: `n` of that instruction in all, over those a trip of its own
+    (outside the loops inside it) holds, as LLVM unrolled it."""
+    if isinstance(declared, int):
+        return declared
+    opcode, n = declared
+    inside = {id(ins) for other in loops if other.blocks < loop.blocks
+              for ins in other.instructions}
+    per_trip = sum(1 for ins in loop.instructions
+                   if ins.base == opcode and id(ins) not in inside)
+    if not per_trip:
+        raise ValueError(f"the loop at {loop.header:#x} holds no {opcode}: the kernel's "
+                         f"loops changed")
+    return -(-n // per_trip)
+
+
+def chunked_figures(flow: Flow, arguments: dict) -> Figures:
+    """The chunked prefill's share of its floating-point work on the tensor cores,
+    `hmma_flop_percent`, and its estimated rate on an H100, `h100_tflops`.
+
+    A chunk is a trip of the loop holding the block's barriers; each loop inside it is
+    weighted by its trips (`chunked.loop_trips`, matched in address order). The share
+    counts each instruction at its loop's trips: an HMMA `HMMA_FLOPS`, a CUDA-core float
+    instruction `LANE_FLOPS`. The warp instructions of a chunk: its longest path with
+    each inner loop's longest trip taken its trips (an upper bound, every warp as the
+    busiest). The estimate: `PREFILL_SEQUENCES` sequences of `PREFILL_TOKENS` tokens on
+    `estimate.STATE_HEADS` heads, the longest of the instructions at one a scheduler a
+    clock, the HMMAs at `estimate.HMMA_CLOCKS` each and the bytes (`chunked_bytes`) at
+    the H100's copy rate; its rate is the recurrence's work, `6 Dk Dv` floating-point
+    operations a token and head (`S^T k`, the update, `S^T q`), over that time. Latency,
+    barriers and the last wave are left out: an estimate, not a measurement. Loops other
+    than those `loop_trips` declares are each counted once, and the estimate is 0 (its
+    budget fails, saying so)."""
+    from kvnumba.kernels.state import chunked
+
+    dk, dv, chunk = arguments["dk"], arguments["dv"], arguments["chunk"]
+    bv = chunked.value_block(dv)
+    loop = main_loop(flow, is_barrier, "the block's barriers (BAR)")
+    inner = sorted((other for other in flow.loops
+                    if other is not loop and other.blocks < loop.blocks),
+                   key=lambda other: other.header)
+    declared = chunked.loop_trips(dk, dv, chunk)
+    known = len(inner) == len(declared)
+    trips = ([_trips(other, inner, n) for other, n in zip(inner, declared)] if known
+             else [1] * len(inner))
+    weight = {id(ins): 1 for ins in loop.instructions}
+    for other, n in zip(inner, trips):
+        for ins in other.instructions:
+            weight[id(ins)] *= n
+    trips_of = {other.header: n for other, n in zip(inner, trips)}
+
+    def issued(outer, n: int) -> int:
+        """At most the instructions of `n` trips of `outer`: its longest trip, each loop
+        directly inside it counted at its own trips in place of one."""
+        children = [o for o in inner if o.blocks < outer.blocks and not any(
+            o.blocks < c.blocks < outer.blocks for c in inner)]
+        return n * (flow.hot_path(outer).longest + sum(
+            issued(c, trips_of[c.header]) - flow.hot_path(c).longest for c in children))
+    is_hmma = COUNTED["HMMA"]
+    hmma = sum(weight[id(ins)] for ins in loop.instructions if is_hmma(ins))
+    lane_flops = sum(weight[id(ins)] * LANE_FLOPS.get(ins.base, 0)
+                     for ins in loop.instructions)
+    tensor_flops = hmma * HMMA_FLOPS
+    share = tensor_flops / max(1, tensor_flops + lane_flops)
+    per_warp = issued(loop, 1)
+    heads, tokens = estimate.STATE_HEADS, PREFILL_SEQUENCES * PREFILL_TOKENS
+    chunks = PREFILL_SEQUENCES * heads * (dv // bv) * -(-PREFILL_TOKENS // chunk)
+    issue_rate = estimate.SMS * estimate.SCHEDULERS * estimate.CLOCK_HZ
+    issue_s = chunks * chunked.WARPS * per_warp / issue_rate
+    hmma_s = chunks * hmma * estimate.HMMA_CLOCKS / issue_rate
+    moved = tokens * heads * chunked_bytes(dk, dv, chunk, bv)
+    bytes_s = moved / estimate.H100_REACHED_BYTES_PER_S
+    seconds = max(issue_s, hmma_s, bytes_s)
+    work = 6.0 * dk * dv * tokens * heads
+    rate = work / seconds / 1e12 if known else 0.0
+    blocks = estimate.blocks_per_sm(max(1, arguments.get("shared", 1)),
+                                    arguments.get("registers", estimate.MAX_REGISTERS),
+                                    chunked.THREADS)
+    notes = [f"chunk loop at {loop.header:#x}: {len(loop.instructions)} instructions, "
+             f"{loop.count(is_hmma)} HMMA; inner loops (header, instructions, trips): "
+             + ", ".join(f"{o.header:#x} ({len(o.instructions)}, {n})"
+                         for o, n in zip(inner, trips)),
+             f"a chunk of {chunk} tokens, {bv} value columns, a warp: at most {per_warp} "
+             f"instructions, {hmma} HMMA; {100 * share:.1f}% of the floating-point work "
+             f"on HMMA",
+             f"H100 estimate ({PREFILL_SEQUENCES} sequences x {PREFILL_TOKENS} tokens x "
+             f"{heads} heads of {dk} x {dv}, {blocks} block(s) an SM): issue "
+             f"{1e3 * issue_s:.2f} ms, HMMA {1e3 * hmma_s:.2f} ms, bytes {1e3 * bytes_s:.2f} "
+             f"ms: {work / seconds / 1e12:.1f} TFLOP/s of the recurrence's 6 Dk Dv a token",
+             *fallback_note(flow)]
+    if not known:
+        notes.append(f"{len(inner)} loops inside the chunk loop, {len(declared)} in "
+                     f"chunked.loop_trips: the kernel's loops changed, each counted once "
+                     f"and no estimate (0 TFLOP/s) until loop_trips says their trips")
+    return Figures({"hmma_flop_percent": 100.0 * share, "h100_tflops": rate}, notes)

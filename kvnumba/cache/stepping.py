@@ -20,7 +20,7 @@ from ..host.slots import StepMachine, StepState
 from ..host.step import OpenStep, StepPlan
 from ..kernels import padding
 from ..kernels.moves import write
-from ..kernels.state import conv, recurrence
+from ..kernels.state import chunked, conv, recurrence
 from ..refusals import half_written_refusal, unprepared_refusal, unrun_state_refusal, \
     width_refusal
 
@@ -92,7 +92,7 @@ class StepProtocol:
         upload.mark(Sections.SEGMENTS, int(end))
         routes = self.routing.route(info, step.max_q_len, step.max_kv_len, upload)
         if self._states:
-            n_runs = self._stage_state_plan(info, upload)
+            n_runs, n_chunked = self._stage_state_plan(info, upload)
         if work is not pool.accounting.no_work:
             pool.stage(upload, work)
         self.routing.bind(routes, upload)
@@ -118,7 +118,8 @@ class StepProtocol:
                 conv.prepare(device[:2 * width], width, step.n_tokens, self.stream),
                 recurrence.prepare(runs.reshape(n_runs, RUN_FIELDS), order,
                                    segments.reshape(-1, SEQ_INFO_FIELDS), n_runs,
-                                   self.config.max_write, self.stream, n_tokens=padded))
+                                   self.config.max_write, self.stream, n_tokens=padded,
+                                   n_chunked=n_chunked, chunk=chunked.CHUNK))
         self.machine.apply("prepare", next_state)
         return self.plan
 
@@ -152,17 +153,17 @@ class StepProtocol:
         the state layers see it) into `upload`, and move the pool's mirror of each
         sequence's base position as the kernels will (`Pool.state_base`: to 0 at
         position 0, to the floor once it is more than `max_write` past it); returns its
-        runs."""
+        runs and how many of them are chunked (the last ones)."""
         m = self.config.max_write
         floors = ring_floor(self.slots.high_water, self._state_rows, m)
-        runs, order = state_runs(info, floors)
+        runs, order, n_chunked = state_runs(info, floors, chunked.CHUNK)
         seqs, base = runs[:, RUN_COL], self.pool.state_base
         starts = self.slots.pos[seqs]
         moved = floors[seqs] - base[seqs] > m
         base[seqs] = np.where(starts == 0, 0, np.where(moved, floors[seqs], base[seqs]))
         upload.put(Sections.STATE_RUNS, runs)
         upload.put(Sections.STATE_ORDER, order)
-        return len(runs)
+        return len(runs), n_chunked
 
     def _layer_writes(self, width: int, tables) -> tuple:
         """Per layer the write launches of a step of `width` tokens staged in `tables`

@@ -7,6 +7,14 @@ k v^T`; `o = scale S^T q`, q and k first l2-normalised (`x * rsqrt(sum(x^2) + 1e
 when `qk_l2norm`: the norms are each warp's own butterfly over its lanes' strided
 squares. The log keeps k as the recurrence used it (normalised), v, the log-decay
 (`log_g`, entry 0 for a gate a head) and beta.
+
+A plan's runs of at least its `chunk` new tokens (a prefill, `arith.state_runs`) take
+the chunked kernel (`chunked`, on the tensor cores) where it fits the layer's heads and
+gate: the step kernel's `replay_only` variant first brings their states to their first
+new position, then the chunked kernel takes their new tokens
+(`recurrence.RecurrentStep.launch`). It writes the same log rows, so replays from the
+log stay bit for bit the per-token kernel's; its outputs and states match the per-token
+kernel's within float16 products' rounding.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import numpy as np
 
 from ...device import cuda
 from ..intrinsics import ptx
+from . import chunked
 from .lanes import lane_functions
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, prepare, \
     recurrence_kernel
@@ -43,9 +52,10 @@ def _scaled(o, extra, scale):
     return float32(o * scale)
 
 
-def _kernels(dk: int, dv: int, per_channel: bool):
+def _kernels(dk: int, dv: int, per_channel: bool, replay_only: bool = False):
     """The step kernel for heads of `dk` keys and `dv` values and a gate `[width, H, Dk]`
-    (`per_channel`) or `[width, H]` (`recurrence.recurrence_kernel`)."""
+    (`per_channel`) or `[width, H]`, or its `replay_only` variant
+    (`recurrence.recurrence_kernel`)."""
     gate = _gate_channel if per_channel else _gate_head
     rnorm = lane_functions(dk, dv, per_channel, lanes_per_column(dk, dv)).rnorm
 
@@ -91,7 +101,7 @@ def _kernels(dk: int, dv: int, per_channel: bool):
             log_b[col, row, h] = b
         return vj, b, float32(0.0)
 
-    return recurrence_kernel(dk, dv, per_channel, False, taken, _scaled)
+    return recurrence_kernel(dk, dv, per_channel, False, taken, _scaled, replay_only)
 
 
 _kernel = lru_cache(maxsize=None)(_kernels)
@@ -112,24 +122,32 @@ def apply(plan, state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta
                          f"for Dk {dk}")
     scale, qk_l2norm = np.float32(scale), bool(qk_l2norm)
 
-    def build():
+    def build(replay_only):
         dk_cap(dk)
-        return (_kernel(dk, dv, per_channel), n_heads,
+        return (_kernel(dk, dv, per_channel, replay_only), n_heads,
                 block_threads(dv, lanes_per_column(dk, dv)))
 
+    def build_chunked():
+        return (chunked.kernel(dk, dv, plan.chunk),
+                (n_heads, dv // chunked.value_block(dv)), chunked.THREADS)
+
+    fits = chunked.fits(dk, dv, per_channel, plan.chunk)
     inputs = (q, k, v, g) + ((beta,) if has_beta else ())
     plan.launch(("delta_rule", n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm),
                 build, (state, base, log_k, log_v, log_g, log_b, marks), inputs, out, scale,
-                0.0, qk_l2norm, has_beta)
+                0.0, qk_l2norm, has_beta, build_chunked if fits else None)
 
 
 def run(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, runs, order,
         seq_info, n_runs: int, scale, qk_l2norm: bool, advance_after: int, stream=0, *,
-        n_tokens=None) -> None:
+        n_tokens=None, n_chunked: int = 0, chunk: int = chunked.CHUNK) -> None:
     """Advance the state of each of the `n_runs` runs over its segments (`apply` on a plan
-    of `runs`, `order`, `seq_info` made for this call, `recurrence.prepare`): two
-    launches, the step (grid `(n_runs, H)`) and the marks; a third zeroes
-    `out[n_tokens:]` when `n_tokens` is given."""
-    apply(prepare(runs, order, seq_info, n_runs, advance_after, stream, n_tokens=n_tokens),
+    of `runs`, `order`, `seq_info` made for this call, `recurrence.prepare`, its last
+    `n_chunked` runs of at least `chunk` new tokens): the step (grid `(n_runs, H)`), or
+    for the chunked runs where the heads allow, the step's replay and the chunked
+    kernel; then the marks; a last launch zeroes `out[n_tokens:]` when `n_tokens` is
+    given."""
+    apply(prepare(runs, order, seq_info, n_runs, advance_after, stream, n_tokens=n_tokens,
+                  n_chunked=n_chunked, chunk=chunk),
           state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out, scale,
           qk_l2norm)

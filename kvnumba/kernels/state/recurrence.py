@@ -59,11 +59,17 @@ ordering the two, so a new token may take the row of a position the same step re
 Output rows of tokens in no segment (padding) are not written by the step kernel; a
 plan made with `n_tokens` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
-A prefill takes its tokens one position at a time through the same loop. A chunked
-scan of long runs would be another kernel bound in `RecurrentStep.launch` under its own
-key (an op's `taken` says what it logs), writing the same log rows, state and marks;
-replays, which this loop takes, would then match it within float32 rounding, not bit
-for bit.
+A prefill takes its tokens one position at a time through the same loop, unless the
+op has a chunked kernel that fits the layer (the delta rule's, `chunked`): the plan's
+last `n_chunked` runs (`arith.state_runs` puts those of at least `chunk` new tokens
+there) then take three launches in place of one, bound under the op's key
+(`RecurrentStep.launch`): the step kernel's `replay_only` variant (a compile-time
+variant, so the per-token kernel keeps its code) over them, its positions `[start,
+p0)`: the base advance and a rewind's replay from the log, leaving the state at `p0`
+in `state` (where the live state is at `p0`, leaving it there); then the chunked
+kernel over their new tokens, writing the same log rows and the state; then the marks.
+Replays of those rows, which this loop takes, match the chunked kernel's states within
+its rounding, not bit for bit. A launch takes runs `first ..` of the plan.
 
 The caller guarantees: `Rl >= 3 * M`, `M = advance_after` the most tokens a sequence
 writes in one step; `bp <= floor <= p0`; the log holds every position a rewind replays
@@ -153,10 +159,13 @@ def logged(log_k, log_v, log_g, log_b, col, row, h, k_s, d_s, dk, per_channel, t
     return vj, log_b[col, row, h]
 
 
-def recurrence_kernel(dk: int, dv: int, per_channel: bool, transposed: bool, taken, emit):
+def recurrence_kernel(dk: int, dv: int, per_channel: bool, transposed: bool, taken, emit,
+                      replay_only: bool = False):
     """The step kernel of heads of `dk` rows and `dv` columns, a decay per row
     (`per_channel`) or per head, the state `[H, Dk, Dv]` or `transposed`, for an op
-    whose new tokens enter through the device function `taken` and leave through `emit`:
+    whose new tokens enter through the device function `taken` and leave through `emit`
+    (with `replay_only`, a compile-time variant, each run's positions up to `p0` only:
+    the replay before a chunked kernel, module doc):
 
     `taken(log_k, log_v, log_g, log_b, in0, .. in6, col, row, h, token, q_s, k_s, d_s,
     f0, f1, option, has_beta, tid, threads, j, p, mine) -> (v[j], beta, extra)` puts the
@@ -172,10 +181,11 @@ def recurrence_kernel(dk: int, dv: int, per_channel: bool, transposed: bool, tak
 
     @cuda.jit(**bounds)
     def step_kernel(state, base, log_k, log_v, log_g, log_b, marks, in0, in1, in2, in3, in4,
-                    in5, in6, out, runs, order, seq_info, f0, f1, option, has_beta,
+                    in5, in6, out, runs, order, seq_info, first, f0, f1, option, has_beta,
                     advance_after):
-        """Block (run, head): the sequence's positions `[start, end)` (module doc)."""
-        run, h, tid = cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
+        """Block (first + run, head): the sequence's positions `[start, end)`, or with
+        `replay_only` `[start, p0)` (module doc)."""
+        run, h, tid = first + cuda.blockIdx.x, cuda.blockIdx.y, int32(cuda.threadIdx.x)
         n_threads = int32(cuda.blockDim.x)
         j, p = int32(uint32(tid) // parts), int32(uint32(tid) % parts)
         log_rows = log_k.shape[1]
@@ -186,6 +196,8 @@ def recurrence_kernel(dk: int, dv: int, per_channel: bool, transposed: bool, tak
         s = cuda.local.array(rows, float32)
         col, live, p0, end, start, source, advance, floor, new_bp = _plan(
             marks, runs, order, seq_info, run, advance_after)
+        if replay_only:
+            end = p0
         if source == FROM_STATE:
             load(s, state, col, h, j, p)
         elif source == FROM_BASE:
@@ -201,8 +213,10 @@ def recurrence_kernel(dk: int, dv: int, per_channel: bool, transposed: bool, tak
                 if live == p0:
                     pos = p0
                     load(s, state, col, h, j, p)
+                    if replay_only and pos == end:     # nothing past p0
+                        break
             row = storage_row(pos, log_rows)
-            want = pos >= p0
+            want = not replay_only and pos >= p0
             extra = ZERO
             if want:
                 segment = order[seg]
@@ -224,7 +238,13 @@ def recurrence_kernel(dk: int, dv: int, per_channel: bool, transposed: bool, tak
                 out[token, h, j] = ptx.from_f32(emit(o, extra, f0), out)
             cuda.syncthreads()
             pos += 1
-        store(s, state, col, h, j, p)
+        if not replay_only:
+            store(s, state, col, h, j, p)
+        else:
+            if advance:               # the base advancing to p0 (= floor)
+                store(s, base, col, h, j, p)
+            if not (advance and live == p0):   # else the live state at p0 stays
+                store(s, state, col, h, j, p)
 
     return Specialised(step_kernel)
 
@@ -276,37 +296,44 @@ def block_threads(dv: int, parts: int = 1) -> int:
 
 
 class RecurrentStep:
-    """The recurrence launches of one step (`prepare`): its work plan, run count,
-    `advance_after`, padding and stream fixed; each op's kernel bound once per key
+    """The recurrence launches of one step (`prepare`): its work plan, run count, chunked
+    runs, `advance_after`, padding and stream fixed; each op's kernels bound once per key
     (`launch`), so a layer's call passes its arrays."""
 
     def __init__(self, runs, order, seq_info, n_runs: int, advance_after: int, n_tokens,
-                 stream):
+                 stream, n_chunked: int = 0, chunk: int = 0):
+        if n_chunked and chunk <= 0:
+            raise ValueError(f"recurrence: {n_chunked} chunked runs need a chunk of at "
+                             f"least 1 token, not {chunk}")
         self.runs, self.order, self.seq_info = runs, order, seq_info
         self.n_runs, self.advance_after, self.stream = n_runs, advance_after, stream
-        self.n_tokens = n_tokens
+        self.n_tokens, self.n_chunked, self.chunk = n_tokens, n_chunked, chunk
         self._steps, self._zero = {}, {}
         self._marks = (_marks.bind(ceil_div(n_runs, MARK_THREADS), MARK_THREADS, stream,
                                    PER_CALL, runs, order, seq_info, n_runs, advance_after)
                        if n_runs else None)
 
     def launch(self, key, build, arrays: tuple, inputs: tuple, out, f0, f1, option: bool,
-               has_beta: bool) -> None:
-        """The step kernel `build()` makes (`(kernel, heads, threads)`, once per `key`,
-        with the scalars `f0`, `f1`, `option`, `has_beta` bound then) over the layer's
-        storage `arrays` (`state, base, log_k, log_v, log_g, log_b, marks`, the
+               has_beta: bool, chunked=None) -> None:
+        """The step kernel `build(replay_only)` makes (`(kernel, heads, threads)`, once per
+        `key`, with the scalars `f0`, `f1`, `option`, `has_beta` bound then) over the
+        layer's storage `arrays` (`state, base, log_k, log_v, log_g, log_b, marks`, the
         logs in the lanes' roles) and the op's `inputs` (at most `INPUTS`), then the
-        marks, then the padding rows of `out` zeroed."""
+        marks, then the padding rows of `out` zeroed.
+
+        With `chunked` (the op's chunked kernel fits the layer), the plan's last
+        `n_chunked` runs take it: `chunked()` makes `(kernel, grid, threads)`, a kernel
+        of the step kernel's arguments but `advance_after` over blocks `(n_chunked,
+        *grid)`, bound under the same key; the step kernel takes the other runs, and its
+        `replay_only` variant brings the chunked runs' states to their `p0` first."""
         if self.n_runs:
             bound = self._steps.get(key)
             if bound is None:
-                kernel, heads, threads = build()
-                bound = self._steps[key] = kernel.bind(
-                    (self.n_runs, heads), threads, self.stream, *[PER_CALL] * 15, self.runs,
-                    self.order, self.seq_info, np.float32(f0), np.float32(f1), bool(option),
-                    bool(has_beta), self.advance_after)
+                bound = self._steps[key] = self._bind(build, chunked, f0, f1, option,
+                                                      has_beta)
             unused = (no_output(),) * (INPUTS - len(inputs))
-            bound(*arrays, *inputs, *unused, out)
+            for launch in bound:
+                launch(*arrays, *inputs, *unused, out)
             self._marks(arrays[-1])
         if self.n_tokens is not None:
             width = out.shape[0]
@@ -316,11 +343,34 @@ class RecurrentStep:
             if zero is not None:
                 zero(out, no_output())
 
+    def _bind(self, build, chunked, f0, f1, option, has_beta) -> tuple:
+        """The launches of one key, in order (`launch`)."""
+        n_chunked = self.n_chunked if chunked is not None else 0
+        n_step = self.n_runs - n_chunked
+        scalars = (np.float32(f0), np.float32(f1), bool(option), bool(has_beta))
+        tables = (self.runs, self.order, self.seq_info)
+
+        def step(first: int, n: int, replay_only: bool):
+            kernel, heads, threads = build(replay_only)
+            return kernel.bind((n, heads), threads, self.stream, *[PER_CALL] * 15, *tables,
+                               first, *scalars, self.advance_after)
+
+        launches = [step(0, n_step, False)] if n_step else []
+        if n_chunked:
+            kernel, grid, threads = chunked()
+            launches += [step(n_step, n_chunked, True),
+                         kernel.bind((n_chunked, *grid), threads, self.stream,
+                                     *[PER_CALL] * 15, *tables, n_step, *scalars)]
+        return tuple(launches)
+
 
 def prepare(runs, order, seq_info, n_runs: int, advance_after: int, stream=0, *,
-            n_tokens=None) -> RecurrentStep:
+            n_tokens=None, n_chunked: int = 0, chunk: int = 0) -> RecurrentStep:
     """The launches of a step's recurrent layers with the work plan `runs`, `order`,
-    `seq_info` (int32 device arrays, module doc) of `n_runs` runs, bound for its layers'
-    calls (`RecurrentStep`); with `n_tokens`, each call also zeroes `out[n_tokens:]`."""
+    `seq_info` (int32 device arrays, module doc) of `n_runs` runs, the last `n_chunked`
+    of them of at least `chunk` new tokens (`arith.state_runs`, for an op's chunked
+    kernel), bound for its layers' calls (`RecurrentStep`); with `n_tokens`, each call
+    also zeroes `out[n_tokens:]`."""
     return RecurrentStep(runs, order, seq_info, int(n_runs), int(advance_after),
-                         None if n_tokens is None else int(n_tokens), stream)
+                         None if n_tokens is None else int(n_tokens), stream, int(n_chunked),
+                         int(chunk))

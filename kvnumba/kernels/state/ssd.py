@@ -46,8 +46,9 @@ def _skipped(o, extra, unused):
     return float32(o + extra)
 
 
-def _kernels(d_state: int, head_dim: int):
-    """The step kernel of heads `[head_dim, d_state]` (`recurrence.recurrence_kernel`)."""
+def _kernels(d_state: int, head_dim: int, replay_only: bool = False):
+    """The step kernel of heads `[head_dim, d_state]`, or its `replay_only` variant
+    (`recurrence.recurrence_kernel`)."""
 
     @cuda.jit(device=True)
     def taken(log_k, log_v, log_g, log_b, x, dt, A, B, C, D, dt_bias, col, row, h, token,
@@ -77,7 +78,7 @@ def _kernels(d_state: int, head_dim: int):
                 extra = float32(ptx.to_f32(D[h]) * xj)
         return vj, float32(1.0), extra
 
-    return recurrence_kernel(d_state, head_dim, False, True, taken, _skipped)
+    return recurrence_kernel(d_state, head_dim, False, True, taken, _skipped, replay_only)
 
 
 _kernel = lru_cache(maxsize=None)(_kernels)
@@ -104,9 +105,9 @@ def apply(plan, state, base, log_x, log_b, log_g, log_beta, marks, x, dt, A, B, 
         raise ValueError(f"ssd: {n_heads} heads over {B.shape[1]} groups")
     lo, hi, softplus = np.float32(lo), np.float32(hi), bool(softplus)
 
-    def build():
+    def build(replay_only):
         dk_cap(d_state)
-        return (_kernel(d_state, head_dim), n_heads,
+        return (_kernel(d_state, head_dim, replay_only), n_heads,
                 block_threads(head_dim, lanes_per_column(d_state, head_dim)))
 
     plan.launch(("ssd", n_heads, head_dim, d_state, softplus, lo, hi), build,
