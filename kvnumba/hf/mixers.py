@@ -231,7 +231,7 @@ def short_conv(module, hidden, ops):
     return module.out_proj(C * y)
 
 
-# ----- Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba, Zamba2, Falcon-H1) -----
+# ----- Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba, Zamba2, Falcon-H1, Mamba-2) -----
 
 def _mamba2_state(module):
     """The conv window over `xBC` and the state `[H, N, P]`: Mamba2's `S_h [P, N]`
@@ -275,7 +275,7 @@ def _mamba2_scan(module, projected, ops):
 
 def mamba2(module, hidden, ops):
     """`GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`, `BambaMixer`,
-    `Zamba2MambaMixer`: `in_proj`, the scan, SiLU gate then grouped RMS norm (the
+    `Zamba2MambaMixer`, `Mamba2Mixer`: `in_proj`, the scan, SiLU gate then grouped RMS norm (the
     module's `norm(y, z)`: `w * rmsnorm_G(y * silu(z))`, in float32), `out_proj` in the
     model's dtype."""
     y, gate = _mamba2_scan(module, module.in_proj(hidden), ops)
@@ -320,4 +320,5 @@ MIXERS = {
     "BambaMixer": _MAMBA2,
     "Zamba2MambaMixer": _MAMBA2,
     "FalconH1Mixer": Mixer(falcon_h1, _mamba2_state),
+    "Mamba2Mixer": _MAMBA2,
 }
