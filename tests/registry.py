@@ -85,9 +85,9 @@ HYBRIDS = {
                              mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
                              mamba_chunk_size=16),
 }
-#: the gated-delta-rule, KDA and Mamba-2 hybrids' linear layers small (their defaults are
+#: the gated-delta-rule, KDA and Mamba hybrids' linear layers small (their defaults are
 #: the released models' 32 heads of 128, or 128 Mamba-2 heads: minutes a step on the
-#: simulator), Nemotron-H's experts few
+#: simulator; Jamba's Mamba1 layers one head per inner channel), Nemotron-H's experts few
 GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
            linear_value_head_dim=16)
 SMALL_MIXERS = {**{name: GDN for name in ("qwen3_next", "qwen3_5", "qwen3_5_text",
@@ -101,7 +101,8 @@ SMALL_MIXERS = {**{name: GDN for name in ("qwen3_next", "qwen3_5", "qwen3_5_text
                 "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
                                   mamba_n_groups=1, mamba_d_ssm=64, mamba_chunk_size=16),
                 "zamba2": dict(n_mamba_heads=4, mamba_headdim=16, mamba_d_state=16,
-                               mamba_ngroups=1, chunk_size=16)}
+                               mamba_ngroups=1, chunk_size=16),
+                "jamba": dict(mamba_expand=1, mamba_d_state=8)}
 for _name, _fields in {**HYBRIDS, **SMALL_MIXERS}.items():
     FIELDS[_name] = {**FIELDS.get(_name, {}), **_fields}
 #: the per-layer fields whose values are the kinds of a config's layers (mixers, attention

@@ -49,6 +49,9 @@ FALCON = dict(MAMBA2, num_hidden_layers=3, mamba_d_ssm=64, head_dim=8,
 #: Mamba-2 alone: three mixer layers, no attention
 PURE_MAMBA2 = dict(num_hidden_layers=3, num_heads=4, head_dim=16, state_size=8, n_groups=2,
                    expand=2, chunk_size=64)
+#: Jamba: Mamba1 mixers (d_inner 64, state 8) in three of four layers, attention in one
+JAMBA = dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8,
+             mamba_expand=2, num_experts=4)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
@@ -92,6 +95,7 @@ FAMILIES = {
     "falcon_h1-gatenorm": ({**FALCON, "mamba_rms_norm": True,
                             "mamba_norm_before_gate": False}, "FalconH1Mixer", SSD),
     "mamba2": (PURE_MAMBA2, "Mamba2Mixer", SSD),
+    "jamba": (JAMBA, "JambaMambaMixer", ((64, 4), (64, 8, 1))),
 }
 #: the layer types whose layers keep a state (Zamba2's and Falcon-H1's "hybrid" layers
 #: have attention too; Nemotron-H's "mlp" and "moe" layers keep nothing)
@@ -401,7 +405,7 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
              "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
              "Lfm3": "lfm3", "GraniteMoeHybrid": "granitemoehybrid",
              "NemotronH": "nemotron_h", "Bamba": "bamba", "Zamba2": "zamba2",
-             "FalconH1": "falcon_h1", "Mamba2": "mamba2"}
+             "FalconH1": "falcon_h1", "Mamba2": "mamba2", "Jamba": "jamba"}
     for name in mixers.MIXERS:
         prefix = next(p for p in homes if name.startswith(p))
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."
