@@ -368,7 +368,8 @@ def test_the_layer_map_of_each_layer_type():
 
 def test_a_sliding_hybrid_layer_gets_a_ring_for_its_attention():
     """`hybrid_sliding` (attention within a window beside a mixer) lays out a ring layer,
-    then the state layer; without a `sliding_window` it is refused naming the type."""
+    then the state layer; without a `sliding_window`, or without a mixer kvnumba
+    computes (Zaya's hybrid layers), it is refused naming the type."""
     from types import SimpleNamespace
 
     from kvnumba.hf import config as hfconfig
@@ -379,6 +380,10 @@ def test_a_sliding_hybrid_layer_gets_a_ring_for_its_attention():
     assert specs == [kv.ring(4), state, kv.flat()]
     with pytest.raises(kv.ConfigError, match="hybrid_sliding layers without a sliding_window"):
         hfconfig.layer_specs(SimpleNamespace(**fields), states={0: state})
+    with pytest.raises(kv.ConfigError, match=r"tiny: layer 0 is a 'hybrid_sliding' layer, "
+                                             r"attention beside a mixer, and holds no mixer "
+                                             r"kvnumba computes"):
+        hfconfig.layer_specs(SimpleNamespace(**fields, sliding_window=4))
 
 
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():

@@ -20,7 +20,7 @@ from ..config import CacheConfig, chunked, flat, latent, ring, shared
 from ..errors import ConfigError
 from .latent import latent_modules, refuse_modules
 from .mixer_refusal import refuse_mixers
-from .layermap import LayerMap, layer_map
+from .layermap import HYBRID, LayerMap, layer_map
 from .mixers import MIXERS
 from .mixing import state_specs
 from .sharding import kv_heads_per_rank, sharding
@@ -182,7 +182,8 @@ def layer_specs(config, shapes: list | None = None, states: dict | None = None) 
     sliding); with `shapes` (`layer_shapes`), each layer's kv heads and head dims where
     they are not the first attention layer's; a layer that reads another's K/V is
     `shared` with it (`producers`); a mixer the state layer of `states`
-    (`mixing.state_specs`). Any other layer type is refused (`ConfigError` naming it)."""
+    (`mixing.state_specs`). Any other layer type, and a hybrid layer holding no mixer of
+    `states` (Zaya's), is refused (`ConfigError` naming it)."""
     states = states or {}
     window = getattr(config, "sliding_window", None)
     chunk = getattr(config, "attention_chunk_size", None)
@@ -208,6 +209,11 @@ def layer_specs(config, shapes: list | None = None, states: dict | None = None) 
         if producer is not None:
             specs[mapped.attention[layer]] = shared(mapped.attention[producer])
             continue
+        if layer_type in HYBRID and layer not in states:
+            raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} layer, "
+                              f"attention beside a mixer, and holds no mixer kvnumba "
+                              f"computes (kvnumba.hf.mixers), so kvnumba does not lay out "
+                              f"its state")
         if layer_type not in made:
             raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} layer, "
                               f"which kvnumba does not lay out (it serves "
