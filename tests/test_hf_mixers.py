@@ -335,7 +335,8 @@ LAID_OUT = {
 def test_each_decoder_layers_parts_map_to_their_cache_layers(name):
     """A decoder layer of attention and a mixer takes two cache layers (its attention's
     first), one of neither takes none, a model of mixers alone has no attention layer
-    (no pages, no bytes per token); the served model reads the same map."""
+    (no pages, no bytes per token, no byte budget to share); the served model reads the
+    same map and refuses a config laid out otherwise."""
     import kvnumba.hf as kvhf
     from kvnumba.hf import config as hfconfig
     from kvnumba.hf.mixing import state_specs
@@ -350,6 +351,15 @@ def test_each_decoder_layers_parts_map_to_their_cache_layers(name):
     assert [config.layers[i] for i in mixed.values()] == \
         [kv.state(conv=SSD[0], recurrent=SSD[1])] * len(mixed)
     assert (config.bytes_per_token == 0) == (not attention)
+    from kvnumba.hf.served import ServedModel
+    with pytest.raises(kv.ConfigError, match=rf"the cache config has 1 layers; the model's "
+                                             rf"decoder layers take {len(kinds)}"):
+        ServedModel(model, kv.CacheConfig(layers=[kv.flat()], head_dim=8, capacity=24,
+                                          max_write=8, max_step=16, dtype="float32"))
+    if not attention:                         # no page pool for a byte budget to size
+        with pytest.raises(kv.ConfigError, match=r"kv_bytes=1048576: every layer of the "
+                                                 r"model is a state layer.*leave kv_bytes"):
+            hfconfig.budgeted([config], 1 << 20)
 
 
 def test_the_layer_map_of_each_layer_type():

@@ -19,8 +19,8 @@ from ..args import as_count, is_int
 from ..config import CacheConfig, chunked, flat, latent, ring, shared
 from ..errors import ConfigError
 from .latent import latent_modules, refuse_modules
-from .mixer_refusal import refuse_mixers
 from .layermap import HYBRID, LayerMap, layer_map
+from .mixer_refusal import refuse_mixers
 from .mixers import MIXERS
 from .mixing import state_specs
 from .sharding import kv_heads_per_rank, sharding

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
+from ..errors import ConfigError
 from .attention import ATTENTION
 from .config import model_layer_map, text_config
 from .latent import capturing
@@ -51,6 +52,10 @@ class ServedModel:
         self.device = next(model.parameters()).device
         #: decoder layer -> cache layers (`layermap.LayerMap`), as `config` was laid out
         self.layers = model_layer_map(text_config(model.config), state_specs(model))
+        if self.layers.n_layers != config.n_layers:
+            raise ConfigError(f"the cache config has {config.n_layers} layers; the model's "
+                              f"decoder layers take {self.layers.n_layers} (make the config "
+                              f"with kvnumba.hf.cache_config)")
         # cache layer -> the mixer module computing through it
         self.mixers = {self.layers.mixers[layer]: module
                        for layer, module in mixer_layers(model).items()}
