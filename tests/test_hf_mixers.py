@@ -51,7 +51,7 @@ PURE_MAMBA2 = dict(num_hidden_layers=3, num_heads=4, head_dim=16, state_size=8, 
                    expand=2, chunk_size=64)
 #: Jamba: Mamba1 mixers (d_inner 64, state 8) in three of four layers, attention in one
 JAMBA = dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8,
-             mamba_expand=2, num_experts=4)
+             mamba_expand=2, num_experts=1)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
