@@ -146,6 +146,24 @@ def _check_states(config: "CacheConfig") -> None:
                               f"page ends")
 
 
+def _fixed_pages(config: "CacheConfig", nbytes: int) -> int:
+    """The pages a fixed pool of `nbytes` bytes holds (`CacheConfig.fixed_pool`), refused
+    (`ConfigError`) for fewer than 2 or a cache with no page pool."""
+    if not config.page_groups:
+        raise ConfigError(f"fixed_pool({nbytes}): every layer is a state layer, so the "
+                          f"cache has no page pool to fix; its bytes are "
+                          f"bytes_per_sequence ({config.bytes_per_sequence}) for each "
+                          f"of max_seqs + 1 = {config.max_seqs + 1} slots")
+    per_page = config.page_size * config.bytes_per_token
+    n = as_count(nbytes, "fixed_pool nbytes", 0) // per_page
+    if n < 2:
+        raise ConfigError(f"fixed_pool({nbytes}): a pool needs at least 2 pages of "
+                          f"{per_page} bytes (page_size {config.page_size} x "
+                          f"bytes_per_token {config.bytes_per_token}), so at least "
+                          f"{2 * per_page} bytes")
+    return min(n, INT32_MAX // config.page_size)
+
+
 def _host_dtype(dtype: str, storage: np.dtype) -> np.dtype:
     """`CacheConfig.np_dtype` of storage dtype `dtype` (held as `storage`)."""
     if dtype not in ML_DTYPES:
@@ -391,19 +409,7 @@ class CacheConfig:
         x bytes_per_token` bytes, so `n = nbytes // (page_size x bytes_per_token)`.
         `ConfigError` for a cache of state layers alone: it has no page pool (its bytes are
         `bytes_per_sequence` a slot)."""
-        if not self.page_groups:
-            raise ConfigError(f"fixed_pool({nbytes}): every layer is a state layer, so the "
-                              f"cache has no page pool to fix; its bytes are "
-                              f"bytes_per_sequence ({self.bytes_per_sequence}) for each "
-                              f"of max_seqs + 1 = {self.max_seqs + 1} slots")
-        per_page = self.page_size * self.bytes_per_token
-        n = as_count(nbytes, "fixed_pool nbytes", 0) // per_page
-        if n < 2:
-            raise ConfigError(f"fixed_pool({nbytes}): a pool needs at least 2 pages of "
-                              f"{per_page} bytes (page_size {self.page_size} x "
-                              f"bytes_per_token {self.bytes_per_token}), so at least "
-                              f"{2 * per_page} bytes")
-        n = min(n, INT32_MAX // self.page_size)
+        n = _fixed_pages(self, nbytes)
         return replace(self, initial_pages=n, max_pages=n)
 
     @property
