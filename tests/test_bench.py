@@ -18,7 +18,8 @@ from kvnumba.bench.kernels import run as kernels
 
 def test_control_quick_reports_every_batch_and_kind():
     """Run here (the simulator's device work excluded; compile mode is the subprocess
-    `run_anywhere` makes, as the host bench's test checks for its own)."""
+    `run_anywhere` makes, which the bench's smoke run takes for this section and the
+    host section alike)."""
     result = control.run(quick=True)
     seen = {(r["batch"], r["kind"]) for r in result["rows"]}
     assert seen == {(b, k) for b in control.BATCHES for k in control.KINDS}
