@@ -23,9 +23,10 @@ decoding does).
 
 Workloads, each on three layer configs (1 kv head, head_dim 8, float16, pages of 16:
 memory is trivial, and the counts do not depend on the shape): Llama-like, flat layers
-only; Gemma-2-like, a ring layer (window 256) and a flat layer alternating; and
+only; Gemma-2-like, a ring layer (window 256) and a flat layer alternating;
 Qwen3-Next-like, three state layers (contract §17: a match ends at the deepest page the
-index holds a state snapshot of) and a flat layer:
+index holds a state snapshot of) and a flat layer; and Granite-4-like, nine Mamba-2
+state layers to a flat layer (Granite-4.0-H-Tiny's 36 to 4):
 
 * shared system prompt: 64 requests of a 1,024-token system prompt and a distinct
   64-token question, 8 new tokens each, up to 16 running, chunks of 256: prompt tokens
@@ -100,16 +101,21 @@ class Sizes:
     def layer_configs(self) -> dict:
         return {"flat": [kv.flat(), kv.flat()],
                 "windowed": [kv.ring(window=self.window), kv.flat()],
-                "hybrid": [HYBRID_STATE] * 3 + [kv.flat()]}
+                "hybrid": [HYBRID_STATE] * 3 + [kv.flat()],
+                "granite": [MAMBA2_STATE] * 9 + [kv.flat()]}
 
 
 FULL = Sizes()
 #: a Qwen3-Next-like layer of the hybrid config: a gated-delta-rule mixer's conv window
 #: and recurrent state (small: the counts do not depend on its shape)
 HYBRID_STATE = kv.state(conv=(24, 4), recurrent=(1, 8, 8))
+#: a Mamba-2 layer of the Granite-4-like config: the conv window over x, B and C (2 heads
+#: of 8, one group of state 8) and the state `[heads, d_state, head_dim]` (small as above)
+MAMBA2_STATE = kv.state(conv=(2 * 8 + 2 * 8, 4), recurrent=(2, 8, 8))
 LAYER_NAMES = {"flat": "Llama-like: 2 flat layers",
                "windowed": "Gemma-2-like: ring (W {window}) + flat",
-               "hybrid": "Qwen3-Next-like: 3 state layers + flat"}
+               "hybrid": "Qwen3-Next-like: 3 state layers + flat",
+               "granite": "Granite-4-like: 9 Mamba-2 + flat"}
 
 
 # ---------------------------------------------------------------------------- tokens

@@ -144,10 +144,24 @@ def _check_states(config: "CacheConfig") -> None:
             raise ConfigError(f"state_interval={interval}: must be a multiple of "
                               f"page_size ({config.page_size}): snapshots are taken at "
                               f"page ends")
-    if config.state_layers and len(config.state_layers) == len(config.layers):
-        raise ConfigError(f"layers: all {len(config.layers)} layers are state layers; a "
-                          f"cache needs at least one attention layer (flat(), ring(...), "
-                          f"chunked(...) or latent(...)) beside them")
+
+
+def _fixed_pages(config: "CacheConfig", nbytes: int) -> int:
+    """The pages a fixed pool of `nbytes` bytes holds (`CacheConfig.fixed_pool`), refused
+    (`ConfigError`) for fewer than 2 or a cache with no page pool."""
+    if not config.page_groups:
+        raise ConfigError(f"fixed_pool({nbytes}): every layer is a state layer, so the "
+                          f"cache has no page pool to fix; its bytes are "
+                          f"bytes_per_sequence ({config.bytes_per_sequence}) for each "
+                          f"of max_seqs + 1 = {config.max_seqs + 1} slots")
+    per_page = config.page_size * config.bytes_per_token
+    n = as_count(nbytes, "fixed_pool nbytes", 0) // per_page
+    if n < 2:
+        raise ConfigError(f"fixed_pool({nbytes}): a pool needs at least 2 pages of "
+                          f"{per_page} bytes (page_size {config.page_size} x "
+                          f"bytes_per_token {config.bytes_per_token}), so at least "
+                          f"{2 * per_page} bytes")
+    return min(n, INT32_MAX // config.page_size)
 
 
 def _host_dtype(dtype: str, storage: np.dtype) -> np.dtype:
@@ -193,7 +207,8 @@ class CacheConfig:
     state_interval: positions between the prefix index's state snapshots (contract §17;
                   a multiple of `page_size`); None: the fewest whole pages whose K/V bytes
                   reach one snapshot's, so snapshots cost no more than the pages they
-                  cover (`snapshot_interval`).
+                  cover (`snapshot_interval`); in a cache of state layers alone (no K/V
+                  to weigh them against) a snapshot only where a registration ends.
     max_pages:    the most pages each page group's pool may hold (None: enough for every
                   sequence at capacity, so the pool never binds); `initial_pages ==
                   max_pages` is a fixed pool that never moves (`fixed_pool` sizes one
@@ -391,15 +406,10 @@ class CacheConfig:
     def fixed_pool(self, nbytes: int) -> "CacheConfig":
         """This config with a fixed pool (`initial_pages == max_pages`) of as many pages per
         page group as fit `nbytes` bytes: each page id is a page in every layer, `page_size
-        x bytes_per_token` bytes, so `n = nbytes // (page_size x bytes_per_token)`."""
-        per_page = self.page_size * self.bytes_per_token
-        n = as_count(nbytes, "fixed_pool nbytes", 0) // per_page
-        if n < 2:
-            raise ConfigError(f"fixed_pool({nbytes}): a pool needs at least 2 pages of "
-                              f"{per_page} bytes (page_size {self.page_size} x "
-                              f"bytes_per_token {self.bytes_per_token}), so at least "
-                              f"{2 * per_page} bytes")
-        n = min(n, INT32_MAX // self.page_size)
+        x bytes_per_token` bytes, so `n = nbytes // (page_size x bytes_per_token)`.
+        `ConfigError` for a cache of state layers alone: it has no page pool (its bytes are
+        `bytes_per_sequence` a slot)."""
+        n = _fixed_pages(self, nbytes)
         return replace(self, initial_pages=n, max_pages=n)
 
     @property
@@ -450,10 +460,14 @@ class CacheConfig:
     @property
     def snapshot_interval(self) -> int:
         """Positions between the prefix index's snapshots (`state_interval`, or its
-        default: the fewest whole pages holding at least `snapshot_bytes` of K/V)."""
+        default: the fewest whole pages holding at least `snapshot_bytes` of K/V; with no
+        layer storing K/V, `capacity` in whole pages: no grid, a snapshot only at the last
+        whole page of each registration)."""
         if self.state_interval is not None:
             return self.state_interval
         per_page = self.page_size * self.bytes_per_token
+        if not per_page:          # no K/V to weigh a snapshot against: registration ends
+            return self.table_pages(0) * self.page_size
         return self.page_size * max(1, -(-self.snapshot_bytes // per_page))
 
     @property

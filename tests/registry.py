@@ -85,14 +85,24 @@ HYBRIDS = {
                              mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
                              mamba_chunk_size=16),
 }
-#: the gated-delta-rule and KDA hybrids' linear layers small (their defaults are the
-#: released models' 32 heads of 128: minutes a step on the simulator)
+#: the gated-delta-rule, KDA and Mamba hybrids' linear layers small (their defaults are
+#: the released models' 32 heads of 128, or 128 Mamba-2 heads: minutes a step on the
+#: simulator; Jamba's Mamba1 layers one head per inner channel), Nemotron-H's experts few
 GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
            linear_value_head_dim=16)
 SMALL_MIXERS = {**{name: GDN for name in ("qwen3_next", "qwen3_5", "qwen3_5_text",
                                           "qwen3_5_moe", "qwen3_5_moe_text")},
                 "kimi_linear": dict(linear_head_dim=8, linear_num_heads=4),
-                "bailing_hybrid": dict(head_dim=8)}
+                "bailing_hybrid": dict(head_dim=8),
+                "nemotron_h": dict(mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16,
+                                   n_groups=1, chunk_size=16, n_routed_experts=4,
+                                   num_experts_per_tok=2, moe_intermediate_size=16,
+                                   moe_shared_expert_intermediate_size=16),
+                "falcon_h1": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+                                  mamba_n_groups=1, mamba_d_ssm=64, mamba_chunk_size=16),
+                "zamba2": dict(n_mamba_heads=4, mamba_headdim=16, mamba_d_state=16,
+                               mamba_ngroups=1, chunk_size=16),
+                "jamba": dict(mamba_expand=1, mamba_d_state=8)}
 for _name, _fields in {**HYBRIDS, **SMALL_MIXERS}.items():
     FIELDS[_name] = {**FIELDS.get(_name, {}), **_fields}
 #: the per-layer fields whose values are the kinds of a config's layers (mixers, attention

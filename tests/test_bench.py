@@ -18,7 +18,8 @@ from kvnumba.bench.kernels import run as kernels
 
 def test_control_quick_reports_every_batch_and_kind():
     """Run here (the simulator's device work excluded; compile mode is the subprocess
-    `run_anywhere` makes, as the host bench's test checks for its own)."""
+    `run_anywhere` makes, which the bench's smoke run takes for this section and the
+    host section alike)."""
     result = control.run(quick=True)
     seen = {(r["batch"], r["kind"]) for r in result["rows"]}
     assert seen == {(b, k) for b in control.BATCHES for k in control.KINDS}
@@ -44,11 +45,11 @@ def test_staggered_lengths_take_pages_in_every_decode_step():
             driver.step(ids)
 
 
-def test_host_quick_reports_every_call_and_what_it_launches():
-    """The data path's host time, run in compile mode (a subprocess from the simulator):
-    every (B, inputs, call) is timed and, without a GPU, its launches are recorded: an
-    update_and_attend launches what a write and an attend launch, in that order."""
-    result = host.run_anywhere(quick=True)
+def host_reports_every_call_and_what_it_launches(result: dict) -> None:
+    """The data path's host time as `--quick` (and `--smoke`) runs it, in compile mode (a
+    subprocess from the simulator): every (B, inputs, call) is timed and, without a GPU,
+    its launches are recorded: an update_and_attend launches what a write and an attend
+    launch, in that order."""
     rows = {(r["batch"], r["kind"], r["op"]): r for r in result["rows"]}
     assert set(rows) == {(b, k, o) for b in host.BATCHES for k in host.KINDS for o in host.OPS}
     for row in rows.values():
@@ -108,7 +109,8 @@ def test_bench_runs_from_any_directory_and_writes_where_it_is_told(tmp_path):
     for key in kernels.SECTIONS:            # every kernel case ran through the public API
         rows = figures["kernels"][key]
         assert rows and all("error" not in r for r in rows), (key, rows)
-    assert figures["host"]["rows"] and "data path host time" in proc.stdout
+    assert "data path host time" in proc.stdout
+    host_reports_every_call_and_what_it_launches(figures["host"])
     assert "skewed 3 seqs, ring 4" in proc.stdout and "targets" in proc.stdout
     served = figures["serve"]              # the server did the direct calls' work, greedy
     assert served["requests"] >= 2 and served["served_tokens"] == served["direct_tokens"] > 0

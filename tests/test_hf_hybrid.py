@@ -5,8 +5,13 @@ token against their own `generate()` (float32 storage, greedy, the probe on): pr
 several lengths packed in one step, `n > 1` forks, and a draft model whose proposals are
 mostly rejected (every rejection rewinds the mixers' states), which `generate()` refuses
 for these models. One family per kind of mixer: the gated delta rule (Qwen3-Next), its
-per-channel gate beside latent attention (Kimi-Linear), short convolutions (LFM2); the
-registry serves the rest."""
+per-channel gate beside latent attention (Kimi-Linear), short convolutions (LFM2); and
+one per way decoder layers map to cache layers: layers storing nothing beside Mamba-2
+mixers (Nemotron-H), attention and a mixer in one layer (Falcon-H1), mixers alone
+(Mamba-2); Zamba2's shared attention, Falcon-H1's other norm and Jamba's Mamba1 mixers
+under the thorough profile; the registry serves the rest."""
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +23,10 @@ from test_hf_mixers import COMMON, built  # noqa: E402
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [7, 2, 8], [1, 2, 3, 4, 5, 6]]
 NEW = 3
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+#: the families served below: each kind of mixer, each way of laying decoder layers out
+FAMILIES = ["qwen3_next", "kimi_linear", "lfm2", "nemotron_h", "falcon_h1-norm", "mamba2"] + \
+    (["zamba2", "falcon_h1-gatenorm", "jamba"] if THOROUGH else [])
 
 
 def draft_model():
@@ -27,20 +36,24 @@ def draft_model():
     return transformers.LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "lfm2"])
+#: the cache layers each decoder layer type takes: attention (False) and state (True)
+PARTS = {"full_attention": [False], "sliding_attention": [False], "linear_attention": [True],
+         "conv": [True], "hybrid": [False, True], "mlp": [], "moe": []}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_hybrid_served_packed_forked_and_drafted_as_generated(family):
     model = built(family)
     want = [generated(model, prompt, NEW) for prompt in PROMPTS]
-    engine = kvhf.Engine(model, max_seqs=3, capacity=32, dtype="float32")
+    engine = kvhf.Engine(model, max_seqs=3, capacity=32, dtype="float32",
+                         draft_model=draft_model(), draft_len=2)
     config = engine.target.cache.config
     layer_types = model.config.layer_types
     assert [spec.keeps_state for spec in config.layers] == \
-        [t not in ("full_attention", "sliding_attention") for t in layer_types]
+        [part for t in layer_types for part in PARTS[t]]
     assert engine.generate(PROMPTS, max_new_tokens=NEW) == want
+    assert engine.proposed > engine.accepted                 # rejections rewound the states
     assert engine.generate(PROMPTS[:1], max_new_tokens=NEW, n=2) == [want[0]] * 2
-    drafted = kvhf.Engine(model, verify=False, max_seqs=2, capacity=32, dtype="float32",
-                          draft_model=draft_model(), draft_len=2)
-    assert drafted.generate(PROMPTS[:2], max_new_tokens=NEW) == want[:2]
 
 
 def test_hybrid_over_bfloat16_storage_stays_near_float32():
@@ -63,7 +76,8 @@ def test_hybrid_cache_config_counts_the_states_per_sequence():
     assert config.bytes_per_sequence == 3 * per_layer
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2", "mamba2"] +
+                         (["nemotron_h", "zamba2"] if THOROUGH else []))
 def test_hybrid_prefix_hits_restore_the_mixers_states(family):
     """A conversation's next turn starts from the previous turn's last snapshotted page
     (its states and conv windows restored from the index) and generates what

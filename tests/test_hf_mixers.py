@@ -46,6 +46,12 @@ ZAMBA2 = dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"
 #: Falcon-H1: attention and mamba side by side in every layer, its muP multipliers set
 FALCON = dict(MAMBA2, num_hidden_layers=3, mamba_d_ssm=64, head_dim=8,
               ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.8], ssm_in_multiplier=0.6)
+#: Mamba-2 alone: three mixer layers, no attention
+PURE_MAMBA2 = dict(num_hidden_layers=3, num_heads=4, head_dim=16, state_size=8, n_groups=2,
+                   expand=2, chunk_size=64)
+#: Jamba: Mamba1 mixers (d_inner 64, state 8) in three of four layers, attention in one
+JAMBA = dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8,
+             mamba_expand=2, num_experts=1)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
@@ -88,6 +94,8 @@ FAMILIES = {
     "falcon_h1-norm": ({**FALCON, "mamba_rms_norm": True}, "FalconH1Mixer", SSD),
     "falcon_h1-gatenorm": ({**FALCON, "mamba_rms_norm": True,
                             "mamba_norm_before_gate": False}, "FalconH1Mixer", SSD),
+    "mamba2": (PURE_MAMBA2, "Mamba2Mixer", SSD),
+    "jamba": (JAMBA, "JambaMambaMixer", ((64, 4), (64, 8, 1))),
 }
 #: the layer types whose layers keep a state (Zamba2's and Falcon-H1's "hybrid" layers
 #: have attention too; Nemotron-H's "mlp" and "moe" layers keep nothing)
@@ -310,18 +318,82 @@ def test_granite_and_bamba_are_served_as_they_generate(name):
     assert engine.generate(PROMPTS, max_new_tokens=3) == want
 
 
-@pytest.mark.parametrize("name,why", [
-    ("nemotron_h", r"layer 1 is a 'mlp' layer, which kvnumba does not lay out"),
-    ("zamba2", r"layer 1 is a 'hybrid' layer, attention and a mixer side by side"),
-    ("falcon_h1", r"layer 0 is a 'hybrid' layer, attention and a mixer side by side"),
-])
-def test_mamba2_models_whose_layers_the_cache_does_not_lay_out_are_refused(name, why):
-    """Nemotron-H's mlp and moe layers (nothing to store), Zamba2's shared attention and
-    Falcon-H1's attention beside the mixer in one layer have no cache layout yet: the
-    engine refuses them at construction."""
+#: model -> (its cache layers' kinds, decoder layer -> cache layer of its attention, of
+#: its mixer)
+LAID_OUT = {
+    # mamba, mlp, mamba, attention, moe, mamba: the mlp and moe layers store nothing
+    "nemotron_h": (["state", "state", "flat", "state"], {3: 2}, {0: 0, 2: 1, 5: 3}),
+    # mamba, hybrid (the shared attention block, then its mamba mixer), mamba
+    "zamba2": (["state", "flat", "state", "state"], {1: 1}, {0: 0, 1: 2, 2: 3}),
+    # attention and mamba side by side in every layer
+    "falcon_h1": (["flat", "state"] * 3, {0: 0, 1: 2, 2: 4}, {0: 1, 1: 3, 2: 5}),
+    "mamba2": (["state"] * 3, {}, {0: 0, 1: 1, 2: 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAID_OUT))
+def test_each_decoder_layers_parts_map_to_their_cache_layers(name):
+    """A decoder layer of attention and a mixer takes two cache layers (its attention's
+    first), one of neither takes none, a model of mixers alone has no attention layer
+    (no pages, no bytes per token, no byte budget to share); the served model reads the
+    same map and refuses a config laid out otherwise."""
     import kvnumba.hf as kvhf
-    with pytest.raises(kv.ConfigError, match=why):
-        kvhf.Engine(built(name), max_seqs=1, capacity=24, dtype="float32")
+    from kvnumba.hf import config as hfconfig
+    from kvnumba.hf.mixing import state_specs
+    model = built(name)
+    kinds, attention, mixed = LAID_OUT[name]
+    config = kvhf.cache_config(model, max_seqs=1, capacity=24, dtype="float32")
+    assert [kind.name for kind in config.kinds] == kinds
+    mapped = hfconfig.model_layer_map(model.config, state_specs(model))
+    assert (mapped.attention, mapped.mixers, mapped.n_layers) == (attention, mixed,
+                                                                   len(kinds))
+    assert mapped.identity == (name == "mamba2")
+    assert [config.layers[i] for i in mixed.values()] == \
+        [kv.state(conv=SSD[0], recurrent=SSD[1])] * len(mixed)
+    assert (config.bytes_per_token == 0) == (not attention)
+    from kvnumba.hf.served import ServedModel
+    with pytest.raises(kv.ConfigError, match=rf"the cache config has 1 layers; the model's "
+                                             rf"decoder layers take {len(kinds)}"):
+        ServedModel(model, kv.CacheConfig(layers=[kv.flat()], head_dim=8, capacity=24,
+                                          max_write=8, max_step=16, dtype="float32"))
+    if not attention:                         # no page pool for a byte budget to size
+        with pytest.raises(kv.ConfigError, match=r"kv_bytes=1048576: every layer of the "
+                                                 r"model is a state layer.*leave kv_bytes"):
+            hfconfig.budgeted([config], 1 << 20)
+
+
+def test_the_layer_map_of_each_layer_type():
+    """`layermap.layer_map` from layer types alone: an attention type one cache layer,
+    a mixer's one, `hybrid` / `hybrid_sliding` two (attention first), `mlp` / `moe`
+    none; a model of one part a layer maps each layer to itself."""
+    from kvnumba.hf.layermap import layer_map
+    mapped = layer_map(["hybrid_sliding", "mlp", "full_attention", "linear_attention",
+                        "moe", "hybrid"], {0, 3, 5})
+    assert mapped.attention == {0: 0, 2: 2, 5: 4} and mapped.mixers == {0: 1, 3: 3, 5: 5}
+    assert mapped.parts() == [(0, "attention"), (0, "mixer"), (2, "attention"),
+                              (3, "mixer"), (5, "attention"), (5, "mixer")]
+    plain = layer_map(["conv", "full_attention", "sliding_attention"], {0})
+    assert plain.identity and plain.n_layers == 3
+
+
+def test_a_sliding_hybrid_layer_gets_a_ring_for_its_attention():
+    """`hybrid_sliding` (attention within a window beside a mixer) lays out a ring layer,
+    then the state layer; without a `sliding_window`, or without a mixer kvnumba
+    computes (Zaya's hybrid layers), it is refused naming the type."""
+    from types import SimpleNamespace
+
+    from kvnumba.hf import config as hfconfig
+    state = kv.state(conv=(8, 4))
+    fields = dict(model_type="tiny", num_hidden_layers=2,
+                  layer_types=["hybrid_sliding", "full_attention"])
+    specs = hfconfig.layer_specs(SimpleNamespace(**fields, sliding_window=4), states={0: state})
+    assert specs == [kv.ring(4), state, kv.flat()]
+    with pytest.raises(kv.ConfigError, match="hybrid_sliding layers without a sliding_window"):
+        hfconfig.layer_specs(SimpleNamespace(**fields), states={0: state})
+    with pytest.raises(kv.ConfigError, match=r"tiny: layer 0 is a 'hybrid_sliding' layer, "
+                                             r"attention beside a mixer, and holds no mixer "
+                                             r"kvnumba computes"):
+        hfconfig.layer_specs(SimpleNamespace(**fields, sliding_window=4))
 
 
 def test_a_module_kvnumba_does_not_compute_is_refused_naming_it():
@@ -348,7 +420,7 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
              "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
              "Lfm3": "lfm3", "GraniteMoeHybrid": "granitemoehybrid",
              "NemotronH": "nemotron_h", "Bamba": "bamba", "Zamba2": "zamba2",
-             "FalconH1": "falcon_h1"}
+             "FalconH1": "falcon_h1", "Mamba2": "mamba2", "Jamba": "jamba"}
     for name in mixers.MIXERS:
         prefix = next(p for p in homes if name.startswith(p))
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."

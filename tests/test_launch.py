@@ -142,9 +142,9 @@ def test_tables_that_outgrow_the_staging_buffer_grow_it_and_arrive_whole():
 def test_the_compile_mode_checks_pass():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["KVNUMBA_DEVICE"] = "compile"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-rs", __file__], env=env, capture_output=True, text=True,
-                          timeout=1800, cwd=os.path.dirname(os.path.dirname(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p",
+                           "no:cacheprovider", "-rs", __file__], env=env, capture_output=True,
+                          text=True, timeout=1800, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "compile only" not in proc.stdout          # nothing skipped for want of the mode
 

@@ -18,10 +18,12 @@ H, DK, DV = 2, 4, 8            # recurrent heads and dims
 MAX_SEQS, MAX_WRITE, CAPACITY = 3, 4, 40
 
 
-def config(dtype="float32", **kw):
-    return kv.CacheConfig(layers=[kv.state(conv=(C, K), recurrent=(H, DK, DV)), kv.flat()],
-                          n_kv_heads=1, head_dim=8, capacity=CAPACITY, max_seqs=MAX_SEQS,
-                          max_write=MAX_WRITE, max_step=16, dtype=dtype, page_size=8, **kw)
+def config(dtype="float32", attention=True, **kw):
+    """A state layer, then (with `attention`) a flat layer."""
+    layers = [kv.state(conv=(C, K), recurrent=(H, DK, DV))] + ([kv.flat()] if attention else [])
+    return kv.CacheConfig(layers=layers, n_kv_heads=1, head_dim=8, capacity=CAPACITY,
+                          max_seqs=MAX_SEQS, max_write=MAX_WRITE, max_step=16, dtype=dtype,
+                          page_size=8, **kw)
 
 
 class Model:
@@ -54,7 +56,7 @@ class Model:
 
 
 def run_step(cache, model, seq_ids, width=None, *, commit=True, check=True, tol=1e-5):
-    """Declare, prepare, run both state ops and the flat layer, check, commit."""
+    """Declare, prepare, run both state ops and the flat layer (if any), check, commit."""
     seq_ids = np.asarray(seq_ids)
     n = len(seq_ids)
     cache.declare_step(seq_ids)
@@ -64,8 +66,9 @@ def run_step(cache, model, seq_ids, width=None, *, commit=True, check=True, tol=
     y = cache.conv(0, inp["x"], model.weight, model.bias, activation="silu")
     o = cache.delta_rule(0, inp["q"], inp["k"], inp["v"], inp["g"],
                          inp["beta"] if model.beta else None, qk_l2norm=True)
-    kvs = np.zeros((w, 1, 8), np.float32)
-    cache.write(1, kvs, kvs)
+    if cache.config.n_layers > 1:
+        kvs = np.zeros((w, 1, 8), np.float32)
+        cache.write(1, kvs, kvs)
     assert not np.any(y[n:]) and not np.any(o[n:])
     for seq in np.unique(seq_ids):
         mine = np.flatnonzero(seq_ids == seq)
@@ -206,8 +209,6 @@ def test_bytes_per_sequence_counts_every_part():
 
 
 def test_state_spec_refusals():
-    with pytest.raises(kv.ConfigError, match="at least one attention layer"):
-        kv.CacheConfig(layers=[kv.state(conv=(4, 4))])
     with pytest.raises(kv.ConfigError, match="conv=None, recurrent=None"):
         kv.state()
     with pytest.raises(kv.ConfigError, match="recurrent must be None or"):
@@ -331,3 +332,45 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
     c = cache.seq_clone(a, 30)
     history[c] = {n: x[:30] for n, x in history[a].items()}
     step([a, c, c, b])
+
+
+def test_a_cache_of_state_layers_alone():
+    """No layer stores K/V (a pure Mamba-2): no page pool, `bytes_per_token` 0, snapshots
+    only where registrations end (no K/V to weigh them against); packed steps, a prefix
+    hit, a fork and a rewind continue as the oracle says; `fixed_pool` is refused, and
+    the index holds at most as many nodes as a flat pool would have pages (`max_nodes`),
+    the least recently used dropped first."""
+    cfg = config(attention=False)
+    assert cfg.page_groups == () and cfg.bytes_per_token == 0
+    assert cfg.bytes_per_sequence == config().bytes_per_sequence
+    assert cfg.snapshot_interval == CAPACITY                         # 5 pages of 8
+    with pytest.raises(kv.ConfigError, match=r"fixed_pool\(4096\): every layer is a "
+                                             r"state layer.*no page pool"):
+        cfg.fixed_pool(4096)
+    cache, model = kv.BatchedSequenceCache(cfg), Model(8)
+    a, b = new_seq(cache, model), new_seq(cache, model)
+    run_step(cache, model, [a] * 3 + [b] * 3 + [a], width=10)
+    run_step(cache, model, [b, a] * 4)                               # a at 8, b at 7
+    keys = kv.page_keys(list(range(40)), 8)
+    assert cache.prefix_register(a, keys) == 1 and cache.prefix_register(b, keys) == 0
+    for _ in range(2):
+        run_step(cache, model, [a] * 4)
+    assert cache.prefix_register(a, keys) == 2                       # its new last page
+    assert cache.prefix_match(keys[:1]) == 0                         # off the grid: let go
+    cache.seq_rm(b)
+    c = cache.seq_from_prefix(keys)
+    assert cache.pos(c) == 16
+    model.seqs[c] = {name: arr[:16] for name, arr in model.seqs[a].items()}
+    d = cache.seq_clone(c)
+    model.seqs[d] = {name: arr.copy() for name, arr in model.seqs[c].items()}
+    run_step(cache, model, [c, c, d, a])
+    rewind(cache, model, a, 15)
+    run_step(cache, model, [a, d, c])
+    index = cache._pool.index
+    assert index.max_nodes == MAX_SEQS * 5 and len(index) == 2
+    for first in range(7):                                           # 14 more pages offered
+        other = kv.page_keys([100 + first] + list(range(39)), 8)
+        cache.prefix_register(a, other)
+        assert len(index) <= index.max_nodes
+    assert cache.prefix_match(keys) == 0                             # the oldest dropped
+    assert cache.prefix_match(kv.page_keys([106] + list(range(39)), 8)) == 2

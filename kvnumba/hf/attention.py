@@ -35,9 +35,12 @@ NOT_COMPUTED = {
 
 def attend(module, query, key, value, attention_mask=None, *, scaling=None, dropout=0.0,
            sliding_window=None, softcap=None, s_aux=None, is_causal=None,
-           output_attentions=False, kvnumba_cache=None, kvnumba_latents=None, **others):
-    """`(out [1, T, Hq, D], None)`: `update_and_attend` of the prepared step on layer
-    `module.layer_idx`, with the module's scale, softcap and learned sinks (`s_aux`,
+           output_attentions=False, kvnumba_cache=None, kvnumba_latents=None,
+           kvnumba_layers=None, **others):
+    """`(out [1, T, Hq, D], None)`: `update_and_attend` of the prepared step on the cache
+    layer of decoder layer `module.layer_idx` (itself, or `kvnumba_layers[layer_idx]`
+    where the model's decoder layers are not its cache layers: `layermap.LayerMap.
+    attention`), with the module's scale, softcap and learned sinks (`s_aux`,
     `[Hq]`: each head's logit joins its softmax); on a shared layer (`kv.shared`), whose
     `key` / `value` are its producer's, `attend` over the producer's K/V as the step
     wrote them; on a latent layer (`kv.latent`), the absorbed form over its rows
@@ -51,7 +54,7 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
     if kvnumba_cache is None:
         raise ConfigError("the kvnumba attention runs inside a kvnumba step: call the model "
                           "through kvnumba.hf.Engine (kvnumba_cache=... not given)")
-    layer = module.layer_idx
+    layer = cache_layer(module.layer_idx, kvnumba_layers)
     refuse_arguments(layer, is_causal=is_causal, output_attentions=output_attentions,
                      dropout=dropout, others=others)
     config = kvnumba_cache.config
@@ -75,6 +78,17 @@ def attend(module, query, key, value, attention_mask=None, *, scaling=None, drop
     out = kvnumba_cache.update_and_attend(layer, q, k, v, scale=scaling, softcap=softcap or None,
                                           sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def cache_layer(layer: int, layers: dict | None) -> int:
+    """The cache layer of decoder layer `layer`'s attention: `layers[layer]`, or `layer`
+    without `layers`; `ConfigError` for a decoder layer the map gives no attention."""
+    if layers is None:
+        return layer
+    if layer not in layers:
+        raise ConfigError(f"decoder layer {layer} calls attention, and the cache laid out "
+                          f"none for it (attention layers {sorted(layers)})")
+    return layers[layer]
 
 
 def head_sinks(layer: int, s_aux, n_heads: int):

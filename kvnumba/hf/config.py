@@ -19,7 +19,9 @@ from ..args import as_count, is_int
 from ..config import CacheConfig, chunked, flat, latent, ring, shared
 from ..errors import ConfigError
 from .latent import latent_modules, refuse_modules
+from .layermap import HYBRID, LayerMap, layer_map
 from .mixer_refusal import refuse_mixers
+from .mixers import MIXERS
 from .mixing import state_specs
 from .sharding import kv_heads_per_rank, sharding
 
@@ -29,6 +31,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 #: lays out each such layer whose mixer kvnumba computes, or refuses it naming the layer
 LAID_OUT_BY_LAYER = ("linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding", "mlp",
                      "moe")
+#: the cache's default K/V shape `(kv heads, head_dim, v_head_dim)` for a model without
+#: attention (Mamba2): every cache layer is a state layer, none reads it
+NO_ATTENTION = (1, 1, 1)
 #: storage dtypes by the model's torch dtype name
 _DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -79,11 +84,14 @@ def module_shapes(model) -> dict:
     the modules are what the attention interface hands kvnumba, so they rule where the
     config says otherwise (MiMo-V2-Flash's sliding layers hold twice the config's kv
     heads, and its V heads are narrower than K's; Laguna's query heads vary by layer,
-    `num_attention_heads_per_layer`). The first module of each index counts."""
+    `num_attention_heads_per_layer`). The first module of each index counts, a mixer
+    (`mixers.MIXERS`: Falcon-H1's beside its layer's attention, its `head_dim` the SSM
+    heads') none."""
     found: dict = {}
     for module in model.modules():
         layer, head_dim = getattr(module, "layer_idx", None), getattr(module, "head_dim", None)
-        if is_int(layer) and is_int(head_dim) and int(layer) not in found:
+        if is_int(layer) and is_int(head_dim) and int(layer) not in found and \
+                type(module).__name__ not in MIXERS:
             groups, v_head_dim, heads, attention_heads = (
                 getattr(module, name, None) for name in
                 ("num_key_value_groups", "v_head_dim", "num_heads", "num_attention_heads"))
@@ -93,17 +101,17 @@ def module_shapes(model) -> dict:
     return found
 
 
-def layer_shapes(config, ranks: int, modules: dict | None = None, mixed=()) -> list:
+def layer_shapes(config, ranks: int, modules: dict | None = None, silent=()) -> list:
     """`(kv heads, head_dim, v_head_dim)` of each decoder layer on one of `ranks` ranks:
     what its attention module holds (`module_shapes`: its query heads over its kv groups),
     else the config's `num_attention_heads`, `num_key_value_heads` and `head_dim` (else
     `hidden_size // num_attention_heads`), read per layer where the config holds them per
     layer (`ConfigError` where no query head count is given); the kv heads are this rank's
     share (`kv_heads_per_rank`), V as wide as K unless the module says otherwise. A layer
-    of `mixed` (a mixer's: it attends not) has None."""
+    of `silent` (without attention: a mixer's, or an MLP's alone) has None."""
     shapes = []
     for layer in range(config.num_hidden_layers):
-        if layer in mixed:
+        if layer in silent:
             shapes.append(None)
             continue
         head_dim, groups, v_head_dim, heads = (modules or {}).get(layer, (None,) * 4)
@@ -145,61 +153,80 @@ def producers(config) -> list:
     return found
 
 
-def layer_specs(config, shapes: list | None = None, states: dict | None = None) -> list:
-    """One `LayerSpec` per decoder layer: `layer_types` when the config has them (a
-    `chunked_attention` layer chunked by `attention_chunk_size`), else every layer
-    sliding when `sliding_window` is set, else every layer flat; with `shapes`
-    (`layer_shapes`), each layer's kv heads and head dims where they are not the first
-    attention layer's; a layer that reads another's K/V is `shared` with it
-    (`producers`); a mixer's layer the state layer of `states` (`mixing.state_specs`).
-    Any other layer type is refused (`ConfigError` naming it)."""
-    states = states or {}
-    window = getattr(config, "sliding_window", None)
-    chunk = getattr(config, "attention_chunk_size", None)
+def decoder_layer_types(config) -> list:
+    """The type of each decoder layer: `layer_types` when the config has them, else every
+    layer sliding when `sliding_window` is set, else every layer full (`ConfigError`
+    where `layer_types` does not list every layer)."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types is None:
-        layer_types = ["sliding_attention" if window else "full_attention"] * \
+        window = getattr(config, "sliding_window", None)
+        return ["sliding_attention" if window else "full_attention"] * \
             config.num_hidden_layers
     if len(layer_types) != config.num_hidden_layers:
         raise ConfigError(f"{config.model_type}: layer_types lists {len(layer_types)} layers, "
                           f"the model has {config.num_hidden_layers}")
-    if "sliding_attention" in layer_types and not window:
-        raise ConfigError(f"{config.model_type}: sliding_attention layers without a "
+    return list(layer_types)
+
+
+def model_layer_map(config, states: dict | None = None) -> LayerMap:
+    """The `LayerMap` of a model of `config` whose decoder layers of `states`
+    (`mixing.state_specs`) hold a mixer (`layermap.layer_map`)."""
+    return layer_map(decoder_layer_types(config), states or {})
+
+
+def layer_specs(config, shapes: list | None = None, states: dict | None = None) -> list:
+    """One `LayerSpec` per cache layer, in the order of `model_layer_map` (a decoder
+    layer's attention, then its mixer; none for a layer that mixes no tokens). Attention
+    by its layer type (`decoder_layer_types`; a `chunked_attention` layer chunked by
+    `attention_chunk_size`, a `hybrid` layer's full, a `hybrid_sliding` layer's
+    sliding); with `shapes` (`layer_shapes`), each layer's kv heads and head dims where
+    they are not the first attention layer's; a layer that reads another's K/V is
+    `shared` with it (`producers`); a mixer the state layer of `states`
+    (`mixing.state_specs`). Any other layer type, and a hybrid layer holding no mixer of
+    `states` (Zaya's), is refused (`ConfigError` naming it)."""
+    states = states or {}
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = decoder_layer_types(config)
+    sliding = {"sliding_attention", "hybrid_sliding"} & set(layer_types)
+    if sliding and not window:
+        raise ConfigError(f"{config.model_type}: {sorted(sliding)[0]} layers without a "
                           f"sliding_window")
     if "chunked_attention" in layer_types and not chunk:
         raise ConfigError(f"{config.model_type}: chunked_attention layers without an "
                           f"attention_chunk_size")
-    made = {"full_attention": flat, "sliding_attention": lambda **s: ring(int(window), **s),
-            "chunked_attention": lambda **s: chunked(int(chunk), **s)}
-    specs = []
+    ring_layer = lambda **s: ring(int(window), **s)      # noqa: E731
+    made = {"full_attention": flat, "sliding_attention": ring_layer,
+            "chunked_attention": lambda **s: chunked(int(chunk), **s),
+            "hybrid": flat, "hybrid_sliding": ring_layer}
+    mapped = layer_map(layer_types, states)
+    specs = [None] * mapped.n_layers
     for layer, (layer_type, producer) in enumerate(zip(layer_types, producers(config))):
-        if layer in states:
-            if layer_type.startswith("hybrid"):
-                raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} "
-                                  f"layer, attention and a mixer side by side, which the "
-                                  f"cache does not lay out (one cache layer a decoder layer)")
-            specs.append(states[layer])
+        if layer in mapped.mixers:
+            specs[mapped.mixers[layer]] = states[layer]
+        if layer not in mapped.attention:
             continue
         if producer is not None:
-            specs.append(shared(producer))
+            specs[mapped.attention[layer]] = shared(mapped.attention[producer])
             continue
+        if layer_type in HYBRID and layer not in states:
+            raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} layer, "
+                              f"attention beside a mixer, and holds no mixer kvnumba "
+                              f"computes (kvnumba.hf.mixers), so kvnumba does not lay out "
+                              f"its state")
         if layer_type not in made:
             raise ConfigError(f"{config.model_type}: layer {layer} is a {layer_type!r} layer, "
                               f"which kvnumba does not lay out (it serves "
                               f"{', '.join(LAYER_TYPES)} layers and the mixer layers of "
                               f"kvnumba.hf.mixers)")
-        specs.append(made[layer_type](**_own_shape(shapes, layer)))
+        specs[mapped.attention[layer]] = made[layer_type](**_own_shape(shapes, layer))
     return specs
 
 
 def first_shape(shapes: list) -> tuple:
     """The first attention layer's shape of `shapes` (`layer_shapes`): the cache's
-    defaults (`ConfigError` for a model of mixers alone)."""
-    found = next((shape for shape in shapes if shape is not None), None)
-    if found is None:
-        raise ConfigError("every layer of the model is a mixer's: kvnumba serves hybrid "
-                          "models with at least one attention layer")
-    return found
+    defaults; `NO_ATTENTION` for a model of mixers alone (no layer reads them)."""
+    return next((shape for shape in shapes if shape is not None), NO_ATTENTION)
 
 
 def _own_shape(shapes: list | None, layer: int) -> dict:
@@ -314,7 +341,9 @@ def cache_config(model, *, max_seqs: int, capacity: int, max_write: int | None =
         kv_heads = 1                                    # every layer sets its own shape
         head_dim = next(spec.v_head_dim for spec in specs if not spec.keeps_state)
     else:
-        shapes = layer_shapes(config, ranks, module_shapes(model), states)
+        silent = set(range(config.num_hidden_layers)) - \
+            set(model_layer_map(config, states).attention)
+        shapes = layer_shapes(config, ranks, module_shapes(model), silent)
         specs = layer_specs(config, shapes, states)
         kv_heads, head_dim, _ = first_shape(shapes)
     # the defaults need ints; anything else goes on to CacheConfig, which names it
@@ -361,10 +390,17 @@ def served_configs(model, draft_model, *, max_seqs: int, capacity: int, max_writ
 
 def budgeted(configs: list, kv_bytes: int) -> list:
     """`configs` made fixed pools sharing `kv_bytes` in proportion to their bytes per
-    token (so each holds as many positions); `ConfigError` when a share is too small
-    for a pool."""
+    token (so each holds as many positions), a cache of state layers alone (no pool:
+    `bytes_per_token` 0) left as it is; `ConfigError` when a share is too small for a
+    pool, or when no cache has a pool to share it."""
     total = sum(config.bytes_per_token for config in configs)
-    return [config.fixed_pool(kv_bytes * config.bytes_per_token // total) for config in configs]
+    if not total:
+        raise ConfigError(f"kv_bytes={kv_bytes}: every layer of the model is a state "
+                          f"layer, so its cache has no K/V pages to size; leave kv_bytes "
+                          f"out (its bytes are bytes_per_sequence "
+                          f"{configs[0].bytes_per_sequence} a sequence slot)")
+    return [config.fixed_pool(kv_bytes * config.bytes_per_token // total)
+            if config.bytes_per_token else config for config in configs]
 
 
 def refuse_dropout(model) -> None:

@@ -1,9 +1,10 @@
 """The state mixers of hybrid `transformers` models computed over a packed step.
 
 A hybrid model's linear layers keep a per-sequence state instead of K/V: the window of a
-depthwise causal convolution and, for the delta-rule and Mamba2 mixers, a recurrent
+depthwise causal convolution and, for the delta-rule and Mamba mixers, a recurrent
 `[heads, k_dim, v_dim]` matrix (Mamba2's selective scan is the decay-only delta rule on
-its state transposed, `[heads, state_size, head_dim]`). `transformers`' own mixers keep
+its state transposed, `[heads, state_size, head_dim]`; Mamba1's, Jamba's, the same with a
+decay per key channel on one head per inner channel, `[d_inner, state_size, 1]`). `transformers`' own mixers keep
 that state per batch row and cannot run packed or padded rows exactly; kvnumba runs them
 itself. Each function here takes a mixer module, the step's `hidden [T, hidden]` (many
 sequences' tokens on one axis) and `ops`, the state layer's two operations (given
@@ -231,7 +232,7 @@ def short_conv(module, hidden, ops):
     return module.out_proj(C * y)
 
 
-# ----- Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba, Zamba2, Falcon-H1) -----
+# ----- Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba, Zamba2, Falcon-H1, Mamba-2) -----
 
 def _mamba2_state(module):
     """The conv window over `xBC` and the state `[H, N, P]`: Mamba2's `S_h [P, N]`
@@ -275,7 +276,7 @@ def _mamba2_scan(module, projected, ops):
 
 def mamba2(module, hidden, ops):
     """`GraniteMoeHybridMambaLayer`, `NemotronHMamba2Mixer`, `BambaMixer`,
-    `Zamba2MambaMixer`: `in_proj`, the scan, SiLU gate then grouped RMS norm (the
+    `Zamba2MambaMixer`, `Mamba2Mixer`: `in_proj`, the scan, SiLU gate then grouped RMS norm (the
     module's `norm(y, z)`: `w * rmsnorm_G(y * silu(z))`, in float32), `out_proj` in the
     model's dtype."""
     y, gate = _mamba2_scan(module, module.in_proj(hidden), ops)
@@ -293,6 +294,38 @@ def falcon_h1(module, hidden, ops):
     projected = projected * module.mup_vector.reshape(-1)
     y, gate = _mamba2_scan(module, projected, ops)
     y = module.norm(y, gate) if module.mamba_rms_norm else y * F.silu(gate)
+    return module.out_proj(y.to(hidden.dtype))
+
+
+# ----- Mamba1 selective scan (Jamba) -----
+
+def _mamba1_state(module):
+    """The conv window over x and the state `[d_inner, N, 1]`: Mamba1's `h [d_inner, N]`
+    as `d_inner` delta-rule heads of `Dk = N`, `Dv = 1`."""
+    return ((module.intermediate_size, module.conv_kernel_size),
+            (module.intermediate_size, module.ssm_state_size, 1))
+
+
+def jamba(module, hidden, ops):
+    """`JambaMambaMixer`: `x, z = in_proj(h)`, the conv over x (with its bias, the
+    module's activation), `dt, B, C = x_proj(x)` each through its RMS norm
+    (`dt_layernorm`, `b_layernorm`, `c_layernorm`), `d = softplus(dt_proj(dt))` per
+    channel; the selective scan `h_c <- exp(d_c A_c) h_c + d_c x_c B`, `y_c = C . h_c +
+    D_c x_c` (`A = -exp(A_log)`, one row of N per channel) as the decay-only delta rule
+    with a per-key-channel decay on `d_inner` heads of `Dk = N`, `Dv = 1` (`q = C`, `k =
+    B` on every head, `v = d x`, `g = d A`, scale 1); SiLU gate, `out_proj`."""
+    import torch.nn.functional as F
+    T, D, N = hidden.shape[0], module.intermediate_size, module.ssm_state_size
+    x, gate = module.in_proj(hidden).chunk(2, dim=-1)
+    x = _conv(module, module.conv1d, x, ops, module.activation)
+    dt, B, C = module.x_proj(x).split([module.time_step_rank, N, N], dim=-1)
+    d = F.softplus(module.dt_proj(module.dt_layernorm(dt))).float()
+    B, C = module.b_layernorm(B), module.c_layernorm(C)
+    x = x.float()
+    g = d[..., None] * -module.A_log.float().exp()
+    o = ops.delta_rule(*_f32(C[:, None].expand(T, D, N), B[:, None].expand(T, D, N),
+                             (d * x)[..., None], g), None, scale=1.0, qk_l2norm=False)
+    y = (o[..., 0] + module.D.float() * x) * F.silu(gate.float())
     return module.out_proj(y.to(hidden.dtype))
 
 
@@ -320,4 +353,6 @@ MIXERS = {
     "BambaMixer": _MAMBA2,
     "Zamba2MambaMixer": _MAMBA2,
     "FalconH1Mixer": Mixer(falcon_h1, _mamba2_state),
+    "Mamba2Mixer": _MAMBA2,
+    "JambaMambaMixer": Mixer(jamba, _mamba1_state),
 }

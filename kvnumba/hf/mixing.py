@@ -45,8 +45,9 @@ class LayerOps:
 
 @contextmanager
 def running(modules: dict, cache):
-    """Each of `modules` (`mixers.mixer_layers`) computing through `cache`'s state layers inside
-    the block: its `forward` takes the step's `hidden_states [1, T, hidden]` (any other
+    """Each of `modules` (cache layer -> the mixer module computing through it: a decoder
+    layer's mixer at its `layermap.LayerMap` cache layer) computing through `cache`'s
+    state layers inside the block: its `forward` takes the step's `hidden_states [1, T, hidden]` (any other
     argument, a padding mask or the model's own cache, changes nothing kvnumba computes:
     the cache keeps the states and knows the step's sequences)."""
     for layer, module in modules.items():

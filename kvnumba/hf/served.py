@@ -9,10 +9,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import BatchedSequenceCache, SessionTable, page_keys, run_inputs
+from ..errors import ConfigError
 from .attention import ATTENTION
+from .config import model_layer_map, text_config
 from .latent import capturing
+from .layermap import shared_attention, sharing
 from .mixers import mixer_layers
-from .mixing import running
+from .mixing import running, state_specs
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,16 @@ class ServedModel:
         self.table = SessionTable(self.cache, max_sessions=config.max_seqs,
                                   max_session_tokens=config.capacity)
         self.device = next(model.parameters()).device
-        self.mixers = {layer: module for layer, module in mixer_layers(model).items()
-                       if config.layers[layer].keeps_state}
+        #: decoder layer -> cache layers (`layermap.LayerMap`), as `config` was laid out
+        self.layers = model_layer_map(text_config(model.config), state_specs(model))
+        if self.layers.n_layers != config.n_layers:
+            raise ConfigError(f"the cache config has {config.n_layers} layers; the model's "
+                              f"decoder layers take {self.layers.n_layers} (make the config "
+                              f"with kvnumba.hf.cache_config)")
+        # cache layer -> the mixer module computing through it
+        self.mixers = {self.layers.mixers[layer]: module
+                       for layer, module in mixer_layers(model).items()}
+        self.shared = shared_attention(model)
         # per page group: (its ring rows, 0 for the layers paged by position; the pages its
         # pool hands out at most: all it can give while the cache holds nothing)
         self.groups = [(pool.rows, pool.free) for pool in self.cache.pool_pages()]
@@ -103,16 +114,21 @@ class ServedModel:
     def kvnumba_attention(self):
         """The model's attention switched to kvnumba's (`ATTENTION`) inside the block, its
         mixers computing through the cache's state layers (`mixing.running`), and its
-        latent layers' latents kept for the step (`latent.capturing`): yields the
-        keyword arguments a step's model call passes (`kvnumba_cache`, and
-        `kvnumba_latents` where the cache has latent layers)."""
+        latent layers' latents kept for the step (`latent.capturing`), attention shared
+        by decoder layers told which one calls it (`layermap.sharing`): yields the
+        keyword arguments a step's model call passes (`kvnumba_cache`, `kvnumba_layers`
+        where a decoder layer is not its cache layer, and `kvnumba_latents` where the
+        cache has latent layers)."""
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = ATTENTION
         layers = [i for i, kind in enumerate(self.cache.config.kinds) if kind.name == "latent"]
         try:
-            with capturing(self.model, layers) as latents, running(self.mixers, self.cache):
+            with capturing(self.model, layers) as latents, \
+                    running(self.mixers, self.cache), sharing(self.shared):
                 yield dict(kvnumba_cache=self.cache,
+                           **({} if self.layers.identity else
+                              dict(kvnumba_layers=self.layers.attention)),
                            **(dict(kvnumba_latents=latents) if layers else {}))
         finally:
             config._attn_implementation = before

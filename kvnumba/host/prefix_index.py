@@ -32,7 +32,10 @@ recent ones before their parents. A node whose page of the group is still held b
 sequence frees nothing there and is passed over. Evicting a
 node drops its keys' reachability below it too (a match walks keys from the root), but
 not its children's pages: those stay cached until their own turn, and match again if
-the parent is registered again.
+the parent is registered again. A cache of state layers alone has no page groups: its
+nodes own only their keys and snapshots, and no pool bounds them, so the index holds at
+most `max_nodes` (as many pages as a flat layer's pool would), dropping the least
+recently used first to register more.
 """
 from __future__ import annotations
 
@@ -76,6 +79,9 @@ class PrefixIndex:
         self.slots_made = 0
         self.snapshots = bool(config.state_layers)
         self.interval = config.snapshot_interval if self.snapshots else 0
+        #: the most nodes a cache of state layers alone indexes (its nodes own no page,
+        #: so no pool bounds them): as many as a flat group's pool would hold
+        self.max_nodes = None if self.groups else config.max_seqs * config.table_pages(0)
         self.max_write = config.max_write
         self._grow(INITIAL_NODES)
 
@@ -185,19 +191,33 @@ class PrefixIndex:
         pool = self.groups[group]
         frees = (pages >= 0) & (pool.refs[np.maximum(pages, 0)] == 1) & \
             ~np.isin(live, np.asarray(protect, np.int64))
-        candidates = live[frees]
+        self._drop_oldest(live[frees], count)
+
+    def _drop_oldest(self, candidates: np.ndarray, count: int) -> None:
+        """Drop `count` of `candidates` (nodes), least recently used first, deepest first
+        among equals."""
         order = np.lexsort((-self.depth[candidates], self.used[candidates]))
         for node in candidates[order[:count]].tolist():
             self.drop(node)
             self.pages_evicted += 1
 
+    def _make_room(self, n: int, protect) -> None:
+        """Room for `n` more nodes within `max_nodes` (a cache of state layers alone),
+        the oldest nodes but `protect` dropped."""
+        if self.max_nodes is None or len(self.nodes) + n <= self.max_nodes:
+            return
+        live = np.array(list(self.nodes.values()), np.int64)
+        others = live[~np.isin(live, np.asarray(protect, np.int64))]
+        self._drop_oldest(others, len(self.nodes) + n - self.max_nodes)
+
     # ------------------------------------------------------------------ sequences
     def first_registrable(self, pos: int, high_water: int) -> int:
         """The first page of positions whose kept rows a sequence at `pos` with
         `high_water` still holds in every group (`kinds`: `first_registrable`; a ring
-        keeps `[hw - R, pos)`)."""
-        return max(g.kind.first_registrable(high_water, g.rows, kept, self.page_size)
-                   for g, kept in zip(self.groups, self.kept))
+        keeps `[hw - R, pos)`; with no page group, a cache of state layers alone, the
+        first: its nodes own no page, only snapshots)."""
+        return max((g.kind.first_registrable(high_water, g.rows, kept, self.page_size)
+                    for g, kept in zip(self.groups, self.kept)), default=0)
 
     def keeps_rows(self, i: int) -> bool:
         """Whether nodes own a page of group `i` of their own (a ring keeping rows)."""
@@ -210,7 +230,8 @@ class PrefixIndex:
         sequence can still give (none below `first`, whose ring rows are gone; none whose
         page the index holds under another key: `kinds`: `indexed_elsewhere`) and the
         pools of the groups that keep rows can give a page for without evicting the
-        chain's own."""
+        chain's own (in a cache of state layers alone, as many as `max_nodes` holds
+        beside the chain)."""
         nodes, groups = self.nodes, self.groups
         chain, new = [], []
         for depth, key in enumerate(keys):
@@ -221,7 +242,8 @@ class PrefixIndex:
             if depth < first or any(g.kind.indexed_elsewhere(g, seq, depth) for g in groups):
                 break
             new.append(depth)
-        budget = len(new)
+        budget = len(new) if self.max_nodes is None else \
+            min(len(new), self.max_nodes - len(chain))
         for i, group in enumerate(groups):
             if self.keeps_rows(i) and budget:
                 budget = min(budget, group.available - self.cached_in(i, chain))
@@ -229,13 +251,15 @@ class PrefixIndex:
 
     def register(self, seq: int, keys: list, chain: list, new: list) -> tuple:
         """Index the pages `plan_register` planned (the pools of the groups that keep rows
-        hold a free page per new node): the chain's nodes are used now, each new node
+        hold a free page per new node; in a cache of state layers alone the oldest nodes
+        off the chain dropped past `max_nodes`): the chain's nodes are used now, each new node
         owns a page of every group (`kinds`: `node_page`: the sequence's page shared, or
         one of its own with the kept rows copied in, `kept_runs`). Returns `(leading keys
         indexed, row runs per group [m, 3] (sequence slot, node slot, rows) or None)`:
         the rows to copy."""
         copies = [None] * len(self.groups)
         self.touch(chain)       # a new use, whether or not it touches indexed nodes
+        self._make_room(len(new), chain)
         owned = [np.full(len(new), -1, np.int32)] * len(self.groups)   # own pages, by group
         for i, group in enumerate(self.groups):
             if not (self.keeps_rows(i) and new):
