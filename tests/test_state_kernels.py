@@ -455,6 +455,14 @@ def test_state_runs_put_runs_of_a_chunk_or_more_last():
     assert state_runs(seq_info, np.arange(5) * 10, chunk=6)[2] == 0
 
 
+def test_a_plan_of_chunked_runs_without_a_chunk_is_refused():
+    tables = (cuda.to_device(np.zeros((3, 4), np.int32)), cuda.to_device(np.zeros(3, np.int32)),
+              cuda.to_device(np.zeros((3, SEQ_INFO_FIELDS), np.int32)))
+    with pytest.raises(ValueError, match="2 chunked runs need a chunk of at least 1 token, "
+                                         "not 0"):
+        recurrence.prepare(*tables, 3, 4, n_chunked=2)
+
+
 # ---------------------------------------------------------------- compiled for a GPU
 
 COMPILE = kv_device.KIND == "compile"
