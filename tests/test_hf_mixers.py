@@ -30,7 +30,7 @@ MLA = dict(num_hidden_layers=4, layer_types=LINEAR4, num_key_value_heads=4,
 #: channels), `transformers`' scan in chunks of 64 (the one-shot test crosses one)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
               mamba_expand=2, mamba_chunk_size=64)
-SSD = ((96, 4), (4, 8, 16))
+SSD = ((96, 4), (4, 16, 8))
 GRANITE = dict(MAMBA2, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba",
                                                          "mamba"],
                num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16)
@@ -196,8 +196,9 @@ def test_one_sequence_in_one_shot_equals_the_module(family):
         hidden = torch.randn(70, model.config.hidden_size)   # past HF's 64-token chunk
         ops = RefOps()
         assert_close(ours(module, hidden, ops), hf_out(module, hidden))
-        assert ops.calls == {"conv": 1,
-                             "delta_rule": 0 if name.startswith("lfm") else 1}
+        op = None if name.startswith("lfm") else "ssd" if FAMILIES[name][2] == SSD \
+            else "delta_rule"
+        assert ops.calls == {"conv": 1, "delta_rule": op == "delta_rule", "ssd": op == "ssd"}
 
 
 #: where a sequence is cut into chunks: each family takes one, in turn (single tokens, a
@@ -266,7 +267,7 @@ def test_a_bfloat16_mixer_returns_bfloat16_as_close_to_the_module_as_bfloat16_al
 @pytest.mark.parametrize("name", ["granitemoehybrid", "falcon_h1-norm"])
 def test_a_mamba2_mixer_through_the_caches_own_state_layer_equals_the_module(name):
     """The Mamba2 scan through a `BatchedSequenceCache` state layer (`mixing.LayerOps`:
-    the decay-only delta rule, scale 1, on the transposed state): two sequences packed
+    its `ssd`): two sequences packed
     over three steps, each equal to the module's own output alone."""
     import numpy as np
 

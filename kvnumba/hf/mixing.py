@@ -4,12 +4,13 @@ are mixers (`mixers.mixer_layers`), the state layer each needs (`state_specs`), 
 
 Inside a step a mixer module's own `forward` is replaced (on the instance, for the
 step only) by `mixers.forward`, which calls the module's own projections, norms and
-gates and runs its convolution and recurrence on the cache (`LayerOps`: `conv` and
-`delta_rule` of its layer) over the packed step. A layer whose mixer kvnumba does not
+gates and runs its convolution and recurrence on the cache (`LayerOps`: `conv`,
+`delta_rule` and `ssd` of its layer) over the packed step. A layer whose mixer kvnumba does not
 compute is refused at construction (`config.layer_specs`), naming its layer type.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 from ..layerspec import state
@@ -41,6 +42,11 @@ class LayerOps:
         return self.cache.delta_rule(
             self.layer, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
             None if beta is None else beta.contiguous(), scale=scale, qk_l2norm=qk_l2norm)
+
+    def ssd(self, x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf)):
+        c = lambda t: None if t is None else t.contiguous()   # noqa: E731
+        return self.cache.ssd(self.layer, c(x), c(dt), c(A), c(B), c(C), D=c(D),
+                              dt_bias=c(dt_bias), dt_limit=dt_limit)
 
 
 @contextmanager
