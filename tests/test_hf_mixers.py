@@ -52,6 +52,8 @@ PURE_MAMBA2 = dict(num_hidden_layers=3, num_heads=4, head_dim=16, state_size=8, 
 #: Jamba: Mamba1 mixers (d_inner 64, state 8) in three of four layers, attention in one
 JAMBA = dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8,
              mamba_expand=2, num_experts=1)
+#: Mamba and Falcon-Mamba: three Mamba1 mixer layers alone (d_inner 64, state 8)
+MAMBA1 = dict(num_hidden_layers=3, state_size=8, expand=2)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
@@ -96,6 +98,8 @@ FAMILIES = {
                             "mamba_norm_before_gate": False}, "FalconH1Mixer", SSD),
     "mamba2": (PURE_MAMBA2, "Mamba2Mixer", SSD),
     "jamba": (JAMBA, "JambaMambaMixer", ((64, 4), (64, 8, 1))),
+    "mamba": (MAMBA1, "MambaMixer", ((64, 4), (64, 8, 1))),
+    "falcon_mamba": (MAMBA1, "FalconMambaMixer", ((64, 4), (64, 8, 1))),
 }
 #: the layer types whose layers keep a state (Zamba2's and Falcon-H1's "hybrid" layers
 #: have attention too; Nemotron-H's "mlp" and "moe" layers keep nothing)

@@ -3,9 +3,9 @@
 A hybrid model's linear layers keep a per-sequence state instead of K/V: the window of a
 depthwise causal convolution and, for the delta-rule and Mamba mixers, a recurrent
 matrix per head: `[heads, k_dim, v_dim]` for the delta rule, `[heads, head_dim,
-state_size]` for Mamba2's selective scan (the cache's SSD), and for Mamba1 (Jamba) the
-decay-only delta rule with a decay per key channel on one head per inner channel,
-`[d_inner, state_size, 1]`. `transformers`' own mixers keep that state per batch row and
+state_size]` for Mamba2's selective scan (the cache's SSD), and for Mamba1 (Mamba,
+Falcon-Mamba, Jamba) the decay-only delta rule with a decay per key channel on one head
+per inner channel, `[d_inner, state_size, 1]`. `transformers`' own mixers keep that state per batch row and
 cannot run packed or padded rows exactly; kvnumba runs them itself. Each function here
 takes a mixer module, the step's `hidden [T, hidden]` (many sequences' tokens on one
 axis) and `ops`, the state layer's operations (given contiguous tensors):
@@ -294,7 +294,7 @@ def falcon_h1(module, hidden, ops):
     return module.out_proj(y.to(hidden.dtype))
 
 
-# ----- Mamba1 selective scan (Jamba) -----
+# ----- Mamba1 selective scan (Mamba, Falcon-Mamba, Jamba) -----
 # Mamba1's A is a row of N per inner channel, which the SSD (one scalar A per head) cannot
 # express: its scan runs as the decay-only delta rule with a decay per key channel.
 
@@ -305,10 +305,10 @@ def _mamba1_state(module):
             (module.intermediate_size, module.ssm_state_size, 1))
 
 
-def jamba(module, hidden, ops):
-    """`JambaMambaMixer`: `x, z = in_proj(h)`, the conv over x (with its bias, the
-    module's activation), `dt, B, C = x_proj(x)` each through its RMS norm
-    (`dt_layernorm`, `b_layernorm`, `c_layernorm`), `d = softplus(dt_proj(dt))` per
+def mamba(module, hidden, ops, *, normed=False):
+    """`MambaMixer`: `x, z = in_proj(h)`, the conv over x (with its bias, the module's
+    activation), `dt, B, C = x_proj(x)` (each through its RMS norm when `normed`:
+    `dt_layernorm`, `b_layernorm`, `c_layernorm`), `d = softplus(dt_proj(dt))` per
     channel; the selective scan `h_c <- exp(d_c A_c) h_c + d_c x_c B`, `y_c = C . h_c +
     D_c x_c` (`A = -exp(A_log)`, one row of N per channel) as the decay-only delta rule
     with a per-key-channel decay on `d_inner` heads of `Dk = N`, `Dv = 1` (`q = C`, `k =
@@ -318,14 +318,21 @@ def jamba(module, hidden, ops):
     x, gate = module.in_proj(hidden).chunk(2, dim=-1)
     x = _conv(module, module.conv1d, x, ops, module.activation)
     dt, B, C = module.x_proj(x).split([module.time_step_rank, N, N], dim=-1)
-    d = F.softplus(module.dt_proj(module.dt_layernorm(dt))).float()
-    B, C = module.b_layernorm(B), module.c_layernorm(C)
+    if normed:
+        dt, B, C = module.dt_layernorm(dt), module.b_layernorm(B), module.c_layernorm(C)
+    d = F.softplus(module.dt_proj(dt)).float()
     x = x.float()
     g = d[..., None] * -module.A_log.float().exp()
     o = ops.delta_rule(*_f32(C[:, None].expand(T, D, N), B[:, None].expand(T, D, N),
                              (d * x)[..., None], g), None, scale=1.0, qk_l2norm=False)
     y = (o[..., 0] + module.D.float() * x) * F.silu(gate.float())
     return module.out_proj(y.to(hidden.dtype))
+
+
+def jamba(module, hidden, ops):
+    """`JambaMambaMixer`, `FalconMambaMixer`: `mamba` with dt, B and C through their RMS
+    norms."""
+    return mamba(module, hidden, ops, normed=True)
 
 
 def _cat(parts):
@@ -354,4 +361,6 @@ MIXERS = {
     "FalconH1Mixer": Mixer(falcon_h1, _mamba2_state),
     "Mamba2Mixer": _MAMBA2,
     "JambaMambaMixer": Mixer(jamba, _mamba1_state),
+    "FalconMambaMixer": Mixer(jamba, _mamba1_state),
+    "MambaMixer": Mixer(mamba, _mamba1_state),
 }
