@@ -425,7 +425,8 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
              "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
              "Lfm3": "lfm3", "GraniteMoeHybrid": "granitemoehybrid",
              "NemotronH": "nemotron_h", "Bamba": "bamba", "Zamba2": "zamba2",
-             "FalconH1": "falcon_h1", "Mamba2": "mamba2", "Jamba": "jamba"}
+             "FalconH1": "falcon_h1", "Mamba2": "mamba2", "Jamba": "jamba",
+             "FalconMamba": "falcon_mamba", "Mamba": "mamba"}
     for name in mixers.MIXERS:
         prefix = next(p for p in homes if name.startswith(p))
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."

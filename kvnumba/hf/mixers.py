@@ -5,10 +5,11 @@ depthwise causal convolution and, for the delta-rule and Mamba mixers, a recurre
 matrix per head: `[heads, k_dim, v_dim]` for the delta rule, `[heads, head_dim,
 state_size]` for Mamba2's selective scan (the cache's SSD), and for Mamba1 (Mamba,
 Falcon-Mamba, Jamba) the decay-only delta rule with a decay per key channel on one head
-per inner channel, `[d_inner, state_size, 1]`. `transformers`' own mixers keep that state per batch row and
-cannot run packed or padded rows exactly; kvnumba runs them itself. Each function here
-takes a mixer module, the step's `hidden [T, hidden]` (many sequences' tokens on one
-axis) and `ops`, the state layer's operations (given contiguous tensors):
+per inner channel, `[d_inner, state_size, 1]`. `transformers`' own mixers keep that
+state per batch row and cannot run packed or padded rows exactly; kvnumba runs them
+itself. Each function here takes a mixer module, the step's `hidden [T, hidden]` (many
+sequences' tokens on one axis) and `ops`, the state layer's operations (given contiguous
+tensors):
 
 - `ops.conv(x [T, C], weight [C, K], bias [C] or None, activation=None | "silu") -> y`:
   the depthwise causal convolution of each token over its own sequence's inputs;
