@@ -1,22 +1,22 @@
-"""A reference for the state layer's two ops (`conv`, `delta_rule`), written from their
+"""A reference for the state layer's ops (`conv`, `delta_rule`, `ssd`), written from their
 definitions: float64, token by token, each token from its own sequence's state.
 
 `RefOps` is one state layer's ops. By default every token of a call belongs to sequence
 0 at the positions after its earlier calls; `seqs(ids)` names the sequence of each token
 of the next call (a packed step), and each sequence continues from what its earlier
-tokens left (its conv inputs, its delta-rule state), whatever the calls' split.
+tokens left (its conv inputs, its delta-rule or SSD state), whatever the calls' split.
 """
 import torch
 
 
 class RefOps:
-    """One state layer's `conv` and `delta_rule` over any number of sequences."""
+    """One state layer's `conv` and `delta_rule` or `ssd` over any number of sequences."""
 
     def __init__(self):
         self.history = {}      # seq -> list of conv inputs [C] (float64), from position 0
-        self.states = {}       # seq -> delta-rule state [H, Dk, Dv] (float64)
+        self.states = {}       # seq -> delta-rule [H, Dk, Dv] or SSD [H, P, N] state (float64)
         self._ids = None
-        self.calls = {"conv": 0, "delta_rule": 0}
+        self.calls = {"conv": 0, "delta_rule": 0, "ssd": 0}
 
     def seqs(self, ids):
         """The sequence of each token of the next op calls (until changed)."""
@@ -88,3 +88,33 @@ class RefOps:
             self.states[seq] = S
             o[t] = scale * torch.einsum("hkv,hk->hv", S, qt)
         return o
+
+    def ssd(self, x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, float("inf"))):
+        """Per token and head h (group `h // (H // G)`): `d = clamp(softplus(dt +
+        dt_bias), *dt_limit)`; `S_h <- exp(d A_h) S_h + d x_h B_g^T`; `y_h = S_h C_g + D_h
+        x_h`, the state `S_h [P, N]`."""
+        given = (x, dt, A, B, C) + tuple(t for t in (D, dt_bias) if t is not None)
+        assert all(t.is_contiguous() and t.dtype == torch.float32 for t in given)
+        T, H, P = x.shape
+        G, N = B.shape[1:]
+        assert dt.shape == (T, H) and A.shape == (H,) and H % G == 0, (dt.shape, A.shape, G)
+        assert B.shape == C.shape == (T, G, N), (B.shape, C.shape)
+        assert all(t is None or t.shape == (H,) for t in (D, dt_bias))
+        self.calls["ssd"] += 1
+        x, dt, A, B, C = (t.detach().double() for t in (x, dt, A, B, C))
+        d = dt if dt_bias is None else dt + dt_bias.detach().double()
+        d = torch.nn.functional.softplus(d).clamp(*dt_limit)
+        group = torch.arange(H) // (H // G)
+        y = torch.zeros(T, H, P, dtype=torch.float64)
+        for t, seq in enumerate(self._owners(T)):
+            S = self.states.get(seq)
+            if S is None:
+                S = torch.zeros(H, P, N, dtype=torch.float64)
+            Bt, Ct = B[t][group], C[t][group]                  # [H, N]
+            S = (d[t] * A).exp()[:, None, None] * S \
+                + (d[t][:, None] * x[t])[:, :, None] * Bt[:, None, :]
+            self.states[seq] = S
+            y[t] = torch.einsum("hpn,hn->hp", S, Ct)
+            if D is not None:
+                y[t] = y[t] + D.detach().double()[:, None] * x[t]
+        return y

@@ -119,7 +119,7 @@ NEW_TOKENS = 3
 #: served, and each kind of refusal (no attention interface, a recurrent model's mixers,
 #: the probe, indexed sparse attention) (Llama, gpt-oss, Gemma 4 and DeepSeek-V3 are served in
 #: tests of their own)
-SHORT = ("gemma3_text", "llama4_text", "minicpm3", "bloom", "mamba", "bert", "deepseek_v32")
+SHORT = ("gemma3_text", "llama4_text", "minicpm3", "bloom", "rwkv", "bert", "deepseek_v32")
 
 
 def architectures() -> list:

@@ -30,7 +30,7 @@ MLA = dict(num_hidden_layers=4, layer_types=LINEAR4, num_key_value_heads=4,
 #: channels), `transformers`' scan in chunks of 64 (the one-shot test crosses one)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
               mamba_expand=2, mamba_chunk_size=64)
-SSD = ((96, 4), (4, 8, 16))
+SSD = ((96, 4), (4, 16, 8))
 GRANITE = dict(MAMBA2, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba",
                                                          "mamba"],
                num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16)
@@ -52,6 +52,8 @@ PURE_MAMBA2 = dict(num_hidden_layers=3, num_heads=4, head_dim=16, state_size=8, 
 #: Jamba: Mamba1 mixers (d_inner 64, state 8) in three of four layers, attention in one
 JAMBA = dict(num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=1, mamba_d_state=8,
              mamba_expand=2, num_experts=1)
+#: Mamba and Falcon-Mamba: three Mamba1 mixer layers alone (d_inner 64, state 8)
+MAMBA1 = dict(num_hidden_layers=3, state_size=8, expand=2)
 #: model type -> (config fields, mixer class, (conv, recurrent) state per mixer layer)
 FAMILIES = {
     "qwen3_next": ({**GDN, **MOE}, "Qwen3NextGatedDeltaNet", ((96, 4), (4, 8, 16))),
@@ -96,6 +98,8 @@ FAMILIES = {
                             "mamba_norm_before_gate": False}, "FalconH1Mixer", SSD),
     "mamba2": (PURE_MAMBA2, "Mamba2Mixer", SSD),
     "jamba": (JAMBA, "JambaMambaMixer", ((64, 4), (64, 8, 1))),
+    "mamba": (MAMBA1, "MambaMixer", ((64, 4), (64, 8, 1))),
+    "falcon_mamba": (MAMBA1, "FalconMambaMixer", ((64, 4), (64, 8, 1))),
 }
 #: the layer types whose layers keep a state (Zamba2's and Falcon-H1's "hybrid" layers
 #: have attention too; Nemotron-H's "mlp" and "moe" layers keep nothing)
@@ -196,8 +200,9 @@ def test_one_sequence_in_one_shot_equals_the_module(family):
         hidden = torch.randn(70, model.config.hidden_size)   # past HF's 64-token chunk
         ops = RefOps()
         assert_close(ours(module, hidden, ops), hf_out(module, hidden))
-        assert ops.calls == {"conv": 1,
-                             "delta_rule": 0 if name.startswith("lfm") else 1}
+        op = None if name.startswith("lfm") else "ssd" if FAMILIES[name][2] == SSD \
+            else "delta_rule"
+        assert ops.calls == {"conv": 1, "delta_rule": op == "delta_rule", "ssd": op == "ssd"}
 
 
 #: where a sequence is cut into chunks: each family takes one, in turn (single tokens, a
@@ -266,7 +271,7 @@ def test_a_bfloat16_mixer_returns_bfloat16_as_close_to_the_module_as_bfloat16_al
 @pytest.mark.parametrize("name", ["granitemoehybrid", "falcon_h1-norm"])
 def test_a_mamba2_mixer_through_the_caches_own_state_layer_equals_the_module(name):
     """The Mamba2 scan through a `BatchedSequenceCache` state layer (`mixing.LayerOps`:
-    the decay-only delta rule, scale 1, on the transposed state): two sequences packed
+    its `ssd`): two sequences packed
     over three steps, each equal to the module's own output alone."""
     import numpy as np
 
@@ -420,7 +425,8 @@ def test_every_mixer_class_is_one_the_installed_transformers_defines():
              "BailingHybrid": "bailing_hybrid", "Lfm2Moe": "lfm2_moe", "Lfm2": "lfm2",
              "Lfm3": "lfm3", "GraniteMoeHybrid": "granitemoehybrid",
              "NemotronH": "nemotron_h", "Bamba": "bamba", "Zamba2": "zamba2",
-             "FalconH1": "falcon_h1", "Mamba2": "mamba2", "Jamba": "jamba"}
+             "FalconH1": "falcon_h1", "Mamba2": "mamba2", "Jamba": "jamba",
+             "FalconMamba": "falcon_mamba", "Mamba": "mamba"}
     for name in mixers.MIXERS:
         prefix = next(p for p in homes if name.startswith(p))
         module = importlib.import_module(f"transformers.models.{homes[prefix]}."

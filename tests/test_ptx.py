@@ -7,6 +7,8 @@ kernels check `ptxsim`; on a GPU the same tests check the real instructions. Onl
 tests of the simulator's own checks (alignment, lanes that do not join a warp call) skip
 on a GPU.
 """
+import time
+
 import numpy as np
 import pytest
 
@@ -559,6 +561,40 @@ def test_simulated_warp_reports_lanes_that_do_not_join_and_then_works(kernel, me
     # nothing of the failed launch is left behind: the next one is correct
     shuffle_case(np.float32, threads=32, blocks=1, masks=XOR_MASKS,
                  rng=np.random.default_rng(RNG_SEED))
+
+
+@cuda.jit
+def shuffle_after_barrier(values, out):
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()
+    out[tid] = ptx.shfl_xor(values[tid], 1)
+
+
+@only_simulator
+def test_a_lane_the_simulator_is_slow_to_release_from_a_barrier_is_waited_for(monkeypatch):
+    """The simulator releases a barrier's threads one by one; on a loaded machine the
+    last can look blocked at it for seconds while the first already wait in a shuffle.
+    That lane is on its way (its warp passed the barrier), not stuck: the launch must
+    wait for it, however long past `STUCK_S`, and give the shuffle's values."""
+    import threading
+    from kvnumba.kernels.intrinsics import simwarp
+
+    monkeypatch.setattr(simwarp, "STUCK_S", 0.05)
+    set_event, delayed = threading.Event.set, []
+
+    def slow_release(event):             # the manager stalls after releasing one thread
+        if not delayed and threading.get_ident() == threading.main_thread().ident:
+            delayed.append(event)
+            set_event(event)
+            time.sleep(0.5)
+            return
+        set_event(event)
+
+    monkeypatch.setattr(threading.Event, "set", slow_release)
+    values = np.arange(32, dtype=np.float32)
+    _, out = run(shuffle_after_barrier, 1, 32, values, np.zeros(32, np.float32))
+    assert delayed, "the barrier was not released through Event.set"
+    np.testing.assert_array_equal(out, values[np.arange(32) ^ 1])
 
 
 # ---------------------------------------------------------------- element <-> float32

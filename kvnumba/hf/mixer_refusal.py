@@ -9,7 +9,7 @@ so a cache of K/V alone would serve another model. `refuse_mixers` finds those l
 (`stateful_mixers`: a decoder layer's module whose class is a stateful mixer,
 `MIXER`) and refuses the model with a `ConfigError` naming each kind of them: the
 layer's type (`layer_types`, where the config gives one), the mixer's class, and which
-layers hold one. A pure recurrent model (Mamba, RWKV, xLSTM) is refused the same way.
+layers hold one. A pure recurrent model (RWKV, xLSTM) is refused the same way.
 
 `COMPUTED` holds the mixer classes kvnumba computes (`mixers.MIXERS`, served on state
 layers): they are not refused.

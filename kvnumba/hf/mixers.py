@@ -2,19 +2,24 @@
 
 A hybrid model's linear layers keep a per-sequence state instead of K/V: the window of a
 depthwise causal convolution and, for the delta-rule and Mamba mixers, a recurrent
-`[heads, k_dim, v_dim]` matrix (Mamba2's selective scan is the decay-only delta rule on
-its state transposed, `[heads, state_size, head_dim]`; Mamba1's, Jamba's, the same with a
-decay per key channel on one head per inner channel, `[d_inner, state_size, 1]`). `transformers`' own mixers keep
-that state per batch row and cannot run packed or padded rows exactly; kvnumba runs them
+matrix per head: `[heads, k_dim, v_dim]` for the delta rule, `[heads, head_dim,
+state_size]` for Mamba2's selective scan (the cache's SSD), and for Mamba1 (Mamba,
+Falcon-Mamba, Jamba) the decay-only delta rule with a decay per key channel on one head
+per inner channel, `[d_inner, state_size, 1]`. `transformers`' own mixers keep that
+state per batch row and cannot run packed or padded rows exactly; kvnumba runs them
 itself. Each function here takes a mixer module, the step's `hidden [T, hidden]` (many
-sequences' tokens on one axis) and `ops`, the state layer's two operations (given
-contiguous tensors):
+sequences' tokens on one axis) and `ops`, the state layer's operations (given contiguous
+tensors):
 
 - `ops.conv(x [T, C], weight [C, K], bias [C] or None, activation=None | "silu") -> y`:
   the depthwise causal convolution of each token over its own sequence's inputs;
 - `ops.delta_rule(q, k [T, H, Dk], v [T, H, Dv], g [T, H] or [T, H, Dk], beta [T, H] or
   None, *, scale=None, qk_l2norm=False) -> o [T, H, Dv]`: the gated delta rule from
-  each sequence's state (log-decay `g`; `scale` defaults to `Dk ** -0.5`).
+  each sequence's state (log-decay `g`; `scale` defaults to `Dk ** -0.5`);
+- `ops.ssd(x [T, H, P], dt [T, H], A [H], B, C [T, G, N], *, D=None, dt_bias=None,
+  dt_limit=(0, inf)) -> y [T, H, P]`: Mamba2's selective scan from each sequence's state
+  `S_h [P, N]` (`d = clamp(softplus(dt + dt_bias), *dt_limit)`; `S_h <- exp(d A_h) S_h +
+  d x_h B_g^T`; `y_h = S_h C_g + D_h x_h`; head h reads group `h // (H // G)`).
 
 Everything else (projections, gates, norms, the output projection) is the module's own
 submodules, called as its `forward` calls them, so a mixer computes what `transformers`
@@ -23,6 +28,7 @@ state it keeps (`state_shape`); `forward` dispatches on the module's class.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 from ..errors import ConfigError
@@ -34,8 +40,8 @@ _ACTIVATIONS = {None: None, "silu": "silu", "swish": "silu"}
 class Mixer(NamedTuple):
     """A mixer class's `forward(module, hidden, ops) -> out` and its `state(module) ->
     (conv, recurrent)`: `conv=(channels, width)` of its convolution window and
-    `recurrent=(heads, k_dim, v_dim)` of its delta-rule state, each None if it keeps
-    none."""
+    `recurrent` the shape of its recurrent state (`(heads, k_dim, v_dim)` for the delta
+    rule, `(heads, head_dim, state_size)` for the SSD), each None if it keeps none."""
 
     forward: Callable
     state: Callable
@@ -63,7 +69,8 @@ def mixer_layers(model) -> dict:
 
 def state_shape(module):
     """`(conv, recurrent)` the cache keeps per sequence for mixer `module`: `conv =
-    (channels, width)` or None, `recurrent = (heads, k_dim, v_dim)` or None."""
+    (channels, width)` or None, `recurrent` the recurrent state's shape (`Mixer`) or
+    None."""
     return mixer(module).state(module)
 
 
@@ -89,7 +96,7 @@ def _conv(module, conv, x, ops, activation):
 
 
 def _f32(*xs):
-    """`xs` as contiguous float32 tensors (what `ops.delta_rule` computes in)."""
+    """`xs` as contiguous float32 tensors (what the recurrent ops compute in)."""
     return [x.float().contiguous() for x in xs]
 
 
@@ -235,42 +242,33 @@ def short_conv(module, hidden, ops):
 # ----- Mamba2 SSD (Granite-4.0-H, Nemotron-H, Bamba, Zamba2, Falcon-H1, Mamba-2) -----
 
 def _mamba2_state(module):
-    """The conv window over `xBC` and the state `[H, N, P]`: Mamba2's `S_h [P, N]`
-    transposed, so that the state size N is the delta rule's `Dk` and the head dim P its
-    `Dv`."""
+    """The conv window over `xBC` and the SSD state `[H, P, N]` (Mamba2's `S_h [P, N]`)."""
     return ((module.conv_dim, module.conv_kernel_size),
-            (module.num_heads, module.ssm_state_size, module.head_dim))
+            (module.num_heads, module.head_dim, module.ssm_state_size))
 
 
 def _mamba2_scan(module, projected, ops):
     """`(y [T, d_inner] float32, gate z)` from `projected = in_proj(h)`, laid out `[z,
     xBC, dt]`: the conv over `xBC` (with its bias, the module's activation), then the
-    selective scan `S_h <- exp(d A_h) S_h + d x_h B_g^T`, `y_h = S_h C_g + D_h x_h`, as
-    the decay-only delta rule on `S_h^T [N, P]` (`q = C`, `k = B`, each group serving
-    consecutive heads; `v = d x`; `g = d A`; `beta` None; scale 1; no l2 norm).
+    selective scan `ops.ssd` (`A = -exp(A_log)`, the module's `D` and `dt_bias`, each
+    group of B and C serving consecutive heads), in float32.
 
-    `d = softplus(dt + dt_bias)` in the model's dtype, clamped to `time_step_limit`, as
-    `transformers`' prefill (its chunked scan, as on one sequence with no cache)
-    computes it. Its decode step (one token on a cached state) does not clamp; where the
-    limit binds (never at the default `(0, inf)`; Zamba2's is `(time_step_min, inf)`)
-    a token's output here is its prefill output wherever the step cuts the sequence, and
-    may differ from `transformers`' decode. `A = -exp(A_log)`; the rest in float32."""
-    import torch.nn.functional as F
+    `d = softplus(dt + dt_bias)` is clamped to `time_step_limit` as `transformers`'
+    prefill (its chunked scan, as on one sequence with no cache) clamps it. Its decode
+    step (one token on a cached state) does not clamp; where the limit binds (never at
+    the default `(0, inf)`; Zamba2's is `(time_step_min, inf)`) a token's output here is
+    its prefill output wherever the step cuts the sequence, and may differ from
+    `transformers`' decode."""
     T, H, P = projected.shape[0], module.num_heads, module.head_dim
     G, N = module.n_groups, module.ssm_state_size
     gate, xBC, dt = projected.split([module.intermediate_size, module.conv_dim, H], dim=-1)
     xBC = _conv(module, module.conv1d, xBC, ops, module.activation)
     x, B, C = xBC.split([module.intermediate_size, G * N, G * N], dim=-1)
-    d = F.softplus(dt + module.dt_bias.to(dt.dtype))
-    if module.time_step_limit is not None:
-        d = d.clamp(*module.time_step_limit)
-    d = d.float()
-    x = x.reshape(T, H, P).float()
-    q = _grouped(C.reshape(T, G, N), H)
-    k = _grouped(B.reshape(T, G, N), H)
-    g = d * -module.A_log.float().exp()
-    o = ops.delta_rule(*_f32(q, k, x * d[..., None], g), None, scale=1.0, qk_l2norm=False)
-    y = o + module.D[:, None] * x
+    limit = module.time_step_limit
+    A, D, dt_bias = (p.detach() for p in (module.A_log, module.D, module.dt_bias))
+    y = ops.ssd(*_f32(x.reshape(T, H, P), dt, -A.float().exp(), B.reshape(T, G, N),
+                      C.reshape(T, G, N)), D=D.float(), dt_bias=dt_bias.float(),
+                dt_limit=(0.0, math.inf) if limit is None else tuple(limit))
     return y.reshape(T, H * P), gate
 
 
@@ -297,7 +295,9 @@ def falcon_h1(module, hidden, ops):
     return module.out_proj(y.to(hidden.dtype))
 
 
-# ----- Mamba1 selective scan (Jamba) -----
+# ----- Mamba1 selective scan (Mamba, Falcon-Mamba, Jamba) -----
+# Mamba1's A is a row of N per inner channel, which the SSD (one scalar A per head) cannot
+# express: its scan runs as the decay-only delta rule with a decay per key channel.
 
 def _mamba1_state(module):
     """The conv window over x and the state `[d_inner, N, 1]`: Mamba1's `h [d_inner, N]`
@@ -306,10 +306,10 @@ def _mamba1_state(module):
             (module.intermediate_size, module.ssm_state_size, 1))
 
 
-def jamba(module, hidden, ops):
-    """`JambaMambaMixer`: `x, z = in_proj(h)`, the conv over x (with its bias, the
-    module's activation), `dt, B, C = x_proj(x)` each through its RMS norm
-    (`dt_layernorm`, `b_layernorm`, `c_layernorm`), `d = softplus(dt_proj(dt))` per
+def mamba(module, hidden, ops, *, normed=False):
+    """`MambaMixer`: `x, z = in_proj(h)`, the conv over x (with its bias, the module's
+    activation), `dt, B, C = x_proj(x)` (each through its RMS norm when `normed`:
+    `dt_layernorm`, `b_layernorm`, `c_layernorm`), `d = softplus(dt_proj(dt))` per
     channel; the selective scan `h_c <- exp(d_c A_c) h_c + d_c x_c B`, `y_c = C . h_c +
     D_c x_c` (`A = -exp(A_log)`, one row of N per channel) as the decay-only delta rule
     with a per-key-channel decay on `d_inner` heads of `Dk = N`, `Dv = 1` (`q = C`, `k =
@@ -319,14 +319,21 @@ def jamba(module, hidden, ops):
     x, gate = module.in_proj(hidden).chunk(2, dim=-1)
     x = _conv(module, module.conv1d, x, ops, module.activation)
     dt, B, C = module.x_proj(x).split([module.time_step_rank, N, N], dim=-1)
-    d = F.softplus(module.dt_proj(module.dt_layernorm(dt))).float()
-    B, C = module.b_layernorm(B), module.c_layernorm(C)
+    if normed:
+        dt, B, C = module.dt_layernorm(dt), module.b_layernorm(B), module.c_layernorm(C)
+    d = F.softplus(module.dt_proj(dt)).float()
     x = x.float()
     g = d[..., None] * -module.A_log.float().exp()
     o = ops.delta_rule(*_f32(C[:, None].expand(T, D, N), B[:, None].expand(T, D, N),
                              (d * x)[..., None], g), None, scale=1.0, qk_l2norm=False)
     y = (o[..., 0] + module.D.float() * x) * F.silu(gate.float())
     return module.out_proj(y.to(hidden.dtype))
+
+
+def jamba(module, hidden, ops):
+    """`JambaMambaMixer`, `FalconMambaMixer`: `mamba` with dt, B and C through their RMS
+    norms."""
+    return mamba(module, hidden, ops, normed=True)
 
 
 def _cat(parts):
@@ -355,4 +362,6 @@ MIXERS = {
     "FalconH1Mixer": Mixer(falcon_h1, _mamba2_state),
     "Mamba2Mixer": _MAMBA2,
     "JambaMambaMixer": Mixer(jamba, _mamba1_state),
+    "FalconMambaMixer": Mixer(jamba, _mamba1_state),
+    "MambaMixer": Mixer(mamba, _mamba1_state),
 }

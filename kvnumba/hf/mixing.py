@@ -4,12 +4,13 @@ are mixers (`mixers.mixer_layers`), the state layer each needs (`state_specs`), 
 
 Inside a step a mixer module's own `forward` is replaced (on the instance, for the
 step only) by `mixers.forward`, which calls the module's own projections, norms and
-gates and runs its convolution and recurrence on the cache (`LayerOps`: `conv` and
-`delta_rule` of its layer) over the packed step. A layer whose mixer kvnumba does not
+gates and runs its convolution and recurrence on the cache (`LayerOps`: `conv`,
+`delta_rule` and `ssd` of its layer) over the packed step. A layer whose mixer kvnumba does not
 compute is refused at construction (`config.layer_specs`), naming its layer type.
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 from ..layerspec import state
@@ -33,14 +34,22 @@ class LayerOps:
         self.cache, self.layer = cache, layer
 
     def conv(self, x, weight, bias=None, activation=None):
-        return self.cache.conv(self.layer, x.contiguous(), weight.contiguous(),
-                               None if bias is None else bias.contiguous(),
+        return self.cache.conv(self.layer, *_contiguous(x, weight, bias),
                                activation=activation)
 
     def delta_rule(self, q, k, v, g, beta, *, scale=None, qk_l2norm=False):
-        return self.cache.delta_rule(
-            self.layer, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
-            None if beta is None else beta.contiguous(), scale=scale, qk_l2norm=qk_l2norm)
+        return self.cache.delta_rule(self.layer, *_contiguous(q, k, v, g, beta), scale=scale,
+                                     qk_l2norm=qk_l2norm)
+
+    def ssd(self, x, dt, A, B, C, *, D=None, dt_bias=None, dt_limit=(0.0, math.inf)):
+        D, dt_bias = _contiguous(D, dt_bias)
+        return self.cache.ssd(self.layer, *_contiguous(x, dt, A, B, C), D=D, dt_bias=dt_bias,
+                              dt_limit=dt_limit)
+
+
+def _contiguous(*tensors):
+    """`tensors` contiguous (None stays None)."""
+    return [None if t is None else t.contiguous() for t in tensors]
 
 
 @contextmanager

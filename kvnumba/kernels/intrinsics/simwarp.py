@@ -26,9 +26,8 @@ import time
 WARP_SIZE = 32
 #: a waiting lane checks this often (s) that the missing lanes can still arrive
 POLL_S = 0.05
-#: a missing lane must wait at syncthreads this long (s) before the warp reports it: the
-#: simulator releases a barrier's threads one by one, so a lane just released can still
-#: look blocked for a while on a loaded machine
+#: a missing lane must wait at syncthreads this long (s) before the warp reports it, once
+#: no lane of the warp has passed the barrier it waits at (`_Warp.being_released`)
 STUCK_S = 2.0
 
 class WarpError(RuntimeError):
@@ -92,9 +91,17 @@ class _Warp:
         rnd.done = True
         self.cond.notify_all()
 
+    def being_released(self, rnd, thread) -> bool:
+        """Whether `thread`, blocked at syncthreads, waits at a barrier that a lane of this
+        round has passed already: the simulator releases a barrier's threads one by one
+        (the last may wait seconds for the GIL on a loaded machine), so it will come."""
+        return any(rnd.arrived[lane] and t._kvnumba_barriers > thread._kvnumba_barriers
+                   for lane, t in enumerate(self.threads) if t is not None)
+
     def _check_missing(self, rnd):
         """Fail the round if the launch is aborting or a missing lane can never arrive: it
-        has exited, or it has waited at syncthreads for STUCK_S (the others wait here)."""
+        has exited, or it has waited at a barrier no lane of the warp has passed for
+        STUCK_S (the others wait here)."""
         if threading.current_thread().abort:
             rnd.error = f"warp {self.index}: launch aborted while waiting in {_name(rnd.op)}"
         at_barrier = None
@@ -104,7 +111,8 @@ class _Warp:
             if self.exited[lane]:
                 rnd.error = (f"warp {self.index}: lane {lane} exited while the others wait "
                              f"in {_name(rnd.op)}: every lane of the warp must make the call")
-            elif t.syncthreads_blocked and at_barrier is None:
+            elif (t.syncthreads_blocked and at_barrier is None
+                  and not self.being_released(rnd, t)):
                 at_barrier = lane
         now = time.monotonic()
         if at_barrier is None:
@@ -131,7 +139,9 @@ def _join_warps_on_creation() -> None:
     The block's `BlockManager` creates its `BlockThread`s one by one, in the
     launching thread; each now also enters itself, by lane, in its warp (made on
     first need, kept in the manager's `_kvnumba_warps`) and keeps that warp at hand,
-    and tells it when it returns from the kernel. So a lane finds its warp without
+    and tells it when it returns from the kernel; it counts the barriers it has passed
+    (`_kvnumba_barriers`), so a lane still flagged at a barrier its warp has passed is
+    known to be on its way. So a lane finds its warp without
     a lookup or a lock, and waiting lanes can tell a lane that has not arrived *yet*
     (perhaps not even started) from one that never will: the simulator keeps its
     list of a block's threads to itself, and a thread's own state does not tell
@@ -142,7 +152,7 @@ def _join_warps_on_creation() -> None:
     cls = kernel.BlockThread
     if getattr(cls, "_kvnumba_joins_warps", False):
         return
-    init, run = cls.__init__, cls.run
+    init, run, sync = cls.__init__, cls.run, cls.syncthreads
 
     def __init__(self, f, manager, *args, **kwargs):
         init(self, f, manager, *args, **kwargs)
@@ -155,6 +165,11 @@ def _join_warps_on_creation() -> None:
             warp = warps[index] = _Warp(index, lanes)
         warp.threads[self.thread_id % WARP_SIZE] = self
         self._kvnumba_warp = warp
+        self._kvnumba_barriers = 0
+
+    def syncthreads_counted(self):
+        sync(self)
+        self._kvnumba_barriers += 1
 
     def run_then_leave(self):
         try:
@@ -164,6 +179,7 @@ def _join_warps_on_creation() -> None:
 
     cls.__init__ = __init__
     cls.run = run_then_leave
+    cls.syncthreads = syncthreads_counted
     cls._kvnumba_joins_warps = True
 
 
