@@ -24,7 +24,7 @@ import numpy as np
 
 from ...device import cuda
 from ..intrinsics import ptx
-from . import chunked
+from . import chunked, chunked_channel
 from .lanes import lane_functions
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, prepare, \
     recurrence_kernel
@@ -128,10 +128,12 @@ def apply(plan, state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta
                 block_threads(dv, lanes_per_column(dk, dv)))
 
     def build_chunked():
-        return (chunked.kernel(dk, dv, plan.chunk),
-                (n_heads, dv // chunked.value_block(dv)), chunked.THREADS)
+        kernel = (chunked_channel.kernel(dk, dv) if per_channel
+                  else chunked.kernel(dk, dv, plan.chunk))
+        return kernel, (n_heads, dv // chunked.value_block(dv)), chunked.THREADS
 
-    fits = chunked.fits(dk, dv, per_channel, plan.chunk)
+    fits = (chunked_channel.fits(dk, dv, plan.chunk) if per_channel
+            else chunked.fits(dk, dv, per_channel, plan.chunk))
     inputs = (q, k, v, g) + ((beta,) if has_beta else ())
     plan.launch(("delta_rule", n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm),
                 build, (state, base, log_k, log_v, log_g, log_b, marks), inputs, out, scale,
