@@ -423,9 +423,9 @@ def test_delta_rule_chunked_prefill_writes_what_the_per_token_kernel_writes():
 
 def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
     """Chunked runs whose blocks first replay: the base advancing to a floor below p0,
-    from the live state on; to p0 itself, the live state kept; a rewind to the base. Per
-    channel gates and keys of a width not a multiple of 16 stay on the per-token kernel
-    with chunked runs planned."""
+    from the live state on; to p0 itself, the live state kept; a rewind to the base. Keys
+    of a width not a multiple of 16 stay on the per-token kernel with chunked runs
+    planned, with either gate."""
     layer = DeltaLayer(np.random.default_rng(22), heads=1, dk=16, dv=16, most=20,
                        has_beta=True, per_channel=False, l2norm=True, chunk=16)
     floors = np.zeros(COLS, np.int32)
@@ -439,7 +439,7 @@ def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
     layer.step([(0, 51, 16)], floors=floors)
     assert layer.bp[0] == 51
     layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base
-    for dk, per_channel in ((24, False), (16, True)):
+    for dk, per_channel in ((24, False), (24, True)):
         other = DeltaLayer(np.random.default_rng(dk), heads=1, dk=dk, dv=16, most=20,
                            has_beta=True, per_channel=per_channel, l2norm=True, chunk=16)
         other.step([(1, 0, 17), (0, 0, 2)])
