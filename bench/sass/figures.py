@@ -65,6 +65,7 @@ KINDS = {
     "kvnumba.kernels.state.delta_rule:_kernel": sassstate.delta_rule_figures,
     "kvnumba.kernels.state.ssd:_kernel": sassstate.ssd_figures,
     "kvnumba.kernels.state.chunked:kernel": sassstate.chunked_figures,
+    "kvnumba.kernels.state.chunked_channel:kernel": sassstate.chunked_channel_figures,
 }
 
 

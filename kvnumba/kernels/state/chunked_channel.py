@@ -66,7 +66,6 @@ from ..launch.calling import Specialised, ceil_div
 from ..masks import storage_row
 from .chunked import MAX_DK, PAD, SHARED_LIMIT, THREADS, WARPS, value_block
 from .lanes import WARP, lane_functions
-from .recurrence import decay
 from .tiles import TILE, product, tile_col, tile_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -75,6 +74,7 @@ from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the 
 CHUNK = TILE
 ZERO = np.float32(0.0)
 ONE = np.float32(1.0)
+LOG2E = np.float32(1.0 / np.log(2.0))
 
 
 def shared_bytes(dk: int, dv: int) -> int:
@@ -82,23 +82,22 @@ def shared_bytes(dk: int, dv: int) -> int:
     bv = value_block(dv)
     halves = 3 * CHUNK * (dk + PAD) + dk * (bv + PAD) + 2 * CHUNK * (bv + PAD) + \
         2 * CHUNK * (CHUNK + PAD)
-    words = CHUNK * dk + CHUNK * bv + CHUNK * CHUNK + WARPS * dk + 2 * CHUNK
+    words = CHUNK * (dk + 1) + CHUNK * bv + CHUNK * CHUNK + WARPS * dk + 2 * CHUNK
     return 2 * halves + 4 * words
 
 
 def loop_trips(dk: int, dv: int) -> tuple:
     """The most trips of each loop inside a chunk the compiled kernel keeps (LLVM
-    unrolls the rest), in source order: the walk over a run's segments (counted as
-    one), the q/k rows a warp stages, the v elements and the gate elements a thread
-    stages, the state elements (`("LD", n)`: `n` loads in all), the cumulative gate's
-    rows, the pairs `(t, s)` a warp sums, the elements a thread scales, the rows of
-    `T`'s forward substitution and the sum each takes (one FFMA a term), the state's
-    tiles a warp updates."""
+    unrolls the rest), in address order: the walk over a run's segments (counted as
+    one), the q/k/gate rows a warp stages, the state elements (`("LD", n)`: `n` loads in
+    all, the loop unrolled in part), a thread's two pairs' sums over the channels (the
+    pairs' loop unrolled: one loop each, `("MUFU", n)`: an `ex2` a channel), the rows of
+    `T`'s forward substitution, the elements a thread scales (two `ex2` each), the
+    state's tiles a warp updates."""
     bv = value_block(dv)
-    return (1, CHUNK // WARPS, CHUNK * bv // THREADS, CHUNK * dk // THREADS,
-            ("LD", dk * bv // THREADS), CHUNK, CHUNK * CHUNK // WARPS,
-            CHUNK * dk // THREADS, CHUNK, ("FFMA", CHUNK),
-            ceil_div(dk // TILE * (bv // TILE), WARPS))
+    elements = CHUNK * dk // THREADS
+    return (1, CHUNK // WARPS, ("LD", dk * bv // THREADS), ("MUFU", dk), ("MUFU", dk), CHUNK,
+            ("MUFU", 2 * elements), ceil_div(dk // TILE * (bv // TILE), WARPS))
 
 
 def fits(dk: int, dv: int, chunk: int) -> bool:
@@ -115,8 +114,11 @@ def _kernels(dk: int, dv: int):
     bv = value_block(dv)
     kp, sp, tp = dk + PAD, bv + PAD, CHUNK + PAD        # pitches of the float16 tiles
     qk_size, s_size, v_size, t_size = CHUNK * kp, dk * sp, CHUNK * sp, CHUNK * tp
-    gate_size, vf_size, rows_size = CHUNK * dk, CHUNK * bv, WARPS * dk
-    last = (CHUNK - 1) * dk                             # G_C's row in the gate tile
+    gp = dk + 1                           # the gate tile's pitch: a column's rows in
+    gate_size, vf_size, rows_size = CHUNK * gp, CHUNK * bv, WARPS * dk  # distinct banks
+    square = CHUNK * CHUNK
+    last = (CHUNK - 1) * gp                             # G_C's row in the gate tile
+    blocks = dv // bv
     rnorm = lane_functions(dk, dv, True, 1).rnorm
     k_s = product(False, False, dk)       # (K . b) S, (Q . b) S
     t_r = product(False, False, CHUNK)    # T R, P D
@@ -126,7 +128,7 @@ def _kernels(dk: int, dv: int):
     lane_rows, warp_rows = ceil_div(dk, WARP), CHUNK // WARPS
     v_rounds, g_rounds = CHUNK * bv // THREADS, CHUNK * dk // THREADS
     s_rounds, s_step = dk * bv // THREADS, THREADS // bv
-    pair_rounds, tall_rounds = CHUNK * CHUNK // WARPS, ceil_div(tall, WARPS)
+    pair_rounds, tall_rounds = CHUNK * CHUNK // THREADS, ceil_div(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 
     @cuda.jit(device=True)
@@ -152,22 +154,19 @@ def _kernels(dk: int, dv: int):
             r = int32(r + 1)
 
     @cuda.jit(device=True)
-    def pair_sums(q_h, k_h, g_f, t, s, lane):
-        """`(sum_c k_tc k_sc exp(G_tc - G_sc), sum_c q_tc k_sc exp(G_tc - G_sc))` over the
-        warp's lanes (every lane the same floats)."""
+    def pair_sums(q_h, k_h, g_f, t, s):
+        """`(sum_c k_tc k_sc exp(G_tc - G_sc), sum_c q_tc k_sc exp(G_tc - G_sc))` in
+        channel order (`t >= s`: every factor a decay, at most 1; `g_f` holds `G` in
+        base-2 units), from row views: every index non-negative at compile time."""
+        k_t, q_t, k_s = k_h[t * kp:], q_h[t * kp:], k_h[s * kp:]
+        g_t, g_s = g_f[t * gp:], g_f[s * gp:]
         a, p = ZERO, ZERO
-        r = int32(0)
-        while r < lane_rows:
-            c = r * WARP + lane
-            if dk % WARP == 0 or c < dk:
-                w = float32(ptx.to_f32(k_h[s * kp + c])
-                            * decay(float32(g_f[t * dk + c] - g_f[s * dk + c])))
-                a = float32(a + float32(ptx.to_f32(k_h[t * kp + c]) * w))
-                p = float32(p + float32(ptx.to_f32(q_h[t * kp + c]) * w))
-            r = int32(r + 1)
-        for m in range(5):
-            a = float32(a + ptx.shfl_xor(a, 16 >> m))
-            p = float32(p + ptx.shfl_xor(p, 16 >> m))
+        c = int32(0)
+        while c < dk:
+            w = float32(ptx.to_f32(k_s[c]) * ptx.exp2_approx(float32(g_t[c] - g_s[c])))
+            a = float32(a + float32(ptx.to_f32(k_t[c]) * w))
+            p = float32(p + float32(ptx.to_f32(q_t[c]) * w))
+            c = int32(c + 1)
         return a, p
 
     @cuda.jit(**bounds)
@@ -192,7 +191,7 @@ def _kernels(dk: int, dv: int):
         p_h = cuda.shared.array(t_size, np.float16, alignment=16)    # P
         g_f = cuda.shared.array(gate_size, float32)                  # g, then G
         v_f = cuda.shared.array(vf_size, float32)
-        a_f = cuda.shared.array(CHUNK * CHUNK, float32)              # A; T above
+        a_f = cuda.shared.array(square, float32)              # A; T above
         rows = cuda.shared.array(rows_size, float32)
         b_f = cuda.shared.array(CHUNK, float32)                      # beta
         tok = cuda.shared.array(CHUNK, int32)
@@ -225,6 +224,15 @@ def _kernels(dk: int, dv: int):
                               vb == 0)
                     stage_row(q, token, h, q_h, t, row, lane, qk_l2norm, log_k, col, at,
                               False)
+                    r = int32(0)
+                    while r < lane_rows:      # the gate; a channel's log: one block's
+                        x = r * WARP + lane
+                        if dk % WARP == 0 or x < dk:
+                            y = ptx.to_f32(g[token, h, x])
+                            if x % blocks == vb:
+                                log_g[col, at, h, x] = y
+                            g_f[t * gp + x] = y
+                        r = int32(r + 1)
                 else:
                     r = int32(0)
                     while r < lane_rows:
@@ -232,6 +240,7 @@ def _kernels(dk: int, dv: int):
                         if dk % WARP == 0 or x < dk:
                             k_h[t * kp + x] = ptx.from_f32(ZERO, k_h)
                             q_h[t * kp + x] = ptx.from_f32(ZERO, q_h)
+                            g_f[t * gp + x] = ZERO
                         r = int32(r + 1)
                 i = int32(i + 1)
             i = int32(0)
@@ -244,17 +253,6 @@ def _kernels(dk: int, dv: int):
                     log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = y
                 v_f[x] = y
                 i = int32(i + 1)
-            i = int32(0)
-            while i < g_rounds:
-                x = i * THREADS + tid
-                t, c = int32(x // dk), int32(x % dk)
-                y = ZERO
-                if t < n_in:
-                    y = ptx.to_f32(g[tok[t], h, c])
-                    if vb == 0:
-                        log_g[col, storage_row(p0 + c0 + t, log_rows), h, c] = y
-                g_f[x] = y
-                i = int32(i + 1)
             if tid < CHUNK:
                 b = ZERO
                 if tid < n_in:
@@ -266,26 +264,23 @@ def _kernels(dk: int, dv: int):
                 s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(mine[i * s_step * dv],
                                                                       s_h)
             cuda.syncthreads()
-            if tid < dk:                      # G: channel tid's cumulative log-decay
-                y = ZERO
+            if tid < dk:                      # G: channel tid's cumulative log-decay,
+                y = ZERO                      # in base-2 units
                 t = int32(0)
                 while t < CHUNK:
-                    y = float32(y + g_f[t * dk + tid])
-                    g_f[t * dk + tid] = y
+                    y = float32(y + g_f[t * gp + tid])
+                    g_f[t * gp + tid] = float32(y * LOG2E)
                     t = int32(t + 1)
             cuda.syncthreads()
-            # ---- A (with beta) and P, exact float32 sums: a warp a pair (t, s)
+            # ---- A (with beta) and P, exact float32 sums: a thread a pair (t, s)
             i = int32(0)
             while i < pair_rounds:
-                pair = warp + i * WARPS
-                t, s = int32(pair // CHUNK), int32(pair % CHUNK)
-                y = ZERO
-                if s <= t:
-                    a, y = pair_sums(q_h, k_h, g_f, t, s, lane)
-                    if lane == 0 and s < t:
-                        a_f[t * CHUNK + s] = float32(b_f[t] * a)
-                if lane == 0:
-                    p_h[t * tp + s] = ptx.from_f32(y, p_h)
+                x = i * THREADS + tid
+                t, s = int32(x // CHUNK), int32(x % CHUNK)
+                a, y = pair_sums(q_h, k_h, g_f, max(t, s), min(t, s))  # above: unused
+                if s < t:                     # (unread without beta)
+                    a_f[t * CHUNK + s] = float32(b_f[t] * a)
+                p_h[t * tp + s] = ptx.from_f32(y if s <= t else ZERO, p_h)
                 i = int32(i + 1)
             cuda.syncthreads()
             # ---- T; the scaled operands, in place (each thread its own elements)
@@ -308,11 +303,12 @@ def _kernels(dk: int, dv: int):
             while i < g_rounds:
                 x = i * THREADS + tid
                 t, c = int32(x // dk), int32(x % dk)
-                at, gt = t * kp + c, g_f[x]
-                kt, b = ptx.to_f32(k_h[at]), decay(gt)
+                at, gt = t * kp + c, g_f[t * gp + c]
+                kt, b = ptx.to_f32(k_h[at]), ptx.exp2_approx(gt)
                 k_h[at] = ptx.from_f32(float32(kt * b), k_h)
                 q_h[at] = ptx.from_f32(float32(ptx.to_f32(q_h[at]) * b), q_h)
-                e_h[at] = ptx.from_f32(float32(kt * decay(float32(g_f[last + c] - gt))), e_h)
+                e_h[at] = ptx.from_f32(
+                    float32(kt * ptx.exp2_approx(float32(g_f[last + c] - gt))), e_h)
                 i = int32(i + 1)
             cuda.syncthreads()
             # ---- D: the chunk's additions (warp w: value columns 16 w ..)
@@ -361,8 +357,8 @@ def _kernels(dk: int, dv: int):
                     while e < 8:
                         r = m0 + tile_row(e, lane)
                         at = r * dv + n1 + tile_col(e, lane)
-                        columns[at] = float32(float32(decay(g_f[last + r]) * columns[at])
-                                              + acc[e])
+                        columns[at] = float32(float32(ptx.exp2_approx(g_f[last + r])
+                                                      * columns[at]) + acc[e])
                         e = int32(e + 1)
                 i = int32(i + 1)
             cuda.syncthreads()
