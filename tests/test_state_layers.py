@@ -276,17 +276,20 @@ def test_a_layer_keeps_one_gate_and_rule_and_a_refused_call_changes_nothing():
     run_step(cache, model, [a, a])
 
 
-def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
-    """Heads of 16 x 16, a gate a head: a prefill of 37 tokens packed with one of 3 (the
-    first in chunks of `chunked.CHUNK` tokens on the tensor cores, the second token by
-    token) within 2e-3 of the oracle (relative to its largest output); a refused call
-    changes nothing; decode, a rewind into the prefill and a clone of it continue as the
-    oracle says."""
-    from kvnumba.kernels.state import chunked
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch, per_channel):
+    """Heads of 16 x 16, a gate a head (or a key channel's: Kimi's KDA): a prefill of 37
+    tokens packed with one of 3 (the first on the chunked kernel of its gate, its
+    products on the tensor cores, the second token by token) within 2e-3 of the oracle
+    (relative to its largest output); a refused call changes nothing; decode, a rewind
+    into the prefill and a clone of it continue as the oracle says."""
+    from kvnumba.kernels.state import chunked, chunked_channel
+    kernels = chunked_channel if per_channel else chunked
     built = []
-    monkeypatch.setattr(chunked, "kernel", lambda *shape: built.append(shape) or
-                        chunked._kernels(*shape))
+    monkeypatch.setattr(kernels, "kernel", lambda *shape: built.append(shape) or
+                        kernels._kernels(*shape))
     h, d = 1, 16
+    gate = (h, d) if per_channel else (h,)
     cache = kv.BatchedSequenceCache(kv.CacheConfig(
         layers=[kv.state(recurrent=(h, d, d)), kv.flat()], n_kv_heads=1, head_dim=8,
         capacity=96,
@@ -299,7 +302,7 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
         cache.prepare_step(width)
         w = len(seqs) if width is None else width
         inp = dict(q=rng.standard_normal((w, h, d)), k=rng.standard_normal((w, h, d)),
-                   v=rng.standard_normal((w, h, d)), g=-rng.uniform(0.01, 0.5, (w, h)),
+                   v=rng.standard_normal((w, h, d)), g=-rng.uniform(0.01, 0.5, (w, *gate)),
                    beta=rng.uniform(0.1, 0.9, (w, h)))
         inp = {name: a.astype(np.float32) for name, a in inp.items()}
         if refuse:
@@ -322,10 +325,11 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
 
     a, b = cache.seq_new(), cache.seq_new()
     for seq in (a, b):
-        history[seq] = {n: np.zeros((0, h, d) if n in "qkv" else (0, h), np.float32)
+        history[seq] = {n: np.zeros((0, h, d) if n in "qkv" else (0, *gate) if n == "g"
+                                    else (0, h), np.float32)
                         for n in ("q", "k", "v", "g", "beta")}
     step([a] * 37 + [b] * 3, width=42, refuse=True)
-    assert built == [(d, d, chunked.CHUNK)]
+    assert built == [(d, d) if per_channel else (d, d, chunked.CHUNK)]
     step([a, b])
     cache.rewind(a, 30)
     history[a] = {n: x[:30] for n, x in history[a].items()}

@@ -18,33 +18,39 @@ decay between two tokens now differs per channel, so it sits inside the sums ove
 (`.` the elementwise product, `exp(G)` the `[C, Dk]` decays). `A` and `P` cannot be
 tensor-core products of scaled operands as the per-head kernel's are: `exp(G_t - G_s)`
 as `exp(G_t) exp(-G_s)` overflows float32 once a chunk's decay passes `exp(-88)` (a
-log-gate of -6 a token over 16 tokens) and loses float16's range long before. So a
+log-gate of -6 a token over 16 tokens) and leaves float16's range long before. So a
 chunk is one 16 x 16 diagonal block (`CHUNK = 16`), whose `A` and `P` are exact float32
-sums on the CUDA cores, every factor `exp(G_tc - G_sc) <= 1` (`t >= s`; one
-exponential shared by both sums): a warp a pair `(t, s)`, its lanes over the channels,
-a butterfly of shuffles over the warp. Every state-side product keeps its factors at
-most 1 and runs on the tensor cores (`mma.m16n8k16`, `tiles`): `(K . exp(G)) S`,
-`(Q . exp(G)) S`, `T R`, `P D` and `(K . exp(G_C - G))^T D`; the state rows decay by
-`exp(G_C,c)` in float32. Longer chunks would need fla's `chunk_kda` blocking (a
-reference at each row block's start for the off-diagonal blocks) and more shared
-memory than the 48 KiB a Numba kernel may have: the cumulative gate alone is `[C, Dk]`
-float32 (8 KiB at C 16, d128), and a d128 block with `BV = 32` value columns takes
-40,832 bytes at C 16 (`shared_bytes`); at C 32 it would take 58 KiB, and value blocks
-of 64 at C 16 52 KiB.
+sums on the CUDA cores, every factor `exp(G_tc - G_sc) <= 1` (`t >= s`): a thread a
+pair `(t, s)` (two rounds of the block's 128 threads over the 256 pairs; a pair above
+the diagonal sums its transpose's and is dropped, so no factor exceeds 1), one
+exponential a channel shared by both sums, the gate tile's pitch `Dk + 1` so a warp's
+16 rows `s` fall in distinct banks. Every state-side product keeps its factors at most
+1 and runs on the tensor cores (`mma.m16n8k16`, `tiles`): `(K . exp(G)) S`, `(Q .
+exp(G)) S`, `T R`, `P D` and `(K . exp(G_C - G))^T D`; the state rows decay by
+`exp(G_C,c)` in float32. `G` is kept in base-2 units (`ex2.approx`, relative error about
+2^-22: far inside the float16 operands' rounding). Longer chunks would need fla's
+`chunk_kda` blocking (a reference at each row block's start for the off-diagonal
+blocks) and more shared memory than the 48 KiB a Numba kernel may have: the cumulative
+gate alone is `[C, Dk]` float32 (8 KiB at C 16, d128); a d128 block with `BV = 32` value
+columns takes 40,896 bytes at C 16 (`shared_bytes`), its arrays at C 32 73,600, with
+value blocks of 64 at C 16 53,184.
 
-q and k are staged as float16 (normalised, as the per-token kernel normalises them:
-the lanes' own `rnorm` over the same float32 values, which the log keeps); once `A`
-and `P` are summed from them, each element is scaled in place into `K . exp(G)`,
-`Q . exp(G)` and a third tile `K . exp(G_C - G)`. A sequence's tokens past its last
-chunk's end are zero rows (`beta = g = 0`): they add nothing and decay nothing.
+q and k are staged as float16 (normalised as the per-token kernel normalises them: the
+lanes' own `rnorm` over the same float32 values, which the log keeps), a warp a token,
+its gate row beside them; once `A` and `P` are summed from them, each element is scaled
+in place into `K . exp(G)`, `Q . exp(G)` and a third tile `K . exp(G_C - G)`. A
+sequence's tokens past its last chunk's end are zero rows (`beta = g = 0`): they add
+nothing and decay nothing.
 
 Column `j` of the state evolves alone, so a block is (run, head, block of `BV` value
 columns): grid `(n_runs, H, Dv / BV)`, `THREADS` threads, `BV` as `chunked`'s
-(`chunked.value_block`). Every block of a run writes the log rows of its new positions
-as the per-token kernel would have (`log_v` of its columns; block 0 `log_k`, each
-channel's `log_g` and `log_b`), bit for bit, so replays (rewinds, clones, prefix
-snapshots) from the log are the per-token kernel's; the state it leaves is the float32
-one of the chunked order of sums (float16 operands).
+(`chunked.value_block`). The blocks of a run write the log rows of its new positions
+as the per-token kernel would have, bit for bit: `log_v` of its columns; block 0
+`log_k` and `log_b`; the gate's channel `c` block `c % (Dv / BV)` (spread over the
+blocks, and no branch LLVM would hoist out of the staging loop). Replays (rewinds,
+clones, prefix snapshots) from the log are therefore the per-token kernel's; the state
+the chunked kernel leaves is the float32 one of the chunked order of sums (float16
+operands), within 2e-3 of the largest value of the exact one (about 6e-4 seen).
 
 The caller (`recurrence.RecurrentStep`, for `delta_rule.apply`) first runs the
 per-token kernel over these runs up to their first new position (`replay_only`),

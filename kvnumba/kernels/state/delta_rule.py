@@ -9,9 +9,10 @@ squares. The log keeps k as the recurrence used it (normalised), v, the log-deca
 (`log_g`, entry 0 for a gate a head) and beta.
 
 A plan's runs of at least its `chunk` new tokens (a prefill, `arith.state_runs`) take
-the chunked kernel (`chunked`, on the tensor cores) where it fits the layer's heads and
-gate: the step kernel's `replay_only` variant first brings their states to their first
-new position, then the chunked kernel takes their new tokens
+a chunked kernel on the tensor cores where it fits the layer's heads (`chunked` for a
+gate a head, `chunked_channel` for a gate per key channel): the step kernel's
+`replay_only` variant first brings their states to their first new position, then the
+chunked kernel takes their new tokens
 (`recurrence.RecurrentStep.launch`). It writes the same log rows, so replays from the
 log stay bit for bit the per-token kernel's; its outputs and states match the per-token
 kernel's within float16 products' rounding.
