@@ -32,8 +32,8 @@ exp(G)) S`, `T R`, `P D` and `(K . exp(G_C - G))^T D`; the state rows decay by
 `chunk_kda` blocking (a reference at each row block's start for the off-diagonal
 blocks) and more shared memory than the 48 KiB a Numba kernel may have: the cumulative
 gate alone is `[C, Dk]` float32 (8 KiB at C 16, d128); a d128 block with `BV = 32` value
-columns takes 40,896 bytes at C 16 (`shared_bytes`), its arrays at C 32 73,600, with
-value blocks of 64 at C 16 53,184.
+columns takes 41,920 bytes at C 16 (`shared_bytes`), its arrays at C 32 77,696, with
+value blocks of 64 at C 16 54,208.
 
 q and k are staged as float16 (normalised as the per-token kernel normalises them: the
 lanes' own `rnorm` over the same float32 values, which the log keeps), a warp a token,
@@ -88,7 +88,7 @@ def shared_bytes(dk: int, dv: int) -> int:
     bv = value_block(dv)
     halves = 3 * CHUNK * (dk + PAD) + dk * (bv + PAD) + 2 * CHUNK * (bv + PAD) + \
         2 * CHUNK * (CHUNK + PAD)
-    words = CHUNK * (dk + 1) + CHUNK * bv + CHUNK * CHUNK + WARPS * dk + 2 * CHUNK
+    words = CHUNK * (dk + 1) + CHUNK * bv + 2 * CHUNK * CHUNK + WARPS * dk + 2 * CHUNK
     return 2 * halves + 4 * words
 
 
@@ -175,6 +175,27 @@ def _kernels(dk: int, dv: int):
             c = int32(c + 1)
         return a, p
 
+    @cuda.jit(device=True)
+    def substitute(a_f, x_f, t_h, b_f, tid):
+        """Column `tid` of `T = (I + A)^{-1}` (`A` strictly lower, its upper triangle
+        zeros, in `a_f`) by forward substitution into `x_f[r, tid]`, cleared first:
+        `x_r = [r == tid]` for `r <= tid`, else `-sum_j A[r, j] x_j` over every `j` (the
+        sum unrolled, no predicate: `A[r, j] = 0` for `j >= r`; `A[r, j]` one broadcast
+        load for the 16 columns, `x_j` each lane its own bank); `T diag(beta)` into
+        `t_h`."""
+        b = b_f[tid]
+        for j in range(CHUNK):
+            x_f[j * CHUNK + tid] = ZERO
+        r = int32(0)
+        while r < CHUNK:
+            y = ZERO
+            for j in range(CHUNK):
+                y = float32(y + float32(a_f[r * CHUNK + j] * x_f[j * CHUNK + tid]))
+            xr = -y if r > tid else ONE if r == tid else ZERO
+            x_f[r * CHUNK + tid] = xr
+            t_h[r * tp + tid] = ptx.from_f32(float32(xr * b), t_h)
+            r = int32(r + 1)
+
     @cuda.jit(**bounds)
     def chunk_kernel(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta,
                      unused5, unused6, out, runs, order, seq_info, first, scale, unused_f1,
@@ -197,7 +218,8 @@ def _kernels(dk: int, dv: int):
         p_h = cuda.shared.array(t_size, np.float16, alignment=16)    # P
         g_f = cuda.shared.array(gate_size, float32)                  # g, then G
         v_f = cuda.shared.array(vf_size, float32)
-        a_f = cuda.shared.array(square, float32)              # A; T above
+        a_f = cuda.shared.array(square, float32)              # A
+        x_f = cuda.shared.array(square, float32)              # T
         rows = cuda.shared.array(rows_size, float32)
         b_f = cuda.shared.array(CHUNK, float32)                      # beta
         tok = cuda.shared.array(CHUNK, int32)
@@ -284,27 +306,14 @@ def _kernels(dk: int, dv: int):
                 x = i * THREADS + tid
                 t, s = int32(x // CHUNK), int32(x % CHUNK)
                 a, y = pair_sums(q_h, k_h, g_f, max(t, s), min(t, s))  # above: unused
-                if s < t:                     # (unread without beta)
-                    a_f[t * CHUNK + s] = float32(b_f[t] * a)
+                a_f[t * CHUNK + s] = float32(b_f[t] * a) if s < t else ZERO  # (unread
+                #                                                   without beta)
                 p_h[t * tp + s] = ptx.from_f32(y if s <= t else ZERO, p_h)
                 i = int32(i + 1)
             cuda.syncthreads()
             # ---- T; the scaled operands, in place (each thread its own elements)
-            if has_beta and tid < CHUNK:   # column tid of T = (I + A)^{-1}: its rows
-                r = int32(0)               # below the diagonal into a_f's row tid (A's
-                while r < CHUNK:           # empty upper triangle); T diag(beta) into t_h
-                    y = ZERO
-                    j = int32(0)
-                    while j < CHUNK:
-                        if tid < j and j < r:
-                            y = float32(y + float32(a_f[r * CHUNK + j] * a_f[tid * CHUNK + j]))
-                        j = int32(j + 1)
-                    x = ONE if r == tid else ZERO
-                    if r > tid:
-                        x = -float32(a_f[r * CHUNK + tid] + y)
-                        a_f[tid * CHUNK + r] = x
-                    t_h[r * tp + tid] = ptx.from_f32(float32(x * b_f[tid]), t_h)
-                    r = int32(r + 1)
+            if has_beta and tid < CHUNK:
+                substitute(a_f, x_f, t_h, b_f, tid)
             i = int32(0)
             while i < g_rounds:
                 x = i * THREADS + tid
