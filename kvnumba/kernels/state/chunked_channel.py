@@ -163,7 +163,7 @@ def _kernels(dk: int, dv: int):
     def pair_sums(q_h, k_h, g_f, t, s):
         """`(sum_c k_tc k_sc exp(G_tc - G_sc), sum_c q_tc k_sc exp(G_tc - G_sc))` in
         channel order (`t >= s`: every factor a decay, at most 1; `g_f` holds `G` in
-        base-2 units), from row views: every index non-negative at compile time."""
+        base-2 units), over views of the rows: each index a non-negative count."""
         k_t, q_t, k_s = k_h[t * kp:], q_h[t * kp:], k_h[s * kp:]
         g_t, g_s = g_f[t * gp:], g_f[s * gp:]
         a, p = ZERO, ZERO
@@ -218,8 +218,8 @@ def _kernels(dk: int, dv: int):
         p_h = cuda.shared.array(t_size, np.float16, alignment=16)    # P
         g_f = cuda.shared.array(gate_size, float32)                  # g, then G
         v_f = cuda.shared.array(vf_size, float32)
-        a_f = cuda.shared.array(square, float32)              # A
-        x_f = cuda.shared.array(square, float32)              # T
+        a_f = cuda.shared.array(square, float32)                     # A
+        x_f = cuda.shared.array(square, float32)                     # T
         rows = cuda.shared.array(rows_size, float32)
         b_f = cuda.shared.array(CHUNK, float32)                      # beta
         tok = cuda.shared.array(CHUNK, int32)
@@ -300,14 +300,14 @@ def _kernels(dk: int, dv: int):
                     g_f[t * gp + tid] = float32(y * LOG2E)
                     t = int32(t + 1)
             cuda.syncthreads()
-            # ---- A (with beta) and P, exact float32 sums: a thread a pair (t, s)
+            # ---- A (read with beta only) and P, exact float32 sums: a thread a pair
+            # (t, s), their upper triangles zeros (a pair there sums its transpose's)
             i = int32(0)
             while i < pair_rounds:
                 x = i * THREADS + tid
                 t, s = int32(x // CHUNK), int32(x % CHUNK)
-                a, y = pair_sums(q_h, k_h, g_f, max(t, s), min(t, s))  # above: unused
-                a_f[t * CHUNK + s] = float32(b_f[t] * a) if s < t else ZERO  # (unread
-                #                                                   without beta)
+                a, y = pair_sums(q_h, k_h, g_f, max(t, s), min(t, s))
+                a_f[t * CHUNK + s] = float32(b_f[t] * a) if s < t else ZERO
                 p_h[t * tp + s] = ptx.from_f32(y if s <= t else ZERO, p_h)
                 i = int32(i + 1)
             cuda.syncthreads()
