@@ -283,9 +283,9 @@ class SsdLayer(DeltaLayer):
     """One ssd (Mamba2) layer's storage (`recurrent=(heads, head_dim, d_state)`: the state
     `[COLS, H, head_dim, d_state]`), histories and base positions, run by `ssd.apply`
     and checked against `stateref.ssd_ref`; `groups` of B and C, per-head `D` and
-    `dt_bias` (or None), `softplus`, `limit` the clamp of dt; with `chunk`, its plans put
-    runs of at least `chunk` new tokens last, as chunked, which the ssd still takes a
-    token at a time, checked to its dtypes' tolerance."""
+    `dt_bias` (or None), `softplus`, `limit` the clamp of dt; with `chunk`, runs of at
+    least `chunk` new tokens take the chunked kernel where its heads fit it, checked as
+    `DeltaLayer`'s."""
 
     def __init__(self, rng, heads=4, groups=2, head_dim=8, d_state=16, most=4, has_d=True,
                  has_bias=True, softplus=True, limit=(0.0, np.inf), in_name="float32",
@@ -320,6 +320,3 @@ class SsdLayer(DeltaLayer):
         stack = lambda n: np.array([e[n] for e in history])  # noqa: E731
         return ssd_ref(stack("x"), stack("dt"), self.A, stack("B"), stack("C"), self.D,
                        self.dt_bias, self.softplus, self.limit)
-
-    def least(self):
-        return 0.0

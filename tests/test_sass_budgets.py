@@ -324,11 +324,14 @@ def test_an_ssd_of_a_column_a_lane_keeps_its_state_in_local_memory(monkeypatch, 
 
 
 @compile_mode
-def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
-                                                                          figures_of):
-    """The chunked prefill with its products on the CUDA cores: each `mma.m16n8k16` a
-    lane's 16 shuffles of A and B words, their float16 halves widened and 64 FFMAs (what
-    a kernel without `mma.sync` does): no HMMA left, and more instructions a chunk."""
+@pytest.mark.parametrize("label", ["delta rule chunked d128 bfloat16",
+                                   "ssd chunked 64x128 bfloat16"])
+def test_a_chunked_prefill_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
+                                                                       figures_of, label):
+    """The chunked prefill (the delta rule's, the ssd's) with its products on the CUDA
+    cores: each `mma.m16n8k16` a lane's 16 shuffles of A and B words, their float16
+    halves widened and 64 FFMAs (what a kernel without `mma.sync` does): no HMMA left,
+    and more instructions a chunk."""
     from numba import int32
 
     from kvnumba.device import cuda
@@ -359,7 +362,6 @@ def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkey
 
     monkeypatch.setattr(tensorcore, "mma_f16_f32", mma_on_cuda_cores)
     monkeypatch.setattr(chunked, "product", tiles.product.__wrapped__)
-    label = "delta rule chunked d128 bfloat16"
     values = figures_of(*fresh(label), label)
     assert values["HMMA"] == 0
     assert {"hmma_flop_percent", "h100_tflops"} <= set(exceeded(label, values))

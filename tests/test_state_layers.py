@@ -282,10 +282,11 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
     token) within 2e-3 of the oracle (relative to its largest output); a refused call
     changes nothing; decode, a rewind into the prefill and a clone of it continue as the
     oracle says."""
-    from kvnumba.kernels.state import chunked
+    from kvnumba.kernels.state import delta_rule
+    from kvnumba.kernels.state.chunked import CHUNK
     built = []
-    monkeypatch.setattr(chunked, "kernel", lambda *shape: built.append(shape) or
-                        chunked._kernels(*shape))
+    monkeypatch.setattr(delta_rule, "chunked_kernel", lambda *shape: built.append(shape) or
+                        delta_rule._chunked_kernels(*shape))
     h, d = 1, 16
     cache = kv.BatchedSequenceCache(kv.CacheConfig(
         layers=[kv.state(recurrent=(h, d, d)), kv.flat()], n_kv_heads=1, head_dim=8,
@@ -325,7 +326,7 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
         history[seq] = {n: np.zeros((0, h, d) if n in "qkv" else (0, h), np.float32)
                         for n in ("q", "k", "v", "g", "beta")}
     step([a] * 37 + [b] * 3, width=42, refuse=True)
-    assert built == [(d, d, chunked.CHUNK)]
+    assert built == [(d, d, CHUNK)]
     step([a, b])
     cache.rewind(a, 30)
     history[a] = {n: x[:30] for n, x in history[a].items()}

@@ -1,7 +1,7 @@
 """The figures of the state layers' kernels' SASS (`bench.sass.figures` dispatches to
 them): the delta rule's and the ssd's decode step as a fraction of an H100's memory
-bandwidth, and the delta rule's chunked prefill's tensor-core share and estimated
-TFLOP/s on an H100 (`chunked_figures`, below).
+bandwidth, and the chunked prefill's (the delta rule's and the ssd's) tensor-core share
+and estimated TFLOP/s on an H100 (`chunked_figures`, below).
 
 A decode step gives each (sequence, head) one token: its block (`recurrence.block_threads`
 threads, `lanes_per_column` lanes a column of the state) reads the head's float32 state
@@ -147,9 +147,10 @@ def _trips(loop, loops, declared) -> int:
     return -(-n // per_trip)
 
 
-def chunked_figures(flow: Flow, arguments: dict) -> Figures:
+def chunked_figures(flow: Flow, arguments: dict, op: str) -> Figures:
     """The chunked prefill's share of its floating-point work on the tensor cores,
-    `hmma_flop_percent`, and its estimated rate on an H100, `h100_tflops`.
+    `hmma_flop_percent`, and its estimated rate on an H100, `h100_tflops`, for the op of
+    module `op` (its `CHUNK_ENTRY`).
 
     A chunk is a trip of the loop holding the block's barriers; each loop inside it is
     weighted by its trips (`chunked.loop_trips`, matched in address order). The share
@@ -164,7 +165,10 @@ def chunked_figures(flow: Flow, arguments: dict) -> Figures:
     barriers and the last wave are left out: an estimate, not a measurement. Loops other
     than those `loop_trips` declares are each counted once, and the estimate is 0 (its
     budget fails, saying so)."""
+    import importlib
+
     from kvnumba.kernels.state import chunked
+    entry = importlib.import_module(op).CHUNK_ENTRY
 
     dk, dv, chunk = arguments["dk"], arguments["dv"], arguments["chunk"]
     bv = chunked.value_block(dv)
@@ -172,7 +176,7 @@ def chunked_figures(flow: Flow, arguments: dict) -> Figures:
     inner = sorted((other for other in flow.loops
                     if other is not loop and other.blocks < loop.blocks),
                    key=lambda other: other.header)
-    declared = chunked.loop_trips(dk, dv, chunk)
+    declared = chunked.loop_trips(dk, dv, chunk, entry)
     known = len(inner) == len(declared)
     trips = ([_trips(other, inner, n) for other, n in zip(inner, declared)] if known
              else [1] * len(inner))

@@ -60,7 +60,7 @@ Output rows of tokens in no segment (padding) are not written by the step kernel
 plan made with `n_tokens` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
 A prefill takes its tokens one position at a time through the same loop, unless the
-op has a chunked kernel that fits the layer (the delta rule's, `chunked`): the plan's
+op's chunked kernel fits the layer (`chunked`, which both ops enter): the plan's
 last `n_chunked` runs (`arith.state_runs` puts those of at least `chunk` new tokens
 there) then take three launches in place of one, bound under the op's key
 (`RecurrentStep.launch`): the step kernel's `replay_only` variant (a compile-time
