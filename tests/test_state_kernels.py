@@ -485,6 +485,25 @@ def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
         other.step([(1, 0, 17), (0, 0, 2)])
 
 
+@pytest.mark.parametrize("op", ["delta_rule", "ssd"])
+def test_bfloat16_states_through_chunked_and_per_token_steps_and_rewinds(op):
+    """States and bases kept as bfloat16 bits: a chunked prefill beside a per-token one,
+    decode, a rewind replayed from the rounded base, against the float64 reference to
+    bfloat16's tolerance; the states hold bfloat16 values (their low 16 bits zero once
+    decoded to float32)."""
+    rng = np.random.default_rng(26)
+    layer = (DeltaLayer(rng, heads=1, dk=16, dv=16, most=20, has_beta=True,
+                        per_channel=False, l2norm=True, chunk=16, state_name="bfloat16")
+             if op == "delta_rule" else
+             SsdLayer(rng, head_dim=16, most=20, chunk=16, state_name="bfloat16"))
+    assert layer.state.dtype == np.uint16
+    layer.step([(0, 0, 18), (1, 0, 3)], n_pad=1)
+    floors = np.zeros(COLS, np.int32)
+    floors[0] = 18
+    layer.step([(0, 18, 2), (1, 3, 1)], floors=floors)
+    layer.step([(0, 19, 1), (1, 2, 2)], floors=floors)          # rewinds of both
+
+
 def test_state_runs_put_runs_of_a_chunk_or_more_last():
     seq_info = np.array([[0, 3, 2, 0, 0], [3, 1, 4, 7, 0], [4, 2, 2, 3, 0],
                          [6, 1, 0, 9, 0], [7, 1, 4, 8, 0]], np.int32)

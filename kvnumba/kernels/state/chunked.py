@@ -20,8 +20,9 @@ is `b_t S + sum_{s<=t} exp(G_t - G_s) k_s d_s^T`, where `d_s` is what token `s` 
 (`D = U - W S` of the WY form with `U = T V`, `W = T diag(b) K`, multiplied out in the
 other order: a `[C, Dv]` product in place of a `[C, Dk]` one). `K K^T`, `K S`, `T (..)`,
 `Q K^T`, `Q S`, `(..) D` and `K^T (..)` are `mma.m16n8k16` products of float16 tiles
-into float32 (`tiles`); the state stays float32 in `state`, read once a chunk (its
-float16 copy the products take) and updated in place; the gates, the decays and `T`
+into float32 (`tiles`); the state stays in `state` (float32, or bfloat16 rounded at
+each update), read once a chunk (its float16 copy the products take) and updated in
+place; the gates, the decays and `T`
 are float32. A sequence's tokens past its last chunk's end are zero rows (`beta = g =
 0`): they add nothing and decay nothing.
 
@@ -30,8 +31,8 @@ columns): grid `(n_runs, H, Dv / BV)`, `THREADS` threads. Every block of a run w
 the log rows of its new positions as the per-token kernel would have (`log_v` of its
 columns; block 0 `log_k`, `log_g` and, where the op logs beta, `log_b`), bit for bit:
 k normalised by the lanes' own `rnorm` over the same float32 values, so replays
-(rewinds, clones, prefix snapshots) from the log stay exact. The state it leaves is the float32 one of the
-chunked order of sums (float16 operands), not the per-token kernel's bits.
+(rewinds, clones, prefix snapshots) from the log stay exact. The state it leaves is
+that of the chunked order of sums (float16 operands), not the per-token kernel's bits.
 
 The caller (`recurrence.RecurrentStep`, for the op's `apply`) first runs the
 per-token kernel over these runs up to their first new position (`replay_only`: the
@@ -311,10 +312,11 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
             for i in range(s_rounds):
                 if transposed:
                     x = i * THREADS + tid
-                    s_h[(x % dk) * sp + x // dk] = ptx.from_f32(mine[i * THREADS], s_h)
+                    s_h[(x % dk) * sp + x // dk] = ptx.from_f32(
+                        ptx.to_f32(mine[i * THREADS]), s_h)
                 else:
                     s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(
-                        mine[i * s_step * dv], s_h)
+                        ptx.to_f32(mine[i * s_step * dv]), s_h)
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
                 y = ZERO
@@ -448,7 +450,8 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
                     e = int32(0)
                     while e < 8:
                         at = cell(m0 + tile_row(e, lane), n0 + tile_col(e, lane))
-                        columns[at] = float32(float32(decay * columns[at]) + acc[e])
+                        columns[at] = ptx.from_f32(float32(
+                            float32(decay * ptx.to_f32(columns[at])) + acc[e]), columns)
                         e = int32(e + 1)
                 i = int32(i + 1)
             cuda.syncthreads()
