@@ -324,22 +324,20 @@ def test_an_ssd_of_a_column_a_lane_keeps_its_state_in_local_memory(monkeypatch, 
 
 
 @compile_mode
-@pytest.mark.parametrize("label,kernels", [
-    ("delta rule chunked d128 bfloat16", "chunked"),
-    ("delta rule chunked per-channel d128 bfloat16", "chunked_channel"),
-])
-def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
-                                                                          figures_of, label,
-                                                                          kernels):
-    """The chunked prefill (a gate a head, or a key channel's) with its products on the
-    CUDA cores: each `mma.m16n8k16` a lane's 16 shuffles of A and B words, their float16
-    halves widened and 64 FFMAs (what a kernel without `mma.sync` does): no HMMA left,
-    and more instructions a chunk."""
+@pytest.mark.parametrize("label", ["delta rule chunked d128 bfloat16",
+                                   "delta rule chunked per-channel d128 bfloat16",
+                                   "ssd chunked 64x128 bfloat16"])
+def test_a_chunked_prefill_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
+                                                                       figures_of, label):
+    """The chunked prefill (the delta rule's, a gate a head or a key channel's, the
+    ssd's) with its products on the CUDA cores: each `mma.m16n8k16` a lane's 16 shuffles
+    of A and B words, their float16 halves widened and 64 FFMAs (what a kernel without
+    `mma.sync` does): no HMMA left, and more instructions a chunk."""
     from numba import int32
 
     from kvnumba.device import cuda
     from kvnumba.kernels.intrinsics import ptx, tensorcore
-    from kvnumba.kernels.state import tiles
+    from kvnumba.kernels.state import chunked, chunked_channel, tiles
 
     @cuda.jit(device=True, inline="always")
     def mma_on_cuda_cores(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -364,8 +362,8 @@ def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkey
         return d0, d1, d2, d3
 
     monkeypatch.setattr(tensorcore, "mma_f16_f32", mma_on_cuda_cores)
-    monkeypatch.setattr(importlib.import_module(f"kvnumba.kernels.state.{kernels}"), "product",
-                        tiles.product.__wrapped__)
+    monkeypatch.setattr(chunked, "product", tiles.product.__wrapped__)
+    monkeypatch.setattr(chunked_channel, "product", tiles.product.__wrapped__)
     values = figures_of(*fresh(label), label)
     assert values["HMMA"] == 0
     assert {"hmma_flop_percent", "h100_tflops"} <= set(exceeded(label, values))

@@ -3,7 +3,7 @@
 bases and marks against the float64 `stateref.delta_rule_ref` over each sequence's whole
 history (to `CHUNKED_TOLERANCE`); the logs and marks against the per-token kernel's, bit
 for bit, and the replays they give; decays strong enough to overflow a factored
-`exp(G_t) exp(-G_s)`; which heads and plans the kernel takes."""
+`exp(G_t) exp(-G_s)`; bfloat16 states; which heads and plans the kernel takes."""
 import numpy as np
 import pytest
 
@@ -110,6 +110,20 @@ def test_per_channel_chunked_prefill_under_strong_decays(built):
     got = layer.step([(0, 0, 32), (1, 0, 2)])
     assert np.all(np.isfinite(got)) and np.all(np.isfinite(layer.state.copy_to_host()[0]))
     layer.step([(0, 32, 1)])
+    assert built == [(16, 16)]
+
+
+def test_per_channel_chunked_prefill_over_bfloat16_states(built):
+    """States and bases kept as bfloat16 bits: a chunked prefill beside a per-token one,
+    decode, a rewind replayed from the rounded base, to bfloat16's tolerance."""
+    layer = DeltaLayer(np.random.default_rng(24), dv=16, has_beta=True, l2norm=True,
+                       state_name="bfloat16", **CHUNKED)
+    assert layer.state.dtype == np.uint16
+    layer.step([(0, 0, 18), (1, 0, 3)], n_pad=1)
+    floors = np.zeros(COLS, np.int32)
+    floors[0] = 18
+    layer.step([(0, 18, 2), (1, 3, 1)], floors=floors)
+    layer.step([(0, 19, 1), (1, 2, 2)], floors=floors)          # rewinds of both
     assert built == [(16, 16)]
 
 

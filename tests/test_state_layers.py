@@ -197,6 +197,32 @@ def test_bfloat16_window_within_tolerance():
                                        rtol=2e-2, atol=2e-2)
 
 
+def test_bfloat16_states_halve_their_bytes_and_stay_within_tolerance():
+    """`state_dtype="bfloat16"`: the live and base states and the snapshots in half the
+    bytes (the log float32); prefills, decode, a rewind, a clone and a prefix snapshot's
+    restore within bfloat16's tolerance of the float32 oracle."""
+    full, half = config(), config(state_dtype="bfloat16", state_interval=8)
+    assert full.bytes_per_sequence - half.bytes_per_sequence == 2 * H * DK * DV * 2
+    assert full.snapshot_bytes - half.snapshot_bytes == H * DK * DV * 2
+    cache, model, tol = kv.BatchedSequenceCache(half), Model(9), 2e-2
+    assert (kv.BatchedSequenceCache(full).nbytes_state - cache.nbytes_state
+            == (MAX_SEQS + 1) * 2 * H * DK * DV * 2)
+    a, b = new_seq(cache, model), new_seq(cache, model)
+    for ids in ([a] * 4 + [b] * 3, [a, b], [a] * 3 + [b], [a, a, b]):
+        run_step(cache, model, ids, tol=tol)                     # a at 10, b at 5
+    rewind(cache, model, a, 8)                                   # replayed from the base
+    run_step(cache, model, [a, b], tol=tol)
+    c = cache.seq_clone(a, 9)
+    model.seqs[c] = {name: arr[:9] for name, arr in model.seqs[a].items()}
+    run_step(cache, model, [c, c, a], tol=tol)
+    cache.seq_rm(c)
+    keys = kv.page_keys(list(range(16)), 8)
+    assert cache.prefix_register(a, keys) == 1                   # a at 10: page 0 snapped
+    d = cache.seq_from_prefix(keys)
+    model.seqs[d] = {name: arr[:8] for name, arr in model.seqs[a].items()}
+    run_step(cache, model, [d] * 3 + [b], tol=tol)
+
+
 def test_bytes_per_sequence_counts_every_part():
     cfg = config()
     conv_rows = min(CAPACITY, K + MAX_WRITE - 1)
@@ -283,11 +309,12 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch, per_
     products on the tensor cores, the second token by token) within 2e-3 of the oracle
     (relative to its largest output); a refused call changes nothing; decode, a rewind
     into the prefill and a clone of it continue as the oracle says."""
-    from kvnumba.kernels.state import chunked, chunked_channel
-    kernels = chunked_channel if per_channel else chunked
+    from kvnumba.kernels.state import chunked_channel, delta_rule
+    from kvnumba.kernels.state.chunked import CHUNK
+    module, name, make = ((chunked_channel, "kernel", chunked_channel._kernels) if per_channel
+                          else (delta_rule, "chunked_kernel", delta_rule._chunked_kernels))
     built = []
-    monkeypatch.setattr(kernels, "kernel", lambda *shape: built.append(shape) or
-                        kernels._kernels(*shape))
+    monkeypatch.setattr(module, name, lambda *shape: built.append(shape) or make(*shape))
     h, d = 1, 16
     gate = (h, d) if per_channel else (h,)
     cache = kv.BatchedSequenceCache(kv.CacheConfig(
@@ -329,7 +356,7 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch, per_
                                     else (0, h), np.float32)
                         for n in ("q", "k", "v", "g", "beta")}
     step([a] * 37 + [b] * 3, width=42, refuse=True)
-    assert built == [(d, d) if per_channel else (d, d, chunked.CHUNK)]
+    assert built == [(d, d) if per_channel else (d, d, CHUNK)]
     step([a, b])
     cache.rewind(a, 30)
     history[a] = {n: x[:30] for n, x in history[a].items()}

@@ -1,7 +1,8 @@
 """The figures of the state layers' kernels' SASS (`bench.sass.figures` dispatches to
 them): the delta rule's and the ssd's decode step as a fraction of an H100's memory
-bandwidth, and the delta rule's chunked prefill's tensor-core share and estimated
-TFLOP/s on an H100 (`chunked_figures`, below).
+bandwidth, and the chunked prefill's (the delta rule's, a gate a head or a key
+channel's, and the ssd's) tensor-core share and estimated TFLOP/s on an H100
+(`chunk_figures`, below).
 
 A decode step gives each (sequence, head) one token: its block (`recurrence.block_threads`
 threads, `lanes_per_column` lanes a column of the state) reads the head's float32 state
@@ -133,9 +134,9 @@ def chunked_bytes(dk: int, dv: int, chunk: int, bv: int, per_channel: bool = Fal
 
 
 def _trips(loop, loops, declared) -> int:
-    """The trips of `loop` (one of `loops`) that a chunked kernel's `loop_trips` declares: a count,
-    or `(opcode, n)`: `n` of that instruction in all, over those a trip of its own
-    (outside the loops inside it) holds, as LLVM unrolled it."""
+    """The trips of `loop` (one of `loops`) that a chunked kernel's `loop_trips` declares:
+    a count, or `(opcode, n)`: `n` of that instruction in all, over those a trip of its
+    own (outside the loops inside it) holds, as LLVM unrolled it."""
     if isinstance(declared, int):
         return declared
     opcode, n = declared
@@ -149,18 +150,22 @@ def _trips(loop, loops, declared) -> int:
     return -(-n // per_trip)
 
 
-def chunked_figures(flow: Flow, arguments: dict) -> Figures:
-    """The chunked prefill's figures (`chunk_figures`), a gate a head (`chunked`)."""
+def chunked_figures(flow: Flow, arguments: dict, op: str) -> Figures:
+    """The chunked prefill's figures (`chunk_figures`), a gate a head (`chunked`), for
+    the op of module `op` (its `CHUNK_ENTRY`)."""
+    import importlib
+
     from kvnumba.kernels.state import chunked
+    entry = importlib.import_module(op).CHUNK_ENTRY
 
     dk, dv, chunk = arguments["dk"], arguments["dv"], arguments["chunk"]
-    return chunk_figures(flow, arguments, chunked, chunk, chunked.loop_trips(dk, dv, chunk),
-                         False)
+    return chunk_figures(flow, arguments, chunked, chunk,
+                         chunked.loop_trips(dk, dv, chunk, entry), False)
 
 
 def chunked_channel_figures(flow: Flow, arguments: dict) -> Figures:
-    """The chunked prefill's figures (`chunk_figures`), a gate per key channel
-    (`chunked_channel`, its own chunk)."""
+    """The chunked prefill's figures (`chunk_figures`), the delta rule's gate per key
+    channel (`chunked_channel`, its own chunk)."""
     from kvnumba.kernels.state import chunked_channel as kernels
 
     dk, dv = arguments["dk"], arguments["dv"]

@@ -3,7 +3,8 @@ H, Dk]`), its state-side products on the tensor cores: the recurrence of `delta_
 module doc over chunks of `CHUNK` new tokens of one sequence at a time, as `chunked`
 takes it for a gate a head.
 
-Within a chunk of tokens `1..C` from the state `S` (`[Dk, Dv]`, float32), with `G_tc`
+Within a chunk of tokens `1..C` from the state `S` (`[Dk, Dv]`, float32; stored
+float32, or bfloat16 rounded at each update, as `chunked` keeps it), with `G_tc`
 the cumulative log-decay of key channel `c` over tokens `1..t`, row `c` of the state
 after token `t` is `exp(G_tc) S_c + sum_{s<=t} exp(G_tc - G_sc) k_sc d_s^T`. The
 decay between two tokens now differs per channel, so it sits inside the sums over `c`:
@@ -289,8 +290,8 @@ def _kernels(dk: int, dv: int):
                         log_b[col, storage_row(p0 + c0 + tid, log_rows), h] = b
                 b_f[tid] = b
             for i in range(s_rounds):
-                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(mine[i * s_step * dv],
-                                                                      s_h)
+                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(
+                    ptx.to_f32(mine[i * s_step * dv]), s_h)
             cuda.syncthreads()
             if tid < dk:                      # G: channel tid's cumulative log-decay,
                 y = ZERO                      # in base-2 units
@@ -372,8 +373,9 @@ def _kernels(dk: int, dv: int):
                     while e < 8:
                         r = m0 + tile_row(e, lane)
                         at = r * dv + n1 + tile_col(e, lane)
-                        columns[at] = float32(float32(ptx.exp2_approx(g_f[last + r])
-                                                      * columns[at]) + acc[e])
+                        columns[at] = ptx.from_f32(float32(float32(
+                            ptx.exp2_approx(g_f[last + r]) * ptx.to_f32(columns[at]))
+                            + acc[e]), columns)
                         e = int32(e + 1)
                 i = int32(i + 1)
             cuda.syncthreads()
