@@ -547,8 +547,8 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     Numba's own launch would: conv with and without a bias, the delta rule per head with
     beta (float16 in, bfloat16 out) and per channel without (float32), the ssd (bfloat16)
     without and with D, their marks and padding launches; strided q and k; a chunked run
-    (the replay, the chunked kernel of a gate a head, then of a key channel's), which the
-    ssd takes on its step kernel."""
+    (the replay, the chunked kernel of a gate a head, of a key channel's, and the ssd's
+    chunked scan)."""
     from kvnumba.bench import host
     from test_launch import numba_parameters
     from kvnumba.kernels.launch import lean
@@ -613,20 +613,20 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
                            True, 4, n_chunked=1, chunk=16)
         chunked_plan = recurrence.prepare(*tables, 3, 4, n_chunked=1, chunk=16)
         ssd.apply(chunked_plan, *ssd_arrays, *ssd_inputs, None, None, ssd_out, True, 0.0,
-                  np.inf)                        # the ssd takes every run per token
+                  np.inf)                        # the ssd's chunked scan
     names = [kernel.name for kernel, *_ in seen]
     assert names == ["_write_window", "_apply", "_apply"] + ["step_kernel", "_set_marks",
                                                              "_zero_rows"] * 4 + [
-        "step_kernel", "step_kernel", "chunk_kernel", "_set_marks"] * 2 + [
-        "step_kernel", "_set_marks"]
+        "step_kernel", "step_kernel", "chunk_kernel", "_set_marks"] * 3
     assert len(seen) == len(recorder.launches)
     for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
     assert recorder.launches[3].grid == (3, heads, 1)
     assert recorder.launches[3].block == (512, 1, 1)    # 4 lanes a column of 128 rows
     assert recorder.launches[9].block == (256, 1, 1)    # 64 columns of 128 rows (ssd)
-    for at in (-8, -4):                                  # 32 value columns a block
+    for at in (-10, -6):                                 # 32 value columns a block
         assert recorder.launches[at].grid == (1, heads, 1)
         assert recorder.launches[at].block == (128, 1, 1)
-    assert seen[-8][0] is not seen[-4][0]                # each gate's own kernel
-    assert recorder.launches[-2].grid == (3, heads, 1)   # the ssd: all three runs
+    assert seen[-10][0] is not seen[-6][0]               # each gate's own kernel
+    assert recorder.launches[-2].grid == (1, heads, 2)   # the ssd: 64 columns, 2 blocks
+    assert recorder.launches[-2].block == (128, 1, 1)

@@ -39,8 +39,9 @@ per-token kernel over these runs up to their first new position (`replay_only`: 
 base advance and a rewind's replay, from the log), leaving the state at `p0` in
 `state`, then this kernel, then the marks.
 It takes per-head gates, `Dk` and `Dv` multiples of 16, `Dk <= 128`, `C` a multiple
-of 16 up to `THREADS` (`fits`); everything else stays on the per-token kernel (Kimi's
-per-channel gate among them: its `Gamma` differs per key channel).
+of 16 up to `THREADS` (`fits`); everything else stays on the per-token kernel, except
+Kimi's per-channel gate (its `Gamma` differs per key channel), which the delta rule
+takes on a chunked kernel of its own (`chunked_channel`).
 """
 from __future__ import annotations
 
