@@ -98,6 +98,7 @@ def test_hybrid_prefix_hits_restore_the_mixers_states(family):
                     "about 3 minutes a family, under HYPOTHESIS_PROFILE=thorough")
 @pytest.mark.parametrize("family,fields", [
     ("qwen3_next", {"linear_key_head_dim": 16}),       # heads of 16 x 16
+    ("kimi_linear", {"linear_head_dim": 16}),          # 16 x 16, a gate per key channel
     ("mamba2", {"state_size": 16}),                    # heads of 16 x 16, state transposed
 ])
 def test_a_prefill_on_the_chunked_kernel_generates_as_generate_does(family, fields):
