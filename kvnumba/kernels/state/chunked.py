@@ -50,13 +50,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...arith.positions import POS_START, Q_LEN, Q_START
-from ...arith.state_runs import RUN_COL, RUN_HI, RUN_LO
 from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
 from ..launch.calling import Specialised
 from ..masks import storage_row
 from .lanes import WARP, lane_functions
+from .staging import chunk_tokens, row_stager, run_extent
 from .tiles import TILE, product, tile_col, tile_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -159,8 +158,8 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
     kp, sp, tp = dk + PAD, bv + PAD, chunk + PAD        # pitches of the float16 tiles
     qk_size, s_size, v_size, t_size = chunk * kp, dk * sp, chunk * sp, chunk * tp
     vf_size, a_size, rows_size = chunk * bv, chunk * chunk, WARPS * dk
-    rnorm = lane_functions(dk, dv, False, 1).rnorm
-    gate, row_in, value_in, emit = entry.gate, entry.row, entry.value, entry.emit
+    stage_row = row_stager(dk, kp, entry.row, lane_functions(dk, dv, False, 1).rnorm)
+    gate, value_in, emit = entry.gate, entry.value, entry.emit
     normalises, logs_beta, weighted = entry.normalises, entry.logs_beta, entry.weighted
     transposed = entry.transposed
     kk_t = product(False, True, dk)       # K K^T, Q K^T
@@ -175,29 +174,6 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
     square_rounds, wide_rounds = _rounds(square, WARPS), _rounds(wide, WARPS)
     tall_rounds = _rounds(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
-
-    @cuda.jit(device=True)
-    def stage_row(in0, in1, in2, in3, in4, in5, in6, query, token, h, x_h, t, row, lane,
-                  normalise, log_k, col, log_row, log):
-        """Row `t` of a float16 tile from token `token`'s q (`query`) or k (normalised
-        with the per-token kernel's `rnorm` when `normalise`; into the log when `log`);
-        one warp, each lane reading back only the elements of `row` it wrote."""
-        r = int32(0)
-        while r < lane_rows:
-            i = r * WARP + lane
-            if dk % WARP == 0 or i < dk:
-                row[i] = row_in(in0, in1, in2, in3, in4, in5, in6, token, h, i, query)
-            r = int32(r + 1)
-        f = rnorm(row) if normalise else ONE
-        r = int32(0)
-        while r < lane_rows:
-            i = r * WARP + lane
-            if dk % WARP == 0 or i < dk:
-                y = float32(row[i] * f) if normalise else row[i]
-                x_h[t * kp + i] = ptx.from_f32(y, x_h)
-                if log:
-                    log_k[col, log_row, h, i] = y
-            r = int32(r + 1)
 
     @cuda.jit(device=True)
     def stage_gates(in0, in1, in2, in3, in4, in5, in6, tok, n_in, tid, vb, p, log_rows,
@@ -247,10 +223,7 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
         b_f = cuda.shared.array(chunk, float32)                       # beta
         w_f = cuda.shared.array(chunk, float32)                       # values' factors
         tok = cuda.shared.array(chunk, int32)
-        col, lo, hi = runs[run, RUN_COL], runs[run, RUN_LO], runs[run, RUN_HI]
-        last = order[hi - 1]
-        p0 = seq_info[order[lo], POS_START]
-        n_new = int32(seq_info[last, POS_START] + seq_info[last, Q_LEN] - p0)
+        col, lo, p0, n_new = run_extent(runs, order, seq_info, run)
         row = rows[warp * dk:]
         s_row, s_col = int32(tid // bv), int32(tid % bv)
         head = (col * state.shape[1] + h) * dk * dv
@@ -262,12 +235,7 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(chunk, n_new - c0)
-            if tid < n_in:                    # this token's row: its segment's
-                seg, at = lo, c0 + tid
-                while at >= seq_info[order[seg], Q_LEN]:
-                    at -= seq_info[order[seg], Q_LEN]
-                    seg += 1
-                tok[tid] = seq_info[order[seg], Q_START] + at
+            chunk_tokens(tok, tid, n_in, c0, lo, order, seq_info)
             cuda.syncthreads()
             # ---- inputs: g, beta (and the values' factors), q, k (the log's k), v; the
             # state's float16 copy

@@ -65,14 +65,13 @@ from functools import lru_cache
 
 import numpy as np
 
-from ...arith.positions import POS_START, Q_LEN, Q_START
-from ...arith.state_runs import RUN_COL, RUN_HI, RUN_LO
 from ...device import SIMULATOR, cuda
 from ..intrinsics import ptx
 from ..launch.calling import Specialised, ceil_div
 from ..masks import storage_row
 from .chunked import MAX_DK, PAD, SHARED_LIMIT, THREADS, WARPS, value_block
 from .lanes import WARP, lane_functions
+from .staging import chunk_tokens, qk_row, row_stager, run_extent
 from .tiles import TILE, product, tile_col, tile_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -126,7 +125,7 @@ def _kernels(dk: int, dv: int):
     square = CHUNK * CHUNK
     last = (CHUNK - 1) * gp                             # G_C's row in the gate tile
     blocks = dv // bv
-    rnorm = lane_functions(dk, dv, True, 1).rnorm
+    stage_row = row_stager(dk, kp, qk_row, lane_functions(dk, dv, True, 1).rnorm)
     k_s = product(False, False, dk)       # (K . b) S, (Q . b) S
     t_r = product(False, False, CHUNK)    # T R, P D
     kt_d = product(True, False, CHUNK)    # (K . e)^T D
@@ -137,28 +136,6 @@ def _kernels(dk: int, dv: int):
     s_rounds, s_step = dk * bv // THREADS, THREADS // bv
     pair_rounds, tall_rounds = CHUNK * CHUNK // THREADS, ceil_div(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
-
-    @cuda.jit(device=True)
-    def stage_row(x, token, h, x_h, t, row, lane, qk_l2norm, log_k, col, log_row, log):
-        """Row `t` of a float16 tile from token `token`'s q or k (normalised with the
-        per-token kernel's `rnorm` when asked; into the log when `log`); one warp, each
-        lane reading back only the elements of `row` it wrote."""
-        r = int32(0)
-        while r < lane_rows:
-            i = r * WARP + lane
-            if dk % WARP == 0 or i < dk:
-                row[i] = ptx.to_f32(x[token, h, i])
-            r = int32(r + 1)
-        f = rnorm(row) if qk_l2norm else ONE
-        r = int32(0)
-        while r < lane_rows:
-            i = r * WARP + lane
-            if dk % WARP == 0 or i < dk:
-                y = float32(row[i] * f) if qk_l2norm else row[i]
-                x_h[t * kp + i] = ptx.from_f32(y, x_h)
-                if log:
-                    log_k[col, log_row, h, i] = y
-            r = int32(r + 1)
 
     @cuda.jit(device=True)
     def pair_sums(q_h, k_h, g_f, t, s):
@@ -224,10 +201,7 @@ def _kernels(dk: int, dv: int):
         rows = cuda.shared.array(rows_size, float32)
         b_f = cuda.shared.array(CHUNK, float32)                      # beta
         tok = cuda.shared.array(CHUNK, int32)
-        col, lo, hi = runs[run, RUN_COL], runs[run, RUN_LO], runs[run, RUN_HI]
-        end_seg = order[hi - 1]
-        p0 = seq_info[order[lo], POS_START]
-        n_new = int32(seq_info[end_seg, POS_START] + seq_info[end_seg, Q_LEN] - p0)
+        col, lo, p0, n_new = run_extent(runs, order, seq_info, run)
         row = rows[warp * dk:]
         s_row, s_col = int32(tid // bv), int32(tid % bv)
         columns = ptx.elements_from(state, ((col * state.shape[1] + h) * dk) * dv + j0)
@@ -236,12 +210,7 @@ def _kernels(dk: int, dv: int):
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(CHUNK, n_new - c0)
-            if tid < n_in:                    # this token's row: its segment's
-                seg, at = lo, c0 + tid
-                while at >= seq_info[order[seg], Q_LEN]:
-                    at -= seq_info[order[seg], Q_LEN]
-                    seg += 1
-                tok[tid] = seq_info[order[seg], Q_START] + at
+            chunk_tokens(tok, tid, n_in, c0, lo, order, seq_info)
             cuda.syncthreads()
             # ---- inputs: q, k (the log's k), v, g, beta; the state's float16 copy
             i = int32(0)
@@ -249,10 +218,10 @@ def _kernels(dk: int, dv: int):
                 t = warp + i * WARPS
                 if t < n_in:
                     token, at = tok[t], storage_row(p0 + c0 + t, log_rows)
-                    stage_row(k, token, h, k_h, t, row, lane, qk_l2norm, log_k, col, at,
-                              vb == 0)
-                    stage_row(q, token, h, q_h, t, row, lane, qk_l2norm, log_k, col, at,
-                              False)
+                    stage_row(q, k, v, g, beta, unused5, unused6, False, token, h, k_h, t, row,
+                              lane, qk_l2norm, log_k, col, at, vb == 0)
+                    stage_row(q, k, v, g, beta, unused5, unused6, True, token, h, q_h, t, row,
+                              lane, qk_l2norm, log_k, col, at, False)
                     r = int32(0)
                     while r < lane_rows:      # the gate; a channel's log: one block's
                         x = r * WARP + lane

@@ -27,6 +27,7 @@ from ...device import cuda
 from ..intrinsics import ptx
 from . import chunked, chunked_channel
 from .lanes import lane_functions
+from .staging import qk_row
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, prepare, \
     recurrence_kernel
 
@@ -117,12 +118,6 @@ def _chunk_gate(q, k, v, g, beta, unused5, unused6, token, h, scale, unused_f1, 
 
 
 @cuda.jit(device=True)
-def _chunk_row(q, k, v, g, beta, unused5, unused6, token, h, i, query):
-    """Entry `i` of a token's q (`query`) or k."""
-    return ptx.to_f32(q[token, h, i]) if query else ptx.to_f32(k[token, h, i])
-
-
-@cuda.jit(device=True)
 def _chunk_value(q, k, v, g, beta, unused5, unused6, token, h, j, unused_w):
     """A token's value `j`."""
     return ptx.to_f32(v[token, h, j])
@@ -135,7 +130,7 @@ def _chunk_emit(o, q, k, v, g, beta, unused5, unused6, token, h, j, scale):
 
 
 #: how the delta rule's tokens enter the chunked kernel (`chunked.Entry`)
-CHUNK_ENTRY = chunked.Entry(_chunk_gate, _chunk_row, _chunk_value, _chunk_emit,
+CHUNK_ENTRY = chunked.Entry(_chunk_gate, qk_row, _chunk_value, _chunk_emit,
                             normalises=True, logs_beta=True, weighted=False,
                             transposed=False)
 
