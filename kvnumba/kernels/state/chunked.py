@@ -55,7 +55,7 @@ from ..intrinsics import ptx
 from ..launch.calling import Specialised
 from ..masks import storage_row
 from .lanes import WARP, lane_functions
-from .staging import chunk_tokens, row_stager, run_extent
+from .staging import chunk_tokens, row_stager, run_extent, state_stager, value_stager
 from .tiles import TILE, product, tile_col, tile_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -159,7 +159,9 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
     qk_size, s_size, v_size, t_size = chunk * kp, dk * sp, chunk * sp, chunk * tp
     vf_size, a_size, rows_size = chunk * bv, chunk * chunk, WARPS * dk
     stage_row = row_stager(dk, kp, entry.row, lane_functions(dk, dv, False, 1).rnorm)
-    gate, value_in, emit = entry.gate, entry.value, entry.emit
+    stage_values = value_stager(chunk, bv, THREADS, entry.value, entry.weighted)
+    state_first, stage_state = state_stager(dk, dv, bv, sp, THREADS, entry.transposed)
+    gate, emit = entry.gate, entry.emit
     normalises, logs_beta, weighted = entry.normalises, entry.logs_beta, entry.weighted
     transposed = entry.transposed
     kk_t = product(False, True, dk)       # K K^T, Q K^T
@@ -169,8 +171,7 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
     c_tiles, v_tiles, k_tiles = chunk // TILE, bv // TILE, dk // TILE
     square, wide, tall = c_tiles * c_tiles, c_tiles * v_tiles, k_tiles * v_tiles
     lane_rows, warp_rows = _rounds(dk, WARP), _rounds(chunk, WARPS)
-    v_rounds, s_rounds = _rounds(chunk * bv, THREADS), dk * bv // THREADS
-    s_step = THREADS // bv                # rows of the state a round stages
+    v_rounds = _rounds(chunk * bv, THREADS)
     square_rounds, wide_rounds = _rounds(square, WARPS), _rounds(wide, WARPS)
     tall_rounds = _rounds(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
@@ -225,13 +226,8 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
         tok = cuda.shared.array(chunk, int32)
         col, lo, p0, n_new = run_extent(runs, order, seq_info, run)
         row = rows[warp * dk:]
-        s_row, s_col = int32(tid // bv), int32(tid % bv)
-        head = (col * state.shape[1] + h) * dk * dv
-        columns = ptx.elements_from(state, head + cell(0, j0))
-        if transposed:                        # the block's columns: one run of floats
-            mine = ptx.elements_from(state, head + j0 * dk + tid)
-        else:
-            mine = ptx.elements_from(state, head + cell(s_row, j0 + s_col))
+        columns = ptx.elements_from(state, (col * state.shape[1] + h) * dk * dv + cell(0, j0))
+        mine = ptx.elements_from(state, state_first(state, col, h, j0, tid))
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(chunk, n_new - c0)
@@ -263,29 +259,9 @@ def build(dk: int, dv: int, chunk: int, entry: Entry):
                             q_h[t * kp + x] = ptx.from_f32(ZERO, q_h)
                         r = int32(r + 1)
                 i = int32(i + 1)
-            i = int32(0)
-            while i < v_rounds:
-                x = i * THREADS + tid
-                t, c = int32(x // bv), int32(x % bv)
-                y = ZERO
-                if t < n_in:
-                    y = value_in(in0, in1, in2, in3, in4, in5, in6, tok[t], h, j0 + c,
-                                 w_f[t] if weighted else ONE)
-                    log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = y
-                if (chunk * bv) % THREADS == 0 or x < chunk * bv:
-                    v_f[x] = y
-                i = int32(i + 1)
-            # the state's rows s_row + s_step i, column s_col (transposed: THREADS
-            # floats a round, a column's rows adjacent), counted in int64: LLVM unrolls
-            # the loop in part, fewer loads in flight than registers
-            for i in range(s_rounds):
-                if transposed:
-                    x = i * THREADS + tid
-                    s_h[(x % dk) * sp + x // dk] = ptx.from_f32(
-                        ptx.to_f32(mine[i * THREADS]), s_h)
-                else:
-                    s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(
-                        ptx.to_f32(mine[i * s_step * dv]), s_h)
+            stage_values(in0, in1, in2, in3, in4, in5, in6, tok, n_in, tid, h, j0, p0 + c0,
+                         log_rows, log_v, col, v_f, w_f)
+            stage_state(mine, s_h, tid)
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
                 y = ZERO

@@ -71,7 +71,8 @@ from ..launch.calling import Specialised, ceil_div
 from ..masks import storage_row
 from .chunked import MAX_DK, PAD, SHARED_LIMIT, THREADS, WARPS, value_block
 from .lanes import WARP, lane_functions
-from .staging import chunk_tokens, qk_row, row_stager, run_extent
+from .staging import chunk_tokens, qk_row, row_stager, run_extent, state_stager, \
+    v_value, value_stager
 from .tiles import TILE, product, tile_col, tile_row
 
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
@@ -126,6 +127,8 @@ def _kernels(dk: int, dv: int):
     last = (CHUNK - 1) * gp                             # G_C's row in the gate tile
     blocks = dv // bv
     stage_row = row_stager(dk, kp, qk_row, lane_functions(dk, dv, True, 1).rnorm)
+    stage_values = value_stager(CHUNK, bv, THREADS, v_value, False)
+    state_first, stage_state = state_stager(dk, dv, bv, sp, THREADS, False)
     k_s = product(False, False, dk)       # (K . b) S, (Q . b) S
     t_r = product(False, False, CHUNK)    # T R, P D
     kt_d = product(True, False, CHUNK)    # (K . e)^T D
@@ -133,7 +136,6 @@ def _kernels(dk: int, dv: int):
     tall = dk // TILE * v_tiles
     lane_rows, warp_rows = ceil_div(dk, WARP), CHUNK // WARPS
     v_rounds, g_rounds = CHUNK * bv // THREADS, CHUNK * dk // THREADS
-    s_rounds, s_step = dk * bv // THREADS, THREADS // bv
     pair_rounds, tall_rounds = CHUNK * CHUNK // THREADS, ceil_div(tall, WARPS)
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 
@@ -203,10 +205,8 @@ def _kernels(dk: int, dv: int):
         tok = cuda.shared.array(CHUNK, int32)
         col, lo, p0, n_new = run_extent(runs, order, seq_info, run)
         row = rows[warp * dk:]
-        s_row, s_col = int32(tid // bv), int32(tid % bv)
         columns = ptx.elements_from(state, ((col * state.shape[1] + h) * dk) * dv + j0)
-        mine = ptx.elements_from(state, (((col * state.shape[1] + h) * dk + s_row) * dv
-                                         + j0 + s_col))
+        mine = ptx.elements_from(state, state_first(state, col, h, j0, tid))
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(CHUNK, n_new - c0)
@@ -241,16 +241,8 @@ def _kernels(dk: int, dv: int):
                             g_f[t * gp + x] = ZERO
                         r = int32(r + 1)
                 i = int32(i + 1)
-            i = int32(0)
-            while i < v_rounds:
-                x = i * THREADS + tid
-                t, c = int32(x // bv), int32(x % bv)
-                y = ZERO
-                if t < n_in:
-                    y = ptx.to_f32(v[tok[t], h, j0 + c])
-                    log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = y
-                v_f[x] = y
-                i = int32(i + 1)
+            stage_values(q, k, v, g, beta, unused5, unused6, tok, n_in, tid, h, j0, p0 + c0,
+                         log_rows, log_v, col, v_f, b_f)
             if tid < CHUNK:
                 b = ZERO
                 if tid < n_in:
@@ -258,9 +250,7 @@ def _kernels(dk: int, dv: int):
                     if vb == 0:
                         log_b[col, storage_row(p0 + c0 + tid, log_rows), h] = b
                 b_f[tid] = b
-            for i in range(s_rounds):
-                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(
-                    ptx.to_f32(mine[i * s_step * dv]), s_h)
+            stage_state(mine, s_h, tid)
             cuda.syncthreads()
             if tid < dk:                      # G: channel tid's cumulative log-decay,
                 y = ZERO                      # in base-2 units

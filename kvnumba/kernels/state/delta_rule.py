@@ -27,7 +27,7 @@ from ...device import cuda
 from ..intrinsics import ptx
 from . import chunked, chunked_channel
 from .lanes import lane_functions
-from .staging import qk_row
+from .staging import qk_row, v_value
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, prepare, \
     recurrence_kernel
 
@@ -118,19 +118,13 @@ def _chunk_gate(q, k, v, g, beta, unused5, unused6, token, h, scale, unused_f1, 
 
 
 @cuda.jit(device=True)
-def _chunk_value(q, k, v, g, beta, unused5, unused6, token, h, j, unused_w):
-    """A token's value `j`."""
-    return ptx.to_f32(v[token, h, j])
-
-
-@cuda.jit(device=True)
 def _chunk_emit(o, q, k, v, g, beta, unused5, unused6, token, h, j, scale):
     """The output: `scale S^T q`."""
     return _scaled(o, ZERO, scale)
 
 
 #: how the delta rule's tokens enter the chunked kernel (`chunked.Entry`)
-CHUNK_ENTRY = chunked.Entry(_chunk_gate, qk_row, _chunk_value, _chunk_emit,
+CHUNK_ENTRY = chunked.Entry(_chunk_gate, qk_row, v_value, _chunk_emit,
                             normalises=True, logs_beta=True, weighted=False,
                             transposed=False)
 

@@ -1,14 +1,14 @@
 """The lanes of a recurrence block (`recurrence`, `capture`): `parts` adjacent lanes hold
 one value channel's column of a head's state `S [Dk, Dv]` (stored float32 or bfloat16
-bits, held float32), each `rows = ceil(Dk / parts)` of its rows in registers (row `r * parts + p` of lane `p`), and the
-device functions that load, store and clear them and take one token of the recurrence
-(`step`: decay, delta-rule or plain update, `S^T q`, the column sums a butterfly of
-shuffles, so every lane gets the same float), built once per head shape, gate kind,
-split and layout (`lane_functions`). The state is stored `[cols, H, Dk, Dv]` (the delta
-rule's: a column's rows `Dv` apart) or `transposed`, `[cols, H, Dv, Dk]` (Mamba2's
-`[heads, head_dim, d_state]`: a column's rows adjacent). One definition, so that a
-replayed state (the step kernel's rewinds, a prefix snapshot's capture) is
-bit-identical to the one computed directly.
+bits, held float32), each `rows = ceil(Dk / parts)` of its rows in registers (row `r *
+parts + p` of lane `p`), and the device functions that load, store and clear them and
+take one token of the recurrence (`step`: decay, delta-rule or plain update, `S^T q`,
+the column sums a butterfly of shuffles, so every lane gets the same float), built once
+per head shape, gate kind, split and layout (`lane_functions`). The state is stored
+`[cols, H, Dk, Dv]` (the delta rule's: a column's rows `Dv` apart) or `transposed`,
+`[cols, H, Dv, Dk]` (Mamba2's `[heads, head_dim, d_state]`: a column's rows adjacent).
+One definition, so that a replayed state (the step kernel's rewinds, a prefix snapshot's
+capture) is bit-identical to the one computed directly.
 """
 from __future__ import annotations
 

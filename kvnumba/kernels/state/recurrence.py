@@ -6,8 +6,8 @@ lanes, the log, the replay and the marks are this module's.
 
 Storage, one column per sequence slot plus a scratch column (`cols`): the states float32
 or bfloat16 (uint16 bits, rounded to nearest even each time one is stored; the lanes
-hold them in float32), the logs float32, in the lanes' terms (`lanes`: a head's state `S [Dk, Dv]`, `Dk` the rows a column
-sums over, `Dv` the columns):
+hold them in float32), the logs float32, in the lanes' terms (`lanes`: a head's state
+`S [Dk, Dv]`, `Dk` the rows a column sums over, `Dv` the columns):
 
 * `state [cols, H, Dk, Dv]` (or `transposed`, `[cols, H, Dv, Dk]`): the live state, after
   consuming positions `[0, live)`;
