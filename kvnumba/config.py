@@ -38,8 +38,9 @@ FP8_LARGEST = {"float8_e4m3": 448.0, "float8_e5m2": 57344.0}
 #: the host (NumPy) dtype of each storage dtype held as bit patterns, from ml_dtypes
 ML_DTYPES = {"bfloat16": "bfloat16", "float8_e4m3": "float8_e4m3fn",
              "float8_e5m2": "float8_e5m2"}
-#: the dtypes a state layer's recurrent state may be kept in
-STATE_DTYPES = ("float32",)
+#: the dtypes a state layer's recurrent state may be kept in (bfloat16 as uint16 bits,
+#: rounded to nearest even each time a kernel stores it)
+STATE_DTYPES = ("float32", "bfloat16")
 #: the default pool's first pages of the group paged by position hold this many positions of one sequence
 INITIAL_POSITIONS = 256
 
@@ -203,7 +204,10 @@ class CacheConfig:
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
     initial_pages: pages each page group's pool starts with (None: one sequence's worth,
                   `group_pages`); the pool grows by doubling up to `max_pages`.
-    state_dtype:  the dtype of state layers' recurrent states (`state()`): "float32".
+    state_dtype:  the dtype of state layers' recurrent states (`state()`): "float32"
+                  (default) or "bfloat16" (half the bytes of the live and base states
+                  and the snapshots, rounded each time a step, a base advance or a
+                  snapshot stores them: contract §17); the input logs stay float32.
     state_interval: positions between the prefix index's state snapshots (contract §17;
                   a multiple of `page_size`); None: the fewest whole pages whose K/V bytes
                   reach one snapshot's, so snapshots cost no more than the pages they
@@ -425,6 +429,12 @@ class CacheConfig:
         return np.dtype(DTYPES[self.dtype])
 
     @property
+    def state_storage_dtype(self) -> np.dtype:
+        """The dtype of the state layers' live and base states and snapshots (bfloat16:
+        uint16 bit patterns)."""
+        return np.dtype(DTYPES[self.state_dtype])
+
+    @property
     def is_fp8(self) -> bool:
         """Whether the storage is 8-bit floats (scaled: `k_scale`, `v_scale`)."""
         return self.dtype in FP8_DTYPES
@@ -446,16 +456,17 @@ class CacheConfig:
         """Bytes one sequence holds on the state layers whatever its length (contract §17:
         each layer's conv window ring, live and base states and input log; `kinds.state`):
         what a sequence slot costs beside `bytes_per_token` per position."""
-        itemsize = self.storage_dtype.itemsize
-        return sum(self.kinds[i].sequence_bytes(itemsize, self.max_write, self.capacity)
+        itemsize, state = self.storage_dtype.itemsize, self.state_storage_dtype.itemsize
+        return sum(self.kinds[i].sequence_bytes(itemsize, state, self.max_write,
+                                                self.capacity)
                    for i in self.state_layers)
 
     @property
     def snapshot_bytes(self) -> int:
-        """Bytes of one prefix snapshot over the state layers (each layer's float32 state
-        and its conv window: `kinds.state`), 0 without state layers."""
-        itemsize = self.storage_dtype.itemsize
-        return sum(self.kinds[i].snapshot_bytes(itemsize) for i in self.state_layers)
+        """Bytes of one prefix snapshot over the state layers (each layer's state in
+        `state_dtype` and its conv window: `kinds.state`), 0 without state layers."""
+        itemsize, state = self.storage_dtype.itemsize, self.state_storage_dtype.itemsize
+        return sum(self.kinds[i].snapshot_bytes(itemsize, state) for i in self.state_layers)
 
     @property
     def snapshot_interval(self) -> int:

@@ -59,9 +59,10 @@ STORAGE_TOLERANCE = {"bfloat16": 0.05, "float16": 0.05, "float8_e4m3": 0.05,
                      "float8_e5m2": 0.1}
 
 
-def prefill_logits(model, dtype, prompt):
-    """The logits of one prefill of `prompt` served over `dtype` storage (no probe)."""
+def prefill_logits(model, dtype, prompt, **options):
+    """The logits of one prefill of `prompt` served over `dtype` storage (no probe), the
+    cache's other `options` given."""
     engine = kvhf.Engine(model, verify=False, max_seqs=1, capacity=24, max_write=24,
-                         dtype=dtype)
+                         dtype=dtype, **options)
     sid = engine.target.table.open()
     return engine.target.run([(sid, 0, prompt)], list(range(len(prompt))))

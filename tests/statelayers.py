@@ -146,12 +146,13 @@ class DeltaLayer:
     `ConvLayer`'s (`recurrence.prepare`); with `chunk`, runs of at least `chunk` new
     tokens take the chunked kernel with chunks of that many, and its outputs and states
     are checked to `CHUNKED_TOLERANCE` (a base, replayed from the log, still to
-    float32's)."""
+    float32's); `state_name` the states' dtype (bfloat16: checked to its tolerance)."""
 
     def __init__(self, rng, heads, dk, dv, most, has_beta, per_channel, l2norm,
-                 in_name="float32", out_name="float32", steps=None, strided=False, chunk=0):
+                 in_name="float32", out_name="float32", steps=None, strided=False, chunk=0,
+                 state_name="float32"):
         self.rng, self.most, self.has_beta, self.per_channel = rng, most, has_beta, per_channel
-        self.chunk = chunk
+        self.chunk, self.state_name = chunk, state_name
         self.steps, self.strided = steps, strided
         self.l2norm, self.in_name, self.out_name = l2norm, in_name, out_name
         self.heads, self.dk, self.dv, self.scale = heads, dk, dv, dk ** -0.5
@@ -162,7 +163,8 @@ class DeltaLayer:
         """NaN storage of `recurrent=(heads, dk, dv)` as `state_storage` allocates it."""
         log_rows = 3 * self.most
         nan = lambda *shape: cuda.to_device(np.full(shape, np.nan, np.float32))  # noqa: E731
-        self.state, self.base = nan(COLS, heads, dk, dv), nan(COLS, heads, dk, dv)
+        self.state, self.base = (cuda.to_device(nan_array((COLS, heads, dk, dv),
+                                                          self.state_name)) for _ in range(2))
         self.log_k, self.log_v = nan(COLS, log_rows, heads, dk), nan(COLS, log_rows, heads, dv)
         self.log_g, self.log_b = nan(COLS, log_rows, heads, dk), nan(COLS, log_rows, heads)
         self.marks = cuda.to_device(np.zeros((COLS, 2), np.int32))
@@ -260,11 +262,12 @@ class DeltaLayer:
 
     def least(self):
         """The least tolerance of this layer's outputs and states (`close`)."""
-        return CHUNKED_TOLERANCE if self.chunk else 0.0
+        return max(CHUNKED_TOLERANCE if self.chunk else 0.0, TOLERANCE[self.state_name])
 
     def check(self, got, spans, token_of, n_tokens):
         assert np.all(got[n_tokens:] == 0), "padding rows are zeroed"
-        state, base = self.state.copy_to_host(), self.base.copy_to_host()
+        state, base = (decode(array.copy_to_host(), self.state_name)
+                       for array in (self.state, self.base))
         marks = self.marks.copy_to_host()
         for col in {c for c, _, _ in spans}:
             ref_out, ref_state = self.reference(col)
@@ -275,7 +278,7 @@ class DeltaLayer:
             close(state[col], ref_state, "float32", f"state of column {col}", least)
             assert tuple(marks[col]) == (len(self.history[col]), self.bp[col])
             if self.bp[col] > 0:
-                close(base[col], self.reference(col, self.bp[col])[1], "float32",
+                close(base[col], self.reference(col, self.bp[col])[1], self.state_name,
                       f"base of column {col}")
 
 
@@ -283,15 +286,15 @@ class SsdLayer(DeltaLayer):
     """One ssd (Mamba2) layer's storage (`recurrent=(heads, head_dim, d_state)`: the state
     `[COLS, H, head_dim, d_state]`), histories and base positions, run by `ssd.apply`
     and checked against `stateref.ssd_ref`; `groups` of B and C, per-head `D` and
-    `dt_bias` (or None), `softplus`, `limit` the clamp of dt; with `chunk`, its plans put
-    runs of at least `chunk` new tokens last, as chunked, which the ssd still takes a
-    token at a time, checked to its dtypes' tolerance."""
+    `dt_bias` (or None), `softplus`, `limit` the clamp of dt; with `chunk`, runs of at
+    least `chunk` new tokens take the chunked kernel where its heads fit it, checked as
+    `DeltaLayer`'s."""
 
     def __init__(self, rng, heads=4, groups=2, head_dim=8, d_state=16, most=4, has_d=True,
                  has_bias=True, softplus=True, limit=(0.0, np.inf), in_name="float32",
-                 out_name="float32", steps=None, strided=False, chunk=0):
+                 out_name="float32", steps=None, strided=False, chunk=0, state_name="float32"):
         self.rng, self.most, self.steps, self.strided = rng, most, steps, strided
-        self.chunk = chunk
+        self.chunk, self.state_name = chunk, state_name
         self.in_name, self.out_name = in_name, out_name
         self.heads, self.groups, self.head_dim, self.d_state = heads, groups, head_dim, d_state
         self.out_dim, self.softplus, self.limit = head_dim, softplus, limit
@@ -320,6 +323,3 @@ class SsdLayer(DeltaLayer):
         stack = lambda n: np.array([e[n] for e in history])  # noqa: E731
         return ssd_ref(stack("x"), stack("dt"), self.A, stack("B"), stack("C"), self.D,
                        self.dt_bias, self.softplus, self.limit)
-
-    def least(self):
-        return 0.0

@@ -58,13 +58,14 @@ def test_hybrid_served_packed_forked_and_drafted_as_generated(family):
 
 
 def test_hybrid_over_bfloat16_storage_stays_near_float32():
-    """The conv window in bfloat16 (the recurrent state stays float32): logits within
-    the 16-bit storage tolerance of the other families."""
+    """The conv window in bfloat16, then the recurrent states too (`state_dtype`): logits
+    within the 16-bit storage tolerance of the other families."""
     from hfmodels import STORAGE_TOLERANCE, prefill_logits
     model = built("qwen3_next")
     exact = prefill_logits(model, "float32", PROMPTS[0])
-    near = prefill_logits(model, "bfloat16", PROMPTS[0])
-    assert (near - exact).abs().max().item() < STORAGE_TOLERANCE["bfloat16"]
+    for options in ({}, {"state_dtype": "bfloat16"}):
+        near = prefill_logits(model, "bfloat16", PROMPTS[0], **options)
+        assert (near - exact).abs().max().item() < STORAGE_TOLERANCE["bfloat16"], options
 
 
 def test_hybrid_cache_config_counts_the_states_per_sequence():
@@ -92,3 +93,31 @@ def test_hybrid_prefix_hits_restore_the_mixers_states(family):
     second = first + answer + [21, 22]                # 19 tokens: both pages hit
     assert engine.generate([second], max_new_tokens=NEW)[0] == generated(model, second, NEW)
     assert engine.stats.cached_tokens == 16
+
+
+@pytest.mark.skipif(not THOROUGH, reason="prefills of 40 tokens through the simulator: "
+                    "about 3 minutes a family, under HYPOTHESIS_PROFILE=thorough")
+@pytest.mark.parametrize("family,fields", [
+    ("qwen3_next", {"linear_key_head_dim": 16}),       # heads of 16 x 16
+    ("kimi_linear", {"linear_head_dim": 16}),          # 16 x 16, a gate per key channel
+    ("mamba2", {"state_size": 16}),                    # heads of 16 x 16, state transposed
+])
+def test_a_prefill_on_the_chunked_kernel_generates_as_generate_does(family, fields):
+    """Mixers whose heads fit the chunked kernel (dims multiples of 16): a prompt of 40
+    tokens prefills in one step, a chunk of 32 on the tensor cores and 8 more, beside a
+    prompt of 7 a token at a time; both continue as `generate()` does."""
+    import numpy as np
+
+    import test_hf_mixers
+    base, mixer, _ = test_hf_mixers.FAMILIES[family]
+    name = f"{family}-chunked"
+    test_hf_mixers.FAMILIES[name] = ({**base, **fields}, mixer, None)
+    try:
+        model = built(name)
+    finally:
+        del test_hf_mixers.FAMILIES[name]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 96, 40).tolist(), rng.integers(3, 96, 7).tolist()]
+    engine = kvhf.Engine(model, max_seqs=2, capacity=64, dtype="float32")
+    assert engine.generate(prompts, max_new_tokens=4) == \
+        [generated(model, prompt, 4) for prompt in prompts]

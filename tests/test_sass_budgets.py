@@ -18,9 +18,10 @@ It needs `KVNUMBA_DEVICE=compile` (numba-cuda's libNVVM) and ptxas and nvdisasm 
 install -e '.[sass]'`): under the simulator (the suite's default) one test runs this
 file again in compile mode, and skips, saying which, when a tool is missing. Each kind of
 budget fails on one kernel in the default run; the same regression on the kernel's other
-specialisations (a decode of one row, with a softcap, over float8; the softcapped
-prefill; the SSD scan's state past its registers, beside the delta rule's) runs under
-`HYPOTHESIS_PROFILE=thorough`.
+specialisations and kernels of the same kind (a decode of one row, with a softcap, over
+float8; the softcapped prefill; the SSD scan's state past its registers, beside the delta
+rule's; the per-channel and the SSD's chunked prefills on the CUDA cores, beside the
+delta rule's) runs under `HYPOTHESIS_PROFILE=thorough`.
 """
 import importlib
 import os
@@ -321,16 +322,20 @@ def test_an_ssd_of_a_64_bit_group_index_fails_its_budgets(monkeypatch, figures_o
 
 
 @compile_mode
-def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
-                                                                          figures_of):
-    """The chunked prefill with its products on the CUDA cores: each `mma.m16n8k16` a
-    lane's 16 shuffles of A and B words, their float16 halves widened and 64 FFMAs (what
-    a kernel without `mma.sync` does): no HMMA left, and more instructions a chunk."""
+@pytest.mark.parametrize("label", ["delta rule chunked d128 bfloat16"] + (
+                                  ["delta rule chunked per-channel d128 bfloat16",
+                                   "ssd chunked 64x128 bfloat16"] if THOROUGH else []))
+def test_a_chunked_prefill_on_cuda_cores_fails_its_tensor_core_budgets(monkeypatch,
+                                                                       figures_of, label):
+    """The chunked prefill (the delta rule's, a gate a head or a key channel's, the
+    ssd's) with its products on the CUDA cores: each `mma.m16n8k16` a lane's 16 shuffles
+    of A and B words, their float16 halves widened and 64 FFMAs (what a kernel without
+    `mma.sync` does): no HMMA left, and more instructions a chunk."""
     from numba import int32
 
     from kvnumba.device import cuda
     from kvnumba.kernels.intrinsics import ptx, tensorcore
-    from kvnumba.kernels.state import chunked, tiles
+    from kvnumba.kernels.state import chunked, chunked_channel, tiles
 
     @cuda.jit(device=True, inline="always")
     def mma_on_cuda_cores(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
@@ -356,7 +361,7 @@ def test_a_chunked_delta_rule_on_cuda_cores_fails_its_tensor_core_budgets(monkey
 
     monkeypatch.setattr(tensorcore, "mma_f16_f32", mma_on_cuda_cores)
     monkeypatch.setattr(chunked, "product", tiles.product.__wrapped__)
-    label = "delta rule chunked d128 bfloat16"
+    monkeypatch.setattr(chunked_channel, "product", tiles.product.__wrapped__)
     values = figures_of(*fresh(label), label)
     assert values["HMMA"] == 0
     assert {"hmma_flop_percent", "h100_tflops"} <= set(exceeded(label, values))

@@ -352,17 +352,18 @@ def test_ssd_refuses_groups_that_do_not_divide_its_heads():
                   f32(1, 3, 16), None, None, f32(1, 4, 8), True, 0.0, np.inf)
 
 
-def test_ssd_takes_a_plans_chunked_runs_a_token_at_a_time(monkeypatch):
+def test_ssd_and_delta_rule_layers_share_a_plans_chunked_runs(monkeypatch):
     """A plan whose prefill of 17 tokens is a chunked run (the last one), shared by an
-    ssd layer and a delta rule layer: the ssd, which has no chunked kernel, takes it and
-    the decode beside it on its step kernel, against the reference to float32's
-    tolerance, while the delta rule takes it on the chunked kernel; then decode and a
-    rewind into the prefill."""
+    ssd layer and a delta rule layer: each takes it on its own chunked kernel (the ssd's
+    heads `[16, 16]`, the state transposed) and the decode beside it on its step kernel,
+    against the reference; then decode and a rewind into the prefill."""
     built = []
-    monkeypatch.setattr(chunked, "kernel", lambda *shape: built.append(shape) or
-                        chunked._kernels(*shape))
+    for op in (ssd, delta_rule):
+        monkeypatch.setattr(op, "chunked_kernel", lambda *shape, op=op: built.append(
+            (op, *shape)) or op._chunked_kernels(*shape))
     steps = {}
-    layers = [SsdLayer(np.random.default_rng(23), most=20, chunk=16, steps=steps),
+    layers = [SsdLayer(np.random.default_rng(23), head_dim=16, most=20, chunk=16,
+                       steps=steps),
               DeltaLayer(np.random.default_rng(24), heads=1, dk=16, dv=16, most=20,
                          has_beta=True, per_channel=False, l2norm=True, chunk=16,
                          steps=steps)]
@@ -372,7 +373,46 @@ def test_ssd_takes_a_plans_chunked_runs_a_token_at_a_time(monkeypatch):
         for layer in layers:
             layer.step(schedule)
     assert len(steps) == 3
-    assert built == [(16, 16, 16)] * 2      # the prefill and the rewind's 16 new tokens
+    # the prefill and the rewind's 16 new tokens, each op's kernel
+    assert built == [(ssd, 16, 16, 16), (delta_rule, 16, 16, 16)] * 2
+
+
+@pytest.mark.parametrize("groups,head_dim,has_d,has_bias,softplus,limit,in_name", [
+    (2, 16, True, True, True, (0.0, np.inf), "float32"),
+    (1, 32, False, False, False, (0.05, 0.3), "bfloat16"),    # B, C shared; dt clamped
+])
+def test_ssd_chunked_prefills_match_the_reference(groups, head_dim, has_d, has_bias,
+                                                  softplus, limit, in_name):
+    """The ssd's prefills of 21 (a chunk and 5) and 17 tokens (two spans: 9 and 8) on the
+    chunked kernel beside one of 3 on the per-token kernel, padding; then decode, and a
+    rewind into the chunked positions taking 18 new ones (a replay, then a chunk and 2)."""
+    layer = SsdLayer(np.random.default_rng(groups + head_dim), groups=groups,
+                     head_dim=head_dim, has_d=has_d, has_bias=has_bias, softplus=softplus,
+                     limit=limit, in_name=in_name, out_name=in_name, most=24, chunk=16)
+    layer.step([(0, 0, 21), (2, 0, 3), (3, 0, 9), (3, 9, 8)], n_pad=2)
+    layer.step([(3, 17, 1), (0, 21, 1), (2, 3, 2)])
+    layer.step([(0, 12, 18), (3, 18, 1)], n_pad=1)
+
+
+def test_ssd_chunked_prefill_writes_what_the_per_token_kernel_writes():
+    """An ssd layer whose prefill took the chunked kernel and one that took the per-token
+    kernel, the same inputs: their logs and marks are equal bit for bit and their states
+    within `CHUNKED_TOLERANCE`; a rewind replays the log, so both then give the same
+    outputs and states bit for bit."""
+    chunked_layer, plain = (SsdLayer(np.random.default_rng(25), head_dim=16, most=24,
+                                     chunk=chunk) for chunk in (16, 0))
+    chunked_layer.step([(1, 0, 20)])
+    plain.step([(1, 0, 20)], given=chunked_layer.given(1, 0, 20))
+    for name in ("log_k", "log_v", "log_g", "log_b", "marks"):
+        mine, theirs = (getattr(x, name).copy_to_host() for x in (chunked_layer, plain))
+        assert np.array_equal(mine, theirs, equal_nan=True), name
+    state, plain_state = chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1]
+    assert not np.array_equal(state, plain_state)       # another order of sums
+    close(state, plain_state, "float32", "states", CHUNKED_TOLERANCE)
+    got = chunked_layer.step([(1, 7, 3)])               # a rewind, replayed
+    again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
+    assert np.array_equal(got[:3], again[:3])
+    assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])
 
 
 # ---------------------------------------------------------------- chunked prefill
@@ -423,9 +463,9 @@ def test_delta_rule_chunked_prefill_writes_what_the_per_token_kernel_writes():
 
 def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
     """Chunked runs whose blocks first replay: the base advancing to a floor below p0,
-    from the live state on; to p0 itself, the live state kept; a rewind to the base. Per
-    channel gates and keys of a width not a multiple of 16 stay on the per-token kernel
-    with chunked runs planned."""
+    from the live state on; to p0 itself, the live state kept; a rewind to the base. Keys
+    of a width not a multiple of 16 stay on the per-token kernel with chunked runs
+    planned, with either gate."""
     layer = DeltaLayer(np.random.default_rng(22), heads=1, dk=16, dv=16, most=20,
                        has_beta=True, per_channel=False, l2norm=True, chunk=16)
     floors = np.zeros(COLS, np.int32)
@@ -439,10 +479,29 @@ def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
     layer.step([(0, 51, 16)], floors=floors)
     assert layer.bp[0] == 51
     layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base
-    for dk, per_channel in ((24, False), (16, True)):
+    for dk, per_channel in ((24, False), (24, True)):
         other = DeltaLayer(np.random.default_rng(dk), heads=1, dk=dk, dv=16, most=20,
                            has_beta=True, per_channel=per_channel, l2norm=True, chunk=16)
         other.step([(1, 0, 17), (0, 0, 2)])
+
+
+@pytest.mark.parametrize("op", ["delta_rule", "ssd"])
+def test_bfloat16_states_through_chunked_and_per_token_steps_and_rewinds(op):
+    """States and bases kept as bfloat16 bits: a chunked prefill beside a per-token one,
+    decode, a rewind replayed from the rounded base, against the float64 reference to
+    bfloat16's tolerance; the states hold bfloat16 values (their low 16 bits zero once
+    decoded to float32)."""
+    rng = np.random.default_rng(26)
+    layer = (DeltaLayer(rng, heads=1, dk=16, dv=16, most=20, has_beta=True,
+                        per_channel=False, l2norm=True, chunk=16, state_name="bfloat16")
+             if op == "delta_rule" else
+             SsdLayer(rng, head_dim=16, most=20, chunk=16, state_name="bfloat16"))
+    assert layer.state.dtype == np.uint16
+    layer.step([(0, 0, 18), (1, 0, 3)], n_pad=1)
+    floors = np.zeros(COLS, np.int32)
+    floors[0] = 18
+    layer.step([(0, 18, 2), (1, 3, 1)], floors=floors)
+    layer.step([(0, 19, 1), (1, 2, 2)], floors=floors)          # rewinds of both
 
 
 def test_state_runs_put_runs_of_a_chunk_or_more_last():
@@ -488,7 +547,8 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
     Numba's own launch would: conv with and without a bias, the delta rule per head with
     beta (float16 in, bfloat16 out) and per channel without (float32), the ssd (bfloat16)
     without and with D, their marks and padding launches; strided q and k; a chunked run
-    (the replay, the chunked kernel), which the ssd takes on its step kernel."""
+    (the replay, the chunked kernel of a gate a head, of a key channel's, and the ssd's
+    chunked scan)."""
     from kvnumba.bench import host
     from test_launch import numba_parameters
     from kvnumba.kernels.launch import lean
@@ -547,23 +607,26 @@ def test_each_state_launch_packs_what_numbas_launch_would(monkeypatch):
                  f32(COLS, 12, heads, 32), f32(COLS, 12, heads, 32), f32(COLS, 12, heads),
                  arrays[-1])                     # the last run chunked (the plan's order)
         x = cuda.device_array((width, heads, 32), np.uint16)
-        delta_rule.run(*small, x, x, x, cuda.device_array((width, heads), np.uint16),
-                       cuda.device_array((width, heads), np.uint16), x, *tables, 3, 0.125,
-                       True, 4, n_chunked=1, chunk=16)
+        for gate in ((width, heads), (width, heads, 32)):
+            delta_rule.run(*small, x, x, x, cuda.device_array(gate, np.uint16),
+                           cuda.device_array((width, heads), np.uint16), x, *tables, 3, 0.125,
+                           True, 4, n_chunked=1, chunk=16)
         chunked_plan = recurrence.prepare(*tables, 3, 4, n_chunked=1, chunk=16)
         ssd.apply(chunked_plan, *ssd_arrays, *ssd_inputs, None, None, ssd_out, True, 0.0,
-                  np.inf)                        # the ssd takes every run per token
+                  np.inf)                        # the ssd's chunked scan
     names = [kernel.name for kernel, *_ in seen]
     assert names == ["_write_window", "_apply", "_apply"] + ["step_kernel", "_set_marks",
                                                              "_zero_rows"] * 4 + [
-        "step_kernel", "step_kernel", "chunk_kernel", "_set_marks", "step_kernel",
-        "_set_marks"]
+        "step_kernel", "step_kernel", "chunk_kernel", "_set_marks"] * 3
     assert len(seen) == len(recorder.launches)
     for (kernel, _, _, stream, args), record in zip(seen, recorder.launches):
         assert record.raw == numba_parameters(kernel, args, stream), kernel.name
     assert recorder.launches[3].grid == (3, heads, 1)
     assert recorder.launches[3].block == (512, 1, 1)    # 4 lanes a column of 128 rows
     assert recorder.launches[9].block == (256, 1, 1)    # 64 columns of 128 rows (ssd)
-    assert recorder.launches[-4].grid == (1, heads, 1)   # 32 value columns a block
-    assert recorder.launches[-4].block == (128, 1, 1)
-    assert recorder.launches[-2].grid == (3, heads, 1)   # the ssd: all three runs
+    for at in (-10, -6):                                 # 32 value columns a block
+        assert recorder.launches[at].grid == (1, heads, 1)
+        assert recorder.launches[at].block == (128, 1, 1)
+    assert seen[-10][0] is not seen[-6][0]               # each gate's own kernel
+    assert recorder.launches[-2].grid == (1, heads, 2)   # the ssd: 64 columns, 2 blocks
+    assert recorder.launches[-2].block == (128, 1, 1)

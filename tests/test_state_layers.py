@@ -197,6 +197,32 @@ def test_bfloat16_window_within_tolerance():
                                        rtol=2e-2, atol=2e-2)
 
 
+def test_bfloat16_states_halve_their_bytes_and_stay_within_tolerance():
+    """`state_dtype="bfloat16"`: the live and base states and the snapshots in half the
+    bytes (the log float32); prefills, decode, a rewind, a clone and a prefix snapshot's
+    restore within bfloat16's tolerance of the float32 oracle."""
+    full, half = config(), config(state_dtype="bfloat16", state_interval=8)
+    assert full.bytes_per_sequence - half.bytes_per_sequence == 2 * H * DK * DV * 2
+    assert full.snapshot_bytes - half.snapshot_bytes == H * DK * DV * 2
+    cache, model, tol = kv.BatchedSequenceCache(half), Model(9), 2e-2
+    assert (kv.BatchedSequenceCache(full).nbytes_state - cache.nbytes_state
+            == (MAX_SEQS + 1) * 2 * H * DK * DV * 2)
+    a, b = new_seq(cache, model), new_seq(cache, model)
+    for ids in ([a] * 4 + [b] * 3, [a, b], [a] * 3 + [b], [a, a, b]):
+        run_step(cache, model, ids, tol=tol)                     # a at 10, b at 5
+    rewind(cache, model, a, 8)                                   # replayed from the base
+    run_step(cache, model, [a, b], tol=tol)
+    c = cache.seq_clone(a, 9)
+    model.seqs[c] = {name: arr[:9] for name, arr in model.seqs[a].items()}
+    run_step(cache, model, [c, c, a], tol=tol)
+    cache.seq_rm(c)
+    keys = kv.page_keys(list(range(16)), 8)
+    assert cache.prefix_register(a, keys) == 1                   # a at 10: page 0 snapped
+    d = cache.seq_from_prefix(keys)
+    model.seqs[d] = {name: arr[:8] for name, arr in model.seqs[a].items()}
+    run_step(cache, model, [d] * 3 + [b], tol=tol)
+
+
 def test_bytes_per_sequence_counts_every_part():
     cfg = config()
     conv_rows = min(CAPACITY, K + MAX_WRITE - 1)
@@ -276,17 +302,21 @@ def test_a_layer_keeps_one_gate_and_rule_and_a_refused_call_changes_nothing():
     run_step(cache, model, [a, a])
 
 
-def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
-    """Heads of 16 x 16, a gate a head: a prefill of 37 tokens packed with one of 3 (the
-    first in chunks of `chunked.CHUNK` tokens on the tensor cores, the second token by
-    token) within 2e-3 of the oracle (relative to its largest output); a refused call
-    changes nothing; decode, a rewind into the prefill and a clone of it continue as the
-    oracle says."""
-    from kvnumba.kernels.state import chunked
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch, per_channel):
+    """Heads of 16 x 16, a gate a head (or a key channel's: Kimi's KDA): a prefill of 37
+    tokens packed with one of 3 (the first on the chunked kernel of its gate, its
+    products on the tensor cores, the second token by token) within 2e-3 of the oracle
+    (relative to its largest output); a refused call changes nothing; decode, a rewind
+    into the prefill and a clone of it continue as the oracle says."""
+    from kvnumba.kernels.state import chunked_channel, delta_rule
+    from kvnumba.kernels.state.chunked import CHUNK
+    module, name, make = ((chunked_channel, "kernel", chunked_channel._kernels) if per_channel
+                          else (delta_rule, "chunked_kernel", delta_rule._chunked_kernels))
     built = []
-    monkeypatch.setattr(chunked, "kernel", lambda *shape: built.append(shape) or
-                        chunked._kernels(*shape))
+    monkeypatch.setattr(module, name, lambda *shape: built.append(shape) or make(*shape))
     h, d = 1, 16
+    gate = (h, d) if per_channel else (h,)
     cache = kv.BatchedSequenceCache(kv.CacheConfig(
         layers=[kv.state(recurrent=(h, d, d)), kv.flat()], n_kv_heads=1, head_dim=8,
         capacity=96,
@@ -299,7 +329,7 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
         cache.prepare_step(width)
         w = len(seqs) if width is None else width
         inp = dict(q=rng.standard_normal((w, h, d)), k=rng.standard_normal((w, h, d)),
-                   v=rng.standard_normal((w, h, d)), g=-rng.uniform(0.01, 0.5, (w, h)),
+                   v=rng.standard_normal((w, h, d)), g=-rng.uniform(0.01, 0.5, (w, *gate)),
                    beta=rng.uniform(0.1, 0.9, (w, h)))
         inp = {name: a.astype(np.float32) for name, a in inp.items()}
         if refuse:
@@ -322,10 +352,11 @@ def test_a_prefill_of_a_chunk_or_more_takes_the_chunked_kernel(monkeypatch):
 
     a, b = cache.seq_new(), cache.seq_new()
     for seq in (a, b):
-        history[seq] = {n: np.zeros((0, h, d) if n in "qkv" else (0, h), np.float32)
+        history[seq] = {n: np.zeros((0, h, d) if n in "qkv" else (0, *gate) if n == "g"
+                                    else (0, h), np.float32)
                         for n in ("q", "k", "v", "g", "beta")}
     step([a] * 37 + [b] * 3, width=42, refuse=True)
-    assert built == [(d, d, chunked.CHUNK)]
+    assert built == [(d, d) if per_channel else (d, d, CHUNK)]
     step([a, b])
     cache.rewind(a, 30)
     history[a] = {n: x[:30] for n, x in history[a].items()}

@@ -24,6 +24,8 @@ keyed by `module:function`):
 """
 from __future__ import annotations
 
+from functools import partial
+
 from . import attention as sassattention, model, move as sassmove, state as sassstate
 from .estimate import MAX_REGISTERS, REGISTER_FILE, REGISTER_GRANULE
 from .flow import Flow
@@ -64,7 +66,11 @@ KINDS = {
     "kvnumba.kernels.moves.write_fp8:narrow_kernel": sassmove.narrow_figures,
     "kvnumba.kernels.state.delta_rule:_kernel": sassstate.delta_rule_figures,
     "kvnumba.kernels.state.ssd:_kernel": sassstate.ssd_figures,
-    "kvnumba.kernels.state.chunked:kernel": sassstate.chunked_figures,
+    "kvnumba.kernels.state.delta_rule:chunked_kernel":
+        partial(sassstate.chunked_figures, op="kvnumba.kernels.state.delta_rule"),
+    "kvnumba.kernels.state.ssd:chunked_kernel":
+        partial(sassstate.chunked_figures, op="kvnumba.kernels.state.ssd"),
+    "kvnumba.kernels.state.chunked_channel:kernel": sassstate.chunked_channel_figures,
 }
 
 

@@ -121,25 +121,28 @@ def _delta_rule_signature(t: str, *, per_channel: bool) -> str:
                                  f"{t}[:, :, ::1]")
 
 
-def _chunked_signature(t: str) -> str:
-    """The delta rule's chunked kernel, inputs and output of `t`, a gate a head, beta
-    given."""
-    return _recurrence_signature(_delta_rule_inputs(t, per_channel=False), f"{t}[:, :, ::1]",
-                                 advance_after=False)
+def _chunked_signature(t: str, *, per_channel: bool = False) -> str:
+    """The delta rule's chunked kernel, inputs and output of `t`, a gate a head (or a
+    channel's: `per_channel`), beta given."""
+    return _recurrence_signature(_delta_rule_inputs(t, per_channel=per_channel),
+                                 f"{t}[:, :, ::1]", advance_after=False)
 
 
-def _ssd_signature(t: str) -> str:
-    """The ssd's step kernel: x, dt, B, C and the output of `t`; A, D and dt_bias
-    float32 (as Mamba2 models keep them)."""
+def _ssd_signature(t: str, *, advance_after: bool = True) -> str:
+    """The ssd's step kernel (without `advance_after`: its chunked kernel): x, dt, B, C
+    and the output of `t`; A, D and dt_bias float32 (as Mamba2 models keep them)."""
     return _recurrence_signature(f"{t}[:, :, ::1], {t}[:, ::1], float32[::1], "
                                  f"{t}[:, :, ::1], {t}[:, :, ::1], float32[::1], "
-                                 f"float32[::1]", f"{t}[:, :, ::1]")
+                                 f"float32[::1]", f"{t}[:, :, ::1]",
+                                 advance_after=advance_after)
 
 
 _DECODE = "kvnumba.kernels.decode.kernel:decode_kernel"
 _DELTA_RULE = "kvnumba.kernels.state.delta_rule:_kernel"
 _SSD = "kvnumba.kernels.state.ssd:_kernel"
-_CHUNKED = "kvnumba.kernels.state.chunked:kernel"
+_CHUNKED = "kvnumba.kernels.state.delta_rule:chunked_kernel"
+_SSD_CHUNKED = "kvnumba.kernels.state.ssd:chunked_kernel"
+_CHUNKED_CHANNEL = "kvnumba.kernels.state.chunked_channel:kernel"
 _PREFILL = "kvnumba.kernels.prefill.kernel:prefill_kernel"
 _GENERIC = "kvnumba.kernels.generic.kernel:attention_kernel"
 
@@ -277,7 +280,15 @@ SPECIALISATIONS = (
     # its chunked prefill (chunks of `chunked.CHUNK` tokens, products on the tensor cores)
     Specialisation("delta rule chunked d128 bfloat16", f"{_CHUNKED}(128, 128, 32)",
                    _chunked_signature("uint16")),
+    # with a gate per key channel (Kimi's KDA: chunks of `chunked_channel.CHUNK` tokens,
+    # A and P on the CUDA cores, the state-side products on the tensor cores)
+    Specialisation("delta rule chunked per-channel d128 bfloat16",
+                   f"{_CHUNKED_CHANNEL}(128, 128)",
+                   _chunked_signature("uint16", per_channel=True)),
     # Mamba2's SSD over Nemotron-H's and Granite 4's heads (head_dim 64, d_state 128),
     # bfloat16 x, dt, B, C and output
     Specialisation("ssd 64x128 bfloat16", f"{_SSD}(128, 64)", _ssd_signature("uint16")),
+    # its chunked scan (the chunked kernel of the decay-only recurrence, state transposed)
+    Specialisation("ssd chunked 64x128 bfloat16", f"{_SSD_CHUNKED}(128, 64, 32)",
+                   _ssd_signature("uint16", advance_after=False)),
 )

@@ -1,7 +1,8 @@
 """The figures of the state layers' kernels' SASS (`bench.sass.figures` dispatches to
 them): the delta rule's and the ssd's decode step as a fraction of an H100's memory
-bandwidth, and the delta rule's chunked prefill's tensor-core share and estimated
-TFLOP/s on an H100 (`chunked_figures`, below).
+bandwidth, and the chunked prefill's (the delta rule's, a gate a head or a key
+channel's, and the ssd's) tensor-core share and estimated TFLOP/s on an H100
+(`chunk_figures`, below).
 
 A decode step gives each (sequence, head) one token: its block (`recurrence.block_threads`
 threads, `lanes_per_column` lanes a column of the state) reads the head's float32 state
@@ -120,20 +121,22 @@ def recurrence_figures(flow: Flow, arguments: dict, dk: int, dv: int, moved: flo
                     "h100_hbm_percent": 100.0 * min(1.0, cover) * step.hbm_fraction}, notes)
 
 
-def chunked_bytes(dk: int, dv: int, chunk: int, bv: int) -> float:
-    """Bytes the chunked kernel moves a token of one head: q and k read by each of the
+def chunked_bytes(dk: int, dv: int, chunk: int, bv: int, per_channel: bool = False) -> float:
+    """Bytes a chunked kernel moves a token of one head: q and k read by each of the
     head's `Dv / bv` blocks, v, the gate and beta read, the output written (bfloat16),
     the log row written (float32), and a share of the state's float32 columns (read
-    twice and written once a chunk by each block)."""
+    twice and written once a chunk by each block). A gate per key channel is `Dk`
+    values, read by each block and logged once."""
     blocks = dv // bv
-    return (INPUT_BYTES * (2 * dk * blocks + dv + 2 + dv) + STATE_BYTES * (dk + dv + 2)
-            + 3 * dk * dv * STATE_BYTES / chunk)
+    gate_read, gate_logged = (dk * blocks, dk) if per_channel else (1, 1)
+    return (INPUT_BYTES * (2 * dk * blocks + dv + gate_read + 1 + dv)
+            + STATE_BYTES * (dk + dv + gate_logged + 1) + 3 * dk * dv * STATE_BYTES / chunk)
 
 
 def _trips(loop, loops, declared) -> int:
-    """The trips of `loop` (one of `loops`) that `chunked.loop_trips` declares: a count,
-    or `(opcode, n)`: `n` of that instruction in all, over those a trip of its own
-    (outside the loops inside it) holds, as LLVM unrolled it."""
+    """The trips of `loop` (one of `loops`) that a chunked kernel's `loop_trips` declares:
+    a count, or `(opcode, n)`: `n` of that instruction in all, over those a trip of its
+    own (outside the loops inside it) holds, as LLVM unrolled it."""
     if isinstance(declared, int):
         return declared
     opcode, n = declared
@@ -147,12 +150,38 @@ def _trips(loop, loops, declared) -> int:
     return -(-n // per_trip)
 
 
-def chunked_figures(flow: Flow, arguments: dict) -> Figures:
-    """The chunked prefill's share of its floating-point work on the tensor cores,
-    `hmma_flop_percent`, and its estimated rate on an H100, `h100_tflops`.
+def chunked_figures(flow: Flow, arguments: dict, op: str) -> Figures:
+    """The chunked prefill's figures (`chunk_figures`), a gate a head (`chunked`), for
+    the op of module `op` (its `CHUNK_ENTRY`)."""
+    import importlib
+
+    from kvnumba.kernels.state import chunked
+    entry = importlib.import_module(op).CHUNK_ENTRY
+
+    dk, dv, chunk = arguments["dk"], arguments["dv"], arguments["chunk"]
+    return chunk_figures(flow, arguments, chunked, chunk,
+                         chunked.loop_trips(dk, dv, chunk, entry), False)
+
+
+def chunked_channel_figures(flow: Flow, arguments: dict) -> Figures:
+    """The chunked prefill's figures (`chunk_figures`), the delta rule's gate per key
+    channel (`chunked_channel`, its own chunk)."""
+    from kvnumba.kernels.state import chunked_channel as kernels
+
+    dk, dv = arguments["dk"], arguments["dv"]
+    return chunk_figures(flow, arguments, kernels, kernels.CHUNK, kernels.loop_trips(dk, dv),
+                         True)
+
+
+def chunk_figures(flow: Flow, arguments: dict, kernels, chunk: int, declared: tuple,
+                  per_channel: bool) -> Figures:
+    """A chunked prefill's share of its floating-point work on the tensor cores,
+    `hmma_flop_percent`, and its estimated rate on an H100, `h100_tflops`: the kernel of
+    module `kernels` (its `value_block`, `WARPS`, `THREADS`) over chunks of `chunk`
+    tokens, the trips of its loops inside a chunk `declared` (its `loop_trips`).
 
     A chunk is a trip of the loop holding the block's barriers; each loop inside it is
-    weighted by its trips (`chunked.loop_trips`, matched in address order). The share
+    weighted by its trips (`declared`, matched in address order). The share
     counts each instruction at its loop's trips: an HMMA `HMMA_FLOPS`, a CUDA-core float
     instruction `LANE_FLOPS`. The warp instructions of a chunk: its longest path with
     each inner loop's longest trip taken its trips (an upper bound, every warp as the
@@ -162,17 +191,14 @@ def chunked_figures(flow: Flow, arguments: dict) -> Figures:
     the H100's copy rate; its rate is the recurrence's work, `6 Dk Dv` floating-point
     operations a token and head (`S^T k`, the update, `S^T q`), over that time. Latency,
     barriers and the last wave are left out: an estimate, not a measurement. Loops other
-    than those `loop_trips` declares are each counted once, and the estimate is 0 (its
-    budget fails, saying so)."""
-    from kvnumba.kernels.state import chunked
-
-    dk, dv, chunk = arguments["dk"], arguments["dv"], arguments["chunk"]
-    bv = chunked.value_block(dv)
+    than those `declared` are each counted once, and the estimate is 0 (its budget
+    fails, saying so)."""
+    dk, dv = arguments["dk"], arguments["dv"]
+    bv = kernels.value_block(dv)
     loop = main_loop(flow, is_barrier, "the block's barriers (BAR)")
     inner = sorted((other for other in flow.loops
                     if other is not loop and other.blocks < loop.blocks),
                    key=lambda other: other.header)
-    declared = chunked.loop_trips(dk, dv, chunk)
     known = len(inner) == len(declared)
     trips = ([_trips(other, inner, n) for other, n in zip(inner, declared)] if known
              else [1] * len(inner))
@@ -199,16 +225,16 @@ def chunked_figures(flow: Flow, arguments: dict) -> Figures:
     heads, tokens = estimate.STATE_HEADS, PREFILL_SEQUENCES * PREFILL_TOKENS
     chunks = PREFILL_SEQUENCES * heads * (dv // bv) * -(-PREFILL_TOKENS // chunk)
     issue_rate = estimate.SMS * estimate.SCHEDULERS * estimate.CLOCK_HZ
-    issue_s = chunks * chunked.WARPS * per_warp / issue_rate
+    issue_s = chunks * kernels.WARPS * per_warp / issue_rate
     hmma_s = chunks * hmma * estimate.HMMA_CLOCKS / issue_rate
-    moved = tokens * heads * chunked_bytes(dk, dv, chunk, bv)
+    moved = tokens * heads * chunked_bytes(dk, dv, chunk, bv, per_channel)
     bytes_s = moved / estimate.H100_REACHED_BYTES_PER_S
     seconds = max(issue_s, hmma_s, bytes_s)
     work = 6.0 * dk * dv * tokens * heads
     rate = work / seconds / 1e12 if known else 0.0
     blocks = estimate.blocks_per_sm(max(1, arguments.get("shared", 1)),
                                     arguments.get("registers", estimate.MAX_REGISTERS),
-                                    chunked.THREADS)
+                                    kernels.THREADS)
     notes = [f"chunk loop at {loop.header:#x}: {len(loop.instructions)} instructions, "
              f"{loop.count(is_hmma)} HMMA; inner loops (header, instructions, trips): "
              + ", ".join(f"{o.header:#x} ({len(o.instructions)}, {n})"
@@ -223,6 +249,7 @@ def chunked_figures(flow: Flow, arguments: dict) -> Figures:
              *fallback_note(flow)]
     if not known:
         notes.append(f"{len(inner)} loops inside the chunk loop, {len(declared)} in "
-                     f"chunked.loop_trips: the kernel's loops changed, each counted once "
+                     f"{kernels.__name__}.loop_trips: the kernel's loops changed, each "
+                     f"counted once "
                      f"and no estimate (0 TFLOP/s) until loop_trips says their trips")
     return Figures({"hmma_flop_percent": 100.0 * share, "h100_tflops": rate}, notes)

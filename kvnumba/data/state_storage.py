@@ -5,7 +5,8 @@ growth).
 Per layer (`kinds.state` says why each is there and its rows):
 
 * `window [cols, conv_rows, channels]` (storage dtype): the conv inputs' ring by position;
-* `state`, `base` `[cols, heads, k_dim, v_dim]` (float32): the live and the base state
+* `state`, `base` `[cols, heads, k_dim, v_dim]` (`state_dtype`: float32 or bfloat16
+  bits): the live and the base state
   (an ssd layer's `recurrent=(heads, head_dim, d_state)`: `[cols, heads, head_dim,
   d_state]`);
 * `log_k [cols, log_rows, heads, k_dim]`, `log_v [cols, log_rows, heads, v_dim]`, `log_g
@@ -19,7 +20,7 @@ A part a layer does not have is None. A clone copies the source column of every 
 to the destination column on the device (`copy_column`).
 
 The prefix index's snapshots (contract §17) live in slots beside the columns, per layer
-`snap_state [slots, heads, k_dim, v_dim]` (float32) and `snap_window [slots, width - 1,
+`snap_state [slots, heads, k_dim, v_dim]` (`state_dtype`) and `snap_window [slots, width - 1,
 channels]`, grown by doubling (`reserve_snapshots`); the index's host side decides which
 slot holds which node's. `capture` rebuilds a column's state at a past position into a
 slot (`kernels.state.capture`) and copies its window's rows; `restore` puts a slot back
@@ -98,10 +99,13 @@ class StateStorage:
             if kind.recurrent is not None:
                 h, dk, dv = kind.recurrent
                 rows = kind.log_rows(m, capacity)
-                shapes = ((n_cols, h, dk, dv), (n_cols, h, dk, dv), (n_cols, rows, h, dk),
-                          (n_cols, rows, h, dv), (n_cols, rows, h, dk), (n_cols, rows, h))
-                recurrent = tuple(cuda.device_array(shape, dtype=np.float32, stream=stream)
-                                  for shape in shapes)
+                states = ((n_cols, h, dk, dv), (n_cols, h, dk, dv))
+                logs = ((n_cols, rows, h, dk), (n_cols, rows, h, dv), (n_cols, rows, h, dk),
+                        (n_cols, rows, h))
+                recurrent = tuple(cuda.device_array(shape, dtype=config.state_storage_dtype,
+                                                    stream=stream) for shape in states)
+                recurrent += tuple(cuda.device_array(shape, dtype=np.float32, stream=stream)
+                                   for shape in logs)
                 recurrent += (cuda.to_device(np.zeros((n_cols, 2), np.int32), stream=stream),)
             self.layers[layer] = LayerState(*(window or (None,)),
                                             *(recurrent or (None,) * len(RECURRENT_ARRAYS)))
@@ -122,7 +126,8 @@ class StateStorage:
             kind = self.config.kinds[layer]
             if kind.recurrent is not None:
                 self.snap_state[layer] = self._grown(self.snap_state.get(layer),
-                                                     (size, *kind.recurrent), np.float32)
+                                                     (size, *kind.recurrent),
+                                                     self.config.state_storage_dtype)
             if kind.conv is not None:
                 channels, width = kind.conv
                 self.snap_window[layer] = self._grown(

@@ -77,7 +77,8 @@ class LayerKind(Protocol):
     questions only: it is in no page group, and its mask, rows and floor are those of
     the layer it reads. A kind that keeps a state (`state`) is in no page group either:
     it answers the naming, bytes and floor questions, and `sequence_bytes(itemsize,
-    max_write, capacity)`, the bytes one sequence holds whatever its length.
+    state_itemsize, max_write, capacity)`, the bytes one sequence holds whatever its
+    length.
     """
 
     name: str

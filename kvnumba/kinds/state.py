@@ -11,7 +11,8 @@ Storage is a column per sequence slot plus the scratch column (no pages):
   cache's storage dtype): a step writes its inputs first and every token reads its
   `width - 1` predecessors from the ring, so the rows of `[hw - M, hw)` and the `width -
   1` before them are always there;
-* the recurrent state `[cols, heads, k_dim, v_dim]` (float32) at the column's live
+* the recurrent state `[cols, heads, k_dim, v_dim]` (`state_dtype`: float32, or
+  bfloat16 rounded each time it is stored) at the column's live
   position, a base state at a base position at or below the floor, and a ring of the
   step inputs of the last `log_rows = min(capacity, 3 M)` positions (k, v, a per-channel
   log-decay and beta, float32; the ssd's `d x`, B and `d A` in the same arrays): a
@@ -30,8 +31,8 @@ from dataclasses import dataclass
 
 from ..arith.positions import ring_floor, ring_rows
 
-#: bytes of a float32 state, base or log element
-STATE_ITEMSIZE = 4
+#: bytes of a (float32) log element
+LOG_ITEMSIZE = 4
 #: log rows per position of `max_write`: a base at most `M` behind the floor, the floor
 #: `M` behind the high-water, and one step of `M` more (`kernels.state.recurrence`)
 LOG_WRITES = 3
@@ -82,30 +83,34 @@ class State:
         """Rows of the recurrent inputs' ring (module doc)."""
         return min(capacity, LOG_WRITES * max_write) if self.recurrent else 0
 
-    def column_bytes(self, itemsize: int, max_write: int, capacity: int) -> dict:
-        """Bytes one sequence's column takes, by part: `window` (the conv ring), `state`
-        (the live and base states) and `log` (the recurrent inputs' ring)."""
+    def column_bytes(self, itemsize: int, state_itemsize: int, max_write: int,
+                     capacity: int) -> dict:
+        """Bytes one sequence's column takes, by part: `window` (the conv ring, elements
+        of `itemsize`), `state` (the live and base states, of `state_itemsize`) and `log`
+        (the recurrent inputs' ring, float32)."""
         window = state = log = 0
         if self.conv is not None:
             window = self.conv_rows(max_write, capacity) * self.conv[0] * itemsize
         if self.recurrent is not None:
             h, dk, dv = self.recurrent
-            state = 2 * h * dk * dv * STATE_ITEMSIZE
-            log = self.log_rows(max_write, capacity) * h * (2 * dk + dv + 1) * STATE_ITEMSIZE
+            state = 2 * h * dk * dv * state_itemsize
+            log = self.log_rows(max_write, capacity) * h * (2 * dk + dv + 1) * LOG_ITEMSIZE
         return {"window": window, "state": state, "log": log}
 
-    def snapshot_bytes(self, itemsize: int) -> int:
-        """Bytes of one prefix snapshot of the layer (contract §17): its float32 state and
-        the `width - 1` conv inputs before the snapshot's position."""
+    def snapshot_bytes(self, itemsize: int, state_itemsize: int) -> int:
+        """Bytes of one prefix snapshot of the layer (contract §17): its state (elements
+        of `state_itemsize`) and the `width - 1` conv inputs (of `itemsize`) before the
+        snapshot's position."""
         window = (self.conv[1] - 1) * self.conv[0] * itemsize if self.conv else 0
         if self.recurrent is None:
             return window
         h, dk, dv = self.recurrent
-        return window + h * dk * dv * STATE_ITEMSIZE
+        return window + h * dk * dv * state_itemsize
 
-    def sequence_bytes(self, itemsize: int, max_write: int, capacity: int) -> int:
+    def sequence_bytes(self, itemsize: int, state_itemsize: int, max_write: int,
+                       capacity: int) -> int:
         """Bytes one sequence holds on this layer whatever its length (`column_bytes`)."""
-        return sum(self.column_bytes(itemsize, max_write, capacity).values())
+        return sum(self.column_bytes(itemsize, state_itemsize, max_write, capacity).values())
 
     def planes(self, shape) -> tuple:
         return ()

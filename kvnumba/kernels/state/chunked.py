@@ -1,7 +1,10 @@
-"""The gated delta rule's chunked form for long segments (a prefill), its products on
-the tensor cores: the same recurrence as the per-token step kernel (`recurrence`'s and
-`delta_rule`'s module docs), over chunks of `C` new tokens of one sequence at a time, a
-per-head gate.
+"""The recurrence's chunked form for long segments (a prefill), its products on the
+tensor cores: the same recurrence as the per-token step kernel (`recurrence`'s module
+doc), over chunks of `C` new tokens of one sequence at a time, a per-head gate. Both
+ops take it: the gated delta rule (`delta_rule`) and Mamba2's SSD (`ssd`: the
+decay-only recurrence, `k = B_g`, `q = C_g`, `v = d x_h`, its state transposed); an
+`Entry` of device functions says how an op's tokens enter and its output leaves, as
+the step kernel's `taken` and `emit` do.
 
 Within a chunk of tokens `1..C` from the state `S` (`[Dk, Dv]`, float32), with `G_t`
 the cumulative log-decay of tokens `1..t` (`b_t = exp(G_t)`), the state after token `t`
@@ -17,31 +20,33 @@ is `b_t S + sum_{s<=t} exp(G_t - G_s) k_s d_s^T`, where `d_s` is what token `s` 
 (`D = U - W S` of the WY form with `U = T V`, `W = T diag(b) K`, multiplied out in the
 other order: a `[C, Dv]` product in place of a `[C, Dk]` one). `K K^T`, `K S`, `T (..)`,
 `Q K^T`, `Q S`, `(..) D` and `K^T (..)` are `mma.m16n8k16` products of float16 tiles
-into float32 (`tiles`); the state stays float32 in `state`, read once a chunk (its
-float16 copy the products take) and updated in place; the gates, the decays and `T`
+into float32 (`tiles`); the state stays in `state` (float32, or bfloat16 rounded at
+each update), read once a chunk (its float16 copy the products take) and updated in
+place; the gates, the decays and `T`
 are float32. A sequence's tokens past its last chunk's end are zero rows (`beta = g =
 0`): they add nothing and decay nothing.
 
 Column `j` of the state evolves alone, so a block is (run, head, block of `BV` value
 columns): grid `(n_runs, H, Dv / BV)`, `THREADS` threads. Every block of a run writes
 the log rows of its new positions as the per-token kernel would have (`log_v` of its
-columns; block 0 `log_k`, `log_g` and `log_b`), bit for bit: k normalised by the
-lanes' own `rnorm` over the same float32 values, so replays (rewinds, clones, prefix
-snapshots) from the log stay exact. The state it leaves is the float32 one of the
-chunked order of sums (float16 operands), not the per-token kernel's bits.
+columns; block 0 `log_k`, `log_g` and, where the op logs beta, `log_b`), bit for bit:
+k normalised by the lanes' own `rnorm` over the same float32 values, so replays
+(rewinds, clones, prefix snapshots) from the log stay exact. The state it leaves is
+that of the chunked order of sums (float16 operands), not the per-token kernel's bits.
 
-The caller (`recurrence.RecurrentStep`, for `delta_rule.apply`) first runs the
+The caller (`recurrence.RecurrentStep`, for the op's `apply`) first runs the
 per-token kernel over these runs up to their first new position (`replay_only`: the
 base advance and a rewind's replay, from the log), leaving the state at `p0` in
 `state`, then this kernel, then the marks.
 It takes per-head gates, `Dk` and `Dv` multiples of 16, `Dk <= 128`, `C` a multiple
-of 16 up to `THREADS` (`fits`); everything else stays on the per-token kernel (Kimi's
-per-channel gate among them: its `Gamma` differs per key channel).
+of 16 up to `THREADS` (`fits`); everything else stays on the per-token kernel, except
+Kimi's per-channel gate (its `Gamma` differs per key channel), which the delta rule
+takes on a chunked kernel of its own (`chunked_channel`).
 """
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,6 +75,31 @@ ONE = np.float32(1.0)
 MAX_DK = 128
 
 
+class Entry(NamedTuple):
+    """How an op's new tokens enter the chunked kernel and its output leaves: device
+    functions over the step kernel's seven inputs `in0 .. in6` (`recurrence`), and what
+    the op's per-token kernel logs and how it keeps its state, so that both write the
+    same log rows and state layout.
+
+    `gate(in0 .. in6, token, h, f0, f1, option, has_beta) -> (g, beta, w)`: the token's
+    log-decay, beta (1 without) and the factor its values enter with; `row(in0 .. in6,
+    token, h, i, query) -> float32`: entry `i` of its k (q when `query`); `value(in0 ..
+    in6, token, h, j, w) -> float32`: its value `j` (`w` from `gate`); `emit(o, in0 ..
+    in6, token, h, j, f0) -> float32`: output `j` from `o = S^T q` (with its decay).
+    `normalises`: q and k l2-normalised when `option`; `logs_beta`: beta into `log_b`;
+    `weighted`: `w` is read (values wait for the gates); `transposed`: the state stored
+    `[H, Dv, Dk]`."""
+
+    gate: object
+    row: object
+    value: object
+    emit: object
+    normalises: bool
+    logs_beta: bool
+    weighted: bool
+    transposed: bool
+
+
 def value_block(dv: int) -> int:
     """Value columns of a block: 32 where they divide `Dv`, else 16."""
     return 32 if dv % 32 == 0 else TILE
@@ -80,21 +110,28 @@ def shared_bytes(dk: int, dv: int, chunk: int) -> int:
     bv = value_block(dv)
     halves = 2 * chunk * (dk + PAD) + dk * (bv + PAD) + 3 * chunk * (bv + PAD) + \
         chunk * (chunk + PAD)
-    words = chunk * bv + chunk * chunk + WARPS * dk + 3 * chunk
+    words = chunk * bv + chunk * chunk + WARPS * dk + 4 * chunk
     return 2 * halves + 4 * words
 
 
-def loop_trips(dk: int, dv: int, chunk: int) -> tuple:
-    """The most trips of each loop inside a chunk the compiled kernel keeps (LLVM
-    unrolls the rest), in source order: the walk over a run's segments (one segment: no
-    trip past its test, counted as one), the q/k rows a warp stages, the v elements a
-    thread stages and the state elements (unrolled in part: `("LD", n)`, `n` loads in
-    all), the rows of `T`'s forward substitution and the sum each takes (at most `chunk`
-    terms, one FFMA each), the state's tiles a warp updates."""
+def loop_trips(dk: int, dv: int, chunk: int, entry: Entry) -> tuple:
+    """The most trips of each loop inside a chunk the compiled kernel of the op entering
+    through `entry` keeps (LLVM unrolls the rest), in address order: a count, or
+    `(opcode, n)`: `n` of that instruction in all, over those a trip holds. The walk
+    over a run's segments (one segment: no trip past its test, counted as one); the q/k
+    rows a warp stages; the v elements a thread stages, in two versions (one log store
+    an element), of which a chunk runs one; the state elements it stages (`n` loads; a
+    `transposed` state: `n` float16 stores); the rows of `T`'s forward substitution and
+    the sum each takes (at most `chunk` terms, one FFMA each); a `transposed` op's
+    outputs (one store each: its `emit` reads more inputs); the state's tiles a warp
+    updates."""
     bv = value_block(dv)
-    return (1, _rounds(chunk, WARPS), _rounds(chunk * bv, THREADS),
-            ("LD", dk * bv // THREADS), chunk, ("FFMA", chunk),
-            _rounds(dk // TILE * (bv // TILE), WARPS))
+    values, staged = _rounds(chunk * bv, THREADS), dk * bv // THREADS
+    outputs = (("STG", 8 * _rounds(chunk // TILE * (bv // TILE), WARPS)),) \
+        if entry.transposed else ()
+    return (1, _rounds(chunk, WARPS), ("STG", values), ("STG", values),
+            ("STS" if entry.transposed else "LD", staged), chunk, ("FFMA", chunk),
+            *outputs, _rounds(dk // TILE * (bv // TILE), WARPS))
 
 
 def fits(dk: int, dv: int, per_channel: bool, chunk: int) -> bool:
@@ -113,16 +150,19 @@ def _rounds(n: int, per: int) -> int:
     return -(-n // per)
 
 
-def _kernels(dk: int, dv: int, chunk: int):
+def build(dk: int, dv: int, chunk: int, entry: Entry):
     """The chunked kernel of heads of `dk` keys and `dv` values, chunks of `chunk`
-    tokens (module doc). Every loop inside a chunk but the walk over a run's segments
-    has a compile-time trip count, counted in int32 where LLVM should unroll it whole
-    (`loop_trips` lists those it keeps)."""
+    tokens, for the op whose tokens enter through `entry` (module doc). Every loop inside
+    a chunk but the walk over a run's segments has a compile-time trip count, counted in
+    int32 where LLVM should unroll it whole (`loop_trips` lists those it keeps)."""
     bv = value_block(dv)
     kp, sp, tp = dk + PAD, bv + PAD, chunk + PAD        # pitches of the float16 tiles
     qk_size, s_size, v_size, t_size = chunk * kp, dk * sp, chunk * sp, chunk * tp
     vf_size, a_size, rows_size = chunk * bv, chunk * chunk, WARPS * dk
     rnorm = lane_functions(dk, dv, False, 1).rnorm
+    gate, row_in, value_in, emit = entry.gate, entry.row, entry.value, entry.emit
+    normalises, logs_beta, weighted = entry.normalises, entry.logs_beta, entry.weighted
+    transposed = entry.transposed
     kk_t = product(False, True, dk)       # K K^T, Q K^T
     k_s = product(False, False, dk)       # K S, Q S
     t_r = product(False, False, chunk)    # T R, P D
@@ -137,31 +177,54 @@ def _kernels(dk: int, dv: int, chunk: int):
     bounds = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 
     @cuda.jit(device=True)
-    def stage_row(x, token, h, x_h, t, row, lane, qk_l2norm, log_k, col, log_row, log):
-        """Row `t` of a float16 tile from token `token`'s q or k (normalised with the
-        per-token kernel's `rnorm` when asked; into the log when `log`); one warp, each
-        lane reading back only the elements of `row` it wrote."""
+    def stage_row(in0, in1, in2, in3, in4, in5, in6, query, token, h, x_h, t, row, lane,
+                  normalise, log_k, col, log_row, log):
+        """Row `t` of a float16 tile from token `token`'s q (`query`) or k (normalised
+        with the per-token kernel's `rnorm` when `normalise`; into the log when `log`);
+        one warp, each lane reading back only the elements of `row` it wrote."""
         r = int32(0)
         while r < lane_rows:
             i = r * WARP + lane
             if dk % WARP == 0 or i < dk:
-                row[i] = ptx.to_f32(x[token, h, i])
+                row[i] = row_in(in0, in1, in2, in3, in4, in5, in6, token, h, i, query)
             r = int32(r + 1)
-        f = rnorm(row) if qk_l2norm else ONE
+        f = rnorm(row) if normalise else ONE
         r = int32(0)
         while r < lane_rows:
             i = r * WARP + lane
             if dk % WARP == 0 or i < dk:
-                y = float32(row[i] * f) if qk_l2norm else row[i]
+                y = float32(row[i] * f) if normalise else row[i]
                 x_h[t * kp + i] = ptx.from_f32(y, x_h)
                 if log:
                     log_k[col, log_row, h, i] = y
             r = int32(r + 1)
 
+    @cuda.jit(device=True)
+    def stage_gates(in0, in1, in2, in3, in4, in5, in6, tok, n_in, tid, vb, p, log_rows,
+                    log_g, log_b, col, h, g_f, b_f, w_f, f0, f1, option, has_beta):
+        """The log-decay, beta and values' factor of the chunk's token `tid` (from
+        position `p`; zeros past `n_in`), into the log row (block 0)."""
+        if tid < chunk:
+            y, b, w = ZERO, ZERO, ZERO
+            if tid < n_in:
+                token, at = tok[tid], storage_row(p + tid, log_rows)
+                y, b, w = gate(in0, in1, in2, in3, in4, in5, in6, token, h, f0, f1, option,
+                               has_beta)
+                if vb == 0:
+                    log_g[col, at, h, 0] = y
+                    if logs_beta:
+                        log_b[col, at, h] = b
+            g_f[tid], b_f[tid], w_f[tid] = y, b, w
+
+    @cuda.jit(device=True)
+    def cell(r, c):
+        """Element (row `r`, column `c`) of a head's block of columns, from its first."""
+        return c * dk + r if transposed else r * dv + c
+
     @cuda.jit(**bounds)
-    def chunk_kernel(state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta,
-                     unused5, unused6, out, runs, order, seq_info, first, scale, unused_f1,
-                     qk_l2norm, has_beta):
+    def chunk_kernel(state, base, log_k, log_v, log_g, log_b, marks, in0, in1, in2, in3,
+                     in4, in5, in6, out, runs, order, seq_info, first, f0, f1, option,
+                     has_beta):
         """Block (first + run, head, value block): the run's new positions, chunk by
         chunk (module doc); the step kernel's arguments (`recurrence.RecurrentStep`),
         `base` and `marks` unread."""
@@ -182,6 +245,7 @@ def _kernels(dk: int, dv: int, chunk: int):
         rows = cuda.shared.array(rows_size, float32)
         g_f = cuda.shared.array(chunk, float32)                       # G
         b_f = cuda.shared.array(chunk, float32)                       # beta
+        w_f = cuda.shared.array(chunk, float32)                       # values' factors
         tok = cuda.shared.array(chunk, int32)
         col, lo, hi = runs[run, RUN_COL], runs[run, RUN_LO], runs[run, RUN_HI]
         last = order[hi - 1]
@@ -189,9 +253,12 @@ def _kernels(dk: int, dv: int, chunk: int):
         n_new = int32(seq_info[last, POS_START] + seq_info[last, Q_LEN] - p0)
         row = rows[warp * dk:]
         s_row, s_col = int32(tid // bv), int32(tid % bv)
-        columns = ptx.elements_from(state, ((col * state.shape[1] + h) * dk) * dv + j0)
-        mine = ptx.elements_from(state, (((col * state.shape[1] + h) * dk + s_row) * dv
-                                         + j0 + s_col))
+        head = (col * state.shape[1] + h) * dk * dv
+        columns = ptx.elements_from(state, head + cell(0, j0))
+        if transposed:                        # the block's columns: one run of floats
+            mine = ptx.elements_from(state, head + j0 * dk + tid)
+        else:
+            mine = ptx.elements_from(state, head + cell(s_row, j0 + s_col))
         c0 = int32(0)
         while c0 < n_new:
             n_in = min(chunk, n_new - c0)
@@ -202,16 +269,23 @@ def _kernels(dk: int, dv: int, chunk: int):
                     seg += 1
                 tok[tid] = seq_info[order[seg], Q_START] + at
             cuda.syncthreads()
-            # ---- inputs: q, k (the log's k), v, g, beta; the state's float16 copy
+            # ---- inputs: g, beta (and the values' factors), q, k (the log's k), v; the
+            # state's float16 copy
+            stage_gates(in0, in1, in2, in3, in4, in5, in6, tok, n_in, tid, vb, p0 + c0,
+                        log_rows, log_g, log_b, col, h, g_f, b_f, w_f, f0, f1, option,
+                        has_beta)
+            if weighted:
+                cuda.syncthreads()
+            normalise = normalises and option
             i = int32(0)
             while i < warp_rows:
                 t = warp + i * WARPS
                 if t < n_in:
                     token, at = tok[t], storage_row(p0 + c0 + t, log_rows)
-                    stage_row(k, token, h, k_h, t, row, lane, qk_l2norm, log_k, col, at,
-                              vb == 0)
-                    stage_row(q, token, h, q_h, t, row, lane, qk_l2norm, log_k, col, at,
-                              False)
+                    stage_row(in0, in1, in2, in3, in4, in5, in6, False, token, h, k_h, t,
+                              row, lane, normalise, log_k, col, at, vb == 0)
+                    stage_row(in0, in1, in2, in3, in4, in5, in6, True, token, h, q_h, t,
+                              row, lane, normalise, log_k, col, at, False)
                 elif t < chunk:
                     r = int32(0)
                     while r < lane_rows:
@@ -227,26 +301,23 @@ def _kernels(dk: int, dv: int, chunk: int):
                 t, c = int32(x // bv), int32(x % bv)
                 y = ZERO
                 if t < n_in:
-                    y = ptx.to_f32(v[tok[t], h, j0 + c])
+                    y = value_in(in0, in1, in2, in3, in4, in5, in6, tok[t], h, j0 + c,
+                                 w_f[t] if weighted else ONE)
                     log_v[col, storage_row(p0 + c0 + t, log_rows), h, j0 + c] = y
                 if (chunk * bv) % THREADS == 0 or x < chunk * bv:
                     v_f[x] = y
                 i = int32(i + 1)
-            if tid < chunk:
-                y, b = ZERO, ZERO
-                if tid < n_in:
-                    token, at = tok[tid], storage_row(p0 + c0 + tid, log_rows)
-                    y = ptx.to_f32(g[token, h])
-                    b = ptx.to_f32(beta[token, h]) if has_beta else ONE
-                    if vb == 0:
-                        log_g[col, at, h, 0] = y
-                        log_b[col, at, h] = b
-                g_f[tid], b_f[tid] = y, b
-            # the state's rows s_row + s_step i, column s_col, counted in int64: LLVM
-            # unrolls the loop in part, fewer loads in flight than registers
+            # the state's rows s_row + s_step i, column s_col (transposed: THREADS
+            # floats a round, a column's rows adjacent), counted in int64: LLVM unrolls
+            # the loop in part, fewer loads in flight than registers
             for i in range(s_rounds):
-                s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(mine[i * s_step * dv],
-                                                                      s_h)
+                if transposed:
+                    x = i * THREADS + tid
+                    s_h[(x % dk) * sp + x // dk] = ptx.from_f32(
+                        ptx.to_f32(mine[i * THREADS]), s_h)
+                else:
+                    s_h[(s_row + i * s_step) * sp + s_col] = ptx.from_f32(
+                        ptx.to_f32(mine[i * s_step * dv]), s_h)
             cuda.syncthreads()
             if tid == 0:                      # G: the cumulative log-decay
                 y = ZERO
@@ -365,7 +436,9 @@ def _kernels(dk: int, dv: int, chunk: int):
                         r, c = m0 + tile_row(e, lane), n0 + tile_col(e, lane)
                         if r < n_in:
                             o = float32(float32(_exp(g_f[r]) * qs[e]) + pd[e])
-                            out[tok[r], h, j0 + c] = ptx.from_f32(float32(o * scale), out)
+                            out[tok[r], h, j0 + c] = ptx.from_f32(
+                                emit(o, in0, in1, in2, in3, in4, in5, in6, tok[r], h, j0 + c,
+                                     f0), out)
                         e = int32(e + 1)
                 i = int32(i + 1)
             decay = _exp(g_last)
@@ -377,14 +450,12 @@ def _kernels(dk: int, dv: int, chunk: int):
                     acc = kt_d(k_h, kp, e_h, sp, m0, n0, lane)
                     e = int32(0)
                     while e < 8:
-                        at = (m0 + tile_row(e, lane)) * dv + n0 + tile_col(e, lane)
-                        columns[at] = float32(float32(decay * columns[at]) + acc[e])
+                        at = cell(m0 + tile_row(e, lane), n0 + tile_col(e, lane))
+                        columns[at] = ptx.from_f32(float32(
+                            float32(decay * ptx.to_f32(columns[at])) + acc[e]), columns)
                         e = int32(e + 1)
                 i = int32(i + 1)
             cuda.syncthreads()
             c0 += chunk
 
     return Specialised(chunk_kernel)
-
-
-kernel = lru_cache(maxsize=None)(_kernels)

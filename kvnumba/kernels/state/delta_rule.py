@@ -9,9 +9,10 @@ squares. The log keeps k as the recurrence used it (normalised), v, the log-deca
 (`log_g`, entry 0 for a gate a head) and beta.
 
 A plan's runs of at least its `chunk` new tokens (a prefill, `arith.state_runs`) take
-the chunked kernel (`chunked`, on the tensor cores) where it fits the layer's heads and
-gate: the step kernel's `replay_only` variant first brings their states to their first
-new position, then the chunked kernel takes their new tokens
+a chunked kernel on the tensor cores where it fits the layer's heads (`chunked` for a
+gate a head, `chunked_channel` for a gate per key channel): the step kernel's
+`replay_only` variant first brings their states to their first new position, then the
+chunked kernel takes their new tokens
 (`recurrence.RecurrentStep.launch`). It writes the same log rows, so replays from the
 log stay bit for bit the per-token kernel's; its outputs and states match the per-token
 kernel's within float16 products' rounding.
@@ -24,7 +25,7 @@ import numpy as np
 
 from ...device import cuda
 from ..intrinsics import ptx
-from . import chunked
+from . import chunked, chunked_channel
 from .lanes import lane_functions
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, prepare, \
     recurrence_kernel
@@ -32,6 +33,7 @@ from .recurrence import block_threads, decay, dk_cap, lanes_per_column, prepare,
 from numba import float32, int32  # noqa: E402  (after kvnumba.device chose the target)
 
 ONE = np.float32(1.0)
+ZERO = np.float32(0.0)
 
 
 @cuda.jit(device=True)
@@ -107,6 +109,46 @@ def _kernels(dk: int, dv: int, per_channel: bool, replay_only: bool = False):
 _kernel = lru_cache(maxsize=None)(_kernels)
 
 
+@cuda.jit(device=True)
+def _chunk_gate(q, k, v, g, beta, unused5, unused6, token, h, scale, unused_f1, qk_l2norm,
+                has_beta):
+    """A token's per-head gate and beta in the chunked kernel; values enter as they are."""
+    return _gate_head(g, token, h, 0), ptx.to_f32(beta[token, h]) if has_beta else ONE, ONE
+
+
+@cuda.jit(device=True)
+def _chunk_row(q, k, v, g, beta, unused5, unused6, token, h, i, query):
+    """Entry `i` of a token's q (`query`) or k."""
+    return ptx.to_f32(q[token, h, i]) if query else ptx.to_f32(k[token, h, i])
+
+
+@cuda.jit(device=True)
+def _chunk_value(q, k, v, g, beta, unused5, unused6, token, h, j, unused_w):
+    """A token's value `j`."""
+    return ptx.to_f32(v[token, h, j])
+
+
+@cuda.jit(device=True)
+def _chunk_emit(o, q, k, v, g, beta, unused5, unused6, token, h, j, scale):
+    """The output: `scale S^T q`."""
+    return _scaled(o, ZERO, scale)
+
+
+#: how the delta rule's tokens enter the chunked kernel (`chunked.Entry`)
+CHUNK_ENTRY = chunked.Entry(_chunk_gate, _chunk_row, _chunk_value, _chunk_emit,
+                            normalises=True, logs_beta=True, weighted=False,
+                            transposed=False)
+
+
+def _chunked_kernels(dk: int, dv: int, chunk: int):
+    """The delta rule's chunked kernel of heads of `dk` keys and `dv` values, a gate a
+    head, chunks of `chunk` tokens (`chunked`)."""
+    return chunked.build(dk, dv, chunk, CHUNK_ENTRY)
+
+
+chunked_kernel = lru_cache(maxsize=None)(_chunked_kernels)
+
+
 def apply(plan, state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta, out,
           scale, qk_l2norm: bool) -> None:
     """The delta rule of one layer over the step `plan` (`recurrence.prepare`): `q, k
@@ -128,10 +170,12 @@ def apply(plan, state, base, log_k, log_v, log_g, log_b, marks, q, k, v, g, beta
                 block_threads(dv, lanes_per_column(dk, dv)))
 
     def build_chunked():
-        return (chunked.kernel(dk, dv, plan.chunk),
-                (n_heads, dv // chunked.value_block(dv)), chunked.THREADS)
+        kernel = (chunked_channel.kernel(dk, dv) if per_channel
+                  else chunked_kernel(dk, dv, plan.chunk))
+        return kernel, (n_heads, dv // chunked.value_block(dv)), chunked.THREADS
 
-    fits = chunked.fits(dk, dv, per_channel, plan.chunk)
+    fits = (chunked_channel.fits(dk, dv, plan.chunk) if per_channel
+            else chunked.fits(dk, dv, per_channel, plan.chunk))
     inputs = (q, k, v, g) + ((beta,) if has_beta else ())
     plan.launch(("delta_rule", n_heads, dk, dv, per_channel, has_beta, scale, qk_l2norm),
                 build, (state, base, log_k, log_v, log_g, log_b, marks), inputs, out, scale,

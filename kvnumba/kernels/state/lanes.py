@@ -1,6 +1,6 @@
 """The lanes of a recurrence block (`recurrence`, `capture`): `parts` adjacent lanes hold
-one value channel's column of a head's float32 state `S [Dk, Dv]`, each `rows =
-ceil(Dk / parts)` of its rows in registers (row `r * parts + p` of lane `p`), and the
+one value channel's column of a head's state `S [Dk, Dv]` (stored float32 or bfloat16
+bits, held float32), each `rows = ceil(Dk / parts)` of its rows in registers (row `r * parts + p` of lane `p`), and the
 device functions that load, store and clear them and take one token of the recurrence
 (`step`: decay, delta-rule or plain update, `S^T q`, the column sums a butterfly of
 shuffles, so every lane gets the same float), built once per head shape, gate kind,
@@ -64,7 +64,7 @@ def lane_functions(dk: int, dv: int, per_channel: bool, parts: int,
                  + min(j, dv - 1) * column_step)
         at = ptx.elements_from(src, first)
         for r in range(rows):
-            x = at[r * stride] if whole or r * parts + p < dk else ZERO
+            x = ptx.to_f32(at[r * stride]) if whole or r * parts + p < dk else ZERO
             s[r] = x if j < dv else ZERO
 
     @cuda.jit(device=True)
@@ -74,7 +74,7 @@ def lane_functions(dk: int, dv: int, per_channel: bool, parts: int,
                                    + j * column_step)
             for r in range(rows):
                 if whole or r * parts + p < dk:
-                    at[r * stride] = s[r]
+                    at[r * stride] = ptx.from_f32(s[r], dst)
 
     @cuda.jit(device=True)
     def clear(s):

@@ -4,8 +4,9 @@ any state from a base. The ops (`delta_rule`, `ssd`) differ only in how a new to
 inputs reach the recurrence (`taken`) and how its output leaves (`emit`); the plan, the
 lanes, the log, the replay and the marks are this module's.
 
-Storage, one column per sequence slot plus a scratch column (`cols`), float32 but the
-marks, in the lanes' terms (`lanes`: a head's state `S [Dk, Dv]`, `Dk` the rows a column
+Storage, one column per sequence slot plus a scratch column (`cols`): the states float32
+or bfloat16 (uint16 bits, rounded to nearest even each time one is stored; the lanes
+hold them in float32), the logs float32, in the lanes' terms (`lanes`: a head's state `S [Dk, Dv]`, `Dk` the rows a column
 sums over, `Dv` the columns):
 
 * `state [cols, H, Dk, Dv]` (or `transposed`, `[cols, H, Dv, Dk]`): the live state, after
@@ -60,7 +61,7 @@ Output rows of tokens in no segment (padding) are not written by the step kernel
 plan made with `n_tokens` zeroes rows `n_tokens ..` after it (`padding.zero_rows`).
 
 A prefill takes its tokens one position at a time through the same loop, unless the
-op has a chunked kernel that fits the layer (the delta rule's, `chunked`): the plan's
+op's chunked kernel fits the layer (`chunked`, which both ops enter): the plan's
 last `n_chunked` runs (`arith.state_runs` puts those of at least `chunk` new tokens
 there) then take three launches in place of one, bound under the op's key
 (`RecurrentStep.launch`): the step kernel's `replay_only` variant (a compile-time

@@ -20,12 +20,15 @@ import numpy as np
 
 from ...device import cuda
 from ..intrinsics import ptx
+from . import chunked
 from .recurrence import block_threads, decay, dk_cap, lanes_per_column, recurrence_kernel
 
 from numba import float32, int32, uint32  # noqa: E402  (after kvnumba.device chose the target)
 
 #: past this, `softplus(x)` is `x` (float32 `log1p(exp(x)) - x` is below its ulp there)
 SOFTPLUS_LINEAR = np.float32(20.0)
+ZERO = np.float32(0.0)
+ONE = np.float32(1.0)
 
 
 @cuda.jit(device=True)
@@ -38,6 +41,12 @@ def step_size(dt, dt_bias, t, h, lo, hi, softplus):
     if softplus and d <= SOFTPLUS_LINEAR:
         d = float32(math.log1p(math.exp(d)))
     return min(max(d, lo), hi)
+
+
+@cuda.jit(device=True, inline="always")
+def group(x, B, h):
+    """Head `h`'s group of `B`'s (and `C`'s): `h // (H / G)`."""
+    return int32(uint32(h) // (uint32(x.shape[1]) // uint32(B.shape[1])))
 
 
 @cuda.jit(device=True)
@@ -55,7 +64,7 @@ def _kernels(d_state: int, head_dim: int, replay_only: bool = False):
               q_s, k_s, d_s, lo, hi, softplus, has_beta, tid, threads, j, p, mine):
         """A new token's inputs: `C_g`, `B_g` and the decay into shared memory, `B_g`, `d
         x_h` and `d A_h` into the log row; returns `(d x_h[j], 1, D_h x_h[j])`."""
-        g = int32(uint32(h) // (uint32(x.shape[1]) // uint32(B.shape[1])))
+        g = group(x, B, h)
         i = tid
         while i < d_state:
             b = ptx.to_f32(B[token, g, i])
@@ -84,6 +93,52 @@ def _kernels(d_state: int, head_dim: int, replay_only: bool = False):
 _kernel = lru_cache(maxsize=None)(_kernels)
 
 
+@cuda.jit(device=True)
+def _chunk_gate(x, dt, A, B, C, D, dt_bias, token, h, lo, hi, softplus, unused_beta):
+    """A token's log-decay `d A_h` in the chunked kernel, no beta, its values entering
+    times its step `d`."""
+    d = step_size(dt, dt_bias, token, h, lo, hi, softplus)
+    return float32(d * ptx.to_f32(A[h])), ONE, d
+
+
+@cuda.jit(device=True)
+def _chunk_row(x, dt, A, B, C, D, dt_bias, token, h, i, query):
+    """Entry `i` of a token's `C_g` (`query`) or `B_g`."""
+    g = group(x, B, h)
+    return ptx.to_f32(C[token, g, i]) if query else ptx.to_f32(B[token, g, i])
+
+
+@cuda.jit(device=True)
+def _chunk_value(x, dt, A, B, C, D, dt_bias, token, h, j, d):
+    """A token's value `j`: `d x_h[j]`."""
+    return float32(d * ptx.to_f32(x[token, h, j]))
+
+
+@cuda.jit(device=True)
+def _chunk_emit(o, x, dt, A, B, C, D, dt_bias, token, h, j, unused_lo):
+    """The output: `S C + D x`."""
+    extra = ZERO
+    if D.shape[0] > 0:
+        extra = float32(ptx.to_f32(D[h]) * ptx.to_f32(x[token, h, j]))
+    return _skipped(o, extra, unused_lo)
+
+
+#: how the ssd's tokens enter the chunked kernel (`chunked.Entry`): the decay-only
+#: recurrence over a transposed state
+CHUNK_ENTRY = chunked.Entry(_chunk_gate, _chunk_row, _chunk_value, _chunk_emit,
+                            normalises=False, logs_beta=False, weighted=True,
+                            transposed=True)
+
+
+def _chunked_kernels(dk: int, dv: int, chunk: int):
+    """The ssd's chunked kernel of heads `[dv, dk]` (`head_dim`, `d_state`), chunks of
+    `chunk` tokens (`chunked`)."""
+    return chunked.build(dk, dv, chunk, CHUNK_ENTRY)
+
+
+chunked_kernel = lru_cache(maxsize=None)(_chunked_kernels)
+
+
 @lru_cache(maxsize=None)
 def no_vector():
     """A float32 device vector of no entries, passed for `D` or `dt_bias` not given (a
@@ -110,7 +165,13 @@ def apply(plan, state, base, log_x, log_b, log_g, log_beta, marks, x, dt, A, B, 
         return (_kernel(d_state, head_dim, replay_only), n_heads,
                 block_threads(head_dim, lanes_per_column(d_state, head_dim)))
 
+    def build_chunked():
+        return (chunked_kernel(d_state, head_dim, plan.chunk),
+                (n_heads, head_dim // chunked.value_block(head_dim)), chunked.THREADS)
+
+    fits = chunked.fits(d_state, head_dim, False, plan.chunk)
     plan.launch(("ssd", n_heads, head_dim, d_state, softplus, lo, hi), build,
                 (state, base, log_b, log_x, log_g, log_beta, marks),
                 (x, dt, A, B, C, no_vector() if D is None else D,
-                 no_vector() if dt_bias is None else dt_bias), out, lo, hi, softplus, False)
+                 no_vector() if dt_bias is None else dt_bias), out, lo, hi, softplus, False,
+                build_chunked if fits else None)
