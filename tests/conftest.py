@@ -90,20 +90,24 @@ def pytest_xdist_auto_num_workers(config):
     return cores + (2 if cores >= 4 else 1)
 
 
-#: the slowest tests (a minute or more each on 2 cores), dealt out over the workers and
-#: started first: run last, one of them would leave its worker finishing alone while the
-#: others have nothing left
-SLOW_FIRST = ("test_sass_budgets.py::test_the_regressed_kernels_fail",
+#: the slowest tests (45 s or more each on 2 cores, slowest first), dealt out over the
+#: workers and started first: run last, one of them would leave its worker finishing
+#: alone while the others have nothing left
+SLOW_FIRST = ("test_bench.py::test_bench_runs_from_any_directory",
               "test_hf_cli.py::test_generate_self_check_reports_each_run",
               "test_hf_gemma4.py::test_gemma4_text_is_served_token_for_token",
-              "test_bench.py::test_bench_runs_from_any_directory",
-              "test_hf_tp.py::test_two_ranks_serve_what_one_process_generates",
-              "test_serve.py::test_concurrent_streams_are_each_exact",
+              "test_sass_budgets.py::test_the_regressed_kernels_fail",
+              "test_hf_hybrid.py::test_hybrid_served_packed_forked_and_drafted_as_generated",
               "test_launch.py::test_the_compile_mode_checks_pass",
-              "test_single.py::test_single_control_matches_one_sequence_of_a_batched_cache",
-              "test_serve.py::test_the_command_line_serves_until_sigterm",
               "test_hf_verify.py::test_models_with_learned_sinks_are_served_token_for_token",
-              "test_state_kernels.py::test_the_kernels_compile_and_launch_in_compile_mode")
+              "test_hf_tp.py::test_two_ranks_serve_what_one_process_generates",
+              "test_cache_stateful.py::TestCacheMachineE4M3",
+              "test_state_stateful.py::TestStateLayers",
+              "test_hf_llama4.py::test_llama4_text_is_served_token_for_token",
+              "test_layer_shapes.py::test_layers_of_several_shapes_and_shared_layers_attend",
+              "test_state_kernels.py::test_the_kernels_compile_and_launch_in_compile_mode",
+              "test_spans.py::test_interleaved_spans_equal_each_sequence_alone",
+              "test_single.py::test_single_control_matches_one_sequence_of_a_batched_cache")
 
 
 def pytest_collection_modifyitems(items):
@@ -111,11 +115,15 @@ def pytest_collection_modifyitems(items):
 
     `--dist worksteal` first hands each worker a run of consecutive tests, a share as
     even as it can be, and lets an idle worker take the later half of another's queue:
-    so each worker's share begins with its own slow tests (the first, fourth, ... to the
-    first worker of three), rather than every slow test queued on the first worker, one
-    after another. The rest keep their order."""
-    slow = [item for item in items if any(name in item.nodeid for name in SLOW_FIRST)]
-    rest = [item for item in items if not any(name in item.nodeid for name in SLOW_FIRST)]
+    so each worker's share begins with its own slow tests, taken in `SLOW_FIRST`'s order
+    (the first, fourth, ... to the first worker of three: each worker one of the
+    slowest), rather than every slow test queued on the first worker, one after another.
+    The rest keep their order."""
+    def rank(item):
+        return next((i for i, name in enumerate(SLOW_FIRST) if name in item.nodeid), None)
+
+    slow = sorted((item for item in items if rank(item) is not None), key=rank)
+    rest = [item for item in items if rank(item) is None]
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     ordered, left = [], len(items)
     for worker in range(workers):

@@ -4,6 +4,8 @@ storage unless said; on the simulator the kernels are the same as on a GPU). The
 models have one layer (Gemma-2 two: a sliding and a full one) and the runs a few
 tokens: the simulator runs each CUDA thread as a Python thread, and these tests are
 about the plumbing between `transformers` and the cache, not about size."""
+import os
+
 import numpy as np
 import pytest
 
@@ -14,11 +16,15 @@ transformers = pytest.importorskip("transformers")
 
 from hfmodels import ARCHITECTURES, PROMPTS, generated, kvhf, tiny  # noqa: E402
 
+THOROUGH = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES) if THOROUGH else
+                         sorted(set(ARCHITECTURES) - {"qwen2"}))
 def test_continuous_batching_matches_generate(arch):
     """Two requests submitted at different steps, the longer prompt prefilled in chunks
-    of max_write tokens beside the other's decode steps."""
+    of max_write tokens beside the other's decode steps (Qwen2, whose attention is
+    Llama's with biased projections, under the thorough profile)."""
     model = tiny(arch)
     want = [generated(model, p, 4) for p in PROMPTS]
     engine = kvhf.Engine(model, verify=False, max_seqs=2, capacity=24, max_write=4, dtype="float32")
