@@ -323,3 +323,34 @@ class SsdLayer(DeltaLayer):
         stack = lambda n: np.array([e[n] for e in history])  # noqa: E731
         return ssd_ref(stack("x"), stack("dt"), self.A, stack("B"), stack("C"), self.D,
                        self.dt_bias, self.softplus, self.limit)
+
+
+def chunked_steps(layer):
+    """Prefills of 21 (a chunk and 5) and 17 tokens (two spans: 9 and 8) on the chunked
+    kernel (chunks of 16) beside one of 3 on the per-token kernel, padding; then decode,
+    and a rewind into the chunked positions taking 18 new ones (a replay, then a chunk
+    and 2): each step checked against the reference (`DeltaLayer.step`)."""
+    layer.step([(0, 0, 21), (2, 0, 3), (3, 0, 9), (3, 9, 8)], n_pad=2)
+    layer.step([(3, 17, 1), (0, 21, 1), (2, 3, 2)])
+    layer.step([(0, 12, 18), (3, 18, 1)], n_pad=1)
+
+
+def matches_the_per_token_kernel(chunked_layer, plain):
+    """Column 1's prefill of 20 tokens on `chunked_layer` (chunks of 16) and, the same
+    inputs, on `plain` (no chunks): their logs and marks equal bit for bit, their states
+    within `CHUNKED_TOLERANCE` and not equal (another order of sums); then a rewind to 7
+    replays the log, so both give the same outputs and states bit for bit, while a clone
+    of the chunked column (to column 2) goes on as its source."""
+    chunked_layer.step([(1, 0, 20)])
+    plain.step([(1, 0, 20)], given=chunked_layer.given(1, 0, 20))
+    for name in ("log_k", "log_v", "log_g", "log_b", "marks"):
+        mine, theirs = (getattr(x, name).copy_to_host() for x in (chunked_layer, plain))
+        assert np.array_equal(mine, theirs, equal_nan=True), name
+    state, plain_state = chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1]
+    assert not np.array_equal(state, plain_state)
+    close(state, plain_state, "float32", "states", CHUNKED_TOLERANCE)
+    chunked_layer.copy_column(1, 2)
+    got = chunked_layer.step([(1, 7, 3), (2, 20, 1)])
+    again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
+    assert np.array_equal(got[:3], again[:3])
+    assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])

@@ -23,8 +23,8 @@ from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
 from kvnumba.kernels.state import chunked, conv, delta_rule, recurrence, ssd
-from statelayers import CHUNKED_TOLERANCE, COLS, ConvLayer, DeltaLayer, SsdLayer, close, \
-    step_tables
+from statelayers import COLS, ConvLayer, DeltaLayer, SsdLayer, chunked_steps, \
+    matches_the_per_token_kernel, step_tables
 
 
 # ---------------------------------------------------------------- convolution
@@ -383,36 +383,20 @@ def test_ssd_and_delta_rule_layers_share_a_plans_chunked_runs(monkeypatch):
 ])
 def test_ssd_chunked_prefills_match_the_reference(groups, head_dim, has_d, has_bias,
                                                   softplus, limit, in_name):
-    """The ssd's prefills of 21 (a chunk and 5) and 17 tokens (two spans: 9 and 8) on the
-    chunked kernel beside one of 3 on the per-token kernel, padding; then decode, and a
-    rewind into the chunked positions taking 18 new ones (a replay, then a chunk and 2)."""
+    """The ssd's prefills on the chunked kernel, decode and a rewind (`chunked_steps`)."""
     layer = SsdLayer(np.random.default_rng(groups + head_dim), groups=groups,
                      head_dim=head_dim, has_d=has_d, has_bias=has_bias, softplus=softplus,
                      limit=limit, in_name=in_name, out_name=in_name, most=24, chunk=16)
-    layer.step([(0, 0, 21), (2, 0, 3), (3, 0, 9), (3, 9, 8)], n_pad=2)
-    layer.step([(3, 17, 1), (0, 21, 1), (2, 3, 2)])
-    layer.step([(0, 12, 18), (3, 18, 1)], n_pad=1)
+    chunked_steps(layer)
 
 
 def test_ssd_chunked_prefill_writes_what_the_per_token_kernel_writes():
     """An ssd layer whose prefill took the chunked kernel and one that took the per-token
-    kernel, the same inputs: their logs and marks are equal bit for bit and their states
-    within `CHUNKED_TOLERANCE`; a rewind replays the log, so both then give the same
-    outputs and states bit for bit."""
+    kernel, the same inputs: the same logs and marks, states near, rewinds and clones bit for
+    bit (`matches_the_per_token_kernel`)."""
     chunked_layer, plain = (SsdLayer(np.random.default_rng(25), head_dim=16, most=24,
                                      chunk=chunk) for chunk in (16, 0))
-    chunked_layer.step([(1, 0, 20)])
-    plain.step([(1, 0, 20)], given=chunked_layer.given(1, 0, 20))
-    for name in ("log_k", "log_v", "log_g", "log_b", "marks"):
-        mine, theirs = (getattr(x, name).copy_to_host() for x in (chunked_layer, plain))
-        assert np.array_equal(mine, theirs, equal_nan=True), name
-    state, plain_state = chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1]
-    assert not np.array_equal(state, plain_state)       # another order of sums
-    close(state, plain_state, "float32", "states", CHUNKED_TOLERANCE)
-    got = chunked_layer.step([(1, 7, 3)])               # a rewind, replayed
-    again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
-    assert np.array_equal(got[:3], again[:3])
-    assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])
+    matches_the_per_token_kernel(chunked_layer, plain)
 
 
 # ---------------------------------------------------------------- chunked prefill
@@ -427,38 +411,22 @@ CHUNKED = dict(heads=1, dk=16, chunk=16, most=24)
 ])
 def test_delta_rule_chunked_prefills_match_the_reference(dv, has_beta, l2norm, in_name,
                                                           out_name):
-    """Prefills of 21 (a chunk and 5) and 17 tokens (two spans: 9 and 8) on the chunked
-    kernel beside one of 3 on the per-token kernel, padding; then decode, and a rewind
-    into the chunked positions taking 18 new ones (a replay, then a chunk and 2)."""
+    """The delta rule's prefills on the chunked kernel, decode and a rewind
+    (`chunked_steps`)."""
     layer = DeltaLayer(np.random.default_rng(dv + has_beta), dv=dv, has_beta=has_beta,
                        per_channel=False, l2norm=l2norm, in_name=in_name,
                        out_name=out_name, **CHUNKED)
-    layer.step([(0, 0, 21), (2, 0, 3), (3, 0, 9), (3, 9, 8)], n_pad=2)
-    layer.step([(3, 17, 1), (0, 21, 1), (2, 3, 2)])
-    layer.step([(0, 12, 18), (3, 18, 1)], n_pad=1)
+    chunked_steps(layer)
 
 
 def test_delta_rule_chunked_prefill_writes_what_the_per_token_kernel_writes():
     """A layer whose prefill took the chunked kernel and one that took the per-token
-    kernel, the same inputs: their logs and marks are equal bit for bit and their states
-    within `CHUNKED_TOLERANCE`; a rewind replays the log, so both then give the same
-    outputs and states bit for bit. A clone of the chunked one goes on as its source."""
+    kernel, the same inputs: the same logs and marks, states near, rewinds and clones bit for
+    bit (`matches_the_per_token_kernel`)."""
     chunked_layer, plain = (DeltaLayer(np.random.default_rng(21), dv=16, has_beta=True,
                                        per_channel=False, l2norm=True,
                                        **{**CHUNKED, "chunk": chunk}) for chunk in (16, 0))
-    chunked_layer.step([(1, 0, 20)])
-    plain.step([(1, 0, 20)], given=chunked_layer.given(1, 0, 20))
-    for name in ("log_k", "log_v", "log_g", "log_b", "marks"):
-        mine, theirs = (getattr(x, name).copy_to_host() for x in (chunked_layer, plain))
-        assert np.array_equal(mine, theirs, equal_nan=True), name
-    state, plain_state = chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1]
-    assert not np.array_equal(state, plain_state)       # another order of sums
-    close(state, plain_state, "float32", "states", CHUNKED_TOLERANCE)
-    chunked_layer.copy_column(1, 2)
-    got = chunked_layer.step([(1, 7, 3), (2, 20, 1)])            # a rewind, replayed
-    again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
-    assert np.array_equal(got[:3], again[:3])
-    assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])
+    matches_the_per_token_kernel(chunked_layer, plain)
 
 
 def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
