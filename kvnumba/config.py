@@ -147,6 +147,27 @@ def _check_states(config: "CacheConfig") -> None:
                               f"page ends")
 
 
+def _state_bytes(config: "CacheConfig", snapshot: bool) -> int:
+    """Bytes over the state layers of one sequence (`bytes_per_sequence`) or of one prefix
+    `snapshot` (`snapshot_bytes`): `kinds.state`'s, at the storage and state dtypes'."""
+    itemsize, state = config.storage_dtype.itemsize, config.state_storage_dtype.itemsize
+    kinds = [config.kinds[i] for i in config.state_layers]
+    if snapshot:
+        return sum(kind.snapshot_bytes(itemsize, state) for kind in kinds)
+    return sum(kind.sequence_bytes(itemsize, state, config.max_write, config.capacity)
+               for kind in kinds)
+
+
+def _snapshot_interval(config: "CacheConfig") -> int:
+    """`CacheConfig.snapshot_interval` (its doc)."""
+    if config.state_interval is not None:
+        return config.state_interval
+    per_page = config.page_size * config.bytes_per_token
+    if not per_page:              # no K/V to weigh a snapshot against: registration ends
+        return config.table_pages(0) * config.page_size
+    return config.page_size * max(1, -(-config.snapshot_bytes // per_page))
+
+
 def _fixed_pages(config: "CacheConfig", nbytes: int) -> int:
     """The pages a fixed pool of `nbytes` bytes holds (`CacheConfig.fixed_pool`), refused
     (`ConfigError`) for fewer than 2 or a cache with no page pool."""
@@ -204,10 +225,8 @@ class CacheConfig:
     page_size:    positions per page, a power of two from 8 to 256 (default 16).
     initial_pages: pages each page group's pool starts with (None: one sequence's worth,
                   `group_pages`); the pool grows by doubling up to `max_pages`.
-    state_dtype:  the dtype of state layers' recurrent states (`state()`): "float32"
-                  (default) or "bfloat16" (half the bytes of the live and base states
-                  and the snapshots, rounded each time a step, a base advance or a
-                  snapshot stores them: contract §17); the input logs stay float32.
+    state_dtype:  state layers' recurrent states (`state()`): "float32" (default) or
+                  "bfloat16" (half their bytes, rounded when stored: contract §17).
     state_interval: positions between the prefix index's state snapshots (contract §17;
                   a multiple of `page_size`); None: the fewest whole pages whose K/V bytes
                   reach one snapshot's, so snapshots cost no more than the pages they
@@ -430,8 +449,7 @@ class CacheConfig:
 
     @property
     def state_storage_dtype(self) -> np.dtype:
-        """The dtype of the state layers' live and base states and snapshots (bfloat16:
-        uint16 bit patterns)."""
+        """The dtype of the state layers' states and snapshots (bfloat16: uint16 bits)."""
         return np.dtype(DTYPES[self.state_dtype])
 
     @property
@@ -456,17 +474,13 @@ class CacheConfig:
         """Bytes one sequence holds on the state layers whatever its length (contract §17:
         each layer's conv window ring, live and base states and input log; `kinds.state`):
         what a sequence slot costs beside `bytes_per_token` per position."""
-        itemsize, state = self.storage_dtype.itemsize, self.state_storage_dtype.itemsize
-        return sum(self.kinds[i].sequence_bytes(itemsize, state, self.max_write,
-                                                self.capacity)
-                   for i in self.state_layers)
+        return _state_bytes(self, snapshot=False)
 
     @property
     def snapshot_bytes(self) -> int:
         """Bytes of one prefix snapshot over the state layers (each layer's state in
         `state_dtype` and its conv window: `kinds.state`), 0 without state layers."""
-        itemsize, state = self.storage_dtype.itemsize, self.state_storage_dtype.itemsize
-        return sum(self.kinds[i].snapshot_bytes(itemsize, state) for i in self.state_layers)
+        return _state_bytes(self, snapshot=True)
 
     @property
     def snapshot_interval(self) -> int:
@@ -474,12 +488,7 @@ class CacheConfig:
         default: the fewest whole pages holding at least `snapshot_bytes` of K/V; with no
         layer storing K/V, `capacity` in whole pages: no grid, a snapshot only at the last
         whole page of each registration)."""
-        if self.state_interval is not None:
-            return self.state_interval
-        per_page = self.page_size * self.bytes_per_token
-        if not per_page:          # no K/V to weigh a snapshot against: registration ends
-            return self.table_pages(0) * self.page_size
-        return self.page_size * max(1, -(-self.snapshot_bytes // per_page))
+        return _snapshot_interval(self)
 
     @property
     def bytes_per_token(self) -> int:
