@@ -354,3 +354,35 @@ def matches_the_per_token_kernel(chunked_layer, plain):
     again = plain.step([(1, 7, 3)], given=chunked_layer.given(1, 7, 10))
     assert np.array_equal(got[:3], again[:3])
     assert np.array_equal(chunked_layer.state.copy_to_host()[1], plain.state.copy_to_host()[1])
+
+
+def share_a_steps_plan(layers, steps):
+    """`layers` (sharing the plan cache `steps`) each take every step of one schedule:
+    prefill, decode, a base advance to 5 and a rewind; each step is planned once for all
+    of them, and every layer's base moves to 5."""
+    floors = np.zeros(COLS, np.int32)
+    schedule = [([(0, 0, 4), (3, 0, 2)], 1), ([(0, 4, 4), (3, 2, 1)], 0),
+                ([(0, 8, 1), (3, 3, 1)], 2), ([(0, 7, 2)], 0)]
+    for i, (spans, n_pad) in enumerate(schedule):
+        floors[0] = 5 if i >= 2 else 0
+        for layer in layers:
+            layer.step(spans, n_pad, floors=floors)
+    assert len(steps) == len(schedule)
+    assert all(layer.bp[0] == 5 for layer in layers)
+
+
+def chunked_runs_after_replays(layer):
+    """Chunked runs (chunks of 16, `most` 20) whose blocks first replay: the base
+    advancing to a floor below p0, from the live state on; to p0 itself, the live state
+    kept; a rewind to the base."""
+    floors = np.zeros(COLS, np.int32)
+    layer.step([(0, 0, 17), (4, 0, 3)])
+    floors[0] = 17                                        # 17 - 0 <= M: the base stays
+    layer.step([(0, 17, 18), (4, 3, 1)], floors=floors)
+    floors[0] = 30                                        # to 30, then on from live 35
+    layer.step([(0, 35, 16)], floors=floors)
+    assert layer.bp[0] == 30
+    floors[0] = 51                                        # to p0 = 51, the live state on
+    layer.step([(0, 51, 16)], floors=floors)
+    assert layer.bp[0] == 51
+    layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from kvnumba.kernels.state import chunked, chunked_channel
-from statelayers import COLS, DeltaLayer, matches_the_per_token_kernel, quantize
+from statelayers import COLS, DeltaLayer, chunked_runs_after_replays, \
+    matches_the_per_token_kernel, quantize
 
 CHUNKED = dict(heads=1, dk=16, chunk=16, most=24, per_channel=True)
 
@@ -61,17 +62,7 @@ def test_per_channel_chunked_runs_after_a_replay_and_a_base_advance(built):
     from the live state on; to p0 itself; a rewind to the base."""
     layer = DeltaLayer(np.random.default_rng(22), dv=16, has_beta=True, l2norm=True,
                        **{**CHUNKED, "most": 20})
-    floors = np.zeros(COLS, np.int32)
-    layer.step([(0, 0, 17), (4, 0, 3)])
-    floors[0] = 17                                        # 17 - 0 <= M: the base stays
-    layer.step([(0, 17, 18), (4, 3, 1)], floors=floors)
-    floors[0] = 30                                        # to 30, then on from live 35
-    layer.step([(0, 35, 16)], floors=floors)
-    assert layer.bp[0] == 30
-    floors[0] = 51                                        # to p0 = 51, the live state on
-    layer.step([(0, 51, 16)], floors=floors)
-    assert layer.bp[0] == 51
-    layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base
+    chunked_runs_after_replays(layer)
     assert len(built) == 5
 
 

@@ -23,8 +23,8 @@ from kvnumba.arith.positions import SEQ_INFO_FIELDS
 from kvnumba.arith.state_runs import state_runs
 from kvnumba.device import cuda
 from kvnumba.kernels.state import chunked, conv, delta_rule, recurrence, ssd
-from statelayers import COLS, ConvLayer, DeltaLayer, SsdLayer, chunked_steps, \
-    matches_the_per_token_kernel, step_tables
+from statelayers import COLS, ConvLayer, DeltaLayer, SsdLayer, chunked_runs_after_replays, \
+    chunked_steps, matches_the_per_token_kernel, share_a_steps_plan, step_tables
 
 
 # ---------------------------------------------------------------- convolution
@@ -167,15 +167,7 @@ def test_delta_rule_layers_of_a_step_share_its_prepared_launches():
                          has_beta=True, per_channel=False, l2norm=True, steps=steps),
               DeltaLayer(np.random.default_rng(10), heads=1, dk=24, dv=8, most=4,
                          has_beta=False, per_channel=True, l2norm=False, steps=steps)]
-    floors = np.zeros(COLS, np.int32)
-    schedule = [([(0, 0, 4), (3, 0, 2)], 1), ([(0, 4, 4), (3, 2, 1)], 0),
-                ([(0, 8, 1), (3, 3, 1)], 2), ([(0, 7, 2)], 0)]
-    for i, (spans, n_pad) in enumerate(schedule):
-        floors[0] = 5 if i >= 2 else 0
-        for layer in layers:
-            layer.step(spans, n_pad, floors=floors)
-    assert len(steps) == len(schedule)
-    assert all(layer.bp[0] == 5 for layer in layers)
+    share_a_steps_plan(layers, steps)
 
 
 def test_delta_rule_a_copied_column_goes_on_as_its_source():
@@ -330,15 +322,7 @@ def test_ssd_and_delta_rule_layers_share_a_steps_plan():
     layers = [SsdLayer(np.random.default_rng(15), heads=2, groups=2, most=4, steps=steps),
               DeltaLayer(np.random.default_rng(16), most=4, has_beta=True, per_channel=False,
                          l2norm=True, steps=steps, **FAST)]
-    floors = np.zeros(COLS, np.int32)
-    schedule = [([(0, 0, 4), (3, 0, 2)], 1), ([(0, 4, 4), (3, 2, 1)], 0),
-                ([(0, 8, 1), (3, 3, 1)], 2), ([(0, 7, 2)], 0)]
-    for i, (spans, n_pad) in enumerate(schedule):
-        floors[0] = 5 if i >= 2 else 0
-        for layer in layers:
-            layer.step(spans, n_pad, floors=floors)
-    assert len(steps) == len(schedule)
-    assert all(layer.bp[0] == 5 for layer in layers)
+    share_a_steps_plan(layers, steps)
 
 
 def test_ssd_refuses_groups_that_do_not_divide_its_heads():
@@ -436,17 +420,7 @@ def test_delta_rule_chunked_runs_after_a_replay_and_a_base_advance():
     planned, with either gate."""
     layer = DeltaLayer(np.random.default_rng(22), heads=1, dk=16, dv=16, most=20,
                        has_beta=True, per_channel=False, l2norm=True, chunk=16)
-    floors = np.zeros(COLS, np.int32)
-    layer.step([(0, 0, 17), (4, 0, 3)])
-    floors[0] = 17                                        # 17 - 0 <= M: the base stays
-    layer.step([(0, 17, 18), (4, 3, 1)], floors=floors)
-    floors[0] = 30                                        # to 30, then on from live 35
-    layer.step([(0, 35, 16)], floors=floors)
-    assert layer.bp[0] == 30
-    floors[0] = 51                                        # to p0 = 51, the live state on
-    layer.step([(0, 51, 16)], floors=floors)
-    assert layer.bp[0] == 51
-    layer.step([(0, 51, 17), (4, 4, 1)], floors=floors)   # a rewind to the base
+    chunked_runs_after_replays(layer)
     for dk, per_channel in ((24, False), (24, True)):
         other = DeltaLayer(np.random.default_rng(dk), heads=1, dk=dk, dv=16, most=20,
                            has_beta=True, per_channel=per_channel, l2norm=True, chunk=16)
