@@ -47,7 +47,7 @@ from .config import CacheConfig, LayerShape, LayerSpec, chunked, flat, latent, r
 from .serving.driver import run_inputs, run_step
 from .errors import (CacheFullError, CapacityError, CloneRefusedError, ConfigError,
                      FreeSequenceError, KVCacheError, OwnerRunError, PositionError,
-                     RankDivergenceError, RingFloorError, SessionError, ShapeError,
+                     RankDivergenceError, RankFailureError, RingFloorError, SessionError, ShapeError,
                      SlotStateError, StepProtocolError, UnknownSequenceError)
 from .host.page_accounting import PoolPages
 from .arith.positions import Segment
@@ -67,7 +67,7 @@ __all__ = [
     "BatchControl", "BatchedSequenceCache", "CacheConfig", "CacheFullError", "CapacityError",
     "CloneRefusedError", "ConfigError", "DeviceError", "FreeSequenceError", "IndexCounts",
     "KVCacheError", "LayerShape", "LayerSpec", "OwnerRunError", "PackedStep", "PageDemand", "PoolPages",
-    "PositionError", "PrefixStats", "RankDivergenceError",
+    "PositionError", "PrefixStats", "RankDivergenceError", "RankFailureError",
     "RingFloorError", "Segment", "SequenceBatchControl", "SequenceCache", "SessionError",
     "SessionId", "SessionTable", "ShapeError", "SlotState", "SlotStateError", "StepData",
     "StepPlan", "StepProtocolError", "StepState", "UnknownSequenceError", "chunked", "device",

@@ -72,3 +72,11 @@ class RankDivergenceError(KVCacheError):
     """The ranks serving a model split by its tensor-parallel plan no longer hold the same
     tables (`kvnumba.hf.Engine(..., check_ranks=True)`): names the step and the ranks that
     differ from rank 0, and in what."""
+
+
+class RankFailureError(KVCacheError):
+    """The ranks serving a model split by its tensor-parallel plan lost each other (a
+    rank died, or did not meet the others within `kvnumba.hf.Engine(...,
+    rank_timeout=...)`), or the model failed on some ranks only, leaving their caches and
+    the model's collectives out of step: names the step, the ranks and what they raised.
+    Every later step raises it too; the job must be restarted."""

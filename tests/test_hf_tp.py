@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from hfmodels import generated, tiny  # noqa: E402
 from test_hf_latent import deepseek  # noqa: E402
-from tp_worker import NEW_TOKENS, PROMPTS  # noqa: E402
+from tp_worker import MODEL_TIMEOUT, NEW_TOKENS, PROMPTS, RANK_TIMEOUT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 2
@@ -74,10 +74,36 @@ def test_two_ranks_serve_what_one_process_generates(tmp_path):
         assert saw["divergence"].startswith("step 1: rank 1 differs from rank 0 (rank 1 in "
                                             "the model's cache")
         assert saw["cli status"] == 0
+        # steps that failed on every rank (the model's forward, the draft's) or on rank 1
+        # alone before its forward: each ended its request on every rank, every rank
+        # raising the same exception, and the engine served the next request exactly
+        for case, message in (("draft failed", "out of memory in the draft (injected)"),
+                              ("failed", "out of memory (injected)"),
+                              ("failed on rank 1", "out of memory preparing the step on rank "
+                                                   "1 (injected)")):
+            assert saw[case] == {"raised": ["OutOfMemoryError", message, [saw[case]["raised"][2][0]]],
+                                 "busy": False, "served next": [want[1]], "sessions": 0}
         # a DeepSeek-V3 model: each rank's cache holds the whole latent (one row of 32 +
         # 8 a token, as one process's), each rank attends 2 of its 4 heads
         assert saw["latent layer"] == "latent of rank 32 + 8 rope values"
         assert saw["latent served"] == [want_latent] * 2
+    # the model failing inside rank 1's forward alone: rank 0 waited out the model's
+    # process group's timeout, then both raised RankFailureError, and so did the next step
+    for saw in seen:
+        failed, seconds = saw["forward failed on rank 1"]
+        assert failed.startswith("step 1: the model failed on some ranks only (")
+        assert "rank 1: ValueError: rank 1's forward failed (injected)" in failed
+        assert failed.endswith("restart the job") and saw["after"][0] == failed
+        assert seconds < MODEL_TIMEOUT + 30
+    assert seen[0]["forward failed on rank 1"][1] >= MODEL_TIMEOUT
+    # rank 1 exited: rank 0's next step raised RankFailureError without waiting out the
+    # lockstep's timeout
+    lost, seconds = seen[0]["rank 1 exited"]
+    assert lost.startswith("step 1: the ranks lost each other (") and \
+        f"rank_timeout={RANK_TIMEOUT} s" in lost
+    assert seconds < RANK_TIMEOUT
+    print(f"rank 1 failed in its forward: {seen[0]['forward failed on rank 1'][1]} s; "
+          f"rank 1 exited: {seconds} s")
     # the command line prints on rank 0 alone
     printed = seen[0]["cli printed"]
     assert "split over 2 ranks, 1 of 2 kv heads each" in printed

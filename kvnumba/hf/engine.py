@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..args import as_count
+from ..args import as_count, as_finite
 from ..errors import ConfigError
 from . import probe, speculative
 from .admission import Admission
@@ -48,6 +48,10 @@ from .served import ServedModel
 from .sharding import check_draft, sharding
 from .state import Counts, Roster
 from .stepping import Stepper
+
+
+#: seconds a rank of a split model waits for the others at the lockstep's collectives
+RANK_TIMEOUT = 600.0
 
 
 class EngineStats(NamedTuple):
@@ -118,13 +122,15 @@ class Engine:
     `step`: every rank returns what rank 0 returns). `check_ranks`: after each step,
     compare every rank's tables with rank 0's and raise `RankDivergenceError` on every
     rank when they differ (a collective per step, for debugging; nothing in one process).
+    A failed step there: module `lockstep` (`RankFailureError` where the ranks lose each
+    other, a rank not meeting the others within `rank_timeout` seconds).
     """
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
                  max_step: int | None = None, dtype: str | None = None, draft_model=None,
                  draft_len: int = speculative.DRAFT_LEN, kv_bytes: int | None = None,
-                 prefix_cache: bool = True,
-                 check_ranks: bool = False, verify: bool = True, **cache_options):
+                 prefix_cache: bool = True, check_ranks: bool = False,
+                 rank_timeout: float = RANK_TIMEOUT, verify: bool = True, **cache_options):
         for name, value in (("prefix_cache", prefix_cache), ("check_ranks", check_ranks),
                             ("verify", verify)):
             if not isinstance(value, bool):
@@ -148,7 +154,9 @@ class Engine:
                 probe.verify(served, config)
         self.config = configs[0]
         # rank 0 of a split model leads the others' engines; in one process, none
-        self.lockstep = Lockstep(split, check=check_ranks) if split.ranks > 1 else None
+        rank_timeout = as_finite(rank_timeout, "rank_timeout", positive=True)
+        self.lockstep = (Lockstep(split, check=check_ranks, timeout=rank_timeout)
+                         if split.ranks > 1 else None)
         serve = self.lockstep.serve if self.lockstep else ServedModel
         self.target = serve(model, configs[0])
         self.draft = serve(draft_model, configs[1]) if draft_model is not None else None
@@ -335,6 +343,8 @@ class Engine:
         requests it ended. Requests outside the step go on; the engine serves the next
         steps as if the failed requests had never been submitted. On the other ranks of
         a split model, `step()` raises rank 0's exception too."""
+        if self.lockstep:
+            self.lockstep.refuse_broken()
         if self._following:
             finished, counters = self.lockstep.follow_step(self._admission.last_id)
             self.counts.set(counters)

@@ -133,6 +133,10 @@ class ServedModel:
         finally:
             config._attn_implementation = before
 
+    def entering(self) -> None:
+        """Called as each forward starts, its step prepared: nothing here (each rank of a
+        split model meets the other ranks there, `lockstep.SplitModel`)."""
+
     def run(self, inputs, rows):
         """Run the model over `inputs` (`(sid, start, tokens)`, packed in this order) and
         return its logits `[len(rows), vocab]` at packed rows `rows` (one step of the
@@ -143,6 +147,7 @@ class ServedModel:
             ids = torch.as_tensor(np.asarray(packed.tokens, np.int64), device=self.device)[None]
             positions = torch.as_tensor(plan.positions.astype(np.int64), device=self.device)
             keep = torch.as_tensor(np.asarray(rows, np.int64), device=self.device)
+            self.entering()
             with torch.inference_mode(), self.kvnumba_attention() as step:
                 return self.model(input_ids=ids, position_ids=positions[None],
                                   use_cache=False, logits_to_keep=keep, **step).logits[0]
