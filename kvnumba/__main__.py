@@ -27,12 +27,16 @@ def main(argv=None) -> int:
     if argv[0] == "demo":
         from .demo import main as demo_main
         return demo_main(argv[1:])
-    if argv[0] == "generate":
-        from .hf.cli import main as generate_main
-        return generate_main(argv[1:])
-    if argv[0] == "serve":
-        from .serve.cli import main as serve_main
-        return serve_main(argv[1:])
+    if argv[0] in ("generate", "serve"):
+        from .hf.sharding import close_ranks
+        if argv[0] == "generate":
+            from .hf.cli import main as command
+        else:
+            from .serve.cli import main as command
+        try:
+            return command(argv[1:])
+        finally:
+            close_ranks()                   # under torchrun: before Python finalizes
     print(f"python -m kvnumba: unknown command {argv[0]!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -184,6 +184,7 @@ def main(model_dir: str, draft_dir: str, one_kv_head_dir: str, latent_dir: str,
     except kv.RankFailureError as exc:
         seen["rank 1 exited"] = [str(exc), round(time.perf_counter() - started_step, 1)]
     write(seen, out, started)
+    dist.destroy_process_group()                # every group, before Python finalizes
 
 
 def write(seen: dict, out: str, started: float) -> None:

@@ -42,6 +42,7 @@ step does: the job must be restarted.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import pickle
@@ -55,15 +56,35 @@ from .served import TABLE_VERBS, ServedModel
 MODEL_NAMES = ("the model's cache", "the draft model's cache")
 
 
-@functools.lru_cache(maxsize=None)
+#: the lockstep's process groups, by members and timeout (`control_group`)
+_GROUPS: dict = {}
+
+
 def control_group(members: tuple, timeout: float):
     """The lockstep's gloo process group over global ranks `members`, its collectives
     waiting at most `timeout` seconds: opened once per members and timeout (every process
     of the job opens it, as `torch.distributed.new_group` asks, in the same order: the
-    engines made in the same order on every rank)."""
+    engines made in the same order on every rank), destroyed at exit (`close_groups`)."""
     import torch.distributed as dist
-    return dist.new_group(ranks=list(members), backend="gloo",
-                          timeout=timedelta(seconds=timeout))
+    if not _GROUPS:
+        atexit.register(close_groups)
+    key = (members, timeout)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(ranks=list(members), backend="gloo",
+                                      timeout=timedelta(seconds=timeout))
+    return _GROUPS[key]
+
+
+def close_groups() -> None:
+    """Destroy the lockstep's process groups (at exit, where the job has not destroyed
+    them). A gloo group left to the end of the process frees its last collective's
+    buffers from its own thread, which needs the interpreter: while Python finalizes,
+    that thread is killed and the process aborts (SIGABRT, or SIGSEGV)."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        for group in _GROUPS.values():
+            dist.destroy_process_group(group)
+    _GROUPS.clear()
 
 
 class Lockstep:

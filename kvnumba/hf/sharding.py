@@ -13,6 +13,7 @@ only: a head count the ranks cannot share is refused here, before any cache is m
 from __future__ import annotations
 
 import os
+import sys
 from typing import NamedTuple
 
 from ..errors import ConfigError
@@ -56,6 +57,17 @@ def split_loading() -> dict:
     config = getattr(transformers, "DistributedConfig", None)
     return {"tp_plan": "auto"} if config is None else {"distributed_config":
                                                         config(tp_plan="auto")}
+
+
+def close_ranks() -> None:
+    """Destroy `torch.distributed`'s process groups where this process opened them (the
+    end of a `python -m kvnumba` command under torchrun; nothing where torch was never
+    imported or no group is open). A gloo group left to the end of the process frees its
+    last collective's buffers from its own thread, which needs the interpreter: while
+    Python finalizes, that thread is killed and the process aborts (SIGABRT, or SIGSEGV)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def sharding(model) -> Sharding:
