@@ -7,9 +7,14 @@ malformed requests and a full server (each 400 / 429, the next request exact);
 `/metrics` read by `prometheus_client`'s parser. Tiny model, few tokens (the CUDA
 simulator runs every step's kernels thread by thread)."""
 import asyncio
+import contextlib
 import http.client
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -372,19 +377,17 @@ def test_metrics_models_and_health(saved, served, client):
     assert get(url, "/health") == (200, '{"status":"ok"}')
 
 
-def test_the_command_line_serves_until_sigterm_and_stops_cleanly(saved, tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
+@contextlib.contextmanager
+def listening(command: list):
+    """`command` plus `--port P` (a free port) started, yielded as `(process, url)` once
+    its `/health` answers; killed if it is still running after the block."""
     free = socket.socket()
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]
     free.close()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kvnumba", "serve", "--model", str(saved[0]), "--port",
-         str(port), "--max-seqs", "2", "--capacity", "32", "--no-verify"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command + ["--port", str(port)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 240
         while True:
@@ -395,22 +398,85 @@ def test_the_command_line_serves_until_sigterm_and_stops_cleanly(saved, tmp_path
                     break
             except OSError:
                 time.sleep(0.2)
-        url = f"http://127.0.0.1:{port}"
-        expected, _ = reference(saved, saved[2](PROMPT)["input_ids"], 2)
-        status, answer = post(url, "/v1/completions", {"model": NAME, "prompt": PROMPT,
-                                                       "max_tokens": 2, "temperature": 0})
-        assert status == 200 and answer["choices"][0]["text"] == expected
-        process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=120)
+        yield process, f"http://127.0.0.1:{port}"
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def completed(saved, url, prompt=PROMPT, max_new=2):
+    """Whether `/v1/completions` of `prompt` answers `model.generate()`'s text."""
+    expected, _ = reference(saved, saved[2](prompt)["input_ids"], max_new)
+    status, answer = post(url, "/v1/completions", {"model": NAME, "prompt": prompt,
+                                                   "max_tokens": max_new, "temperature": 0})
+    return status == 200 and answer["choices"][0]["text"] == expected
+
+
+SERVE = [sys.executable, "-m", "kvnumba", "serve", "--max-seqs", "2", "--capacity", "32",
+         "--no-verify"]
+
+
+def test_the_command_line_serves_until_sigterm_and_stops_cleanly(saved):
+    with listening(SERVE + ["--model", str(saved[0])]) as (process, url):
+        assert completed(saved, url)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
     assert process.returncode == 0 and "Traceback" not in err, err
+
+
+def test_a_model_split_over_two_ranks_serves_idles_and_stops_on_sigterm(saved):
+    # torchrun: rank 0 serves HTTP, rank 1 follows its steps; idle past --rank-timeout
+    # (rank 0's empty steps keep rank 1's waits short), then SIGTERM to rank 0 stops both
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "-m"] + SERVE[2:]
+    with listening(torchrun + ["--model", str(saved[0]), "--rank-timeout", "2"]) as \
+            (process, url):
+        assert completed(saved, url)
+        messages = [{"role": "user", "content": words(3)}]
+        expected, _ = reference(saved, chat_ids(saved, messages), 3)
+        status, answer = post(url, "/v1/chat/completions", {
+            "model": NAME, "messages": messages, "max_tokens": 3, "temperature": 0})
+        assert status == 200 and answer["choices"][0]["message"]["content"] == expected
+        time.sleep(4)
+        assert completed(saved, url, words(4), 3)
+        ranks = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == \
+                        process.pid:
+                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                    ranks[int(dict(e.split(b"=", 1) for e in environ if b"=" in e)[b"RANK"])] = int(pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[0], signal.SIGTERM)
+        out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and "Traceback" not in err, err
+    assert err.count("serving 'tiny' on") == 1          # rank 0 alone
+
+
+def test_ranks_that_lost_each_other_end_the_requests_and_the_loop(saved, monkeypatch):
+    # a step raising RankFailureError (a split model's ranks lost each other) ends the
+    # engine loop: the request in flight answers 500 naming it, /health answers 503
+    import kvnumba as kv
+    server = load_server(str(saved[0]), max_seqs=2, capacity=32, verify=False)
+    lost = "step 3: the ranks lost each other (...); restart the job"
+
+    def losing():
+        raise kv.RankFailureError(lost)
+    monkeypatch.setattr(server.engine, "stream_step", losing)
+    url, uv, thread = start(server.app)
+    try:
+        status, answer = post(url, "/v1/completions", {"model": NAME, "prompt": PROMPT,
+                                                       "max_tokens": 2})
+        assert status == 500 and lost in answer["error"]["message"]
+        assert get(url, "/health")[0] == 503
+        assert isinstance(server.loop.error, kv.RankFailureError)
+    finally:
+        uv.should_exit = True
+        thread.join(60)
 
 
 def test_a_command_line_mistake_is_one_line_and_exit_status_2(tmp_path):
     from kvnumba.__main__ import main
-    import contextlib
     import io
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -419,14 +485,3 @@ def test_a_command_line_mistake_is_one_line_and_exit_status_2(tmp_path):
     with contextlib.redirect_stderr(err):
         assert main(["serve", "--model", str(tmp_path), "--port", "70000"]) == 2
     assert "a port number from 0 to 65535" in err.getvalue()
-
-
-def test_serving_under_torchrun_is_refused_naming_it(tmp_path, monkeypatch):
-    from kvnumba.__main__ import main
-    import contextlib
-    import io
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        assert main(["serve", "--model", str(tmp_path)]) == 2
-    assert err.getvalue().count("\n") == 1 and "one of 2 ranks (torchrun)" in err.getvalue()

@@ -12,6 +12,13 @@ bounded page pool (`max_pages`, `kv_bytes`), until the pages its sequences may c
 hold are (each of its `n` sequences at its prompt plus `max_new_tokens`, and their
 rings), so a step of the running requests never finds a pool exhausted.
 
+A model in training mode with attention dropout is refused (`ConfigError`): kvnumba
+attends without dropout; put it in eval mode (`model.eval()`). With `verify` (the
+default), before serving, a short probe runs the model (and the draft) through its own
+attention and through kvnumba, and refuses it (`ConfigError`, naming the first decoder
+layer that differs and by how much) when they disagree beyond the storage dtype's
+tolerance (`kvnumba.hf.probe`: two forwards of 7 tokens per model).
+
 A request is checked whole before anything is queued, drawn or seeded (`requests`),
 and the engine leaves process-wide state alone: each request samples from its own
 `torch.Generator`, seeded with its `seed` or with fresh entropy, never from torch's
@@ -28,14 +35,26 @@ A model split over ranks by its tensor-parallel plan (`from_pretrained(...,
 tp_plan="auto")` under torchrun) is served by an engine on every rank, each rank's caches
 holding its kv heads (`sharding`). Rank 0's engine queues, schedules and samples; every
 step's decisions reach the other ranks' engines through `torch.distributed` collectives
-on the model's process group (`lockstep`), so their caches take the same steps.
+over the model's ranks (`lockstep`), so their caches take the same steps.
+
+Such a model needs an engine on every rank of its group, each made and called the same
+way (a script torchrun runs on every rank): each rank's caches hold that rank's kv heads
+(a head count the ranks cannot share is refused, and so is a draft model split
+otherwise), `kv_bytes` is each rank's budget, and rank 0's engine serves the requests
+while the others follow its steps (`submit`, `step`: every rank returns what rank 0
+returns). Where rank 0 alone takes requests (a server), the other ranks `follow` until
+rank 0's engine `close`s. `check_ranks`: after each step, compare every rank's tables
+with rank 0's and raise `RankDivergenceError` on every rank when they differ (a
+collective per step, for debugging; nothing in one process). A failed step there:
+module `lockstep` (`RankFailureError` where the ranks lose each other, a rank not meeting
+the others within `rank_timeout` seconds).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from ..args import as_count, as_finite
-from ..errors import ConfigError
+from ..errors import ConfigError, StepProtocolError
 from . import probe, speculative
 from .admission import Admission
 from .attention import register
@@ -107,23 +126,8 @@ class Engine:
     `initial_pages`, `max_pages`). `prefix_cache`: reuse the pages of prompt prefixes
     across requests (module doc; `stats` says how much).
 
-    A model in training mode with attention dropout is refused (`ConfigError`): kvnumba
-    attends without dropout; put it in eval mode (`model.eval()`). `verify`: before
-    serving, run a short probe of the model (and the draft) through its own attention
-    and through kvnumba, and refuse it (`ConfigError`, naming the first decoder layer
-    that differs and by how much) when they disagree beyond the storage dtype's
-    tolerance (`kvnumba.hf.probe`: two forwards of 7 tokens per model).
-
-    A model split over ranks by its tensor-parallel plan needs an engine on every rank of
-    its group, each made and called the same way (a script torchrun runs on every rank):
-    each rank's caches hold that rank's kv heads (a head count the ranks cannot share is
-    refused, and so is a draft model split otherwise), `kv_bytes` is each rank's budget,
-    and rank 0's engine serves the requests while the others follow its steps (`submit`,
-    `step`: every rank returns what rank 0 returns). `check_ranks`: after each step,
-    compare every rank's tables with rank 0's and raise `RankDivergenceError` on every
-    rank when they differ (a collective per step, for debugging; nothing in one process).
-    A failed step there: module `lockstep` (`RankFailureError` where the ranks lose each
-    other, a rank not meeting the others within `rank_timeout` seconds).
+    `verify`, a model in training mode, a model split over ranks (`check_ranks`,
+    `rank_timeout`, `follow`): module doc.
     """
 
     def __init__(self, model, *, max_seqs: int, capacity: int, max_write: int | None = None,
@@ -201,15 +205,8 @@ class Engine:
         counts = self.counts
         return counts.accepted / counts.proposed if counts.proposed else None
 
-    @property
-    def proposed(self) -> int:
-        """Draft tokens proposed so far."""
-        return self.counts.proposed
-
-    @property
-    def accepted(self) -> int:
-        """Draft tokens accepted so far."""
-        return self.counts.accepted
+    proposed = property(lambda self: self.counts.proposed, doc="Draft tokens proposed so far.")
+    accepted = property(lambda self: self.counts.accepted, doc="Draft tokens accepted so far.")
 
     def submit(self, prompt, *, max_new_tokens: int, temperature: float = 0.0,
                top_p: float = 1.0, seed: int | None = None, eos_token_id=None,
@@ -330,6 +327,23 @@ class Engine:
             if done or any(gained):
                 updates.append(Update(rid, gained, done, self._usage(group)))
         return updates
+
+    def close(self) -> None:
+        """Rank 0 of a split model: end the other ranks' `follow`, between steps (nothing
+        in one process or on another rank)."""
+        if self.lockstep is not None and self.lockstep.leading:
+            self.lockstep.end_step([], False, self.counts.values(), self._admission.last_id,
+                                   stop=True)
+
+    def follow(self) -> None:
+        """A rank other than 0 of a split model: take part in rank 0's steps until its
+        engine `close`s (a server's other ranks, while rank 0 takes the requests);
+        `StepProtocolError` anywhere else."""
+        if not self._following:
+            raise StepProtocolError("follow(): only a rank other than 0 of a split model "
+                                    "follows rank 0; call step()")
+        while not self.lockstep.stopped:
+            self.step()
 
     def step(self) -> list:
         """Run one engine step; returns `(request id, tokens)` of the requests that

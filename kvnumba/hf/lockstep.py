@@ -104,8 +104,9 @@ class Lockstep:
         self._sids: list[dict] = []      # per model: rank 0's session ids -> this rank's
         self._pending: list = []         # rank 0: the verbs applied since the last broadcast
         self.steps = 0                   # steps taken, counted from 1
-        # the other ranks: whether rank 0 is busy, as its last step said (or a submit since)
-        self.busy = False
+        # the other ranks: whether rank 0 is busy, as its last step said (or a submit since),
+        # and whether its engine closed (`Engine.follow` returns)
+        self.busy, self.stopped = False, False
         #: why the ranks can no longer serve together (None while they can)
         self.broken: str | None = None
         # this step: whether the run's gate was passed, the failure it raised on this rank,
@@ -140,15 +141,15 @@ class Lockstep:
         self._pending = []
 
     def end_step(self, finished: list, busy: bool, counters: tuple, ids: int,
-                 failure: BaseException | None = None) -> None:
+                 failure: BaseException | None = None, *, stop: bool = False) -> None:
         """Send the rest of the step and its end: the requests `finished`, whether rank 0
-        is still `busy`, its `counters`, and the exception its step raised (None); then
-        settle the step with the other ranks (`ids`: request ids drawn). Nothing is sent
-        once the ranks have lost each other."""
+        is still `busy`, its `counters`, the exception its step raised (None) and whether
+        the other ranks `stop` following; then settle the step with the other ranks
+        (`ids`: request ids drawn). Nothing is sent once the ranks have lost each other."""
         if self.broken is not None:
             return
         sent = None if failure is None else portable(failure)
-        self._pending.append((None, "end", (finished, busy, counters, sent), None))
+        self._pending.append((None, "end", (finished, busy, counters, sent, stop), None))
         self._broadcast([self._pending])
         self._pending = []
         self._settle(ids, failure)
@@ -165,7 +166,7 @@ class Lockstep:
             self._broadcast(message)
             for which, verb, args, made in message[0]:
                 if verb == "end":
-                    finished, self.busy, counters, failure = args
+                    finished, self.busy, counters, failure, self.stopped = args
                     if failed is not None and failed is not self.relayed:
                         self.stray = failed     # this rank's tables left rank 0's
                     self._settle(ids, failure)

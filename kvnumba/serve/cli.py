@@ -5,12 +5,17 @@ options on the command line (`parser`), the model loaded once (`load_server`).
 A mistake of the user's (a bad option, a missing directory, a model kvnumba refuses) is
 one line on stderr and exit status 2, before anything listens. SIGINT and SIGTERM stop
 the server: it stops taking connections, ends the streams in flight (after
-`--graceful-s` seconds at most) and stops the engine loop."""
+`--graceful-s` seconds at most) and stops the engine loop.
+
+Under torchrun the model is split over the ranks by its tensor-parallel plan: rank 0
+serves HTTP and its engine leads, the other ranks' engines `follow` its steps (ignoring
+SIGINT and SIGTERM: they return when rank 0's engine closes, as its server stops), and
+while no request runs rank 0 takes an empty step every quarter of `--rank-timeout`, so
+the other ranks' waits never run out."""
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import signal
 import sys
 from importlib.util import find_spec
@@ -21,6 +26,8 @@ from ..config import DTYPES
 from ..errors import KVCacheError
 from ..hf.cli import (Parser, UsageError, _number, check_directory, count, has_tokenizer,
                       load, one_line)
+from ..hf.engine import RANK_TIMEOUT
+from ..hf.sharding import launched_rank, launched_ranks, split_loading
 from ..hf.speculative import DRAFT_LEN
 
 PROG = "python -m kvnumba serve"
@@ -69,6 +76,9 @@ def parser() -> Parser:
     p.add_argument("--no-verify", action="store_true",
                    help="skip the probe that checks the model through kvnumba against its "
                         "own attention before serving")
+    p.add_argument("--rank-timeout", type=seconds, default=RANK_TIMEOUT, metavar="S",
+                   help=f"under torchrun, the most seconds a rank waits for the others "
+                        f"(default {RANK_TIMEOUT:g})")
     p.add_argument("--graceful-s", type=seconds, default=5.0, metavar="S",
                    help="on SIGINT / SIGTERM, the most seconds the streams in flight may "
                         "go on (default 5)")
@@ -91,8 +101,9 @@ def load_server(model: str, *, name: str | None = None, draft: str | None = None
     if draft:
         check_directory(draft, "--draft")
     tokenizer = load(transformers.AutoTokenizer, model, "--model")
-    loaded = load(transformers.AutoModelForCausalLM, model, "--model").eval()
-    draft_model = load(transformers.AutoModelForCausalLM, draft, "--draft").eval() \
+    split = split_loading() if launched_ranks() > 1 else {}
+    loaded = load(transformers.AutoModelForCausalLM, model, "--model", **split).eval()
+    draft_model = load(transformers.AutoModelForCausalLM, draft, "--draft", **split).eval() \
         if draft else None
     eos = loaded.generation_config.eos_token_id
     if eos is None:
@@ -119,19 +130,23 @@ def stopping(base):
     return Stopping
 
 
+def follow(engine) -> int:
+    """A rank other than 0: follow rank 0's engine until it closes (SIGINT and SIGTERM
+    ignored meanwhile: rank 0 stops the job); exit status 0."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    engine.follow()
+    return 0
+
+
 def main(argv=None) -> int:
     """`python -m kvnumba serve [options]`: serve until SIGINT / SIGTERM; exit status 0,
     or 2 on a user error (one line on stderr)."""
     try:
         args = parser().parse_args(argv)
-        ranks = os.environ.get("WORLD_SIZE", "1")
-        if ranks != "1":
-            raise UsageError(f"started as one of {ranks} ranks (torchrun): a model split over "
-                             f"ranks is not served over HTTP; run one process (python -m "
-                             f"kvnumba serve), or torchrun ... -m kvnumba generate for a "
-                             f"split model")
-        missing = [name for name in ("torch", "transformers", "starlette", "uvicorn",
-                                     "prometheus_client") if find_spec(name) is None]
+        needed = ("torch", "transformers", "starlette", "uvicorn", "prometheus_client") + \
+            (("accelerate",) if launched_ranks() > 1 else ())
+        missing = [name for name in needed if find_spec(name) is None]
         if missing:
             raise UsageError(f"needs the serve extra ({', '.join(missing)} not installed): "
                              f"python -m pip install -e '.[serve]' in a kvnumba checkout")
@@ -145,7 +160,9 @@ def main(argv=None) -> int:
                                  max_seqs=args.max_seqs, capacity=args.capacity,
                                  kv_bytes=args.kv_bytes, draft_len=args.draft_len,
                                  prefix_cache=not args.no_prefix_cache,
-                                 verify=not args.no_verify)
+                                 verify=not args.no_verify, rank_timeout=args.rank_timeout)
+            if launched_rank() != 0:
+                return follow(server.engine)
             print(f"{PROG}: serving {server.name!r} on http://{args.host}:{args.port}/v1 "
                   f"(max_seqs {args.max_seqs}, capacity {args.capacity})", file=sys.stderr,
                   flush=True)
@@ -154,5 +171,6 @@ def main(argv=None) -> int:
                 timeout_graceful_shutdown=args.graceful_s)).run()
         return 0
     except (UsageError, KVCacheError, OSError) as exc:
-        print(f"{PROG}: {one_line(exc)}", file=sys.stderr)
+        rank = launched_rank()
+        print(f"{PROG}{f' (rank {rank})' if rank else ''}: {one_line(exc)}", file=sys.stderr)
         return 2

@@ -11,6 +11,8 @@ import threading
 import time
 from typing import NamedTuple
 
+from ..errors import RankFailureError
+
 log = logging.getLogger("kvnumba.serve")
 
 #: how long the idle loop waits on its inbox before looking again for a stop
@@ -61,6 +63,11 @@ class EngineLoop:
 
     def __init__(self, engine, *, on_step=None):
         self.engine = engine
+        # a split model's rank 0: an empty step at least this often (seconds), so the
+        # other ranks, waiting for its next step, never wait past its rank_timeout
+        lockstep = engine.lockstep
+        self.beat = lockstep.timeout / 4 if lockstep is not None else None
+        self._stepped = time.monotonic()
         self.on_step = on_step
         self.inbox: queue.Queue = queue.Queue()
         self.snapshot = Snapshot(*(0,) * len(Snapshot._fields))
@@ -99,16 +106,31 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._take_commands(wait=not self.engine.busy)
-                if self.engine.busy and not self._stop.is_set():
+                if self._stop.is_set():
+                    break
+                if self.engine.busy:
                     self._step()
+                elif self.beat is not None and time.monotonic() - self._stepped > self.beat:
+                    self.engine.step()      # empty: the other ranks' wait starts again
+                    self._stepped = time.monotonic()
         except BaseException as exc:         # a bug: tell every client, keep the cause
             self.error = exc
             log.exception("the engine loop stopped")
         finally:
             for rid, ticket in list(self.tickets.items()):
                 self.engine.cancel(rid)
-                ticket.post("failed", RuntimeError("the server is shutting down"))
+                ticket.post("failed", self.error if isinstance(self.error, RankFailureError)
+                            else RuntimeError("the server is shutting down"))
             self.tickets.clear()
+            self._close()
+
+    def _close(self) -> None:
+        """A split model's other ranks stop following (`Engine.close`), unless the ranks
+        already lost each other."""
+        try:
+            self.engine.close()
+        except Exception:                   # noqa: BLE001  (logged: the loop is ending)
+            log.exception("the other ranks were not told to stop")
 
     def _take_commands(self, wait: bool) -> None:
         try:
@@ -140,8 +162,11 @@ class EngineLoop:
 
     def _step(self) -> None:
         started = time.perf_counter()
+        self._stepped = time.monotonic()
         try:
             updates = self.engine.stream_step()
+        except RankFailureError:            # the ranks lost each other: the loop ends
+            raise
         except Exception as exc:            # the step's requests ended; the others go on
             log.exception("a step failed")
             for rid in getattr(exc, "failed_requests", ()):
