@@ -94,13 +94,13 @@ def pytest_xdist_auto_num_workers(config):
 #: workers and started first: run last, one of them would leave its worker finishing
 #: alone while the others have nothing left
 SLOW_FIRST = ("test_bench.py::test_bench_runs_from_any_directory",
+              "test_hf_tp.py::test_two_ranks_serve_what_one_process_generates",
               "test_hf_cli.py::test_generate_self_check_reports_each_run",
               "test_hf_gemma4.py::test_gemma4_text_is_served_token_for_token",
               "test_sass_budgets.py::test_the_regressed_kernels_fail",
               "test_hf_hybrid.py::test_hybrid_served_packed_forked_and_drafted_as_generated",
               "test_launch.py::test_the_compile_mode_checks_pass",
               "test_hf_verify.py::test_models_with_learned_sinks_are_served_token_for_token",
-              "test_hf_tp.py::test_two_ranks_serve_what_one_process_generates",
               "test_cache_stateful.py::TestCacheMachineE4M3",
               "test_state_stateful.py::TestStateLayers",
               "test_hf_llama4.py::test_llama4_text_is_served_token_for_token",

@@ -215,7 +215,7 @@ def programs(draw):
     return ops
 
 
-@settings(max_examples=8)
+@settings(max_examples=8 if settings.default.max_examples > 25 else 5)
 @given(programs())
 def test_single_control_matches_one_sequence_of_a_batched_cache(program):
     one = kv.SequenceBatchControl(kv.SequenceCache(config()))

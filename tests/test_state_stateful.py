@@ -155,7 +155,7 @@ class SsdStateMachine(StateMachine):
 
 
 #: programs under the CI profile (the thorough profile's own count otherwise)
-CI_PROGRAMS = 5
+CI_PROGRAMS = 4
 TestStateLayers = StateMachine.TestCase
 TestStateLayers.settings = settings(
     settings.default, max_examples=settings.default.max_examples
