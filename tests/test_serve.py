@@ -424,6 +424,19 @@ def test_the_command_line_serves_until_sigterm_and_stops_cleanly(saved):
     assert process.returncode == 0 and "Traceback" not in err, err
 
 
+def launched(parent: int) -> dict:
+    """The processes torchrun `parent` started, by their `RANK` (read from /proc)."""
+    ranks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            stat = open(f"/proc/{pid}/stat").read()
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                rank = dict(e.split(b"=", 1) for e in environ if b"=" in e)[b"RANK"]
+                ranks[int(rank)] = int(pid)
+    return ranks
+
+
 def test_a_model_split_over_two_ranks_serves_idles_and_stops_on_sigterm(saved):
     # torchrun: rank 0 serves HTTP, rank 1 follows its steps; idle past --rank-timeout
     # (rank 0's empty steps keep rank 1's waits short), then SIGTERM to rank 0 stops both
@@ -439,13 +452,7 @@ def test_a_model_split_over_two_ranks_serves_idles_and_stops_on_sigterm(saved):
         assert status == 200 and answer["choices"][0]["message"]["content"] == expected
         time.sleep(4)
         assert completed(saved, url, words(4), 3)
-        ranks = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            with contextlib.suppress(OSError):
-                if int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == \
-                        process.pid:
-                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                    ranks[int(dict(e.split(b"=", 1) for e in environ if b"=" in e)[b"RANK"])] = int(pid)
+        ranks = launched(process.pid)
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[0], signal.SIGTERM)
         out, err = process.communicate(timeout=120)

@@ -19,8 +19,9 @@ and a rank whose tables were changed behind the engine's back still replays the 
 so the check below can name it. With `check=True`, after each step every rank digests
 its tables (each sequence slot's state, positions, floor and page tables; the sessions;
 the pools' counts) and the requests it has drawn ids for, the digests are gathered with
-the step's outcome (`all_gather_object`, below) and every rank raises the same `RankDivergenceError`,
-naming the step and the ranks that differ from rank 0, when they do not all agree.
+the step's outcome (`all_gather_object`, below) and every rank raises the same
+`RankDivergenceError`, naming the step and the ranks that differ from rank 0, when they
+do not all agree.
 
 Every collective of the lockstep goes over a gloo process group of its own, opened once
 over the model's ranks (`control_group`), never over the group the model's own
@@ -230,9 +231,10 @@ class Lockstep:
         if strays and (len(strays) < len(every) or len(said) > 1):
             told = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
                              for rank, exc in strays.items())
-            self.broken = (f"step {self.steps}: the model failed on some ranks only "
-                           f"({told}); the ranks' caches and the model's collectives are "
-                           f"out of step: every rank's engine is unusable, restart the job")
+            self.broken = (f"step {self.steps}: the model failed on some ranks, not on "
+                           f"every rank alike ({told}); the ranks' caches and the model's "
+                           f"collectives are out of step: every rank's engine is unusable, "
+                           f"restart the job")
             error = RankFailureError(self.broken)
             error.failed_requests = getattr(failure, "failed_requests", ())
             raise error
