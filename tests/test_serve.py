@@ -445,11 +445,6 @@ def test_a_model_split_over_two_ranks_serves_idles_and_stops_on_sigterm(saved):
     with listening(torchrun + ["--model", str(saved[0]), "--rank-timeout", "2"]) as \
             (process, url):
         assert completed(saved, url)
-        messages = [{"role": "user", "content": words(3)}]
-        expected, _ = reference(saved, chat_ids(saved, messages), 3)
-        status, answer = post(url, "/v1/chat/completions", {
-            "model": NAME, "messages": messages, "max_tokens": 3, "temperature": 0})
-        assert status == 200 and answer["choices"][0]["message"]["content"] == expected
         time.sleep(4)
         assert completed(saved, url, words(4), 3)
         ranks = launched(process.pid)

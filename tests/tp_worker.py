@@ -28,7 +28,7 @@ PROMPTS = [[1, 5, 9, 3, 7, 4, 2, 8, 6], [1, 5, 9, 3, 7, 4, 2, 8, 8, 1]]
 NEW_TOKENS = 3
 SIZES = dict(max_seqs=3, capacity=24, max_write=8, dtype="float32", page_size=8)
 #: seconds the model's collectives wait (the process group's timeout), and the lockstep's
-MODEL_TIMEOUT, RANK_TIMEOUT = 15, 60
+MODEL_TIMEOUT, RANK_TIMEOUT = 10, 60
 
 
 def counting_caches(kv) -> list:
