@@ -139,6 +139,18 @@ def test_check_ranks_is_a_bool():
         Engine(tiny("llama"), max_seqs=1, capacity=8, check_ranks="yes")
 
 
+def test_follow_is_refused_outside_a_split_models_other_ranks():
+    from kvnumba.hf import Engine
+    model = tiny("llama")
+    engine = Engine(model, max_seqs=1, capacity=16, verify=False, dtype="float32")
+    with pytest.raises(kv.StepProtocolError, match=r"follow\(\): only a rank other than 0 "
+                                                   r"of a split model follows rank 0; call "
+                                                   r"step\(\)"):
+        engine.follow()
+    engine.close()                                  # one process: nothing to tell
+    assert engine.generate([PROMPTS[0]], max_new_tokens=2) == [generated(model, PROMPTS[0], 2)]
+
+
 class Mesh:
     """A device mesh's shape as `sharding` reads it: dimension names and sizes."""
 
