@@ -324,6 +324,20 @@ def printing_on_rank_zero():
         yield
 
 
+def split_needs() -> tuple:
+    """The packages loading a model split over torchrun's ranks needs beyond one
+    process's: `accelerate`, with which transformers splits it (none without torchrun)."""
+    return ("accelerate",) if launched_ranks() > 1 else ()
+
+
+def refused(prog: str, exc: BaseException) -> int:
+    """Print a user error as one line on stderr, naming this rank under torchrun (rank 0
+    and one process: unnamed); returns exit status 2."""
+    rank = launched_rank()
+    print(f"{prog}{f' (rank {rank})' if rank else ''}: {one_line(exc)}", file=sys.stderr)
+    return 2
+
+
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (transformers' span several)."""
     return " ".join(str(exc).split()) or type(exc).__name__
@@ -340,8 +354,7 @@ def main(argv=None) -> int:
 def _main(argv) -> int:
     try:
         args = parser().parse_args(argv)
-        # under torchrun, transformers needs accelerate to split a model over the ranks
-        needed = ("torch", "transformers") + (("accelerate",) if launched_ranks() > 1 else ())
+        needed = ("torch", "transformers") + split_needs()
         missing = [name for name in needed if find_spec(name) is None]
         if missing:
             raise UsageError(f"needs the hf extra ({' and '.join(missing)} not installed): "
@@ -357,6 +370,4 @@ def _main(argv) -> int:
             from .selfcheck import self_check
             return self_check(args)
     except (UsageError, KVCacheError, OSError) as exc:
-        rank = launched_rank()
-        print(f"{PROG}{f' (rank {rank})' if rank else ''}: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return refused(PROG, exc)

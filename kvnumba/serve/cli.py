@@ -25,7 +25,7 @@ from .. import device
 from ..config import DTYPES
 from ..errors import KVCacheError
 from ..hf.cli import (Parser, UsageError, _number, check_directory, count, has_tokenizer,
-                      load, one_line)
+                      load, refused, split_needs)
 from ..hf.engine import RANK_TIMEOUT
 from ..hf.sharding import launched_rank, launched_ranks, split_loading
 from ..hf.speculative import DRAFT_LEN
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     try:
         args = parser().parse_args(argv)
         needed = ("torch", "transformers", "starlette", "uvicorn", "prometheus_client") + \
-            (("accelerate",) if launched_ranks() > 1 else ())
+            split_needs()
         missing = [name for name in needed if find_spec(name) is None]
         if missing:
             raise UsageError(f"needs the serve extra ({', '.join(missing)} not installed): "
@@ -171,6 +171,4 @@ def main(argv=None) -> int:
                 timeout_graceful_shutdown=args.graceful_s)).run()
         return 0
     except (UsageError, KVCacheError, OSError) as exc:
-        rank = launched_rank()
-        print(f"{PROG}{f' (rank {rank})' if rank else ''}: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return refused(PROG, exc)
